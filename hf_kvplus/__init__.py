@@ -1,0 +1,61 @@
+"""hf_kvplus: drop-in `transformers.Cache` subclasses for the KV cache.
+
+Importing the package registers the "kvplus" attention implementation and routes "sdpa" attention
+for hf_kvplus caches to hf_kvplus's attention path; nothing else changes.
+"""
+
+from .attention import ATTN_IMPLEMENTATION, install, kvplus_attention, uninstall
+from .cache import DenseCache, KVCache, model_retention
+from .errors import (
+    CacheMismatchError,
+    CapacityError,
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    KernelUnavailableError,
+    KVPlusError,
+    ShapeError,
+    UnsupportedModelError,
+    UnsupportedOperationError,
+)
+from .layer import KVLayer
+from .memory import MemoryReport
+from .model_spec import LayerSpec, ModelSpec
+from .placement import OnDevice, Placement
+from .retention import KeepAll, Retention, SlidingWindow
+from .storage import DenseStorage, KVStorage
+
+__version__ = "0.1.0"
+
+install()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CacheMismatchError",
+    "CapacityError",
+    "ConfigError",
+    "DTypeError",
+    "DenseCache",
+    "DenseStorage",
+    "DeviceError",
+    "KVCache",
+    "KVLayer",
+    "KVPlusError",
+    "KVStorage",
+    "KeepAll",
+    "KernelUnavailableError",
+    "LayerSpec",
+    "MemoryReport",
+    "ModelSpec",
+    "OnDevice",
+    "Placement",
+    "Retention",
+    "ShapeError",
+    "SlidingWindow",
+    "UnsupportedModelError",
+    "UnsupportedOperationError",
+    "install",
+    "kvplus_attention",
+    "model_retention",
+    "uninstall",
+]

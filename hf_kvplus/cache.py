@@ -1,0 +1,91 @@
+"""The cache: one `KVLayer` per model layer, built from the model config like Transformers' caches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, DummyLayer
+
+from .errors import CacheMismatchError
+from .layer import KVLayer
+from .memory import MemoryReport
+from .model_spec import LayerSpec, ModelSpec
+from .placement.base import Placement
+from .placement.device import OnDevice
+from .retention.base import Retention
+from .retention.keep_all import KeepAll
+from .retention.window import SlidingWindow
+from .storage.base import KVStorage
+from .storage.dense import DenseStorage
+
+
+def model_retention(spec: LayerSpec) -> Retention:
+    """What the model itself needs: everything for full layers, the window for sliding/chunked ones."""
+    return KeepAll() if spec.kind == "full" else SlidingWindow(spec.window)
+
+
+class KVCache(Cache):
+    """A `transformers.Cache` whose layers are chosen per layer as storage x retention x placement.
+
+    `storage(spec)` and `retention(spec)` build one object per attention layer, so a layout can differ
+    between full and sliding layers; `placement` is shared. The named caches of this package are
+    such combinations; a new combination needs no new class.
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        storage: Callable[[LayerSpec], KVStorage],
+        retention: Callable[[LayerSpec], Retention] = model_retention,
+        placement: Placement | None = None,
+    ):
+        self.model_spec = ModelSpec.from_config(config)
+        placement = placement or OnDevice()
+        layers = [
+            KVLayer(spec, storage(spec), retention(spec), placement) if spec.holds_kv else DummyLayer()
+            for spec in self.model_spec.layers
+        ]
+        super().__init__(layers=layers)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise CacheMismatchError(
+                f"layer_idx {layer_idx} is out of range: this cache was built for a {self.model_spec.model_type} "
+                f"config with {len(self.layers)} layers"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes at rest summed over layers (payload, headroom, metadata), with tokens seen and held."""
+        report = MemoryReport()
+        for layer in self.layers:
+            if isinstance(layer, KVLayer):
+                report = report + layer.memory()
+        return report
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte the cache holds at rest, metadata and headroom included."""
+        return self.memory_report().total_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes at rest per token seen by each batch row."""
+        return self.memory_report().bytes_per_token
+
+
+class DenseCache(KVCache):
+    """Full-precision K/V kept as they come, appended in place, attended by hf_kvplus's attention path.
+
+    Lossless: greedy output is token-identical to `DynamicCache`. Sliding-window layers keep only
+    their window. `max_tokens` fixes each layer's capacity (allocated once; exceeding it raises
+    `CapacityError`); by default layers grow as needed.
+
+    >>> cache = DenseCache(config=model.config)
+    >>> model.generate(**inputs, past_key_values=cache)
+    """
+
+    def __init__(self, config: PreTrainedConfig, *, max_tokens: int | None = None):
+        super().__init__(config, storage=lambda spec: DenseStorage(max_tokens=max_tokens))

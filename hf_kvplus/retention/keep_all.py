@@ -1,0 +1,16 @@
+"""Keep every token: the retention of lossless full-attention layers."""
+
+from .base import Retention
+
+
+class KeepAll(Retention):
+    """Every token seen stays and is visible."""
+
+    def visible(self, held: int) -> int:
+        return held
+
+    def excess(self, held: int) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "KeepAll()"

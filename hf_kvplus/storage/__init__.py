@@ -1,0 +1,6 @@
+"""Storage formats: how a layer's K/V bytes are held."""
+
+from .base import KVStorage
+from .dense import DenseStorage
+
+__all__ = ["KVStorage", "DenseStorage"]

@@ -1,0 +1,65 @@
+"""Storage: how one layer's key/value bytes are held (dense or paged; which number format)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..memory import MemoryReport
+
+
+class KVStorage(ABC):
+    """The bytes of one layer's K/V for every batch row, in sequence order.
+
+    A storage only holds tokens; which tokens stay is the retention's choice and where the bytes live
+    is the placement's. Every storage can hand out dense views (`view`) for the dense attention path
+    and attends over itself in place (`attend`) for the fused path.
+    """
+
+    #: Tokens held per batch row.
+    length: int = 0
+
+    @abstractmethod
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes `[batch, kv_heads, new, head_dim]` keys and values after the tokens already held."""
+
+    @abstractmethod
+    def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `last` tokens held, as `[batch, kv_heads, last, head_dim]` keys and values."""
+
+    @abstractmethod
+    def drop_front(self, count: int) -> None:
+        """Forgets the `count` oldest tokens."""
+
+    @abstractmethod
+    def drop_back(self, count: int) -> None:
+        """Forgets the `count` newest tokens."""
+
+    @abstractmethod
+    def index_batch(self, indices: torch.Tensor) -> None:
+        """Keeps batch rows `indices` (in that order, repeats allowed): beam reorder, selection, fan-out."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Frees everything held."""
+
+    @abstractmethod
+    def memory(self) -> MemoryReport:
+        """Bytes held at rest (tokens fields are filled in by the layer)."""
+
+    @abstractmethod
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Attention of `query` over the tokens `update` just returned (`keys`, `values`).
+
+        Returns `[batch, q_len, q_heads, head_dim]`, the layout Transformers' attention functions return.
+        """

@@ -1,0 +1,154 @@
+"""Dense full-precision storage: one growable buffer per layer, appended in place."""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.dense import dense_attention
+from ..errors import CacheMismatchError, CapacityError
+from ..memory import MemoryReport
+from .base import KVStorage
+
+#: Capacity is allocated in multiples of this many tokens.
+GRANULE = 64
+
+
+def _round_up(n: int, granule: int = GRANULE) -> int:
+    return -(-n // granule) * granule
+
+
+class DenseStorage(KVStorage):
+    """K/V kept as `[batch, kv_heads, capacity, head_dim]` buffers holding tokens `start:end`.
+
+    Appending writes into headroom instead of concatenating (Transformers' `DynamicCache` copies the
+    whole layer on every step); headroom grows by half the capacity, so a decode step costs amortized
+    O(1) copies. Dropping old tokens (windows, eviction) only moves `start`; the held tokens are moved
+    back to the front when headroom runs out. The views handed to attention are slices of the buffers,
+    not copies.
+
+    `max_tokens` fixes the capacity: the buffers are allocated once and appending past it raises
+    `CapacityError`, leaving the storage as it was.
+    """
+
+    def __init__(self, max_tokens: int | None = None):
+        self.max_tokens = max_tokens
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.start = self.end = 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        new = keys.shape[2]
+        if self.keys is None:
+            self._allocate(keys, values, self.max_tokens or _round_up(max(new, 1)))
+        else:
+            self._check_compatible(keys, values)
+        if self.end + new > self.capacity:
+            self._make_room(new)
+        self.keys[:, :, self.end : self.end + new] = keys
+        self.values[:, :, self.end : self.end + new] = values
+        self.end += new
+
+    def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.end - last
+        return self.keys[:, :, first : self.end], self.values[:, :, first : self.end]
+
+    def drop_front(self, count: int) -> None:
+        self.start += count
+        if self.start == self.end:
+            self.start = self.end = 0
+        self._shrink()
+
+    def drop_back(self, count: int) -> None:
+        self.end -= count
+        if self.start == self.end:
+            self.start = self.end = 0
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        if self.keys is None:
+            return
+        indices = indices.to(self.keys.device)
+        if indices.numel() == self.keys.shape[0]:
+            # Same batch size (beam reorder): permute the held tokens in place, keep the headroom.
+            held = slice(self.start, self.end)
+            self.keys[:, :, held] = self.keys[indices, :, held]
+            self.values[:, :, held] = self.values[indices, :, held]
+        else:
+            self.keys = self.keys.index_select(0, indices)
+            self.values = self.values.index_select(0, indices)
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.start = self.end = 0
+
+    def memory(self) -> MemoryReport:
+        if self.keys is None:
+            return MemoryReport()
+        per_token = (self.keys[:, :, :1].numel() + self.values[:, :, :1].numel()) * self.keys.element_size()
+        return MemoryReport(
+            payload_bytes=per_token * self.length,
+            reserved_bytes=per_token * (self.capacity - self.length),
+            batch_size=self.keys.shape[0],
+        )
+
+    def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
+        return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        batch, heads, _, dim = keys.shape
+        self.keys = keys.new_empty(batch, heads, capacity, dim)
+        self.values = values.new_empty(batch, heads, capacity, values.shape[-1])
+
+    def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        held, new = self.keys, keys
+        if (new.shape[0], new.shape[1], new.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]) or (
+            values.shape[-1] != self.values.shape[-1]
+        ):
+            raise CacheMismatchError(
+                f"new keys/values of shape {tuple(new.shape)}/{tuple(values.shape)} do not fit the cache's "
+                f"[batch={held.shape[0]}, kv_heads={held.shape[1]}, head_dim={held.shape[3]}] layout"
+            )
+        if new.dtype != held.dtype or new.device != held.device:
+            raise CacheMismatchError(
+                f"new keys are {new.dtype} on {new.device}, the cache holds {held.dtype} on {held.device}"
+            )
+
+    def _make_room(self, new: int) -> None:
+        needed = self.length + new
+        if self.max_tokens is not None:
+            if needed > self.max_tokens:
+                raise CapacityError(
+                    f"appending {new} tokens to {self.length} held needs {needed} slots; "
+                    f"max_tokens is {self.max_tokens}"
+                )
+            capacity = self.max_tokens
+        elif 2 * needed <= self.capacity:
+            capacity = self.capacity  # moving the held tokens to the front leaves enough headroom
+        else:
+            capacity = _round_up(needed + needed // 2)
+        self._move_to_front(capacity)
+
+    def _shrink(self) -> None:
+        """Gives back headroom far larger than what is held (after a long prefill through a window)."""
+        if self.max_tokens is None and self.capacity > 4 * _round_up(max(self.length, 1)):
+            self._move_to_front(_round_up(2 * self.length))
+
+    def _move_to_front(self, capacity: int) -> None:
+        if capacity == self.capacity and self.start == 0:
+            return
+        held_k = self.keys[:, :, self.start : self.end]
+        held_v = self.values[:, :, self.start : self.end]
+        if capacity != self.capacity:
+            self._allocate(held_k, held_v, capacity)
+        elif self.start < self.length:  # source and destination overlap
+            held_k, held_v = held_k.clone(), held_v.clone()
+        self.keys[:, :, : self.length] = held_k
+        self.values[:, :, : self.length] = held_v
+        self.start, self.end = 0, self.length

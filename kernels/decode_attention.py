@@ -1,0 +1,337 @@
+"""Decode attention: one query token per batch row against a dense K/V cache, GQA-aware.
+
+Three entry points share one contract:
+
+- :func:`decode_attention` dispatches: CUDA tensors go to the Triton kernel, everything else to the
+  plain-torch twin.
+- :func:`decode_attention_torch` is the twin: scaled_dot_product_attention with each KV head's query
+  group packed as the query length, so K/V are read as they are (no repeat, no copy).
+- :func:`decode_attention_triton` is split-KV flash-decoding: kernel 1 walks one slice of keys per
+  (batch row, KV head, split) for the whole query group at once (each K/V tile is read once), kernel 2
+  merges the splits.
+
+Shapes: q [B, Hq, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv], Hq % Hkv == 0 (query head h reads KV head
+h // (Hq // Hkv)), mask None or bool [B, N] with True = attend. Output [B, Hq, Dv] in q.dtype. A row
+whose keys are all masked outputs zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch twin still works without triton
+    triton = None
+    tl = None
+
+__all__ = ["decode_attention", "decode_attention_torch", "decode_attention_triton", "pick_num_splits"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+# Auto split rule (see pick_num_splits).
+DEFAULT_SM_COUNT = 132
+WAVES = 4
+MIN_TILES_PER_SPLIT = 4
+MERGE_BLOCK_S = 16
+
+
+def _check_inputs(q, k, v, scale, mask, num_splits) -> tuple[int, int, int, int, int, int, int]:
+    """Validate the shared contract; return (B, Hq, Hkv, G, N, D, Dv)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t, want in (("q", q, 3), ("k", k, 4), ("v", v, 4)):
+        if t.dim() != want:
+            raise ShapeError(
+                f"{name} must have {want} dims ({'[B, Hq, D]' if want == 3 else '[B, Hkv, N, D]'}), "
+                f"got {t.dim()} dims with shape {tuple(t.shape)}"
+            )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise DTypeError(f"q dtype {q.dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise DeviceError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+
+    B, Hq, D = q.shape
+    Bk, Hkv, N, Dk = k.shape
+    Bv, Hkv_v, Nv, Dv = v.shape
+    if B == 0 or Hq == 0 or Hkv == 0:
+        raise ShapeError(f"batch and head counts must be positive, got B={B}, Hq={Hq}, Hkv={Hkv}")
+    if Bk != B or Bv != B:
+        raise ShapeError(f"batch size mismatch: q has B={B}, k has B={Bk}, v has B={Bv}")
+    if Hkv_v != Hkv:
+        raise ShapeError(f"KV head count mismatch: k has Hkv={Hkv}, v has Hkv={Hkv_v}")
+    if Hq % Hkv != 0:
+        raise ShapeError(f"query heads Hq={Hq} must be a multiple of KV heads Hkv={Hkv} (remainder {Hq % Hkv})")
+    if Nv != N:
+        raise ShapeError(f"key/value length mismatch: k has N={N}, v has N={Nv}")
+    if N == 0:
+        raise ShapeError(f"no keys to attend to: N=0 (k shape {tuple(k.shape)})")
+    if Dk != D:
+        raise ShapeError(f"head_dim mismatch: q has D={D}, k has D={Dk}")
+    for name, d in (("head_dim D", D), ("value head_dim Dv", Dv)):
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise ShapeError(f"{name}={d} is not supported; expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise DTypeError(f"mask must be a torch.bool tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise DTypeError(f"mask dtype must be torch.bool (True = attend), got {mask.dtype}")
+        if tuple(mask.shape) != (B, N):
+            raise ShapeError(f"mask shape must be [B, N] = [{B}, {N}], got {list(mask.shape)}")
+        if mask.device != q.device:
+            raise DeviceError(f"mask is on {mask.device}, q/k/v on {q.device}")
+
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ConfigError(f"scale must be a finite float, got {scale!r}")
+    _check_num_splits(num_splits)
+    return B, Hq, Hkv, Hq // Hkv, N, D, Dv
+
+
+def _check_num_splits(num_splits) -> None:
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
+    ):
+        raise ConfigError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+
+
+def decode_attention(q, k, v, *, scale, mask=None, num_splits=None) -> torch.Tensor:
+    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin.
+
+    ``num_splits`` only affects the Triton path (None = automatic, see :func:`pick_num_splits`).
+    """
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        return decode_attention_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits)
+    _check_num_splits(num_splits)
+    return decode_attention_torch(q, k, v, scale=scale, mask=mask)
+
+
+def decode_attention_torch(q, k, v, *, scale, mask=None) -> torch.Tensor:
+    """Plain-torch twin: SDPA with the query group of each KV head packed as the query length."""
+    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None)
+    qg = q.reshape(B, Hkv, G, D)
+    attn_mask = None if mask is None else mask.view(B, 1, 1, N)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=float(scale))
+    if mask is not None:
+        # Some SDPA backends/versions give NaN for rows with no key to attend to; the contract is zeros.
+        out = out.masked_fill(~mask.any(dim=-1).view(B, 1, 1, 1), 0.0)
+    return out.reshape(B, Hq, Dv).contiguous()
+
+
+def _block_n(d_pad: int, dv_pad: int) -> int:
+    # Keep the fp32 K and V tiles of one program within a sane register budget.
+    return 32 if max(d_pad, dv_pad) >= 256 else 64
+
+
+def pick_num_splits(batch: int, kv_heads: int, n_keys: int, block_n: int, sm_count: int | None = None) -> int:
+    """Automatic split count for kernel 1 (grid B x Hkv x num_splits).
+
+    Rule: enough splits that B * Hkv * num_splits reaches WAVES (4) programs per SM
+    (``sm_count``, 132 when unknown), but each split covers at least MIN_TILES_PER_SPLIT (4) tiles
+    of ``block_n`` keys, and never more splits than tiles; at least 1.
+    """
+    sms = sm_count or DEFAULT_SM_COUNT
+    tiles = -(-n_keys // block_n)
+    want = -(-WAVES * sms // (batch * kv_heads))
+    return max(1, min(want, tiles // MIN_TILES_PER_SPLIT, tiles))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, K, V, Mask, MidO, MidM, MidL,
+        N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT,
+        qk_scale,
+        stride_qb, stride_qh,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_mb, stride_mn,
+        HAS_MASK: tl.constexpr,
+        G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        pid_b = tl.program_id(0).to(tl.int64)
+        pid_h = tl.program_id(1).to(tl.int64)
+        pid_s = tl.program_id(2)
+
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        offs_dv = tl.arange(0, DV_PAD)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        dv_ok = offs_dv < DV
+
+        # The whole query group of this KV head: rows pid_h * G .. pid_h * G + G - 1 of q.
+        q_rows = pid_h * G + offs_g
+        q_ptrs = Q + pid_b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+        k_base = K + pid_b * stride_kb + pid_h * stride_kh
+        v_base = V + pid_b * stride_vb + pid_h * stride_vh
+
+        # Finite initial max: a row that sees only masked keys keeps m = -1e30, p = 0, l = 0 (no NaN).
+        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
+
+        start = pid_s * TILES_PER_SPLIT * BLOCK_N
+        end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, N)
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            offs_n64 = offs_n.to(tl.int64)
+            k = tl.load(
+                k_base + offs_n64[:, None] * stride_kn + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+            ).to(tl.float32)
+            v = tl.load(
+                v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :],
+                mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
+            ).to(tl.float32)
+            if HAS_MASK:
+                keep = tl.load(Mask + pid_b * stride_mb + offs_n64 * stride_mn, mask=n_ok, other=0)
+                n_ok = n_ok & (keep != 0)
+
+            # Scores in the log2 domain; masked keys are -inf, so exp2(-inf - finite max) = 0.
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Partials of query head (pid_h * G + g) for this split.
+        row = (pid_b * HQ + q_rows) * NUM_SPLITS + pid_s
+        tl.store(MidM + row, m_i, mask=g_ok)
+        tl.store(MidL + row, l_i, mask=g_ok)
+        tl.store(MidO + row[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
+
+    @triton.jit
+    def _decode_merge_kernel(
+        MidO, MidM, MidL, Out,
+        DV, HQ, NUM_SPLITS,
+        stride_ob, stride_oh,
+        DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        pid_b = tl.program_id(0).to(tl.int64)
+        pid_h = tl.program_id(1).to(tl.int64)
+        offs_dv = tl.arange(0, DV_PAD)
+        dv_ok = offs_dv < DV
+        base = (pid_b * HQ + pid_h) * NUM_SPLITS
+
+        # Pass 1: the largest running max over all splits.
+        m_max = tl.full([BLOCK_S], -1.0e30, dtype=tl.float32)
+        for s0 in range(0, NUM_SPLITS, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            m = tl.load(MidM + base + offs_s, mask=offs_s < NUM_SPLITS, other=-1.0e30)
+            m_max = tl.maximum(m_max, m)
+        m_all = tl.max(m_max, axis=0)
+
+        # Pass 2: rescale every split to that max and sum.
+        l_tot = tl.zeros([BLOCK_S], dtype=tl.float32)
+        acc = tl.zeros([DV_PAD], dtype=tl.float32)
+        for s0 in range(0, NUM_SPLITS, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = offs_s < NUM_SPLITS
+            m = tl.load(MidM + base + offs_s, mask=s_ok, other=-1.0e30)
+            lsum = tl.load(MidL + base + offs_s, mask=s_ok, other=0.0)
+            o = tl.load(
+                MidO + (base + offs_s)[:, None] * DV + offs_dv[None, :],
+                mask=s_ok[:, None] & dv_ok[None, :], other=0.0,
+            )
+            w = tl.where(s_ok, tl.exp2(m - m_all), 0.0)
+            l_tot += w * lsum
+            acc += tl.sum(w[:, None] * o, axis=0)
+        denom = tl.sum(l_tot, axis=0)
+        # Every key masked: acc and denom are both 0; output zeros instead of 0/0.
+        out = acc / tl.where(denom > 0.0, denom, 1.0)
+        tl.store(Out + pid_b * stride_ob + pid_h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_ok)
+
+
+def _is_interpreted(fn) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> torch.Tensor:
+    """Split-KV flash-decoding in Triton (CUDA tensors, or any tensors under TRITON_INTERPRET=1).
+
+    ``num_splits``: keys are cut into that many slices, each handled by its own program per
+    (batch row, KV head); None picks it with :func:`pick_num_splits`. It is clamped so that no split
+    is empty (at most one split per BLOCK_N tile).
+    """
+    if triton is None:
+        raise KernelUnavailableError("decode_attention_triton needs triton, which is not installed")
+    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, num_splits)
+    if not q.is_cuda and not _is_interpreted(_decode_split_kernel):
+        raise KernelUnavailableError(
+            f"decode_attention_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before "
+            "import; use decode_attention_torch"
+        )
+
+    # The kernel assumes unit stride along the head dim; other strides are passed through.
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+
+    g_pad = max(16, triton.next_power_of_2(G))
+    d_pad = max(16, triton.next_power_of_2(D))
+    dv_pad = max(16, triton.next_power_of_2(Dv))
+    block_n = _block_n(d_pad, dv_pad)
+    tiles = triton.cdiv(N, block_n)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
+        num_splits = pick_num_splits(B, Hkv, N, block_n, sms)
+    tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
+    num_splits = triton.cdiv(tiles, tiles_per_split)
+
+    dev = q.device
+    mid_o = torch.empty((B, Hq, num_splits, Dv), dtype=torch.float32, device=dev)
+    mid_m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
+    mid_l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
+    out = torch.empty((B, Hq, Dv), dtype=q.dtype, device=dev)
+
+    if mask is None:
+        mask_arg, smb, smn = q, 0, 0  # never read (HAS_MASK=False)
+    else:
+        mask_arg = mask.view(torch.uint8)  # same bytes; triton loads bytes more reliably than int1
+        smb, smn = mask_arg.stride()
+
+    log2e = 1.4426950408889634
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, k, v, mask_arg, mid_o, mid_m, mid_l,
+        N, G, D, Dv, Hq, num_splits, tiles_per_split,
+        float(scale) * log2e,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        smb, smn,
+        HAS_MASK=mask is not None,
+        G_PAD=g_pad, D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_N=block_n,
+        # fp16/bf16 values are exact in tf32, so tensor cores lose nothing on QK^T; fp32 needs ieee.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    _decode_merge_kernel[(B, Hq)](
+        mid_o, mid_m, mid_l, out,
+        Dv, Hq, num_splits,
+        out.stride(0), out.stride(1),
+        DV_PAD=dv_pad, BLOCK_S=MERGE_BLOCK_S,
+        num_warps=4,
+    )
+    return out
