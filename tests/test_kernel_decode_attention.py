@@ -16,10 +16,16 @@ from __future__ import annotations
 import math
 import os
 
+import hf_kvplus.kernels.decode_attention as mod
 import pytest
 import torch
+from hf_kvplus.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_torch,
+    decode_attention_triton,
+    pick_num_splits,
+)
 
-import hf_kvplus.kernels.decode_attention as mod
 from hf_kvplus.errors import (
     ConfigError,
     DeviceError,
@@ -27,12 +33,6 @@ from hf_kvplus.errors import (
     KernelUnavailableError,
     KVPlusError,
     ShapeError,
-)
-from hf_kvplus.kernels.decode_attention import (
-    decode_attention,
-    decode_attention_torch,
-    decode_attention_triton,
-    pick_num_splits,
 )
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -107,6 +107,7 @@ def left_padding(B, N, pads):
 # ---------------------------------------------------------------------------------------------------
 # Triton kernel (interpreter)
 # ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "dtype, B, Hkv, G, N, D, Dv, num_splits, pads",
@@ -221,6 +222,7 @@ def test_pick_num_splits_rule():
 # Torch twin and dispatcher
 # ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 def test_torch_twin_matches_reference(seed, dtype, G):
@@ -234,6 +236,24 @@ def test_torch_twin_matches_reference(seed, dtype, G):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     out = decode_attention_torch(q, k, v, scale=0.1)
     check(out, q, v, reference(q, k, v, 0.1), seed, f"G={G}, no mask")
+
+
+def test_torch_twin_zeros_where_sdpa_gives_nan(seed, monkeypatch):
+    # torch 2.13 on CPU already returns zeros for a row with no key; other versions and backends give
+    # NaN. Simulate such a backend: the twin must still return zeros there and the right values elsewhere.
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def nan_sdpa(q, k, v, attn_mask=None, **kwargs):
+        out = real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+        dead = ~attn_mask.any(dim=-1, keepdim=True)  # [B, 1, 1, 1]
+        return out.masked_fill(dead, float("nan"))
+
+    monkeypatch.setattr(mod.F, "scaled_dot_product_attention", nan_sdpa)
+    q, k, v = make(3, 2, 3, 40, 64, 64, torch.float32)
+    mask = left_padding(3, 40, (0, 40, 11))
+    out = decode_attention_torch(q, k, v, scale=0.125, mask=mask)
+    check(out, q, v, reference(q, k, v, 0.125, mask), seed)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
@@ -260,6 +280,7 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
 # Validation
 # ---------------------------------------------------------------------------------------------------
 
+
 def _ok(**overrides):
     """Valid inputs (B=2, Hq=4, Hkv=2, N=10, D=Dv=32) with some replaced."""
     args = {
@@ -280,12 +301,21 @@ CASES = [
     ("batch", ShapeError, _ok(k=torch.randn(3, 2, 10, 32)), ["2", "3"]),
     ("batch v", ShapeError, _ok(v=torch.randn(5, 2, 10, 32)), ["2", "5"]),
     ("kv heads", ShapeError, _ok(v=torch.randn(2, 1, 10, 32)), ["2", "1"]),
-    ("group", ShapeError, _ok(q=torch.randn(2, 6, 32), k=torch.randn(2, 4, 10, 32),
-                              v=torch.randn(2, 4, 10, 32)), ["6", "4"]),
+    (
+        "group",
+        ShapeError,
+        _ok(q=torch.randn(2, 6, 32), k=torch.randn(2, 4, 10, 32), v=torch.randn(2, 4, 10, 32)),
+        ["6", "4"],
+    ),
     ("keys", ShapeError, _ok(v=torch.randn(2, 2, 11, 32)), ["10", "11"]),
     ("no keys", ShapeError, _ok(k=torch.randn(2, 2, 0, 32), v=torch.randn(2, 2, 0, 32)), ["N=0"]),
     ("head dim", ShapeError, _ok(q=torch.randn(2, 4, 48)), ["48", "32"]),
-    ("head dim small", ShapeError, _ok(q=torch.randn(2, 4, 8), k=torch.randn(2, 2, 10, 8)), ["8", "16", "256"]),
+    (
+        "head dim small",
+        ShapeError,
+        _ok(q=torch.randn(2, 4, 8), k=torch.randn(2, 2, 10, 8)),
+        ["8", "16", "256"],
+    ),
     ("head dim big", ShapeError, _ok(q=torch.randn(2, 4, 512), k=torch.randn(2, 2, 10, 512)), ["512", "256"]),
     ("value dim", ShapeError, _ok(v=torch.randn(2, 2, 10, 300)), ["300", "256"]),
     ("dtype", DTypeError, _ok(q=torch.randn(2, 4, 32, dtype=torch.float64)), ["float64"]),
@@ -294,7 +324,12 @@ CASES = [
     ("mask shape", ShapeError, _ok(mask=torch.ones(2, 11, dtype=torch.bool)), ["2", "10", "11"]),
     ("mask ndim", ShapeError, _ok(mask=torch.ones(2, 1, 10, dtype=torch.bool)), ["[2, 10]", "[2, 1, 10]"]),
     ("device", DeviceError, _ok(k=torch.randn(2, 2, 10, 32, device="meta")), ["cpu", "meta"]),
-    ("mask device", DeviceError, _ok(mask=torch.ones(2, 10, dtype=torch.bool, device="meta")), ["cpu", "meta"]),
+    (
+        "mask device",
+        DeviceError,
+        _ok(mask=torch.ones(2, 10, dtype=torch.bool, device="meta")),
+        ["cpu", "meta"],
+    ),
     ("scale", ConfigError, _ok(scale=float("nan")), ["nan"]),
     ("scale type", ConfigError, _ok(scale="0.5"), ["0.5"]),
 ]

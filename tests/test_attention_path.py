@@ -1,0 +1,125 @@
+"""hf_kvplus's attention path: routing, the "kvplus" implementation, and exactness on every mask shape."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from conformance.models import ARCHITECTURES, PAD_TOKEN_ID, build_model, make_config
+from hf_kvplus import ATTN_IMPLEMENTATION, DenseCache, KVLayer
+from hf_kvplus.attention.dense import decode_mask, dense_attention
+
+
+@pytest.fixture
+def attend_calls(monkeypatch):
+    calls = []
+    original = KVLayer.attend
+
+    def spy(self, module, query, *args, **kwargs):
+        calls.append((self.spec.index, query.shape[2]))
+        return original(self, module, query, *args, **kwargs)
+
+    monkeypatch.setattr(KVLayer, "attend", spy)
+    return calls
+
+
+def test_sdpa_model_routes_our_caches_to_our_attention(attend_calls):
+    model = build_model("qwen2")
+    assert model.config._attn_implementation == "sdpa"
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    model.generate(prompt, max_new_tokens=4, do_sample=False, past_key_values=DenseCache(config=model.config))
+    layers = model.config.num_hidden_layers
+    assert len(attend_calls) == 4 * layers  # one prefill + three decode steps, every layer
+    assert [q for _, q in attend_calls] == [5] * layers + [1] * 3 * layers
+    attend_calls.clear()
+    model.generate(prompt, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    assert attend_calls == []
+
+
+def test_kvplus_attn_implementation(attend_calls):
+    config = make_config("llama")
+    torch.manual_seed(0)
+    sdpa_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    kvplus_model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    kvplus_model.load_state_dict(sdpa_model.state_dict())
+    assert kvplus_model.config._attn_implementation == "kvplus"
+    prompt = torch.randint(3, 128, (2, 9))
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    reference = sdpa_model.generate(prompt, past_key_values=DynamicCache(config=config), **kwargs)
+    plain = kvplus_model.generate(prompt, past_key_values=DynamicCache(config=config), **kwargs)
+    assert attend_calls == []
+    for got, want in zip(plain.logits, reference.logits):
+        assert torch.equal(got, want)  # other caches under "kvplus" are plain SDPA
+    ours = kvplus_model.generate(prompt, past_key_values=DenseCache(config=config), **kwargs)
+    assert len(attend_calls) == 6 * config.num_hidden_layers
+    assert torch.equal(ours.sequences, reference.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chunks_and_steps_through_the_cache_equal_one_cache_free_forward(arch):
+    """Prefill, chunked prefill over a non-empty cache and decode, with left padding, past every window."""
+    model = build_model(arch)
+    tokens = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(tokens)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    tokens = tokens.masked_fill(mask == 0, PAD_TOKEN_ID)
+    with torch.no_grad():
+        reference = model(tokens, attention_mask=mask).logits
+        cache, pieces, start = DenseCache(config=model.config), [], 0
+        for size in [12, 1, 1, 5, 1, 9, 1]:
+            end = start + size
+            out = model(tokens[:, start:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True)
+            pieces.append(out.logits)
+            start = end
+    assert start == tokens.shape[1] and cache.get_seq_length() == start
+    got = torch.cat(pieces, dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], reference[real], atol=1e-5, rtol=1e-5)
+
+
+def reference_attention(query, keys, values, mask, scale):
+    """float64 softmax(q k^T) v with the query group of each KV head spelled out."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = query.double() @ k.transpose(-1, -2) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def test_decode_with_padding_and_window_masks_matches_float64():
+    batch, heads, kv_heads, kv_len, dim = 3, 6, 2, 37, 16
+    query = torch.randn(batch, heads, 1, dim)
+    keys, values = torch.randn(batch, kv_heads, kv_len, dim), torch.randn(batch, kv_heads, kv_len, dim)
+    mask = torch.ones(batch, kv_len, dtype=torch.bool)
+    mask[1, :9] = False  # left padding
+    mask[2, :-8] = False  # a sliding window of 8
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    out = torch.full((batch, 1, heads, dim), float("nan"))
+    out[:] = dense_attention(module, query, keys, values, mask[:, None, None, :], dim**-0.5)
+    want = reference_attention(query, keys, values, mask, dim**-0.5)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_masks_the_decode_kernel_cannot_take_go_to_sdpa():
+    assert decode_mask(None, 2) is None
+    assert decode_mask(torch.zeros(2, 1, 1, 5), 2) is False  # additive float mask
+    assert decode_mask(torch.ones(2, 4, 1, 5, dtype=torch.bool), 2) is False  # per-head mask
+    assert decode_mask(torch.ones(1, 1, 1, 5, dtype=torch.bool), 3).shape == (3, 5)
+    batch, heads, kv_heads, kv_len, dim = 2, 4, 2, 11, 8
+    query = torch.randn(batch, heads, 1, dim)
+    keys, values = torch.randn(batch, kv_heads, kv_len, dim), torch.randn(batch, kv_heads, kv_len, dim)
+    bool_mask = torch.rand(batch, kv_len) > 0.3
+    bool_mask[:, -1] = True
+    float_mask = torch.zeros(batch, 1, 1, kv_len).masked_fill(~bool_mask[:, None, None, :], float("-inf"))
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    out = dense_attention(module, query, keys, values, float_mask, dim**-0.5)
+    want = reference_attention(query, keys, values, bool_mask, dim**-0.5)
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-6

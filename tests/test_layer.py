@@ -1,0 +1,120 @@
+"""KVLayer against Transformers' own DynamicLayer / DynamicSlidingWindowLayer, driven by random steps."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from hf_kvplus import (
+    DenseStorage,
+    KeepAll,
+    KVLayer,
+    LayerSpec,
+    OnDevice,
+    SlidingWindow,
+    UnsupportedOperationError,
+)
+from hf_kvplus.errors import CacheMismatchError, ShapeError
+
+HEADS, DIM = 2, 4
+
+
+def make_pair(window):
+    if window is None:
+        spec = LayerSpec(index=0, kind="full", window=None, num_kv_heads=HEADS, head_dim=DIM)
+        return KVLayer(spec, DenseStorage(), KeepAll(), OnDevice()), DynamicLayer()
+    spec = LayerSpec(index=0, kind="sliding", window=window, num_kv_heads=HEADS, head_dim=DIM)
+    return KVLayer(spec, DenseStorage(), SlidingWindow(window), OnDevice()), DynamicSlidingWindowLayer(window)
+
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("update"), st.integers(1, 12)),
+        st.tuples(st.just("crop"), st.integers(0, 3)),
+        st.tuples(st.just("reorder"), st.permutations([0, 1, 2])),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.sampled_from([None, 2, 4, 9]), record=st.booleans(), ops=steps)
+def test_layer_matches_transformers_layer(window, record, ops):
+    ours, theirs = make_pair(window)
+    if record:
+        ours.activate_past_recording()
+        if window is not None:
+            theirs.activate_past_recording()
+    since_crop = 0
+    for op, arg in ops:
+        if op == "update":
+            assert ours.get_mask_sizes(arg) == theirs.get_mask_sizes(arg)
+            k, v = torch.randn(3, HEADS, arg, DIM), torch.randn(3, HEADS, arg, DIM)
+            got, want = ours.update(k, v), theirs.update(k.clone(), v.clone())
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            since_crop += arg
+        elif op == "crop":
+            # Roll back at most what was added since the last crop (what assisted decoding does).
+            remove = min(arg, since_crop) if record else 0
+            # Transformers' sliding layer cannot crop before its first update, nor once full unless recording.
+            can_theirs = theirs.is_initialized and (window is None or theirs.get_seq_length() < window or record)
+            if not can_theirs:
+                continue
+            ours.crop(-remove)
+            theirs.crop(-remove)
+            since_crop = 0
+        elif ours.get_seq_length():
+            beam_idx = torch.tensor(arg)
+            ours.reorder_cache(beam_idx)
+            theirs.reorder_cache(beam_idx)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        if theirs.keys is not None and theirs.keys.numel():
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_sliding_layer_holds_only_its_window():
+    layer, _ = make_pair(window=4)
+    layer.update(torch.randn(1, HEADS, 50, DIM), torch.randn(1, HEADS, 50, DIM))
+    for _ in range(10):
+        layer.update(torch.randn(1, HEADS, 1, DIM), torch.randn(1, HEADS, 1, DIM))
+    assert layer.get_seq_length() == 60
+    assert layer.storage.length == 3
+    assert layer.get_mask_sizes(1) == (4, 57)
+    assert layer.memory().tokens_held == 3 and layer.memory().tokens_seen == 60
+
+
+def test_crop_past_what_a_window_dropped_is_refused_with_numbers():
+    layer, _ = make_pair(window=4)
+    layer.update(torch.randn(1, HEADS, 10, DIM), torch.randn(1, HEADS, 10, DIM))
+    with pytest.raises(UnsupportedOperationError, match=r"holds 3 tokens; removing 2 would leave 1 but the next step needs 3"):
+        layer.crop(-2)
+    assert layer.get_seq_length() == 10 and layer.storage.length == 3
+
+
+def test_batch_repeat_interleave_and_select():
+    layer, _ = make_pair(window=None)
+    k = torch.randn(2, HEADS, 5, DIM)
+    layer.update(k, k.clone())
+    layer.batch_repeat_interleave(3)
+    assert torch.equal(layer.keys, k.repeat_interleave(3, dim=0))
+    layer.batch_select_indices(torch.tensor([True, False, False, False, True, False]))
+    assert torch.equal(layer.keys, k[[0, 1]])
+
+
+def test_wrong_shapes_are_refused():
+    layer, _ = make_pair(window=None)
+    with pytest.raises(CacheMismatchError, match="built for 2 KV heads of head_dim 4"):
+        layer.update(torch.randn(1, 3, 5, DIM), torch.randn(1, 3, 5, DIM))
+    with pytest.raises(ShapeError, match=r"got \(2, 5, 4\)"):
+        layer.update(torch.randn(1, HEADS, 5, DIM)[0], torch.randn(1, HEADS, 5, DIM)[0])
+    with pytest.raises(ShapeError, match="disagree"):
+        layer.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 4, DIM))
+
+
+def test_reset_forgets_everything():
+    layer, _ = make_pair(window=None)
+    layer.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 5, DIM))
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.keys is None and layer.memory().total_bytes == 0
