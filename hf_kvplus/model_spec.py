@@ -13,9 +13,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .errors import UnsupportedModelError
-
-#: Head sizes the attention kernels are compiled for (they pad to the next power of two).
-MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+from .kernels.decode_attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 #: Layer types of `config.layer_types` that hold a per-token KV cache, and how a cache keeps them.
 ATTENTION_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
@@ -89,6 +87,6 @@ class ModelSpec:
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
             )
-            for i, (t, kwargs) in enumerate(zip(layer_types, per_layer_kwargs))
+            for i, (t, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True))
         )
         return cls(model_type=model_type, num_attention_heads=num_heads, layers=layers)

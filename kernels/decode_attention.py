@@ -7,8 +7,8 @@ Three entry points share one contract:
 - :func:`decode_attention_torch` is the twin: scaled_dot_product_attention with each KV head's query
   group packed as the query length, so K/V are read as they are (no repeat, no copy).
 - :func:`decode_attention_triton` is split-KV flash-decoding: kernel 1 walks one slice of keys per
-  (batch row, KV head, split) for the whole query group at once (each K/V tile is read once), kernel 2
-  merges the splits.
+  (batch row, KV head, split) for the whole query group at once (each K/V tile is read once for up to
+  32 query heads per KV head), kernel 2 merges the splits.
 
 Shapes: q [B, Hq, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv], Hq % Hkv == 0 (query head h reads KV head
 h // (Hq // Hkv)), mask None or bool [B, N] with True = attend. Output [B, Hq, Dv] in q.dtype. A row
@@ -17,6 +17,7 @@ whose keys are all masked outputs zeros.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -41,6 +42,9 @@ DEFAULT_SM_COUNT = 132
 WAVES = 4
 MIN_TILES_PER_SPLIT = 4
 MERGE_BLOCK_S = 16
+# Query rows per program. Larger groups (G > 32 is rare: MQA with many heads) are cut into chunks of
+# 32 rows, each reading the KV head again, to keep the float32 tiles in registers.
+MAX_BLOCK_G = 32
 
 
 def _check_inputs(q, k, v, scale, mask, num_splits) -> tuple[int, int, int, int, int, int, int]:
@@ -71,7 +75,9 @@ def _check_inputs(q, k, v, scale, mask, num_splits) -> tuple[int, int, int, int,
     if Hkv_v != Hkv:
         raise ShapeError(f"KV head count mismatch: k has Hkv={Hkv}, v has Hkv={Hkv_v}")
     if Hq % Hkv != 0:
-        raise ShapeError(f"query heads Hq={Hq} must be a multiple of KV heads Hkv={Hkv} (remainder {Hq % Hkv})")
+        raise ShapeError(
+            f"query heads Hq={Hq} must be a multiple of KV heads Hkv={Hkv} (remainder {Hq % Hkv})"
+        )
     if Nv != N:
         raise ShapeError(f"key/value length mismatch: k has N={N}, v has N={Nv}")
     if N == 0:
@@ -128,9 +134,20 @@ def decode_attention_torch(q, k, v, *, scale, mask=None) -> torch.Tensor:
     return out.reshape(B, Hq, Dv).contiguous()
 
 
-def _block_n(d_pad: int, dv_pad: int) -> int:
-    # Keep the fp32 K and V tiles of one program within a sane register budget.
-    return 32 if max(d_pad, dv_pad) >= 256 else 64
+def _block_n(d_pad: int, dv_pad: int, element_size: int) -> int:
+    # Keys per tile: a K (or V) tile of at most 16 KiB keeps the shared-memory buffers and the float32
+    # copies in registers within budget (64 keys for fp16/bf16 at head_dim 128).
+    return max(16, min(64, 16384 // (max(d_pad, dv_pad) * element_size)))
+
+
+def _num_warps(block_g: int, d_pad: int, dv_pad: int, block_n: int, element_size: int) -> int:
+    # Chosen from register counts of sm_90 builds (ptxas): float32 tiles of q, acc, scores, K and V per
+    # program; past ~200 floats per thread at 4 warps, 8 warps avoid spills. float32 inputs use FMA
+    # dots (input_precision="ieee"), which need more registers: always 8 warps.
+    if element_size == 4:
+        return 8
+    floats = block_g * (d_pad + dv_pad + block_n) + block_n * (d_pad + dv_pad)
+    return 4 if floats <= 200 * 128 else 8
 
 
 def pick_num_splits(batch: int, kv_heads: int, n_keys: int, block_n: int, sm_count: int | None = None) -> int:
@@ -138,7 +155,8 @@ def pick_num_splits(batch: int, kv_heads: int, n_keys: int, block_n: int, sm_cou
 
     Rule: enough splits that B * Hkv * num_splits reaches WAVES (4) programs per SM
     (``sm_count``, 132 when unknown), but each split covers at least MIN_TILES_PER_SPLIT (4) tiles
-    of ``block_n`` keys, and never more splits than tiles; at least 1.
+    of ``block_n`` keys, and never more splits than tiles; at least 1. (``kv_heads`` counts programs
+    per batch row and split: Hkv, times the group chunks when G > 32.)
     """
     sms = sm_count or DEFAULT_SM_COUNT
     tiles = -(-n_keys // block_n)
@@ -158,21 +176,24 @@ if triton is not None:
         stride_vb, stride_vh, stride_vn,
         stride_mb, stride_mn,
         HAS_MASK: tl.constexpr,
-        G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        G_CHUNKS: tl.constexpr,
+        BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         pid_b = tl.program_id(0).to(tl.int64)
-        pid_h = tl.program_id(1).to(tl.int64)
+        pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
+        pid_h = (pid_hg // G_CHUNKS).to(tl.int64)  # KV head
+        chunk = pid_hg % G_CHUNKS  # which BLOCK_G rows of its query group
 
-        offs_g = tl.arange(0, G_PAD)
+        offs_g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
         g_ok = offs_g < G
         d_ok = offs_d < D
         dv_ok = offs_dv < DV
 
-        # The whole query group of this KV head: rows pid_h * G .. pid_h * G + G - 1 of q.
+        # The query group of this KV head (all of it unless G > BLOCK_G): rows pid_h * G + g of q.
         q_rows = pid_h * G + offs_g
         q_ptrs = Q + pid_b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -181,9 +202,9 @@ if triton is not None:
         v_base = V + pid_b * stride_vb + pid_h * stride_vh
 
         # Finite initial max: a row that sees only masked keys keeps m = -1e30, p = 0, l = 0 (no NaN).
-        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, DV_PAD], dtype=tl.float32)
 
         start = pid_s * TILES_PER_SPLIT * BLOCK_N
         end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, N)
@@ -258,7 +279,13 @@ if triton is not None:
         denom = tl.sum(l_tot, axis=0)
         # Every key masked: acc and denom are both 0; output zeros instead of 0/0.
         out = acc / tl.where(denom > 0.0, denom, 1.0)
-        tl.store(Out + pid_b * stride_ob + pid_h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=dv_ok)
+        out_ptrs = Out + pid_b * stride_ob + pid_h * stride_oh + offs_dv
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=dv_ok)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _is_interpreted(fn) -> bool:
@@ -289,14 +316,16 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
     if v.stride(-1) != 1:
         v = v.contiguous()
 
-    g_pad = max(16, triton.next_power_of_2(G))
+    block_g = min(MAX_BLOCK_G, max(16, triton.next_power_of_2(G)))
+    g_chunks = triton.cdiv(G, block_g)
     d_pad = max(16, triton.next_power_of_2(D))
     dv_pad = max(16, triton.next_power_of_2(Dv))
-    block_n = _block_n(d_pad, dv_pad)
+    block_n = _block_n(d_pad, dv_pad, q.element_size())
+    num_warps = _num_warps(block_g, d_pad, dv_pad, block_n, q.element_size())
     tiles = triton.cdiv(N, block_n)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-        num_splits = pick_num_splits(B, Hkv, N, block_n, sms)
+        sms = _sm_count(q.device.index) if q.is_cuda else None
+        num_splits = pick_num_splits(B, Hkv * g_chunks, N, block_n, sms)
     tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)
 
@@ -313,7 +342,7 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
         smb, smn = mask_arg.stride()
 
     log2e = 1.4426950408889634
-    _decode_split_kernel[(B, Hkv, num_splits)](
+    _decode_split_kernel[(B, Hkv * g_chunks, num_splits)](
         q, k, v, mask_arg, mid_o, mid_m, mid_l,
         N, G, D, Dv, Hq, num_splits, tiles_per_split,
         float(scale) * log2e,
@@ -322,10 +351,11 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
         v.stride(0), v.stride(1), v.stride(2),
         smb, smn,
         HAS_MASK=mask is not None,
-        G_PAD=g_pad, D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_N=block_n,
-        # fp16/bf16 values are exact in tf32, so tensor cores lose nothing on QK^T; fp32 needs ieee.
+        G_CHUNKS=g_chunks, BLOCK_G=block_g, D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_N=block_n,
+        # fp16/bf16 values are exact in tf32, so QK^T loses nothing on tensor cores and P keeps 11
+        # significant bits in P @ V; float32 inputs need "ieee" to stay float32-accurate.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=num_warps,
     )
     _decode_merge_kernel[(B, Hq)](
         mid_o, mid_m, mid_l, out,

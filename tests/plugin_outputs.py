@@ -27,8 +27,8 @@ for arch in ["llama", "gemma3"]:
         model.config._attn_implementation = attn
         caches = {
             "default": lambda: None,
-            "dynamic": lambda: DynamicCache(config=model.config),
-            "static": lambda: StaticCache(config=model.config, max_cache_len=40),
+            "dynamic": lambda config=model.config: DynamicCache(config=config),
+            "static": lambda config=model.config: StaticCache(config=config, max_cache_len=40),
         }
         for name, make in caches.items():
             out = model.generate(

@@ -50,7 +50,7 @@ def test_kvplus_attn_implementation(attend_calls):
     reference = sdpa_model.generate(prompt, past_key_values=DynamicCache(config=config), **kwargs)
     plain = kvplus_model.generate(prompt, past_key_values=DynamicCache(config=config), **kwargs)
     assert attend_calls == []
-    for got, want in zip(plain.logits, reference.logits):
+    for got, want in zip(plain.logits, reference.logits, strict=True):
         assert torch.equal(got, want)  # other caches under "kvplus" are plain SDPA
     ours = kvplus_model.generate(prompt, past_key_values=DenseCache(config=config), **kwargs)
     assert len(attend_calls) == 6 * config.num_hidden_layers

