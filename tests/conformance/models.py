@@ -14,10 +14,16 @@ from the usual 0.02 to ``INIT_RANGE``: with 0.02 the residual stream of a tiny m
 token's embedding, the attention (hence the KV cache) barely moves the logits, and a broken cache could hide inside
 the tolerance. With ``INIT_RANGE`` changing one context token moves the last logits by O(1).
 
-Each architecture also has an assistant model for assisted decoding: same family and vocabulary, fewer layers,
-another seed. Its ``num_assistant_tokens_schedule`` is ``"constant"``: the default ``"heuristic"`` schedule writes
-the adapted number of draft tokens back into ``assistant.generation_config`` at the end of every assisted
-``generate``, so two runs in a row would draft differently.
+Each architecture also has an assistant model for assisted decoding: same family and vocabulary, one layer fewer,
+its weights copied from the main model's first layers, embeddings, final norm and head (a LayerSkip-style
+self-speculative draft). An assistant with weights from another seed never agrees with a random main model
+(measured: every draft token rejected on all four architectures), so the verification paths that keep part of a
+multi-token draft (``crop(-k)`` with ``0 < k < n_draft``, ``crop(0)`` after a fully accepted draft) would never run;
+the truncated copy gives a mix of full, partial and no acceptance. Its generation config is pinned so that every
+assisted ``generate`` drafts the same way: ``num_assistant_tokens_schedule="constant"`` (the default
+``"heuristic"`` writes the adapted draft length back into ``assistant.generation_config`` at the end of each call, so
+two runs in a row would draft differently), ``num_assistant_tokens=3`` and ``assistant_confidence_threshold=0``
+(the default 0.4 stops a low-confidence random draft after one token).
 
 Models are built once per process (``functools.cache``); tests must not modify them.
 """
@@ -52,7 +58,6 @@ FIRST_ORDINARY_TOKEN = 3
 SLIDING_WINDOW = 8
 INIT_RANGE = 0.2
 MODEL_SEED = 1234
-ASSISTANT_SEED = 4321
 NUM_ASSISTANT_TOKENS = 3
 
 _COMMON = dict(
@@ -74,16 +79,10 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 
-# layer_types of the hybrid models, main model and assistant
+# layer_types of the hybrid models (the first layer is sliding, so the first full layer is not layer 0)
 _LAYER_TYPES = {
-    "qwen2": (
-        ["sliding_attention", "full_attention", "sliding_attention"],
-        ["sliding_attention", "full_attention"],
-    ),
-    "gemma3": (
-        ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        ["sliding_attention", "full_attention"],
-    ),
+    "qwen2": ["sliding_attention", "full_attention", "sliding_attention"],
+    "gemma3": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
 }
 
 
@@ -93,16 +92,16 @@ def make_config(arch: str, *, assistant: bool = False) -> PretrainedConfig:
         raise ValueError(f"unknown architecture {arch!r}; known: {ARCHITECTURES}")
     config_cls, _ = _FAMILIES[arch]
     if arch == "llama":
-        kwargs = dict(num_hidden_layers=1 if assistant else 3, num_attention_heads=4, num_key_value_heads=2)
+        kwargs = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
     elif arch == "mistral":
         kwargs = dict(
-            num_hidden_layers=1 if assistant else 3,
+            num_hidden_layers=3,
             num_attention_heads=4,
             num_key_value_heads=2,
             sliding_window=SLIDING_WINDOW,
         )
     elif arch == "qwen2":
-        layer_types = _LAYER_TYPES[arch][1 if assistant else 0]
+        layer_types = _LAYER_TYPES[arch]
         kwargs = dict(
             num_hidden_layers=len(layer_types),
             num_attention_heads=4,
@@ -113,7 +112,7 @@ def make_config(arch: str, *, assistant: bool = False) -> PretrainedConfig:
             layer_types=list(layer_types),
         )
     else:  # gemma3
-        layer_types = _LAYER_TYPES[arch][1 if assistant else 0]
+        layer_types = _LAYER_TYPES[arch]
         kwargs = dict(
             num_hidden_layers=len(layer_types),
             num_attention_heads=4,
@@ -123,26 +122,46 @@ def make_config(arch: str, *, assistant: bool = False) -> PretrainedConfig:
             sliding_window=SLIDING_WINDOW,
             layer_types=list(layer_types),
         )
+    if assistant:  # the first layers of the main model
+        kwargs["num_hidden_layers"] -= 1
+        if "layer_types" in kwargs:
+            kwargs["layer_types"] = kwargs["layer_types"][: kwargs["num_hidden_layers"]]
     config = config_cls(**_COMMON, **kwargs)
     config._attn_implementation = "sdpa"
     return config
 
 
-def build_model(arch: str, *, assistant: bool = False, seed: int | None = None) -> PreTrainedModel:
-    """A fresh tiny random model (not cached): float32, eval(), sdpa, weights from ``seed``."""
+def build_model(arch: str, *, seed: int = MODEL_SEED) -> PreTrainedModel:
+    """A fresh tiny random main model (not cached): float32, eval(), sdpa, weights from ``seed``."""
     _, model_cls = _FAMILIES[arch]
-    config = make_config(arch, assistant=assistant)
-    if seed is None:
-        seed = ASSISTANT_SEED if assistant else MODEL_SEED
+    config = make_config(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
+    return _finish(model)
+
+
+def build_assistant(main: PreTrainedModel, arch: str) -> PreTrainedModel:
+    """A fresh assistant for ``main``: its first ``n - 1`` layers, embeddings, final norm and head (copied)."""
+    _, model_cls = _FAMILIES[arch]
+    config = make_config(arch, assistant=True)
+    dropped = f"model.layers.{config.num_hidden_layers}."
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MODEL_SEED + 1)
+        assistant = model_cls(config)
+    state = {k: v for k, v in main.state_dict().items() if not k.startswith(dropped)}
+    assistant.load_state_dict(state, strict=True)
+    assistant = _finish(assistant)
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.num_assistant_tokens = NUM_ASSISTANT_TOKENS
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+def _finish(model: PreTrainedModel) -> PreTrainedModel:
     model = model.to(torch.float32).eval()
     model.requires_grad_(False)
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
-    if assistant:
-        model.generation_config.num_assistant_tokens_schedule = "constant"
-        model.generation_config.num_assistant_tokens = NUM_ASSISTANT_TOKENS
     return model
 
 
@@ -155,7 +174,7 @@ def get_model(arch: str) -> PreTrainedModel:
 @functools.cache
 def get_assistant(arch: str) -> PreTrainedModel:
     """The assistant model of ``arch`` for assisted decoding, built once per process."""
-    return build_model(arch, assistant=True)
+    return build_assistant(get_model(arch), arch)
 
 
 def layer_kinds(config: PretrainedConfig) -> list[str]:
@@ -164,5 +183,6 @@ def layer_kinds(config: PretrainedConfig) -> list[str]:
 
     cache = DynamicCache(config=config)
     return [
-        f"sliding({layer.sliding_window})" if getattr(layer, "is_sliding", False) else "full" for layer in cache.layers
+        f"sliding({layer.sliding_window})" if getattr(layer, "is_sliding", False) else "full"
+        for layer in cache.layers
     ]

@@ -13,9 +13,10 @@ the same context in both runs as long as the tokens before ``i`` agree, which is
 Lengths are fixed: every generate call has ``min_new_tokens == max_new_tokens`` (this masks eos, so no row stops
 early and ``scores`` hold ``-inf`` in the eos column), and the prompts avoid pad/bos/eos ids.
 
-Sequence lengths versus the sliding window (``SLIDING_WINDOW`` = 8): every prompt but ``sample``'s and
-``assisted``'s is longer than the window, so the prefill already exceeds it; every mode's prompt + new tokens
-exceeds it, so the window also slides during decoding.
+Sequence lengths versus the sliding window (``SLIDING_WINDOW`` = 8): every prompt but ``sample``'s (6 tokens, so
+the window is first crossed while decoding) is longer than the window, so the prefill already exceeds it (for
+``left_padded`` only the longest row); every mode's prompt + new tokens exceeds it, so the window also slides during
+decoding.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class ModeResult:
     aux_logits: tuple[torch.Tensor, ...] = ()
     #: every cache object the factory built for this run, in order
     caches: list[Cache] = field(default_factory=list)
-    #: ``past_key_values`` of the generate output (None for modes without one)
+    #: ``past_key_values`` handed back (by generate, or by every forward of ``manual_loop``; None if they differ)
     returned_cache: Cache | None = None
-    #: free-form counters for reports (forward calls, accepted drafts...)
+    #: contract values that must equal the reference's exactly (e.g. ``get_seq_length()`` after each forward)
     info: dict = field(default_factory=dict)
 
     @property
@@ -116,7 +117,9 @@ def _generate(
 
 def run_greedy(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
     """Greedy decoding, batch 1, prompt of 12 (prefill longer than the window)."""
-    return _generate("greedy", model, cache_factory, make_prompt(12, seed=1), do_sample=False, **_fixed_length())
+    return _generate(
+        "greedy", model, cache_factory, make_prompt(12, seed=1), do_sample=False, **_fixed_length()
+    )
 
 
 def run_sample(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
@@ -148,7 +151,9 @@ def run_beam(model: PreTrainedModel, cache_factory: CacheFactory, assistant: Pre
     )
 
 
-def run_sample_multi(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
+def run_sample_multi(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
     """Sampling with 3 returned sequences: the prompt is expanded to 3 rows before the (empty) cache is filled."""
     return _generate(
         "sample_multi",
@@ -163,23 +168,23 @@ def run_sample_multi(model: PreTrainedModel, cache_factory: CacheFactory, assist
     )
 
 
-def run_assisted(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
+def run_assisted(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
     """Assisted (speculative) greedy decoding with the tiny assistant; the assistant keeps its own DynamicCache.
 
     On the main model's cache generate calls ``activate_past_recording()`` once, then per round a multi-token
     verification forward (draft + 1 tokens) followed by ``crop(-rejected)`` (``crop(0)`` included).
     """
-    input_ids = make_prompt(10, seed=5)
-    result = _generate(
+    return _generate(
         "assisted",
         model,
         cache_factory,
-        input_ids,
+        make_prompt(10, seed=5),
         assistant_model=assistant,
         do_sample=False,
         **_fixed_length(12),
     )
-    return result
 
 
 def prompt_lookup_prompt() -> torch.Tensor:
@@ -189,7 +194,9 @@ def prompt_lookup_prompt() -> torch.Tensor:
     return torch.cat([a, b, a, b[:1], a, a[:2]])[None]  # 5+3+5+1+5+2 = 21 tokens, ends on a's leading 2-gram
 
 
-def run_prompt_lookup(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
+def run_prompt_lookup(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
     """Prompt-lookup decoding (``prompt_lookup_num_tokens=3``): drafts from n-grams of the prompt, verified in one
     forward, rejected ones cropped, as in assisted decoding."""
     return _generate(
@@ -215,7 +222,9 @@ def left_padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask
 
 
-def run_left_padded(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
+def run_left_padded(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
     """Greedy decoding of a left-padded batch of 3 prompts (12, 7, 4 real tokens) with attention_mask."""
     input_ids, attention_mask = left_padded_batch()
     return _generate(
@@ -263,6 +272,38 @@ def run_continue_prefix(
     )
 
 
+def run_fanout_beams(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
+    """Fill the cache at batch 1, fan it out with ``cache.batch_repeat_interleave(3)`` (how a user reuses a filled
+    prompt for beams: generate itself never calls it), then beam-search the full prompt with 3 beams from it."""
+    prompt = make_prompt(14, seed=10)
+    caches: list[Cache] = []
+    cache = _new_cache(cache_factory, model, caches)
+    with torch.no_grad():
+        prefix_out = model(input_ids=prompt[:, :10], past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(3)
+        out = model.generate(
+            prompt,
+            past_key_values=cache,
+            num_beams=3,
+            num_return_sequences=2,
+            return_dict_in_generate=True,
+            output_logits=True,
+            do_sample=False,
+            **_fixed_length(),
+        )
+    return ModeResult(
+        mode="fanout_beams",
+        sequences=out.sequences,
+        prompt_length=prompt.shape[1],
+        logits=tuple(out.logits),
+        aux_logits=(prefix_out.logits,),
+        caches=caches,
+        returned_cache=out.past_key_values,
+    )
+
+
 def run_scores(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
     """Greedy decoding of a batch of 2 unpadded prompts with a repetition penalty, returning processed ``scores``
     (which differ from the raw logits, and hold -inf for eos while ``min_new_tokens`` is not reached)."""
@@ -284,7 +325,9 @@ MANUAL_CHUNK = 3
 MANUAL_STEPS_AFTER_CHUNK = 4
 
 
-def run_manual_loop(model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel) -> ModeResult:
+def run_manual_loop(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
     """A hand-written loop of ``model(input_ids=..., past_key_values=cache, use_cache=True)``, batch 2, no
     position_ids and no attention_mask (the model derives positions from ``cache.get_seq_length()``):
 
@@ -298,11 +341,12 @@ def run_manual_loop(model: PreTrainedModel, cache_factory: CacheFactory, assista
     logits: list[torch.Tensor] = []
     generated: list[torch.Tensor] = []
     seq_lengths: list[int] = []
+    returned: list[Cache] = []
     with torch.no_grad():
 
         def step(ids: torch.Tensor) -> torch.Tensor:
             out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            assert out.past_key_values is cache, "the model did not hand back the cache it was given"
+            returned.append(out.past_key_values)
             step_logits = out.logits.float()
             logits.append(step_logits)
             seq_lengths.append(cache.get_seq_length())
@@ -316,26 +360,16 @@ def run_manual_loop(model: PreTrainedModel, cache_factory: CacheFactory, assista
         token = step(torch.cat([token, chunk_tail], dim=-1))
         for _ in range(MANUAL_STEPS_AFTER_CHUNK):
             token = step(token)
-    # sequences as the model saw them, plus the last greedy token
-    fed = [prompt]
-    for i, tok in enumerate(generated[:-1]):
-        fed.append(tok)
-        if i == MANUAL_STEPS_BEFORE_CHUNK:
-            fed.append(chunk_tail)
-    fed.append(generated[-1])
-    sequences = torch.cat(fed, dim=-1)
-    # generated token i is produced by forward i; prompt_length counts the fixed chunk tail as "generated" columns,
-    # so use new tokens = generated tokens only (below) and keep sequences for information.
-    result = ModeResult(
+    return ModeResult(
         mode="manual_loop",
-        sequences=torch.cat([prompt, torch.cat(generated, dim=-1)], dim=-1),
+        # the prompt, then the greedy token of each forward (the chunk's two fixed tokens are not listed)
+        sequences=torch.cat([prompt, *generated], dim=-1),
         prompt_length=prompt.shape[1],
         logits=tuple(logits),
         caches=caches,
-        returned_cache=None,
-        info={"seq_lengths": seq_lengths, "fed_sequences": sequences},
+        returned_cache=returned[-1] if all(r is returned[-1] for r in returned) else None,
+        info={"seq_lengths": seq_lengths},
     )
-    return result
 
 
 ModeRunner = Callable[[PreTrainedModel, CacheFactory, PreTrainedModel], ModeResult]
@@ -349,6 +383,7 @@ MODES: dict[str, ModeRunner] = {
     "prompt_lookup": run_prompt_lookup,
     "left_padded": run_left_padded,
     "continue_prefix": run_continue_prefix,
+    "fanout_beams": run_fanout_beams,
     "scores": run_scores,
     "manual_loop": run_manual_loop,
 }
@@ -357,7 +392,10 @@ MODES: dict[str, ModeRunner] = {
 MANUAL_EXPECTED_SEQ_LENGTHS = (
     [MANUAL_PREFILL + i for i in range(MANUAL_STEPS_BEFORE_CHUNK + 1)]
     + [MANUAL_PREFILL + MANUAL_STEPS_BEFORE_CHUNK + MANUAL_CHUNK]
-    + [MANUAL_PREFILL + MANUAL_STEPS_BEFORE_CHUNK + MANUAL_CHUNK + i + 1 for i in range(MANUAL_STEPS_AFTER_CHUNK)]
+    + [
+        MANUAL_PREFILL + MANUAL_STEPS_BEFORE_CHUNK + MANUAL_CHUNK + i + 1
+        for i in range(MANUAL_STEPS_AFTER_CHUNK)
+    ]
 )
 
 assert SLIDING_WINDOW < MANUAL_PREFILL

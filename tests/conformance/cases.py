@@ -1,0 +1,113 @@
+"""The registry of caches under test: one `CacheCase` per cache, in `CASES`.
+
+To put a new cache under the conformance suite, append a `CacheCase` to `CASES`: it is then run against
+`transformers.DynamicCache` over every architecture of `models.ARCHITECTURES` and every mode of `modes.MODES`
+(`pytest tests/test_conformance.py -k <name>`).
+
+A case is a factory plus the promise it makes:
+
+- ``lossless=True`` (dense storage, no eviction): tokens identical to the reference in every mode, and every
+  compared logits/scores tensor within ``logits_atol``/``logits_rtol`` (at most 1e-5, float32).
+- ``lossless=False`` (quantized, evicting...): the case declares its tolerance. Tokens must agree on at least
+  ``min_token_agreement`` of the generated positions (all rows pooled), and the logits of every step whose context is
+  still identical to the reference's (every step up to and including the first step where some row's token
+  differs; for ``beam`` only the first step once any token differs) must be within ``logits_atol``/``logits_rtol``.
+- ``unsupported_modes``: modes the cache refuses by design. For those the suite asserts that running the mode raises
+  a ``hf_kvplus.errors.KVPlusError`` subclass (a refusal must be loud and typed, never a silent wrong answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import Cache, DynamicCache, PreTrainedModel
+
+from .modes import MODES
+
+#: Tolerance a lossless case is held to (float32 logits).
+LOSSLESS_ATOL = 1e-5
+LOSSLESS_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    """One cache under test.
+
+    Attributes:
+        name: id used in test ids (``<name>-<arch>-<mode>``); unique, no spaces.
+        make: ``make(model)`` builds a fresh, empty cache for ``model`` (may read ``model.config``, ``model.dtype``,
+            ``model.device``). Called once per run (``continue_prefix`` reuses the one cache for the prefix forward
+            and the generate call).
+        lossless: the cache keeps every token exactly; see the module docstring for what each setting asserts.
+        logits_atol, logits_rtol: tolerance of logits and scores against the reference (``torch.testing.assert_close``).
+        min_token_agreement: minimum fraction of generated token positions equal to the reference's (lossy only;
+            1.0 for lossless).
+        unsupported_modes: names of modes (keys of ``modes.MODES``) the cache refuses with a ``KVPlusError``.
+        note: free text shown in reports (why lossy, why a mode is refused...).
+    """
+
+    name: str
+    make: Callable[[PreTrainedModel], Cache]
+    lossless: bool = True
+    logits_atol: float = LOSSLESS_ATOL
+    logits_rtol: float = LOSSLESS_RTOL
+    min_token_agreement: float = 1.0
+    unsupported_modes: frozenset[str] = field(default_factory=frozenset)
+    note: str = ""
+
+    def __post_init__(self):
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"case name must be non-empty without spaces, got {self.name!r}")
+        object.__setattr__(self, "unsupported_modes", frozenset(self.unsupported_modes))
+        unknown = self.unsupported_modes - set(MODES)
+        if unknown:
+            raise ValueError(
+                f"case {self.name!r}: unknown unsupported_modes {sorted(unknown)}; modes are {list(MODES)}"
+            )
+        if not 0.0 <= self.min_token_agreement <= 1.0:
+            raise ValueError(
+                f"case {self.name!r}: min_token_agreement must be in [0, 1], got {self.min_token_agreement}"
+            )
+        if self.logits_atol < 0 or self.logits_rtol < 0:
+            raise ValueError(f"case {self.name!r}: tolerances must be >= 0")
+        if self.lossless and (
+            self.min_token_agreement != 1.0
+            or self.logits_atol > LOSSLESS_ATOL
+            or self.logits_rtol > LOSSLESS_RTOL
+        ):
+            raise ValueError(
+                f"case {self.name!r} is lossless: it needs min_token_agreement=1.0 and logits tolerances <= "
+                f"{LOSSLESS_ATOL}/{LOSSLESS_RTOL} (got {self.min_token_agreement}, {self.logits_atol}, "
+                f"{self.logits_rtol}); declare lossless=False for a lossy cache"
+            )
+
+
+def reference_cache(model: PreTrainedModel) -> Cache:
+    """The reference every case is compared with: Transformers' own cache, built from the config (so sliding-window
+    layers are `DynamicSlidingWindowLayer`s, as when generate builds its default cache)."""
+    return DynamicCache(config=model.config)
+
+
+def _dense_cache(model: PreTrainedModel) -> Cache:
+    from hf_kvplus import DenseCache
+
+    return DenseCache(config=model.config)
+
+
+CASES: list[CacheCase] = [
+    CacheCase(
+        name="dense",
+        make=lambda model: _dense_cache(model),
+        note="hf_kvplus.DenseCache: dense storage, lossless; must match DynamicCache exactly",
+    ),
+    # Add new caches above this line.
+    # ---- HARNESS SELF-CHECK, not a project cache (temporary; kept until removed on purpose) ---------------------------
+    # The reference cache against itself: checks the harness (every mode runs on every architecture and is
+    # deterministic: same seeds, same RNG consumption, same prompts), independently of any project cache.
+    CacheCase(
+        name="dynamic-self-check",
+        make=lambda model: DynamicCache(config=model.config),
+        note="HARNESS SELF-CHECK (not a project cache): transformers.DynamicCache against itself",
+    ),
+]
