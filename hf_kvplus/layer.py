@@ -126,8 +126,7 @@ class KVLayer(CacheLayerMixin):
         self.storage.index_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = self.storage.memory().batch_size
-        self.storage.index_batch(torch.arange(batch).repeat_interleave(repeats))
+        self.storage.index_batch(torch.arange(self.storage.batch_size).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         indices = torch.as_tensor(indices)

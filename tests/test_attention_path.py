@@ -58,10 +58,27 @@ def test_kvplus_attn_implementation(attend_calls):
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_chunks_and_steps_through_the_cache_equal_one_cache_free_forward(arch):
-    """Prefill, chunked prefill over a non-empty cache and decode, with left padding, past every window."""
+@pytest.fixture
+def attn_model(request):
+    """The shared tiny model of `arch`, switched to `attn` attention for the test and switched back after."""
+    arch, attn = request.param
     model = build_model(arch)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = attn
+    yield model
+    model.config._attn_implementation = previous
+
+
+@pytest.mark.parametrize(
+    "attn_model", [(arch, attn) for arch in ARCHITECTURES for attn in ("sdpa", "eager")], indirect=True,
+    ids=lambda p: "-".join(p),
+)
+def test_chunks_and_steps_through_the_cache_equal_one_cache_free_forward(attn_model):
+    """Prefill, chunked prefill over a non-empty cache and decode, with left padding, past every window.
+
+    Under sdpa this is hf_kvplus's attention path; under eager, the dense path (eager attention over the
+    views `update` returns)."""
+    model = attn_model
     tokens = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0

@@ -19,6 +19,8 @@ class KVStorage(ABC):
 
     #: Tokens held per batch row.
     length: int = 0
+    #: Batch rows held (0 before the first append).
+    batch_size: int = 0
 
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -41,6 +41,10 @@ class DenseStorage(KVStorage):
         return self.end - self.start
 
     @property
+    def batch_size(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
@@ -95,7 +99,7 @@ class DenseStorage(KVStorage):
         return MemoryReport(
             payload_bytes=per_token * self.length,
             reserved_bytes=per_token * (self.capacity - self.length),
-            batch_size=self.keys.shape[0],
+            batch_size=self.batch_size,
         )
 
     def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
