@@ -1,5 +1,8 @@
 """Decode speed and bytes at rest: DynamicCache against DenseCache, measured in one run.
 
+Bytes are read off the caches after the run: payload (the tokens held) and headroom (DenseCache's
+allocated but unfilled capacity, which appends write into instead of concatenating).
+
 A small random Llama (GQA) prefills a prompt, then decodes greedily one token at a time through
 `model(..., past_key_values=cache)`. Each cache is timed `--repeats` times, alternating, after a
 warm-up; the table shows the medians and DenseCache's speed as a ratio of DynamicCache's.
@@ -56,15 +59,18 @@ def run_once(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> dict:
         token = logits[:, -1:].argmax(-1)
         tokens.append(token)
     decode_s = time.perf_counter() - start
-    nbytes = cache.nbytes if hasattr(cache, "nbytes") else sum(
-        layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
-    )
+    if isinstance(cache, DenseCache):
+        report = cache.memory_report()
+        payload, headroom = report.payload_bytes + report.metadata_bytes, report.reserved_bytes
+    else:
+        payload, headroom = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers), 0
     return {
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "decode_tok_s": new_tokens / decode_s,
-        "bytes_at_rest": nbytes,
-        "bytes_per_token": nbytes / cache.get_seq_length(),
+        "payload_bytes": payload,
+        "headroom_bytes": headroom,
+        "payload_bytes_per_token": payload / cache.get_seq_length(),
         "tokens": torch.cat(tokens, dim=1),
     }
 
@@ -100,8 +106,9 @@ def main() -> None:
         results[name] = {
             "prefill_s": statistics.median(s["prefill_s"] for s in samples),
             "decode_tok_s": statistics.median(s["decode_tok_s"] for s in samples),
-            "bytes_at_rest": samples[0]["bytes_at_rest"],
-            "bytes_per_token": samples[0]["bytes_per_token"],
+            "payload_bytes": samples[0]["payload_bytes"],
+            "headroom_bytes": samples[0]["headroom_bytes"],
+            "payload_bytes_per_token": samples[0]["payload_bytes_per_token"],
             "same_tokens_as_DynamicCache": all(torch.equal(s["tokens"], reference) for s in samples),
         }
     base = results["DynamicCache"]["decode_tok_s"]
@@ -113,13 +120,17 @@ def main() -> None:
         f"prompt {args.prompt} + {args.new} new tokens; threads {torch.get_num_threads()}; "
         f"median of {args.repeats}"
     )
-    header = f"{'cache':<14}{'prefill s':>11}{'decode tok/s':>14}{'x Dynamic':>11}{'bytes at rest':>15}{'B/token':>10}{'same tokens':>13}"
+    header = (
+        f"{'cache':<14}{'prefill s':>11}{'decode tok/s':>14}{'x Dynamic':>11}{'payload B':>12}{'headroom B':>12}"
+        f"{'payload B/tok':>15}{'same tokens':>13}"
+    )
     print(header)
     print("-" * len(header))
     for name, row in results.items():
         print(
             f"{name:<14}{row['prefill_s']:>11.3f}{row['decode_tok_s']:>14.1f}{row['decode_speed_vs_DynamicCache']:>11.2f}"
-            f"{row['bytes_at_rest']:>15,}{row['bytes_per_token']:>10.0f}{str(row['same_tokens_as_DynamicCache']):>13}"
+            f"{row['payload_bytes']:>12,}{row['headroom_bytes']:>12,}{row['payload_bytes_per_token']:>15.0f}"
+            f"{str(row['same_tokens_as_DynamicCache']):>13}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

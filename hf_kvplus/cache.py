@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 
-from .errors import CacheMismatchError
+from .errors import CacheMismatchError, UnsupportedModelError
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -18,6 +18,11 @@ from .retention.keep_all import KeepAll
 from .retention.window import SlidingWindow
 from .storage.base import KVStorage
 from .storage.dense import DenseStorage
+
+try:  # Transformers' placeholder for layers without a KV cache of their own (transformers >= 5.22)
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    DummyLayer = None
 
 
 def model_retention(spec: LayerSpec) -> Retention:
@@ -43,6 +48,12 @@ class KVCache(Cache):
     ):
         self.model_spec = ModelSpec.from_config(config)
         placement = placement or OnDevice()
+        shared = [spec.index for spec in self.model_spec.layers if not spec.holds_kv]
+        if shared and DummyLayer is None:
+            raise UnsupportedModelError(
+                f"layers {shared} of this {self.model_spec.model_type} hold no KV cache of their own; serving "
+                "them needs transformers >= 5.22 (its DummyLayer)"
+            )
         layers = [
             KVLayer(spec, storage(spec), retention(spec), placement) if spec.holds_kv else DummyLayer()
             for spec in self.model_spec.layers

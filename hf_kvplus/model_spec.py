@@ -17,8 +17,8 @@ from .kernels.decode_attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 #: Layer types of `config.layer_types` that hold a per-token KV cache, and how a cache keeps them.
 ATTENTION_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
-#: Layer types that share another layer's cache (or hold none): they get Transformers' placeholder layer.
-NO_CACHE_LAYER_TYPES = {"dummy"}
+#: Layer types that share another layer's cache or have no attention: they get Transformers' placeholder.
+NO_CACHE_LAYER_TYPES = {"dummy", "moe", "mlp"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class ModelSpec:
                 f"model_type {model_type!r} has no attention heads in its config (num_attention_heads="
                 f"{num_heads!r}); hf_kvplus caches serve attention layers only"
             )
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        # transformers < 5.22 returns one kwargs dict for all layers, later versions one per layer.
+        per_layer_kwargs = layer_kwargs if isinstance(layer_kwargs, list) else [layer_kwargs] * len(layer_types)
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         if num_heads % num_kv_heads:
