@@ -239,29 +239,35 @@ def run_left_padded(
     )
 
 
-def run_continue_prefix(
-    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+def _prefix_then_generate(
+    mode: str,
+    model: PreTrainedModel,
+    cache_factory: CacheFactory,
+    prompt: torch.Tensor,
+    prefix_length: int,
+    fan_out: int = 1,
+    **generate_kwargs,
 ) -> ModeResult:
-    """Fill the cache with a forward over a 10-token prefix (longer than the window), then ``generate`` the full
-    14-token prompt with that same cache. generate feeds only the ``len(prompt) - cache.get_seq_length()`` tokens the
-    cache has not seen, so ``get_seq_length()`` must count tokens seen, not tokens kept."""
-    prompt = make_prompt(14, seed=8)
-    prefix = prompt[:, :10]
+    """Fill one cache with a forward over ``prompt[:, :prefix_length]``, repeat its rows ``fan_out`` times with
+    ``batch_repeat_interleave`` if asked, then ``generate`` the full prompt from that cache."""
     caches: list[Cache] = []
     cache = _new_cache(cache_factory, model, caches)
     with torch.no_grad():
-        prefix_out = model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        prefix_out = model(input_ids=prompt[:, :prefix_length], past_key_values=cache, use_cache=True)
         seen_after_prefix = cache.get_seq_length()
+        if fan_out > 1:
+            cache.batch_repeat_interleave(fan_out)
         out = model.generate(
             prompt,
             past_key_values=cache,
             return_dict_in_generate=True,
             output_logits=True,
             do_sample=False,
+            **generate_kwargs,
             **_fixed_length(),
         )
     return ModeResult(
-        mode="continue_prefix",
+        mode=mode,
         sequences=out.sequences,
         prompt_length=prompt.shape[1],
         logits=tuple(out.logits),
@@ -272,35 +278,23 @@ def run_continue_prefix(
     )
 
 
+def run_continue_prefix(
+    model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
+) -> ModeResult:
+    """Fill the cache with a forward over a 10-token prefix (longer than the window), then ``generate`` the full
+    14-token prompt with that same cache. generate feeds only the ``len(prompt) - cache.get_seq_length()`` tokens the
+    cache has not seen, so ``get_seq_length()`` must count tokens seen, not tokens kept."""
+    return _prefix_then_generate("continue_prefix", model, cache_factory, make_prompt(14, seed=8), 10)
+
+
 def run_fanout_beams(
     model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
 ) -> ModeResult:
     """Fill the cache at batch 1, fan it out with ``cache.batch_repeat_interleave(3)`` (how a user reuses a filled
     prompt for beams: generate itself never calls it), then beam-search the full prompt with 3 beams from it."""
-    prompt = make_prompt(14, seed=10)
-    caches: list[Cache] = []
-    cache = _new_cache(cache_factory, model, caches)
-    with torch.no_grad():
-        prefix_out = model(input_ids=prompt[:, :10], past_key_values=cache, use_cache=True)
-        cache.batch_repeat_interleave(3)
-        out = model.generate(
-            prompt,
-            past_key_values=cache,
-            num_beams=3,
-            num_return_sequences=2,
-            return_dict_in_generate=True,
-            output_logits=True,
-            do_sample=False,
-            **_fixed_length(),
-        )
-    return ModeResult(
-        mode="fanout_beams",
-        sequences=out.sequences,
-        prompt_length=prompt.shape[1],
-        logits=tuple(out.logits),
-        aux_logits=(prefix_out.logits,),
-        caches=caches,
-        returned_cache=out.past_key_values,
+    return _prefix_then_generate(
+        "fanout_beams", model, cache_factory, make_prompt(14, seed=10), 10, fan_out=3,
+        num_beams=3, num_return_sequences=2,
     )
 
 
