@@ -45,3 +45,16 @@ class KernelUnavailableError(KVPlusError, RuntimeError):
 
 class UnsupportedOperationError(KVPlusError, RuntimeError):
     """The cache cannot do this operation in its present state (e.g. roll back tokens it has dropped)."""
+
+
+class FetchError(KVPlusError, RuntimeError):
+    """A resource (model file, text) could not be fetched, extracted or converted.
+
+    The message says what was tried (the exact command) and how to supply the file by hand.
+    """
+
+
+
+class RDataError(KVPlusError, ValueError):
+    """An R data file is malformed, or uses a part of the format this reader does not handle."""
+

@@ -43,3 +43,32 @@ class MemoryReport:
             tokens_seen=max(self.tokens_seen, other.tokens_seen),
             batch_size=max(self.batch_size, other.batch_size),
         )
+
+
+def tensor_bytes(value, seen: set[int] | None = None) -> int:
+    """Bytes of the tensor storage behind `value`: plain tensors, tensor subclasses that flatten into
+    inner tensors (optimum-quanto's packed tensors), and lists/tuples of them; each storage once."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        names, _ = value.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(value, name), seen) for name in names)
+    storage = value.untyped_storage()
+    if storage.data_ptr() in seen:
+        return 0
+    seen.add(storage.data_ptr())
+    return storage.nbytes()
+
+
+def cache_bytes(cache) -> int:
+    """Bytes at rest of any `transformers.Cache`: read off hf_kvplus caches, summed over every tensor
+    each layer holds for the others (Transformers' dynamic, static and quantized caches)."""
+    if hasattr(cache, "memory_report"):
+        return cache.memory_report().total_bytes
+    seen: set[int] = set()
+    return sum(tensor_bytes(value, seen) for layer in cache.layers for value in vars(layer).values())

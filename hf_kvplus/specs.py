@@ -1,0 +1,194 @@
+"""Cache specs: one string syntax that names a cache for every command.
+
+`name[:arg[:arg...]]`, where an argument is positional or `key=value`:
+
+- `dynamic`                 Transformers' DynamicCache (built from the config: sliding layers keep their window)
+- `static`                  Transformers' StaticCache, sized for the run (`static:4096` fixes max_cache_len)
+- `hf-quantized:quanto:4`   Transformers' QuantizedCache with optimum-quanto at 4 (or 2) bits;
+                            `residual=N` (default 128) and `group=N` (default 64) may follow
+- `hf-quantized:hqq:4`      the same with HQQ (needs the hqq package)
+- `dense`                   hf_kvplus DenseCache (`dense:max_tokens=N` fixes its capacity)
+
+Later caches register themselves with `register_cache_spec`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import Cache, DynamicCache, PreTrainedConfig, QuantizedCache, StaticCache
+
+from .cache import DenseCache
+from .errors import ConfigError
+
+#: Builds a cache: (config, positional args, keyword args, max_length needed by the run or None).
+CacheBuilder = Callable[[PreTrainedConfig, list[str], dict[str, str], "int | None"], Cache]
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    """A family of caches a spec can name."""
+
+    name: str
+    build: CacheBuilder
+    description: str
+    lossless: bool
+    baseline: bool  # a Transformers cache that hf_kvplus caches are compared against
+    requires: tuple[str, ...] = ()  # importable modules it needs
+
+    def available(self) -> bool:
+        return all(importlib.util.find_spec(module) is not None for module in self.requires)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A parsed spec string; `build(config, max_length)` makes a fresh cache each call."""
+
+    text: str
+    kind: CacheKind
+    args: list[str] = field(default_factory=list)
+    kwargs: dict[str, str] = field(default_factory=dict)
+
+    def build(self, config: PreTrainedConfig, max_length: int | None = None) -> Cache:
+        if not self.kind.available():
+            missing = [m for m in self.kind.requires if importlib.util.find_spec(m) is None]
+            raise ConfigError(f"cache spec {self.text!r} needs the Python modules {missing}, not installed")
+        return self.kind.build(config, self.args, self.kwargs, max_length)
+
+    @property
+    def lossless(self) -> bool:
+        return self.kind.lossless
+
+    def __str__(self) -> str:
+        return self.text
+
+
+CACHE_KINDS: dict[str, CacheKind] = {}
+
+
+def register_cache_spec(kind: CacheKind) -> None:
+    """Adds (or replaces) a cache family under `kind.name`."""
+    CACHE_KINDS[kind.name] = kind
+
+
+def parse_cache_spec(text: str) -> CacheSpec:
+    """Parses `name[:arg...]`; unknown names and malformed arguments raise `ConfigError`."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"a cache spec is a non-empty string, got {text!r}; known: {sorted(CACHE_KINDS)}")
+    name, *parts = text.strip().split(":")
+    if name not in CACHE_KINDS:
+        raise ConfigError(f"unknown cache {name!r} in spec {text!r}; known: {sorted(CACHE_KINDS)}")
+    args, kwargs = [], {}
+    for part in parts:
+        if "=" in part:
+            key, _, value = part.partition("=")
+            if not key or not value:
+                raise ConfigError(f"malformed argument {part!r} in cache spec {text!r}: expected key=value")
+            kwargs[key] = value
+        elif kwargs:
+            raise ConfigError(f"positional argument {part!r} after key=value arguments in cache spec {text!r}")
+        else:
+            args.append(part)
+    spec = CacheSpec(text=text.strip(), kind=CACHE_KINDS[name], args=args, kwargs=kwargs)
+    _validate(spec)
+    return spec
+
+
+def available_cache_specs() -> list[str]:
+    """One default spec per registered cache family whose modules are installed."""
+    defaults = {"hf-quantized": ["hf-quantized:quanto:4", "hf-quantized:quanto:2"]}
+    specs = []
+    for name, kind in CACHE_KINDS.items():
+        if kind.available():
+            specs.extend(defaults.get(name, [name]))
+    return [s for s in specs if parse_cache_spec(s).kind.available()]
+
+
+def _int(spec_text: str, what: str, value: str, minimum: int = 1) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{what} in cache spec {spec_text!r} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{what} in cache spec {spec_text!r} must be >= {minimum}, got {number}")
+    return number
+
+
+def _check_arity(spec: CacheSpec, max_args: int, keys: set[str]) -> None:
+    if len(spec.args) > max_args:
+        raise ConfigError(
+            f"cache spec {spec.text!r} takes at most {max_args} positional arguments, got {len(spec.args)}"
+        )
+    unknown = set(spec.kwargs) - keys
+    if unknown:
+        raise ConfigError(f"unknown options {sorted(unknown)} in cache spec {spec.text!r}; accepted: {sorted(keys)}")
+
+
+def _validate(spec: CacheSpec) -> None:
+    name = spec.kind.name
+    if name in ("dynamic",):
+        _check_arity(spec, 0, set())
+    elif name == "static":
+        _check_arity(spec, 1, set())
+        if spec.args:
+            _int(spec.text, "max_cache_len", spec.args[0])
+    elif name == "dense":
+        _check_arity(spec, 0, {"max_tokens"})
+        if "max_tokens" in spec.kwargs:
+            _int(spec.text, "max_tokens", spec.kwargs["max_tokens"])
+    elif name == "hf-quantized":
+        _check_arity(spec, 2, {"residual", "group"})
+        if len(spec.args) != 2 or spec.args[0] not in ("quanto", "hqq"):
+            raise ConfigError(
+                f"cache spec {spec.text!r}: expected hf-quantized:<quanto|hqq>:<bits>, e.g. hf-quantized:quanto:4"
+            )
+        bits = _int(spec.text, "bits", spec.args[1])
+        allowed = (2, 4) if spec.args[0] == "quanto" else (1, 2, 3, 4, 8)
+        if bits not in allowed:
+            raise ConfigError(f"cache spec {spec.text!r}: {spec.args[0]} supports {allowed} bits, got {bits}")
+        for key in ("residual", "group"):
+            if key in spec.kwargs:
+                _int(spec.text, key, spec.kwargs[key])
+
+
+def _static(config, args, kwargs, max_length):
+    if args:
+        length = int(args[0])
+    elif max_length is not None:
+        length = max_length
+    else:
+        raise ConfigError("cache spec 'static' needs a length: give static:<max_cache_len> or run with a known length")
+    return StaticCache(config=config, max_cache_len=length)
+
+
+def _hf_quantized(config, args, kwargs, max_length):
+    backend, bits = args[0], int(args[1])
+    if backend == "hqq" and importlib.util.find_spec("hqq") is None:
+        raise ConfigError("cache spec hf-quantized:hqq needs the hqq package, not installed")
+    return QuantizedCache(
+        backend=backend,
+        config=config,
+        nbits=bits,
+        residual_length=int(kwargs.get("residual", 128)),
+        q_group_size=int(kwargs.get("group", 64)),
+    )
+
+
+for _kind in (
+    CacheKind("dynamic", lambda c, a, k, n: DynamicCache(config=c), "Transformers DynamicCache", True, True),
+    CacheKind("static", _static, "Transformers StaticCache", True, True),
+    CacheKind(
+        "hf-quantized", _hf_quantized, "Transformers QuantizedCache (quanto or HQQ backend)", False, True,
+        requires=("optimum.quanto",),
+    ),
+    CacheKind(
+        "dense",
+        lambda c, a, k, n: DenseCache(config=c, max_tokens=int(k["max_tokens"]) if "max_tokens" in k else None),
+        "hf_kvplus DenseCache: full precision, appended in place",
+        True,
+        False,
+    ),
+):
+    register_cache_spec(_kind)

@@ -1,0 +1,70 @@
+"""`kvplus ppl`, `bench` and `demo` end to end on a local model folder and a local text file."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_kvplus.cli import main
+
+TEXT = " ".join(
+    "It is a truth universally acknowledged that a single man in possession of a good fortune must be in want of a wife"
+    .split()
+    * 40
+)
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """A tiny Llama and a word-level tokenizer trained on the text, saved as a local folder."""
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    text = tmp_path_factory.mktemp("text") / "book.txt"
+    text.write_text(TEXT)
+    return str(folder), str(text)
+
+
+def test_ppl_compares_caches_and_the_cache_free_forward(local_model, tmp_path, capsys):
+    folder, text = local_model
+    code = main(["ppl", "--model", folder, "--text", text, "--tokens", "150", "--chunk", "32", "--segment", "50",
+                 "--cache", "dynamic", "--cache", "dense", "--cache-free", "--out", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "ppl_summary.json").read_text())
+    ppl = {row["cache"]: row["perplexity"] for row in summary["rows"]}
+    assert set(ppl) == {"dynamic", "dense", "cache-free forward"}
+    assert ppl["dense"] == pytest.approx(ppl["dynamic"], rel=1e-4)
+    assert ppl["cache-free forward"] == pytest.approx(ppl["dynamic"], rel=1e-4)
+    assert summary["command"] and summary["machine"] and summary["date"]
+    assert {p.name for p in tmp_path.iterdir()} >= {"ppl.png", "ppl_dynamic.csv", "ppl_dense.json"}
+    assert "per segment" in capsys.readouterr().out
+
+
+def test_bench_and_demo_write_tables_and_plots(local_model, tmp_path, capsys):
+    folder, text = local_model
+    assert main(["bench", "--model", folder, "--text", text, "--prompt-tokens", "40", "--new-tokens", "5",
+                 "--repeats", "1", "--cache", "dynamic", "--cache", "dense", "--out", str(tmp_path / "b")]) == 0
+    bench = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert [r["cache"] for r in bench["results"]] == ["dynamic", "dense"]
+    assert main(["demo", "--model", folder, "--text", text, "--tokens", "100", "--chunk", "32",
+                 "--prompt-tokens", "40", "--new-tokens", "4", "--out", str(tmp_path / "d")]) == 0
+    demo = json.loads((tmp_path / "d" / "demo.json").read_text())
+    rows = {r["cache"]: r for r in demo["rows"]}
+    assert next(iter(rows)) == "dynamic" and "dense" in rows
+    assert rows["dense"]["ppl_delta_pct"] == pytest.approx(0, abs=1e-2)
+    assert (tmp_path / "d" / "demo.png").exists()
+    assert "wall time" in capsys.readouterr().out
+
+
+def test_errors_exit_2_with_the_reason(local_model, capsys):
+    folder, text = local_model
+    assert main(["ppl", "--model", folder, "--text", text, "--cache", "nope"]) == 2
+    assert "unknown cache 'nope'" in capsys.readouterr().err

@@ -1,0 +1,500 @@
+"""The memory planner: textbook KV figures, shipped configs, formats, windows, budgets, fits, errors, CLI.
+
+Expectations are derived here from the configs and the byte layouts written out in each test (the
+textbook ``2 x layers x kv_heads x head_dim x bytes``, the KIVI group layout), not copied from the
+planner's output.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
+
+from conformance.models import build_model, make_config
+from hf_kvplus import CapacityError, ConfigError, DenseCache, KVPlusError, UnsupportedModelError, planner
+from hf_kvplus.cli import plan as plan_cli
+
+FULL_ATTENTION_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "smollm2-135m"]
+GEMMA3 = ["gemma-3-4b", "gemma-3-12b", "gemma-3-27b", "gemma-3-270m"]
+
+#: Published parameter counts. Llama 3.1 (Meta model card), Mistral 7B v0.3 and Qwen2.5 7B (model cards);
+#: Gemma 3: the text decoder, embedding + non-embedding parameters of the Gemma 3 report's table 1
+#: (4B: 675M + 3,209M; 12B: 1,012M + 10,759M; 27B: 1,416M + 25,600M; 270M: 170M + 100M); SmolLM2: 135M.
+PUBLISHED_PARAMETERS = {
+    "llama-3.1-8b": 8.03e9,
+    "llama-3.1-70b": 70.6e9,
+    "mistral-7b": 7.25e9,
+    "qwen2.5-7b": 7.62e9,
+    "gemma-3-4b": 3.884e9,
+    "gemma-3-12b": 11.771e9,
+    "gemma-3-27b": 27.016e9,
+    "gemma-3-270m": 0.270e9,
+    "smollm2-135m": 0.135e9,
+}
+
+
+def geometry(name):
+    """(layers, kv_heads, head_dim, layer_types) read from the config, the textbook way."""
+    text = planner.load_config(name).get_text_config(decoder=True)
+    kv_heads = text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    return text.num_hidden_layers, kv_heads, head_dim, layer_types
+
+
+def textbook_bytes_per_token(name, bytes_per_value=2):
+    layers, kv_heads, head_dim, _ = geometry(name)
+    return 2 * layers * kv_heads * head_dim * bytes_per_value
+
+
+# --- the textbook figures -------------------------------------------------------------------------
+
+
+def test_llama_31_8b_fp16_is_131072_bytes_per_token_and_4_29_gb_at_32k():
+    assert textbook_bytes_per_token("llama-3.1-8b") == 2 * 32 * 8 * 128 * 2 == 131_072
+    p = planner.plan("llama-3.1-8b", context=32768)
+    assert p.kv_bytes_per_token == 131_072
+    assert p.kv_bytes_per_token_excl_residual == p.kv_bytes_per_token_asymptotic == 131_072
+    assert p.kv_bytes == 131_072 * 32768 == 4_294_967_296
+    assert planner.format_bytes(p.kv_bytes) == "4.29 GB"
+    assert p.total_bytes == p.weights_bytes + p.kv_bytes
+
+
+def test_llama_31_70b_fp16_is_327680_bytes_per_token():
+    assert textbook_bytes_per_token("llama-3.1-70b") == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert planner.plan("llama-3.1-70b", context=4096).kv_bytes_per_token == 327_680
+
+
+@pytest.mark.parametrize("name", FULL_ATTENTION_MODELS)
+@pytest.mark.parametrize(("kv_format", "bytes_per_value"), [("fp32", 4), ("fp16", 2), ("bf16", 2)])
+def test_full_attention_models_follow_the_textbook_formula(name, kv_format, bytes_per_value):
+    per_token = textbook_bytes_per_token(name, bytes_per_value)
+    p = planner.plan(name, context=1000, batch=3, kv_format=kv_format)
+    assert p.kv_bytes == 3 * 1000 * per_token
+    assert p.kv_bytes_per_token == per_token and p.ratio_to_fp16 == bytes_per_value / 2
+
+
+def test_gqa_geometry_comes_from_the_configs():
+    assert geometry("qwen2.5-7b")[:3] == (28, 4, 128)  # 28 query heads share 4 KV heads
+    assert geometry("mistral-7b")[:3] == (32, 8, 128)
+    assert geometry("gemma-3-27b")[:3] == (62, 16, 128)  # head_dim set explicitly, not 5376 / 32
+    assert geometry("gemma-3-4b")[:3] == (34, 4, 256)
+
+
+# --- shipped configs and weights --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(planner.SHIPPED_CONFIGS))
+def test_shipped_configs_load_as_transformers_configs(name):
+    config = planner.load_config(name)
+    assert isinstance(config, PreTrainedConfig)
+    assert config.get_text_config() is config
+    assert planner.shipped_config_path(name).is_file()
+
+
+def test_shipped_config_contents():
+    llama = planner.load_config("llama-3.1-8b")
+    assert (llama.hidden_size, llama.intermediate_size, llama.vocab_size) == (4096, 14336, 128256)
+    assert llama.rope_parameters["rope_type"] == "llama3" and llama.rope_parameters["factor"] == 8.0
+    assert llama.max_position_embeddings == 131072 and not llama.tie_word_embeddings
+    mistral = planner.load_config("mistral-7b")  # v0.3
+    assert mistral.vocab_size == 32768 and mistral.sliding_window is None
+    assert planner.load_config("MISTRAL-7B-v0.3").vocab_size == 32768
+    assert planner.load_config("gemma3-270m").num_key_value_heads == 1  # the spelling the CLI's --model uses
+    qwen = planner.load_config("qwen2.5-7b")
+    assert qwen.model_type == "qwen2" and set(qwen.layer_types) == {"full_attention"}
+
+
+@pytest.mark.parametrize("name", GEMMA3)
+def test_gemma3_layers_alternate_five_sliding_to_one_full(name):
+    config = planner.load_config(name)
+    assert config.model_type == "gemma3_text"
+    assert config.layer_types == [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)
+    ]
+    assert config.sliding_window == (512 if name == "gemma-3-270m" else 1024)
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_PARAMETERS))
+def test_parameter_counts_match_the_published_totals_within_one_percent(name):
+    count = planner.count_parameters(planner.load_config(name))
+    assert count.method == "formula"
+    assert count.total == pytest.approx(PUBLISHED_PARAMETERS[name], rel=0.01)
+
+
+def meta_count(config):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(planner.SHIPPED_CONFIGS))
+def test_parameter_formula_equals_the_instantiated_model(name):
+    config = planner.load_config(name)
+    assert planner.count_parameters(config).total == meta_count(config)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("llama", dict(attention_bias=True, mlp_bias=True)),
+        ("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
+        ("gemma", dict(attention_bias=True)),
+        ("gemma2", {}),
+        ("gemma3_text", dict(tie_word_embeddings=False)),
+        ("qwen2", {}),
+        ("mistral", {}),
+    ],
+)
+def test_parameter_formula_covers_biases_norms_and_tying(model_type, extra):
+    config = AutoConfig.for_model(
+        model_type, vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, **extra,
+    )
+    assert planner.count_parameters(config).total == meta_count(config)
+
+
+def test_unknown_families_are_counted_on_the_meta_device():
+    config = AutoConfig.for_model(
+        "phi3", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    count = planner.count_parameters(config)
+    assert count.method == "meta-device model" and count.total == meta_count(config)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bits"), [("fp32", 32), ("bf16", 16), ("fp16", 16), ("int8", 8), ("int4", 4)]
+)
+def test_weights_bytes_are_parameters_times_bytes_per_weight(dtype, bits):
+    p = planner.plan("llama-3.1-8b", context=1, weights_dtype=dtype)
+    assert p.weights_bytes == 8_030_261_248 * bits // 8
+
+
+# --- sliding windows and budgets ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GEMMA3)
+def test_gemma3_sliding_layers_saturate_at_their_window(name):
+    _, kv_heads, head_dim, layer_types = geometry(name)
+    window = planner.load_config(name).sliding_window
+    per_layer_token = 2 * kv_heads * head_dim * 2
+    n_full, n_sliding = layer_types.count("full_attention"), layer_types.count("sliding_attention")
+
+    short = planner.plan(name, context=window // 2)  # below the window: every layer holds every token
+    assert short.kv_bytes == (n_full + n_sliding) * (window // 2) * per_layer_token
+    assert short.kv_bytes_per_token == textbook_bytes_per_token(name)
+
+    long = planner.plan(name, context=32768)
+    assert long.kv_bytes == (n_full * 32768 + n_sliding * window) * per_layer_token
+    held = {k.kind: k.tokens_held for k in long.layer_kinds}
+    assert held == {"full": 32768, "sliding": window}
+    assert long.kv_bytes_per_token_asymptotic == n_full * per_layer_token
+    assert long.kv_bytes_per_token_excl_residual == textbook_bytes_per_token(name)
+    assert long.kv_bytes_per_token < long.kv_bytes_per_token_excl_residual
+
+
+def test_gemma3_27b_at_32k_against_512_tokens():
+    # 52 sliding layers (window 1024) + 10 full, 16 KV heads x 128: 8,192 bytes per layer and token in fp16
+    assert planner.plan("gemma-3-27b", 512).kv_bytes == 62 * 512 * 8192
+    assert planner.plan("gemma-3-27b", 32768).kv_bytes == (52 * 1024 + 10 * 32768) * 8192
+
+
+def test_budget_caps_every_layer():
+    per_token = textbook_bytes_per_token("llama-3.1-8b")
+    capped = planner.plan("llama-3.1-8b", context=32768, budget=1024)
+    assert capped.kv_bytes == 1024 * per_token and capped.kv_bytes_per_token_asymptotic == 0
+    assert planner.plan("llama-3.1-8b", context=500, budget=1024).kv_bytes == 500 * per_token
+    # a budget below Gemma's window caps the sliding layers too
+    gemma = planner.plan("gemma-3-4b", context=32768, budget=256)
+    assert {k.tokens_held for k in gemma.layer_kinds} == {256}
+    assert gemma.kv_bytes == 256 * textbook_bytes_per_token("gemma-3-4b")
+
+
+# --- quantized formats ------------------------------------------------------------------------------
+
+
+def kivi_bytes_per_head(quantized, recent, head_dim, bits, group):
+    """KIVI layout, written out: packed payload, key scales+zeros per channel per token group, value
+    scales+zeros per token per channel group (fp16 each), fp16 recent window."""
+    key_payload = quantized * head_dim * bits / 8
+    value_payload = quantized * head_dim * bits / 8
+    key_meta = math.ceil(quantized / group) * head_dim * (2 + 2)
+    value_meta = quantized * (head_dim // group) * (2 + 2)
+    window = recent * head_dim * 2 * 2  # keys + values, fp16
+    return key_payload + value_payload + key_meta + value_meta + window
+
+
+@pytest.mark.parametrize(
+    ("kv_format", "bits", "bound"), [("int8", 8, 0.56), ("int4", 4, 0.32), ("int2", 2, 0.19)]
+)
+def test_quantized_bytes_per_token_over_fp16_meet_the_targets(kv_format, bits, bound):
+    head_dim, group = 128, 64
+    ratio = kivi_bytes_per_head(group, 0, head_dim, bits, group) / group / (2 * head_dim * 2)
+    assert ratio == bits / 16 + 2 / group <= bound  # 0.53125, 0.28125, 0.15625
+    p = planner.plan("llama-3.1-8b", context=32768, kv_format=kv_format)
+    assert p.ratio_to_fp16 == ratio
+    assert p.kv_bytes_per_token_excl_residual == ratio * 131_072
+    assert p.group_size == 64 and p.residual == 128
+    # at 32K the last 128 tokens sit in fp16: per token costs more than the stored rate
+    expected = 32 * 8 * kivi_bytes_per_head(32768 - 128, 128, head_dim, bits, group)
+    assert p.kv_bytes == expected
+    assert p.kv_bytes_per_token == expected / 32768 > p.kv_bytes_per_token_excl_residual
+
+
+def test_fp8_is_one_byte_per_value_plus_an_fp16_scale_per_token_and_head():
+    p = planner.plan("llama-3.1-8b", context=32768, kv_format="fp8")
+    assert p.kv_bytes == 32768 * 32 * 8 * 2 * (128 + 2)
+    assert p.ratio_to_fp16 == (128 + 2) / 256 and p.residual == 0 and p.group_size is None
+
+
+def test_quantized_partial_groups_small_contexts_and_group_size():
+    # 100 tokens, no fp16 window, groups of 32: the key scales cover 4 groups (the last one partial)
+    p = planner.plan("llama-3.1-8b", context=100, kv_format="int4", group_size=32, residual=0)
+    assert p.kv_bytes == 32 * 8 * kivi_bytes_per_head(100, 0, 128, 4, 32)
+    # fewer tokens than the window: everything is fp16
+    assert planner.plan("llama-3.1-8b", context=100, kv_format="int2").kv_bytes == 100 * 131_072
+    assert planner.plan("llama-3.1-8b", context=0, kv_format="int2").kv_bytes == 0
+
+
+# --- largest context and batch ------------------------------------------------------------------------
+
+FIT_CASES = [
+    ("llama-3.1-8b", "24GB", 1, "fp16", None),
+    ("llama-3.1-8b", "24GiB", 4, "int4", None),
+    ("llama-3.1-8b", 20 * 10**9, 2, "fp8", None),
+    ("gemma-3-27b", "80GB", 1, "int2", None),
+    ("gemma-3-12b", "40GB", 8, "fp16", None),
+    ("gemma-3-4b", "9GB", 16, "int8", 2000),
+    ("qwen2.5-7b", "18GB", 1, "int4", None),
+]
+
+
+@pytest.mark.parametrize(("name", "memory", "batch", "kv_format", "budget"), FIT_CASES)
+def test_max_context_fits_and_one_more_token_does_not(name, memory, batch, kv_format, budget):
+    limit = planner.parse_memory(memory)
+    options = dict(kv_format=kv_format, budget=budget)
+    context = planner.max_context(name, memory, batch, **options)
+    assert context is not None and context > 0
+    assert planner.plan(name, context, batch, **options).total_bytes <= limit
+    assert planner.plan(name, context + 1, batch, **options).total_bytes > limit
+
+
+@pytest.mark.parametrize(("name", "memory", "batch", "kv_format", "budget"), FIT_CASES)
+def test_max_batch_fits_and_one_more_sequence_does_not(name, memory, batch, kv_format, budget):
+    limit = planner.parse_memory(memory)
+    options = dict(kv_format=kv_format, budget=budget)
+    sequences = planner.max_batch(name, memory, 8192, **options)
+    assert sequences >= 1
+    assert planner.plan(name, 8192, sequences, **options).total_bytes <= limit
+    assert planner.plan(name, 8192, sequences + 1, **options).total_bytes > limit
+
+
+def test_llama_8b_in_24gb():
+    free = 24 * 10**9 - 2 * 8_030_261_248
+    assert planner.max_context("llama-3.1-8b", "24GB") == free // 131_072
+    assert planner.max_batch("llama-3.1-8b", "24GB", 32768) == free // (131_072 * 32768) == 1
+
+
+def test_bounded_caches_fit_any_context():
+    assert planner.max_context("llama-3.1-8b", "24GB", budget=4096) is None
+    assert planner.max_context("gemma-3-27b", "80GB", batch=4, budget=1024) is None
+    # bounded, but the saturated cache does not fit: a finite answer below the bound
+    context = planner.max_context("llama-3.1-8b", "16.2GB", budget=4096)
+    assert 0 < context < 4096
+    assert planner.plan("llama-3.1-8b", context + 1, budget=4096).total_bytes > 16.2e9
+
+
+def test_nothing_fits():
+    with pytest.raises(CapacityError, match=r"weights alone need 141\.11 GB .* more than the 24\.00 GB"):
+        planner.max_context("llama-3.1-70b", "24GB")
+    with pytest.raises(CapacityError, match="70,553,706,496 parameters in bf16"):
+        planner.max_batch("llama-3.1-70b", "24GB", 1024)
+    weights = planner.plan("llama-3.1-8b", 0).weights_bytes
+    assert planner.max_context("llama-3.1-8b", weights + 131_071) == 0
+    assert planner.max_context("llama-3.1-8b", weights + 131_072) == 1
+    assert planner.max_batch("llama-3.1-8b", weights + 1000, 1024) == 0
+
+
+# --- memory strings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GB", 80 * 10**9),
+        ("24GiB", 24 * 2**30),
+        ("24 gib", 24 * 2**30),
+        ("1.5TB", 1_500_000_000_000),
+        ("512MiB", 512 * 2**20),
+        ("80G", 80 * 10**9),
+        ("4096", 4096),
+        (4096, 4096),
+    ],
+)
+def test_memory_strings(text, expected):
+    assert planner.parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["24XB", "-1GB", "", "GB", "1.2.3GB", -5, True])
+def test_bad_memory_strings_are_refused(text):
+    with pytest.raises(ConfigError):
+        planner.parse_memory(text)
+
+
+# --- typed errors -------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_typed_errors_with_the_numbers():
+    assert issubclass(ConfigError, KVPlusError)
+    with pytest.raises(ConfigError, match=r"unknown KV cache format 'int3'; known formats: fp32, fp16, bf16"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="int3")
+    with pytest.raises(ConfigError, match=r"group_size 48 does not divide head_dim 128"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="int4", group_size=48)
+    with pytest.raises(ConfigError, match=r"group_size must be a positive integer for int4, got 0"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="int4", group_size=0)
+    with pytest.raises(ConfigError, match=r"at least 1 token per layer, got budget=0"):
+        planner.plan("llama-3.1-8b", 1024, budget=0)
+    with pytest.raises(ConfigError, match=r"non-negative number of tokens, got context=-1"):
+        planner.plan("llama-3.1-8b", -1)
+    with pytest.raises(ConfigError, match=r"batch must be at least 1 sequence, got batch=0"):
+        planner.plan("llama-3.1-8b", 1024, batch=0)
+    with pytest.raises(ConfigError, match=r"residual .* got residual=-2"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="int8", residual=-2)
+    with pytest.raises(ConfigError, match=r"unknown weights dtype 'int3'"):
+        planner.plan("llama-3.1-8b", 1024, weights_dtype="int3")
+    with pytest.raises(ConfigError, match=r"unknown model 'llama-9b'.*llama-3\.1-8b, llama-3\.1-70b"):
+        planner.plan("llama-9b", 1024)
+    # group size is irrelevant to unquantized formats
+    assert planner.plan("llama-3.1-8b", 8, group_size=48).kv_bytes == 8 * 131_072
+
+
+def test_models_the_caches_cannot_serve_are_refused():
+    config = LlamaConfig(hidden_size=1024, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    with pytest.raises(UnsupportedModelError, match="head_dim 512"):
+        planner.plan(config, 1024)
+
+
+# --- loading configs ----------------------------------------------------------------------------
+
+
+def test_load_config_from_a_file_a_folder_or_an_object(tmp_path):
+    source = planner.shipped_config_path("qwen2.5-7b")
+    shutil.copy(source, tmp_path / "config.json")
+    from_folder = planner.load_config(tmp_path)
+    from_file = planner.load_config(str(tmp_path / "config.json"))
+    def contents(config):
+        return {k: v for k, v in config.to_diff_dict().items() if k != "_name_or_path"}
+
+    assert contents(from_folder) == contents(from_file) == contents(planner.load_config("qwen2.5-7b"))
+    assert planner.load_config(from_folder) is from_folder
+    assert planner.plan(str(tmp_path), 10).kv_bytes == planner.plan("qwen2.5-7b", 10).kv_bytes
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        planner.load_config(tmp_path / "empty")
+
+
+def test_hub_ids_go_through_autoconfig(monkeypatch):
+    from hf_kvplus.planning import configs
+
+    asked = []
+
+    def from_pretrained(name, *args, **kwargs):
+        asked.append(name)
+        if name == "meta-llama/Llama-3.1-8B":
+            raise OSError("offline")
+        return LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
+
+    monkeypatch.setattr(configs.AutoConfig, "from_pretrained", from_pretrained)
+    assert planner.plan("someone/tiny-llama", 10).kv_bytes == 10 * 2 * 2 * 2 * 64 * 2
+    with pytest.raises(ConfigError, match=r"hub \(shipped offline as 'llama-3\.1-8b'\): offline"):
+        planner.load_config("meta-llama/Llama-3.1-8B")
+    assert asked == ["someone/tiny-llama", "meta-llama/Llama-3.1-8B"]
+
+
+# --- the plan against a real cache ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_plan_matches_what_a_dense_cache_holds(arch):
+    """Full layers hold what the plan says; sliding layers hold window - 1 between steps, the plan
+    counts the peak of a decode step (window)."""
+    config, model = make_config(arch), build_model(arch)
+    tokens, batch = 40, 2
+    cache = DenseCache(config=config)
+    with torch.no_grad():
+        model(torch.randint(3, 100, (batch, tokens)), past_key_values=cache, use_cache=True)
+    p = planner.plan(config, tokens, batch, kv_format="fp32")
+    held = {k.kind: k.tokens_held for k in p.layer_kinds}
+    per_token = {}
+    for layer in cache.layers:
+        report = layer.memory()
+        kind = layer.spec.kind
+        expected = held[kind] - (1 if kind == "sliding" and held[kind] == layer.spec.window else 0)
+        assert report.tokens_held == expected
+        per_token[kind] = report.payload_bytes // (batch * report.tokens_held)
+    saturated = sum(
+        k.num_layers * per_token[k.kind] * batch
+        for k in p.layer_kinds
+        if k.kind == "sliding" and k.tokens_held == k.window
+    )
+    assert p.kv_bytes == cache.memory_report().payload_bytes + saturated
+
+
+def test_plan_is_frozen():
+    p = planner.plan("llama-3.1-8b", 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.kv_bytes = 0
+    assert json.loads(json.dumps(p.to_dict()))["total_bytes"] == p.total_bytes
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def cli(*argv):
+    parser = argparse.ArgumentParser(prog="kvplus")
+    plan_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+def test_cli_prints_a_table_per_format_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["llama-3.1-8b", "--context", "32768", "--format", "fp16", "int4", "fp8", "--memory", "24GB"]
+    assert cli(*argv, "--json", str(path)) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.split()[1:2] in (["fp16"], ["int4"], ["fp8"])]
+    assert [row.split()[1] for row in rows] == ["fp16", "int4", "fp8"]
+    fp16 = rows[0].split()
+    assert fp16[2:5] == ["32,768", "1", "131,072"] and "4.29 GB" in rows[0]
+    assert f"{planner.max_context('llama-3.1-8b', '24GB'):,}" in rows[0]
+    document = json.loads(path.read_text())
+    assert document["memory_bytes"] == 24 * 10**9
+    int4 = document["plans"][1]
+    assert int4["kv_bytes"] == planner.plan("llama-3.1-8b", 32768, kv_format="int4").kv_bytes
+    assert int4["max_context"] == planner.max_context("llama-3.1-8b", "24GB", kv_format="int4")
+    assert int4["max_batch"] == planner.max_batch("llama-3.1-8b", "24GB", 32768, kv_format="int4")
+
+
+def test_cli_reports_bounded_caches_and_weights_that_do_not_fit(capsys):
+    assert cli("gemma-3-27b", "--budget", "1024", "--memory", "80GB") == 0
+    assert "any (bounded KV)" in capsys.readouterr().out
+    assert cli("llama-3.1-70b", "--memory", "24GB", "--json", "-") == 0
+    out = capsys.readouterr().out
+    assert "weights > memory" in out
+    assert json.loads(out[out.index("{"):])["plans"][0]["weights_fit"] is False
+
+
+def test_cli_errors(capsys):
+    assert cli("no-such-model") == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert cli("llama-3.1-8b", "--format", "int4", "--group-size", "48") == 2
+    assert "group_size 48 does not divide head_dim 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli("llama-3.1-8b", "--memory", "24XB")

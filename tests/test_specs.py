@@ -1,0 +1,68 @@
+"""Cache spec strings: every family builds its cache; malformed specs are refused with the reason."""
+
+import pytest
+import torch
+from transformers import DynamicCache, QuantizedCache, StaticCache
+
+from conformance.models import build_model, make_config
+from hf_kvplus import ConfigError, DenseCache
+from hf_kvplus.memory import cache_bytes
+from hf_kvplus.specs import available_cache_specs, parse_cache_spec
+
+
+@pytest.mark.parametrize(
+    "text, cls",
+    [("dynamic", DynamicCache), ("static", StaticCache), ("static:64", StaticCache), ("dense", DenseCache),
+     ("dense:max_tokens=64", DenseCache), ("hf-quantized:quanto:4", QuantizedCache),
+     ("hf-quantized:quanto:2:residual=16:group=32", QuantizedCache)],
+)
+def test_specs_build_their_cache_and_it_serves_the_model(text, cls):
+    model = build_model("llama")
+    cache = parse_cache_spec(text).build(model.config, max_length=40)
+    assert isinstance(cache, cls)
+    ids = torch.randint(3, 128, (1, 30))
+    model(ids, past_key_values=cache)
+    assert cache.get_seq_length() == 30 and cache_bytes(cache) > 0
+
+
+def test_spec_options_reach_the_cache():
+    config = make_config("llama")
+    assert parse_cache_spec("static:64").build(config).get_max_length() == 64
+    assert parse_cache_spec("dense:max_tokens=50").build(config).layers[0].storage.max_tokens == 50
+    quantized = parse_cache_spec("hf-quantized:quanto:2:residual=16:group=32").build(config)
+    model = build_model("llama")
+    model(torch.randint(3, 128, (1, 20)), past_key_values=quantized)
+    layer = quantized.layers[0]
+    assert (layer.nbits, layer.residual_length, layer.q_group_size) == (2, 16, 32)
+
+
+def test_available_specs_start_with_the_baseline_and_all_parse():
+    specs = available_cache_specs()
+    assert specs[0] == "dynamic" and "dense" in specs
+    assert all(parse_cache_spec(s).text == s for s in specs)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "non-empty"),
+        ("nope", r"unknown cache 'nope'.*known: \["),
+        ("dynamic:3", "at most 0 positional"),
+        ("static:zero", "max_cache_len .* must be an integer, got 'zero'"),
+        ("static:0", "must be >= 1, got 0"),
+        ("dense:size=3", r"unknown options \['size'\]"),
+        ("dense:max_tokens=", "expected key=value"),
+        ("hf-quantized:quanto:3", r"quanto supports \(2, 4\) bits, got 3"),
+        ("hf-quantized:gptq:4", "expected hf-quantized:<quanto|hqq>:<bits>"),
+        ("hf-quantized:quanto:4:residual=0", "residual .* must be >= 1, got 0"),
+        ("dense:max_tokens=4:extra", "positional argument 'extra' after key=value"),
+    ],
+)
+def test_bad_specs_are_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_cache_spec(text)
+
+
+def test_static_without_a_length_says_how_to_give_one():
+    with pytest.raises(ConfigError, match="static:<max_cache_len>"):
+        parse_cache_spec("static").build(make_config("llama"))
