@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_kvplus import DenseCache
+from hf_kvplus.evaluation.report import stamp
 
 CACHES = {
     "DynamicCache": lambda config: DynamicCache(config=config),
@@ -134,7 +135,7 @@ def main() -> None:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
+        args.json.write_text(json.dumps({**stamp(), "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

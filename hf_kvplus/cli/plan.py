@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 from ..errors import CapacityError, KVPlusError
+from ..evaluation.report import stamp
 from ..planner import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_RESIDUAL,
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     print(_table(args, rows))
     if args.json is not None:
         document = {
+            **stamp(),
             "model": rows[0][0].model,
             "memory_bytes": args.memory,
             "plans": [_record(*row) for row in rows],

@@ -11,7 +11,7 @@ Tokens held per layer, per batch row, at a context of ``n`` tokens:
 Of the tokens a layer holds, the integer formats keep the most recent ``min(held, residual)`` in fp16
 and the rest quantized (see :mod:`hf_kvplus.planning.formats` for the layouts). KV bytes are payload,
 scales and zero points, exactly; growth headroom a cache may allocate ahead (``DenseCache`` rounds its
-buffers up and grows them by half) and block-table metadata are not counted, nor are activations,
+buffers up and grows them by an eighth) and block-table metadata are not counted, nor are activations,
 the CUDA context or allocator fragmentation: leave a margin for them.
 """
 

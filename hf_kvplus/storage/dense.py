@@ -17,12 +17,18 @@ def _round_up(n: int, granule: int = GRANULE) -> int:
     return -(-n // granule) * granule
 
 
+def _grown(tokens: int) -> int:
+    """The capacity to allocate for `tokens`: an eighth more (at least a granule), rounded up."""
+    return _round_up(tokens + max(tokens // 8, GRANULE))
+
+
 class DenseStorage(KVStorage):
     """K/V kept as `[batch, kv_heads, capacity, head_dim]` buffers holding tokens `start:end`.
 
     Appending writes into headroom instead of concatenating (Transformers' `DynamicCache` copies the
-    whole layer on every step); headroom grows by half the capacity, so a decode step costs amortized
-    O(1) copies. Dropping old tokens (windows, eviction) only moves `start`; the held tokens are moved
+    whole layer on every step); when it runs out, the buffers grow by an eighth of what is needed (at
+    least one granule of 64 tokens), so a decode step costs amortized O(1) copies while at most about
+    an eighth of the bytes at rest is headroom. Dropping old tokens (windows, eviction) only moves `start`; the held tokens are moved
     back to the front when headroom runs out. The views handed to attention are slices of the buffers,
     not copies.
 
@@ -133,16 +139,16 @@ class DenseStorage(KVStorage):
                     f"max_tokens is {self.max_tokens}"
                 )
             capacity = self.max_tokens
-        elif 2 * needed <= self.capacity:
+        elif _grown(needed) <= self.capacity:
             capacity = self.capacity  # moving the held tokens to the front leaves enough headroom
         else:
-            capacity = _round_up(needed + needed // 2)
+            capacity = _grown(needed)
         self._move_to_front(capacity)
 
     def _shrink(self) -> None:
         """Gives back headroom far larger than what is held (after a long prefill through a window)."""
-        if self.max_tokens is None and self.capacity > 4 * _round_up(max(self.length, 1)):
-            self._move_to_front(_round_up(2 * self.length))
+        if self.max_tokens is None and self.capacity > 2 * _grown(self.length):
+            self._move_to_front(_grown(self.length))
 
     def _move_to_front(self, capacity: int) -> None:
         if capacity == self.capacity and self.start == 0:
