@@ -23,6 +23,8 @@ from .errors import (
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
+from .paged_cache import PagedCache
+from .paging import BlockPool, PagedPool, PrefixStore
 from .placement import OnDevice, Placement
 from .retention import KeepAll, Retention, SlidingWindow
 from .storage import DenseStorage, KVStorage
@@ -51,6 +53,10 @@ __all__ = [
     "MemoryReport",
     "ModelSpec",
     "OnDevice",
+    "PagedCache",
+    "PagedPool",
+    "BlockPool",
+    "PrefixStore",
     "Placement",
     "RDataError",
     "Retention",

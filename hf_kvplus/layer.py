@@ -72,7 +72,7 @@ class KVLayer(CacheLayerMixin):
         visible = self.retention.visible(self.storage.length)
         self.storage.append(key_states, value_states)
         self.seen += new
-        keys, values = self.storage.view(visible + new)
+        keys, values = self.storage.attention_inputs(visible + new, new)
         setattr(keys, KV_SOURCE_ATTR, self)
         if not self.record_past:
             self._evict()

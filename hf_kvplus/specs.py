@@ -8,6 +8,7 @@
                             `residual=N` (default 128) and `group=N` (default 64) may follow
 - `hf-quantized:hqq:4`      the same with HQQ (needs the hqq package)
 - `dense`                   hf_kvplus DenseCache (`dense:max_tokens=N` fixes its capacity)
+- `paged`                   hf_kvplus PagedCache (`paged:block=16:blocks=N`: block size, a fixed pool)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -22,6 +23,7 @@ from transformers import Cache, DynamicCache, PreTrainedConfig, QuantizedCache, 
 
 from .cache import DenseCache
 from .errors import ConfigError
+from .paged_cache import PagedCache
 
 #: Builds a cache: (config, positional args, keyword args, max_length needed by the run or None).
 CacheBuilder = Callable[[PreTrainedConfig, list[str], dict[str, str], "int | None"], Cache]
@@ -138,6 +140,11 @@ def _validate(spec: CacheSpec) -> None:
         _check_arity(spec, 0, {"max_tokens"})
         if "max_tokens" in spec.kwargs:
             _int(spec.text, "max_tokens", spec.kwargs["max_tokens"])
+    elif name == "paged":
+        _check_arity(spec, 0, {"block", "blocks"})
+        for key in ("block", "blocks"):
+            if key in spec.kwargs:
+                _int(spec.text, key, spec.kwargs[key])
     elif name == "hf-quantized":
         _check_arity(spec, 2, {"residual", "group"})
         if len(spec.args) != 2 or spec.args[0] not in ("quanto", "hqq"):
@@ -187,6 +194,15 @@ for _kind in (
         "dense",
         lambda c, a, k, n: DenseCache(config=c, max_tokens=int(k["max_tokens"]) if "max_tokens" in k else None),
         "hf_kvplus DenseCache: full precision, appended in place",
+        True,
+        False,
+    ),
+    CacheKind(
+        "paged",
+        lambda c, a, k, n: PagedCache(
+            config=c, block_size=int(k.get("block", 16)), num_blocks=int(k["blocks"]) if "blocks" in k else None
+        ),
+        "hf_kvplus PagedCache: blocks with tables, shared copy-on-write",
         True,
         False,
     ),

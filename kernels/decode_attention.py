@@ -8,7 +8,9 @@ Three entry points share one contract:
   group packed as the query length, so K/V are read as they are (no repeat, no copy).
 - :func:`decode_attention_triton` is split-KV flash-decoding: kernel 1 walks one slice of keys per
   (batch row, KV head, split) for the whole query group at once (each K/V tile is read once for up to
-  32 query heads per KV head), kernel 2 merges the splits.
+  32 query heads per KV head), kernel 2 merges the splits. Kernel 1 has a compile-time storage
+  switch (``PAGED``): the same code reads paged pools through a block table for
+  ``kernels/paged_attention.py``, which also reuses the merge kernel.
 
 Shapes: q [B, Hq, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv], Hq % Hkv == 0 (query head h reads KV head
 h // (Hq // Hkv)), mask None or bool [B, N] with True = attend. Output [B, Hq, Dv] in q.dtype. A row
@@ -168,18 +170,26 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, Mask, MidO, MidM, MidL,
-        N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT,
+        Q, K, V, Mask, MidO, MidM, MidL, BT,
+        N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
         qk_scale,
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_mb, stride_mn,
+        stride_btb, stride_btc,
         HAS_MASK: tl.constexpr,
+        PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G_CHUNKS: tl.constexpr,
         BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
+        # Storage switch (compile time). Dense (PAGED=False): K [B, Hkv, N, D], key n of row b at
+        # K + b*stride_kb + h*stride_kh + n*stride_kn. Paged: K is a pool [blocks, Hkv, BLOCK_SIZE, D];
+        # key n of row b is logical token t = START + n, in block BT[b, t // BLOCK_SIZE] at offset
+        # t % BLOCK_SIZE (stride_kb is then the pool's block stride). Table entries outside the keys'
+        # columns are never read; block ids outside 0..NUM_BLOCKS-1 are treated as masked keys
+        # (never dereferenced).
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -198,8 +208,13 @@ if triton is not None:
         q_ptrs = Q + pid_b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
-        k_base = K + pid_b * stride_kb + pid_h * stride_kh
-        v_base = V + pid_b * stride_vb + pid_h * stride_vh
+        if PAGED:
+            k_base = K + pid_h * stride_kh
+            v_base = V + pid_h * stride_vh
+            bt_row = BT + pid_b * stride_btb
+        else:
+            k_base = K + pid_b * stride_kb + pid_h * stride_kh
+            v_base = V + pid_b * stride_vb + pid_h * stride_vh
 
         # Finite initial max: a row that sees only masked keys keeps m = -1e30, p = 0, l = 0 (no NaN).
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -212,12 +227,22 @@ if triton is not None:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
             offs_n64 = offs_n.to(tl.int64)
+            if PAGED:
+                tok = START + offs_n64
+                blk = tl.load(bt_row + (tok // BLOCK_SIZE) * stride_btc, mask=n_ok, other=0).to(tl.int64)
+                n_ok = n_ok & (blk >= 0) & (blk < NUM_BLOCKS)
+                off = tok % BLOCK_SIZE
+                k_rows = blk * stride_kb + off * stride_kn
+                v_rows = blk * stride_vb + off * stride_vn
+            else:
+                k_rows = offs_n64 * stride_kn
+                v_rows = offs_n64 * stride_vn
             k = tl.load(
-                k_base + offs_n64[:, None] * stride_kn + offs_d[None, :],
+                k_base + k_rows[:, None] + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0,
             ).to(tl.float32)
             v = tl.load(
-                v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :],
+                v_base + v_rows[:, None] + offs_dv[None, :],
                 mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
             ).to(tl.float32)
             if HAS_MASK:
@@ -315,7 +340,23 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    return _split_kv_attention(q, k, v, mask, scale=scale, num_splits=num_splits, n_keys=N)
 
+
+def _split_kv_attention(
+    q, k, v, mask, *, scale, num_splits, n_keys, block_table=None, start=0, block_size=1
+) -> torch.Tensor:
+    """Launches the split kernel and the merge kernel on validated inputs (head dim unit-stride).
+
+    Dense storage when ``block_table`` is None: k [B, Hkv, N, D], v [B, Hkv, N, Dv]. Paged storage
+    otherwise: k/v are pools [blocks, Hkv, block_size, D/Dv] and key n of row b is logical token
+    ``start + n`` of that row's ``block_table`` (int32 [B, columns]). ``n_keys`` = N keys, ``mask``
+    None or bool [B, N].
+    """
+    B, Hq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    G, N = Hq // Hkv, n_keys
+    paged = block_table is not None
     block_g = min(MAX_BLOCK_G, max(16, triton.next_power_of_2(G)))
     g_chunks = triton.cdiv(G, block_g)
     d_pad = max(16, triton.next_power_of_2(D))
@@ -341,16 +382,23 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
         mask_arg = mask.view(torch.uint8)  # same bytes; triton loads bytes more reliably than int1
         smb, smn = mask_arg.stride()
 
+    if paged:
+        bt_arg, sbb, sbc, num_blocks = block_table, block_table.stride(0), block_table.stride(1), k.shape[0]
+    else:
+        bt_arg, sbb, sbc, num_blocks = q, 0, 0, 0  # never read (PAGED=False)
+
     log2e = 1.4426950408889634
     _decode_split_kernel[(B, Hkv * g_chunks, num_splits)](
-        q, k, v, mask_arg, mid_o, mid_m, mid_l,
-        N, G, D, Dv, Hq, num_splits, tiles_per_split,
+        q, k, v, mask_arg, mid_o, mid_m, mid_l, bt_arg,
+        N, G, D, Dv, Hq, num_splits, tiles_per_split, start, num_blocks,
         float(scale) * log2e,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         smb, smn,
+        sbb, sbc,
         HAS_MASK=mask is not None,
+        PAGED=paged, BLOCK_SIZE=block_size if paged else 1,
         G_CHUNKS=g_chunks, BLOCK_G=block_g, D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_N=block_n,
         # fp16/bf16 values are exact in tf32, so QK^T loses nothing on tensor cores and P keeps 11
         # significant bits in P @ V; float32 inputs need "ieee" to stay float32-accurate.

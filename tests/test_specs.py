@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
 
 from conformance.models import build_model, make_config
-from hf_kvplus import ConfigError, DenseCache
+from hf_kvplus import ConfigError, DenseCache, PagedCache
 from hf_kvplus.memory import cache_bytes
 from hf_kvplus.specs import available_cache_specs, parse_cache_spec
 
@@ -13,7 +13,7 @@ from hf_kvplus.specs import available_cache_specs, parse_cache_spec
 @pytest.mark.parametrize(
     "text, cls",
     [("dynamic", DynamicCache), ("static", StaticCache), ("static:64", StaticCache), ("dense", DenseCache),
-     ("dense:max_tokens=64", DenseCache), ("hf-quantized:quanto:4", QuantizedCache),
+     ("dense:max_tokens=64", DenseCache), ("paged", PagedCache), ("paged:block=8:blocks=40", PagedCache), ("hf-quantized:quanto:4", QuantizedCache),
      ("hf-quantized:quanto:2:residual=16:group=32", QuantizedCache)],
 )
 def test_specs_build_their_cache_and_it_serves_the_model(text, cls):
@@ -29,6 +29,8 @@ def test_spec_options_reach_the_cache():
     config = make_config("llama")
     assert parse_cache_spec("static:64").build(config).get_max_length() == 64
     assert parse_cache_spec("dense:max_tokens=50").build(config).layers[0].storage.max_tokens == 50
+    paged = parse_cache_spec("paged:block=8:blocks=40").build(config)
+    assert paged.block_size == 8 and paged.block_pools()["full"].capacity == 40
     quantized = parse_cache_spec("hf-quantized:quanto:2:residual=16:group=32").build(config)
     model = build_model("llama")
     model(torch.randint(3, 128, (1, 20)), past_key_values=quantized)
@@ -56,6 +58,8 @@ def test_available_specs_start_with_the_baseline_and_all_parse():
         ("hf-quantized:gptq:4", "expected hf-quantized:<quanto|hqq>:<bits>"),
         ("hf-quantized:quanto:4:residual=0", "residual .* must be >= 1, got 0"),
         ("dense:max_tokens=4:extra", "positional argument 'extra' after key=value"),
+        ("paged:size=4", r"unknown options \['size'\]"),
+        ("paged:blocks=0", "blocks in cache spec 'paged:blocks=0' must be >= 1, got 0"),
     ],
 )
 def test_bad_specs_are_refused(text, message):

@@ -30,6 +30,12 @@ class KVStorage(ABC):
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last `last` tokens held, as `[batch, kv_heads, last, head_dim]` keys and values."""
 
+    def attention_inputs(self, last: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `update` hands to attention for `new` fresh tokens: by default the dense `view(last)`.
+
+        A storage that attends in place may return placeholders here (`attend` then ignores them)."""
+        return self.view(last)
+
     @abstractmethod
     def drop_front(self, count: int) -> None:
         """Forgets the `count` oldest tokens."""

@@ -95,11 +95,27 @@ def _dense_cache(model: PreTrainedModel) -> Cache:
     return DenseCache(config=model.config)
 
 
+def _paged_cache(model: PreTrainedModel, **kwargs) -> Cache:
+    from hf_kvplus import PagedCache
+
+    return PagedCache(config=model.config, **kwargs)
+
+
 CASES: list[CacheCase] = [
     CacheCase(
         name="dense",
         make=lambda model: _dense_cache(model),
         note="hf_kvplus.DenseCache: dense storage, lossless; must match DynamicCache exactly",
+    ),
+    CacheCase(
+        name="paged",
+        make=lambda model: _paged_cache(model, block_size=8),
+        note="hf_kvplus.PagedCache, blocks of 8 (sequences span several blocks; beams share and copy on write)",
+    ),
+    CacheCase(
+        name="paged-fixed",
+        make=lambda model: _paged_cache(model, block_size=16, num_blocks=64),
+        note="hf_kvplus.PagedCache, default block size, a fixed pool of 64 blocks per layer group",
     ),
     # Add new caches above this line.
     # ---- HARNESS SELF-CHECK, not a project cache (temporary; kept until removed on purpose) ---------------------------

@@ -1,0 +1,20 @@
+"""Paging: block ids with reference counts (`BlockPool`), reusable prompt blocks (`PrefixStore`), the
+per-layer block tensors of a model (`LayerPool`, `PagedPool`) and a cache's block tables (`BlockGroup`)."""
+
+from .block_pool import BlockPool
+from .group import BlockGroup
+from .layer_pool import LayerPool
+from .paged_pool import DEFAULT_BLOCK_SIZE, PagedPool
+from .prefix_store import PrefixStore, PrefixStoreStats, block_hash, chain_hashes
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "BlockGroup",
+    "BlockPool",
+    "LayerPool",
+    "PagedPool",
+    "PrefixStore",
+    "PrefixStoreStats",
+    "block_hash",
+    "chain_hashes",
+]

@@ -1,0 +1,159 @@
+"""A block group: layers that hold the same tokens share one block pool and one block table per row.
+
+All full-attention layers of a model form one group; the sliding layers of one window form another
+(they hold fewer tokens, so their blocks are freed as they leave the window). Layers write their own
+K/V into their own pool tensors, at the slots the group hands out; block ids mean the same tokens in
+every layer of the group, as in vLLM.
+
+State that every layer owns (how far it has written, the oldest token it still needs) lives in its
+storage; the group derives what to allocate and what to free from them, so per-layer calls
+(`append`, `drop_front`, `drop_back`) need no coordination. Batch-row operations (beam reorder,
+selection, fan-out) change the shared tables and are called once per group by the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .block_pool import BlockPool
+
+
+class BlockGroup:
+    """Block tables of one group of layers over one `BlockPool`.
+
+    Logical token t of row b (counted from the first token the cache saw) lives in block
+    `tables[b][(t - base) // block_size]` at offset `(t - base) % block_size`; `base` moves forward by
+    whole blocks as windows drop their oldest tokens.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.tables: list[list[int]] = []
+        self.base = 0  # logical index of the first token of table column 0
+        self.reserved = 0  # slots exist for logical tokens < reserved, in every row
+        self.members: list = []  # the storages of the group's layers
+        self._table_tensor: torch.Tensor | None = None
+        self._copy_block: list[Callable[[int, int], None]] = []
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tables)
+
+    def join(self, storage, copy_block: Callable[[int, int], None]) -> None:
+        """Adds a layer's storage; `copy_block(src, dst)` copies one block of its pools (copy-on-write)."""
+        self.members.append(storage)
+        self._copy_block.append(copy_block)
+
+    def reserve(self, batch: int, end: int, sources: list[int] | None = None) -> None:
+        """Makes slots exist for logical tokens < `end` in each of `batch` rows.
+
+        The first layer of a step allocates; the others find the slots there. Before writing into a
+        partly filled last block that other rows share (after a beam reorder or a fan-out), the row
+        gets its own copy of it (copy-on-write); full blocks stay shared. On the first fill,
+        `sources[row]` names an earlier row with the same tokens (beams and samples of one prompt):
+        such a row shares that row's blocks instead of getting its own.
+        """
+        self.trim()
+        if not self.tables:
+            if sources is not None and any(src != row for row, src in enumerate(sources)):
+                self._fill_shared(end, sources)
+                return
+            self.tables = [[] for _ in range(batch)]
+        if end <= self.reserved:
+            return
+        bs = self.block_size
+        if (self.reserved - self.base) % bs:
+            column = (self.reserved - self.base) // bs
+            self._unshare(column)
+        needed_columns = -(-(end - self.base) // bs)
+        new_per_row = needed_columns - len(self.tables[0])
+        if new_per_row > 0:
+            ids = self.pool.allocate(new_per_row * len(self.tables))
+            for row, table in enumerate(self.tables):
+                table.extend(ids[row * new_per_row : (row + 1) * new_per_row])
+        self.reserved = end
+        self._table_tensor = None
+
+    def _fill_shared(self, end: int, sources: list[int]) -> None:
+        unique = sorted(set(sources))
+        columns = -(-(end - self.base) // self.block_size)
+        ids = self.pool.allocate(columns * len(unique))
+        own = {row: ids[i * columns : (i + 1) * columns] for i, row in enumerate(unique)}
+        self.tables = []
+        for row, src in enumerate(sources):
+            if row != src:
+                self.pool.incref(own[src])
+            self.tables.append(list(own[src]))
+        self.reserved = end
+        self._table_tensor = None
+
+    def slot_mapping(self, begin: int, end: int, device: torch.device) -> torch.Tensor:
+        """`[batch, end - begin]` pool slots (block id x block_size + offset) of logical tokens begin..end-1."""
+        offsets = torch.arange(begin - self.base, end - self.base, device=device)
+        table = self.table_tensor(device).long()
+        blocks = table[:, offsets // self.block_size]
+        return blocks * self.block_size + offsets % self.block_size
+
+    def table_tensor(self, device: torch.device) -> torch.Tensor:
+        """The block tables as an int32 `[batch, columns]` tensor (cached until the tables change)."""
+        if self._table_tensor is None or self._table_tensor.device != device:
+            self._table_tensor = torch.tensor(self.tables, dtype=torch.int32, device=device)
+        return self._table_tensor
+
+    def trim(self) -> None:
+        """Frees whole blocks no layer needs any more: before the oldest token still held, after the newest."""
+        if not self.tables or len(self.tables[0]) == 0 and self.reserved == 0:
+            return
+        first = min(m.start for m in self.members)
+        last = max(m.end for m in self.members)
+        if last == 0:
+            self.reset()
+            return
+        bs, columns = self.block_size, len(self.tables[0])
+        while self.base + bs <= first and self.tables[0]:
+            self._free_column(0)
+            self.base += bs
+        keep = -(-(last - self.base) // bs)
+        while len(self.tables[0]) > keep:
+            self._free_column(len(self.tables[0]) - 1)
+        self.reserved = last
+        if len(self.tables[0]) != columns:
+            self._table_tensor = None
+
+    def index_batch(self, indices: list[int]) -> None:
+        """New rows are old rows `indices` (repeats allowed): tables are copied, blocks shared, not copied."""
+        if not self.tables:
+            return
+        new_tables = [list(self.tables[i]) for i in indices]
+        for table in new_tables:
+            self.pool.incref(table)
+        for table in self.tables:
+            self.pool.decref(table)
+        self.tables = new_tables
+        self._table_tensor = None
+
+    def reset(self) -> None:
+        for table in self.tables:
+            self.pool.decref(table)
+        self.tables = []
+        self.base = self.reserved = 0
+        self._table_tensor = None
+
+    def blocks_in_use(self) -> int:
+        """Distinct blocks the tables reference (shared blocks count once)."""
+        return len({block for table in self.tables for block in table})
+
+    def _free_column(self, column: int) -> None:
+        self.pool.decref([table.pop(column) for table in self.tables])
+
+    def _unshare(self, column: int) -> None:
+        for table in self.tables:
+            if column < len(table) and self.pool.refcount(table[column]) > 1:
+                (fresh,) = self.pool.allocate(1)
+                for copy_block in self._copy_block:
+                    copy_block(table[column], fresh)
+                self.pool.decref([table[column]])
+                table[column] = fresh

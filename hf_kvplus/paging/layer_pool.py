@@ -1,0 +1,53 @@
+"""The K/V tensors of one layer's blocks: `[blocks, kv_heads, block_size, head_dim]` each."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CacheMismatchError
+from .block_pool import BlockPool
+
+
+class LayerPool:
+    """One layer's block tensors, sized to its `BlockPool` and grown with it.
+
+    Allocated at the first write (dtype and device come from the model), so a pool can be built from
+    a config alone and outlive the caches that use it (prefix reuse across calls).
+    """
+
+    def __init__(self, blocks: BlockPool, block_size: int, num_kv_heads: int, head_dim: int):
+        self.blocks = blocks
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        blocks.add_grow_listener(self._grow)
+
+    def ensure(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Allocates the tensors like `keys`/`values`, or checks that they match what is held."""
+        if self.k is None:
+            shape = (self.blocks.capacity, self.num_kv_heads, self.block_size)
+            self.k = keys.new_empty(*shape, self.head_dim)
+            self.v = values.new_empty(*shape, values.shape[-1])
+        elif keys.dtype != self.k.dtype or keys.device != self.k.device:
+            raise CacheMismatchError(
+                f"new keys are {keys.dtype} on {keys.device}, the pool holds {self.k.dtype} on {self.k.device}"
+            )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K and V in this layer (0 before the first write)."""
+        return 0 if self.k is None else (self.k[0].numel() + self.v[0].numel()) * self.k.element_size()
+
+    def copy_block(self, source: int, target: int) -> None:
+        if self.k is not None:
+            self.k[target] = self.k[source]
+            self.v[target] = self.v[source]
+
+    def _grow(self, capacity: int) -> None:
+        if self.k is None:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(capacity, *old.shape[1:])
+            new[: old.shape[0]] = old
+            setattr(self, name, new)

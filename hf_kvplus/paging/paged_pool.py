@@ -1,0 +1,58 @@
+"""Block pools and layer tensors of a model, shared by the PagedCaches built on them."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+from ..errors import CacheMismatchError, ConfigError
+from ..model_spec import LayerSpec, ModelSpec
+from .block_pool import BlockPool
+from .layer_pool import LayerPool
+from .prefix_store import PrefixStore
+
+#: Block size in tokens. 16 is vLLM's default: a block of K/V for head_dim 128 in fp16 is 4 KiB per
+#: head, a whole number of the decode kernel's 16..64-key tiles, and a sequence wastes at most 15
+#: token slots per layer.
+DEFAULT_BLOCK_SIZE = 16
+
+
+def group_key(spec: LayerSpec) -> str:
+    """Layers holding the same tokens share blocks: all full layers, the sliding layers of one window."""
+    return "full" if spec.kind == "full" else f"{spec.kind}:{spec.window}"
+
+
+class PagedPool:
+    """Per layer group, a `BlockPool` of block ids; per layer, the tensors those ids index.
+
+    One pool serves many caches (calls, tenants): blocks are reference-counted, so a prefix block can
+    live in the pool after the cache that wrote it is gone and be attached to a later cache, through
+    `prefix_store` (full-attention models only: a sliding layer drops the prefix it would share).
+    `num_blocks` fixes each group's pool; None grows on demand.
+    """
+
+    def __init__(self, config: PreTrainedConfig, *, block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None):
+        if block_size < 8 or block_size > 128 or block_size & (block_size - 1):
+            raise ConfigError(f"block_size must be a power of two in 8..128, got {block_size}")
+        if num_blocks is not None and num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1 (or None to grow on demand), got {num_blocks}")
+        self.block_size = block_size
+        self.model_spec = ModelSpec.from_config(config)
+        self.blocks: dict[str, BlockPool] = {}
+        self.layers: dict[int, LayerPool] = {}
+        for spec in self.model_spec.layers:
+            if not spec.holds_kv:
+                continue
+            key = group_key(spec)
+            if key not in self.blocks:
+                self.blocks[key] = BlockPool(num_blocks)
+            self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
+        only_full = set(self.blocks) == {"full"}
+        self.prefix_store = PrefixStore(self.blocks["full"], block_size) if only_full else None
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """A pool serves caches of the model it was built for, no other."""
+        if spec != self.model_spec:
+            raise CacheMismatchError(
+                f"this PagedPool was built for a {self.model_spec.model_type} with {self.model_spec.num_layers} layers; "
+                f"the cache is for a {spec.model_type} with {spec.num_layers} layers"
+            )

@@ -1,0 +1,135 @@
+"""Paged storage: a layer's K/V in fixed-size blocks of a shared pool, addressed through block tables."""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.dense import decode_mask, dense_attention
+from ..errors import CacheMismatchError
+from ..kernels.paged_attention import paged_decode_attention, paged_store
+from ..memory import MemoryReport
+from ..paging.group import BlockGroup
+from ..paging.layer_pool import LayerPool
+from .base import KVStorage
+
+
+class PagedStorage(KVStorage):
+    """One layer of a cache: its `LayerPool` tensors, filled through its group's block tables.
+
+    New tokens are written through a slot mapping (`paged_store`), never by concatenation; a decode
+    step attends over the blocks in place (`paged_decode_attention`), so nothing gathers the sequence
+    into a contiguous copy. Prefill and chunked prefill gather the visible past once and attend with
+    SDPA. With `fused=False` (a model on eager or another attention function) `update` returns
+    gathered dense K/V on every step instead.
+    """
+
+    def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True):
+        self.group = group
+        self.pool = pool
+        self.fused = fused
+        self.start = self.end = 0  # logical tokens held: start..end-1
+        group.join(self, pool.copy_block)
+
+    @property
+    def k_pool(self) -> torch.Tensor | None:
+        return self.pool.k
+
+    @property
+    def v_pool(self) -> torch.Tensor | None:
+        return self.pool.v
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def batch_size(self) -> int:
+        return self.group.batch_size
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.pool.ensure(keys, values)
+        if self.group.tables and keys.shape[0] != self.group.batch_size:
+            raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.group.batch_size} rows")
+        new = keys.shape[2]
+        sources = _identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
+        self.group.reserve(keys.shape[0], self.end + new, sources)
+        slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
+        paged_store(self.k_pool, self.v_pool, keys, values, slots)
+        self.end += new
+
+    def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathers the last `last` tokens into dense `[batch, kv_heads, last, head_dim]` tensors."""
+        first = self.end - last
+        bs, base = self.group.block_size, self.group.base
+        columns = torch.arange((first - base) // bs, -(-(self.end - base) // bs), device=self.k_pool.device)
+        blocks = self.group.table_tensor(self.k_pool.device).long()[:, columns]
+        skip = (first - base) % bs
+
+        def gather(pool):
+            batch, n = blocks.shape
+            dense = pool[blocks].permute(0, 2, 1, 3, 4).reshape(batch, pool.shape[1], n * bs, pool.shape[3])
+            return dense[:, :, skip : skip + last]
+
+        return gather(self.k_pool), gather(self.v_pool)
+
+    def attention_inputs(self, last: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.fused and new == 1):
+            return self.view(last)
+        # Decode reads the blocks in place; attention gets shape-correct NaN placeholders (never
+        # read on the fused path, loud if some other attention function computes with them).
+        shape = (self.batch_size, self.pool.num_kv_heads, last, self.pool.head_dim)
+        nan = torch.full((), float("nan"), dtype=self.k_pool.dtype, device=self.k_pool.device)
+        return nan.expand(shape), nan.expand(shape)
+
+    def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
+        length = keys.shape[2]
+        if query.shape[2] == 1 and not kwargs.get("dropout") and kwargs.get("softcap") is None:
+            mask = decode_mask(attention_mask, query.shape[0])
+            if mask is not False:
+                out = paged_decode_attention(
+                    query[:, :, 0], self.k_pool, self.v_pool, self.group.table_tensor(query.device),
+                    start=self.end - length - self.group.base, length=length, scale=scaling, mask=mask,
+                )
+                return out.unsqueeze(1)
+        if keys.stride(-1) == 0:  # a placeholder: this call cannot take the fused path, gather
+            keys, values = self.view(length)
+        return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
+
+    def drop_front(self, count: int) -> None:
+        # The blocks are freed at the group's next allocation (or trim): the layers of this step still
+        # attend to tokens the retention drops as soon as it has built `update`'s return value.
+        self.start += count
+
+    def drop_back(self, count: int) -> None:
+        self.end -= count
+        self.start = min(self.start, self.end)
+        self.group.trim()
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        self.group.index_batch([int(i) for i in indices])
+
+    def reset(self) -> None:
+        self.start = self.end = 0
+        self.group.trim()
+
+    def memory(self) -> MemoryReport:
+        if self.k_pool is None:
+            return MemoryReport()
+        block = self.pool.block_bytes
+        used = self.group.blocks_in_use()
+        first_member = self.group.members[0] is self
+        table = self.group.table_tensor(self.k_pool.device)
+        return MemoryReport(
+            payload_bytes=used * block,
+            reserved_bytes=0,
+            metadata_bytes=table.numel() * table.element_size() if first_member else 0,
+            batch_size=self.batch_size,
+        )
+
+
+def _identical_rows(keys: torch.Tensor) -> list[int]:
+    """For each row, the first row with the same keys (rows of one prompt: beams, samples)."""
+    sources = []
+    for row in range(keys.shape[0]):
+        sources.append(next(src for src in range(row + 1) if src == row or torch.equal(keys[src], keys[row])))
+    return sources

@@ -1,0 +1,164 @@
+"""PagedCache: sharing and copy-on-write, leaks, exhaustion, windows freeing blocks, bytes, prefix reuse."""
+
+import gc
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conformance.models import PAD_TOKEN_ID, build_model
+from hf_kvplus import CapacityError, ConfigError, PagedCache, PagedPool, UnsupportedOperationError
+
+
+def prompt(n, seed=0, batch=1):
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def free_blocks(pool: PagedPool) -> dict:
+    return {key: blocks.num_free for key, blocks in pool.blocks.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_released_cache_leaves_the_pool_as_it_was(arch):
+    model = build_model(arch)
+    pool = PagedPool(model.config, block_size=8)
+    model.generate(prompt(5), past_key_values=PagedCache(config=model.config, pool=pool), max_new_tokens=2)
+    before = free_blocks(pool)
+    cache = PagedCache(config=model.config, pool=pool)
+    model.generate(prompt(21), past_key_values=cache, num_beams=3, num_return_sequences=2, max_new_tokens=9)
+    assert free_blocks(pool) != before
+    del cache
+    gc.collect()
+    assert free_blocks(pool) == before
+    for blocks in pool.blocks.values():
+        blocks.check()
+
+
+def test_rows_of_one_prompt_share_blocks_and_copy_only_a_partial_last_block():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8)
+    ids = prompt(20)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        blocks = cache.block_pools()["full"]
+        assert blocks.num_used == 3  # 20 tokens in blocks of 8
+        cache.batch_repeat_interleave(3)
+        assert blocks.num_used == 3  # shared, not copied
+        step = torch.tensor([[7], [8], [9]])
+        model(step, past_key_values=cache)
+        assert blocks.num_used == 5  # rows 1 and 2 got their own copy of the partly filled third block
+        reference = DynamicCache(config=model.config)
+        model(ids, past_key_values=reference)
+        reference.batch_repeat_interleave(3)
+        model(step, past_key_values=reference)
+    for ours, theirs in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+def test_beams_from_one_prompt_share_the_prompt_blocks():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8)
+    with torch.no_grad():
+        model(prompt(24, batch=1).repeat(4, 1), past_key_values=cache)
+    assert cache.block_pools()["full"].num_used == 3  # 4 identical rows, 3 blocks each, stored once
+
+
+def test_a_full_pool_raises_with_numbers_and_the_cache_stays_consistent():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8, num_blocks=4)
+    with torch.no_grad():
+        model(prompt(30), past_key_values=cache)  # 4 blocks
+        with pytest.raises(CapacityError, match=r"needs 1 blocks?, 0 free of 4"):
+            model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    assert cache.get_seq_length() == 30
+    blocks = cache.block_pools()["full"]
+    blocks.check()
+    cache.crop(-6)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6]]), past_key_values=cache)  # fits again
+    assert cache.get_seq_length() == 26
+    cache.reset()
+    assert blocks.num_free == 4
+
+
+def test_sliding_layers_free_blocks_that_left_the_window():
+    model = build_model("mistral")  # every layer slides over 8 tokens
+    cache = PagedCache(config=model.config, block_size=8)
+    with torch.no_grad():
+        model(prompt(40), past_key_values=cache)
+        for token in range(30):
+            model(torch.tensor([[3 + token]]), past_key_values=cache)
+    report = cache.memory_report()
+    assert report.tokens_seen == 70 and report.tokens_held == 7
+    assert cache.block_pools()["sliding:8"].num_used <= 2
+
+
+def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_tokens_held():
+    model = build_model("llama")
+    lengths = [3, 9, 17, 30]
+    ids = prompt(30, batch=4)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, 30 - length :] = 1
+    cache = PagedCache(config=model.config, block_size=8)
+    with torch.no_grad():
+        model(ids.masked_fill(mask == 0, PAD_TOKEN_ID), attention_mask=mask, past_key_values=cache)
+    config = model.config
+    per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # one layer, float32
+    report = cache.memory_report()
+    held = 4 * 30 * per_token * config.num_hidden_layers
+    assert held <= report.payload_bytes < held + 4 * config.num_hidden_layers * 8 * per_token
+
+
+def test_prefix_reuse_skips_the_stored_prefix_and_gives_the_same_tokens():
+    model = build_model("llama")
+    pool = PagedPool(model.config, block_size=8)
+    first, second = prompt(30, seed=1), torch.cat([prompt(30, seed=1)[:, :27], prompt(6, seed=2)], dim=1)
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    cache = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
+    assert cache.reuse_prefix(first) == 0
+    model.generate(first, past_key_values=cache, **kwargs)
+    assert cache.store_prefix(first) == 3
+    del cache
+    reusing = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
+    assert reusing.reuse_prefix(second) == 24  # the three full blocks the prompts share
+    out = model.generate(second, past_key_values=reusing, **kwargs)
+    fresh = model.generate(second, past_key_values=DynamicCache(config=model.config), **kwargs)
+    assert torch.equal(out, fresh)
+    assert pool.prefix_store.stats.hit_blocks == 3
+
+
+def test_a_prefix_stored_for_one_namespace_is_never_served_to_another():
+    model = build_model("llama")
+    pool = PagedPool(model.config, block_size=8)
+    ids = prompt(30, seed=3)
+    cache = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
+    model.generate(ids, past_key_values=cache, max_new_tokens=2)
+    cache.store_prefix(ids)
+    assert PagedCache(config=model.config, pool=pool, namespace="tenant-b").reuse_prefix(ids) == 0
+    assert PagedCache(config=model.config, pool=pool, namespace="tenant-a").reuse_prefix(ids) == 24
+
+
+def test_prefix_reuse_is_refused_where_it_cannot_work():
+    hybrid = build_model("qwen2")
+    with pytest.raises(UnsupportedOperationError, match=r"all full attention; .*sliding:8"):
+        PagedCache(config=hybrid.config).reuse_prefix(prompt(20))
+    model = build_model("llama")
+    cache = PagedCache(config=model.config)
+    with torch.no_grad():
+        model(prompt(5), past_key_values=cache)
+    with pytest.raises(UnsupportedOperationError, match="needs an empty cache; this one holds 5 tokens"):
+        cache.reuse_prefix(prompt(20))
+    with pytest.raises(ConfigError, match=r"one prompt, .* got shape \(2, 20\)"):
+        PagedCache(config=model.config).reuse_prefix(prompt(20, batch=2))
+
+
+def test_bad_construction_is_refused():
+    config = build_model("llama").config
+    with pytest.raises(ConfigError, match="power of two in 8..128, got 12"):
+        PagedCache(config=config, block_size=12)
+    with pytest.raises(ConfigError, match="num_blocks must be >= 1"):
+        PagedCache(config=config, num_blocks=0)
+    with pytest.raises(ConfigError, match="namespace must be a str"):
+        PagedCache(config=config, namespace=3)
