@@ -7,6 +7,8 @@
 2. Sampling with `num_return_sequences=--samples` (seeded): bytes at rest after generate.
 3. A left-padded batch of 8 prompts of lengths 100..2000: bytes at rest of DynamicCache, a StaticCache
    sized for the longest row and PagedCache, against the bytes of the tokens actually held.
+4. Prefix reuse: time to first token of a second call whose prompt shares `--prefix` tokens with the
+   first, against the first call (PagedCache on one PagedPool, `reuse_prefix` / `store_prefix`).
 Random weights in the shape of `--model`'s config (default SmolLM2-135M), float32.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from hf_kvplus import PagedCache
+from hf_kvplus import PagedCache, PagedPool
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.memory import cache_bytes
 from hf_kvplus.planner import load_config
@@ -101,6 +103,26 @@ def padded_batch(model, lengths):
     return rows
 
 
+@torch.inference_mode()
+def prefix_reuse(model, prefix, suffix):
+    pool = PagedPool(model.config)
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randint(10, model.config.vocab_size, (1, prefix), generator=generator)
+    rows = []
+    for call in ("first call", "second call"):
+        ids = torch.cat([shared, torch.randint(10, model.config.vocab_size, (1, suffix), generator=generator)], 1)
+        cache = PagedCache(config=model.config, pool=pool, namespace="bench")
+        start = time.perf_counter()
+        reused = cache.reuse_prefix(ids)
+        model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        ttft = time.perf_counter() - start
+        cache.store_prefix(ids)
+        rows.append({"call": call, "prompt": ids.shape[1], "reused_tokens": reused, "ttft_s": ttft})
+    for row in rows:
+        row["vs_first"] = row["ttft_s"] / rows[0]["ttft_s"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="a shipped config name or config.json")
@@ -108,6 +130,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--beams", type=int, default=4)
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prefix", type=int, default=1500, help="tokens the two prompts of the reuse test share")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -120,7 +143,8 @@ def main() -> None:
 
     results = {"beam_search": beam_search(model, prompt, args.new, args.beams),
                "samples": samples(model, prompt[:, :512], 32, args.samples),
-               "padded_batch": padded_batch(model, [100 + i * 1900 // 7 for i in range(8)])}
+               "padded_batch": padded_batch(model, [100 + i * 1900 // 7 for i in range(8)]),
+               "prefix_reuse": prefix_reuse(model, args.prefix, 100)}
     print(f"\nbeam search: {args.beams} beams, prompt {args.prompt}, {args.new} new tokens")
     print(format_table(results["beam_search"], [("cache", "cache", ""), ("tok_s", "tok/s", ".2f"),
                                                ("reorder_s", "reorder s", ".3f"), ("reorder_calls", "calls", "d"),
@@ -132,6 +156,10 @@ def main() -> None:
     print(format_table(results["padded_batch"], [("cache", "cache", ""), ("bytes_at_rest", "bytes at rest", ","),
                                                 ("real_token_bytes", "real tokens' bytes", ","),
                                                 ("padded_token_bytes", "padded bytes", ",")]))
+    print(f"\nprefix reuse: two prompts sharing {args.prefix} tokens (+100 of their own), time to first token")
+    print(format_table(results["prefix_reuse"], [("call", "call", ""), ("prompt", "prompt", "d"),
+                                                ("reused_tokens", "reused", "d"), ("ttft_s", "TTFT s", ".3f"),
+                                                ("vs_first", "x first", ".3f")]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**stamp(), "args": vars(args), "results": results}, indent=2, default=str))

@@ -94,7 +94,8 @@ def test_sliding_layers_free_blocks_that_left_the_window():
     assert cache.block_pools()["sliding:8"].num_used <= 2
 
 
-def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_tokens_held():
+def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_real_tokens():
+    """Blocks holding only left padding are swapped for one shared zero block after the prefill."""
     model = build_model("llama")
     lengths = [3, 9, 17, 30]
     ids = prompt(30, batch=4)
@@ -107,8 +108,18 @@ def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_tokens_held
     config = model.config
     per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # one layer, float32
     report = cache.memory_report()
-    held = 4 * 30 * per_token * config.num_hidden_layers
-    assert held <= report.payload_bytes < held + 4 * config.num_hidden_layers * 8 * per_token
+    layers, block = config.num_hidden_layers, 8 * per_token
+    real = sum(lengths) * per_token * layers
+    assert real <= report.payload_bytes <= real + 4 * layers * block + layers * block  # + the zero block
+    assert report.payload_bytes < 4 * 30 * per_token * layers  # less than the padded batch
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        ours = model(torch.tensor([[5]] * 4), attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
+                     past_key_values=cache).logits
+        model(ids.masked_fill(mask == 0, PAD_TOKEN_ID), attention_mask=mask, past_key_values=reference)
+        theirs = model(torch.tensor([[5]] * 4), attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
+                       past_key_values=reference).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 def test_prefix_reuse_skips_the_stored_prefix_and_gives_the_same_tokens():

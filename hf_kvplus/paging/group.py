@@ -37,15 +37,28 @@ class BlockGroup:
         self.members: list = []  # the storages of the group's layers
         self._table_tensor: torch.Tensor | None = None
         self._copy_block: list[Callable[[int, int], None]] = []
+        self._zero_block: list[Callable[[int], None]] = []
+        self._pads: list[int] | None = None  # left padding seen by the first prefill, released at the next step
 
     @property
     def batch_size(self) -> int:
         return len(self.tables)
 
-    def join(self, storage, copy_block: Callable[[int, int], None]) -> None:
-        """Adds a layer's storage; `copy_block(src, dst)` copies one block of its pools (copy-on-write)."""
+    def join(self, storage, copy_block: Callable[[int, int], None], zero_block: Callable[[int], None]) -> None:
+        """Adds a layer's storage; `copy_block(src, dst)` copies one block of its tensors (copy-on-write),
+        `zero_block(id)` clears one."""
         self.members.append(storage)
         self._copy_block.append(copy_block)
+        self._zero_block.append(zero_block)
+
+    def note_padding(self, pads: list[int]) -> None:
+        """Records each row's count of left-padding tokens, seen by the first prefill's mask.
+
+        At the next trim (between steps: every layer has attended by then), blocks holding only padding
+        are swapped for one shared zero block: the mask hides those keys, so their values never matter.
+        """
+        if self._pads is None and self.base == 0 and any(pad >= self.block_size for pad in pads):
+            self._pads = pads
 
     def reserve(self, batch: int, end: int, sources: list[int] | None = None) -> None:
         """Makes slots exist for logical tokens < `end` in each of `batch` rows.
@@ -104,9 +117,12 @@ class BlockGroup:
         return self._table_tensor
 
     def trim(self) -> None:
-        """Frees whole blocks no layer needs any more: before the oldest token still held, after the newest."""
+        """Frees whole blocks no layer needs any more: before the oldest token still held, after the newest,
+        and blocks of left padding. Called between steps only (at the next allocation, crop, reports)."""
         if not self.tables or len(self.tables[0]) == 0 and self.reserved == 0:
             return
+        if self._pads is not None:
+            self._release_padding()
         first = min(m.start for m in self.members)
         last = max(m.end for m in self.members)
         if last == 0:
@@ -139,12 +155,29 @@ class BlockGroup:
         for table in self.tables:
             self.pool.decref(table)
         self.tables = []
+        self._pads = None
         self.base = self.reserved = 0
         self._table_tensor = None
 
     def blocks_in_use(self) -> int:
         """Distinct blocks the tables reference (shared blocks count once)."""
         return len({block for table in self.tables for block in table})
+
+    def _release_padding(self) -> None:
+        pads, self._pads = self._pads, None
+        full_columns = [pad // self.block_size for pad in pads]
+        shared = None
+        for table, columns in zip(self.tables, full_columns, strict=True):
+            for column in range(min(columns, len(table))):
+                if shared is None:
+                    (shared,) = self.pool.allocate(1)
+                    for zero_block in self._zero_block:
+                        zero_block(shared)
+                else:
+                    self.pool.incref([shared])
+                self.pool.decref([table[column]])
+                table[column] = shared
+        self._table_tensor = None
 
     def _free_column(self, column: int) -> None:
         self.pool.decref([table.pop(column) for table in self.tables])

@@ -43,6 +43,11 @@ class LayerPool:
             self.k[target] = self.k[source]
             self.v[target] = self.v[source]
 
+    def zero_block(self, block: int) -> None:
+        if self.k is not None:
+            self.k[block].zero_()
+            self.v[block].zero_()
+
     def _grow(self, capacity: int) -> None:
         if self.k is None:
             return

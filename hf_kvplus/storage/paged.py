@@ -28,7 +28,7 @@ class PagedStorage(KVStorage):
         self.pool = pool
         self.fused = fused
         self.start = self.end = 0  # logical tokens held: start..end-1
-        group.join(self, pool.copy_block)
+        group.join(self, pool.copy_block, pool.zero_block)
 
     @property
     def k_pool(self) -> torch.Tensor | None:
@@ -91,9 +91,19 @@ class PagedStorage(KVStorage):
                     start=self.end - length - self.group.base, length=length, scale=scaling, mask=mask,
                 )
                 return out.unsqueeze(1)
+        if self.start == 0 and self.end == query.shape[2] and attention_mask is not None:
+            self._note_padding(attention_mask)
         if keys.stride(-1) == 0:  # a placeholder: this call cannot take the fused path, gather
             keys, values = self.view(length)
         return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
+
+    def _note_padding(self, attention_mask: torch.Tensor) -> None:
+        """Left padding of the first prefill: key columns no query attends to, from the start of each row."""
+        if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[0] != self.batch_size:
+            return
+        attended = attention_mask[:, 0].any(dim=1)  # [batch, kv]
+        pads = torch.where(attended.any(dim=1), attended.int().argmax(dim=1), attended.shape[1])
+        self.group.note_padding(pads.tolist())
 
     def drop_front(self, count: int) -> None:
         # The blocks are freed at the group's next allocation (or trim): the layers of this step still
