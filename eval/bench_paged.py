@@ -9,7 +9,9 @@
    sized for the longest row and PagedCache, against the bytes of the tokens actually held.
 4. Prefix reuse: time to first token of a second call whose prompt shares `--prefix` tokens with the
    first, against the first call (PagedCache on one PagedPool, `reuse_prefix` / `store_prefix`).
-Random weights in the shape of `--model`'s config (default SmolLM2-135M), float32.
+Random weights in the shape of `--model`'s config (default SmolLM2-135M), float32. A PagedCache's bytes
+at rest include its pool's free blocks (headroom it grew into); "held blocks' bytes" are the blocks
+its tables reference.
 """
 
 from __future__ import annotations
@@ -92,12 +94,15 @@ def padded_batch(model, lengths):
         mask[row, longest - length :] = 1
     ids = ids.masked_fill(mask == 0, 0)
     makers = {**CACHES, "StaticCache": lambda config, length: StaticCache(config=config, max_cache_len=length)}
-    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 4
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
     rows = []
     for name, make in makers.items():
         cache = make(model.config, longest + 1)
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        report = cache.memory_report() if hasattr(cache, "memory_report") else None
         rows.append({"cache": name, "bytes_at_rest": cache_bytes(cache),
+                     "payload_bytes": report.payload_bytes + report.metadata_bytes if report else cache_bytes(cache),
                      "real_token_bytes": sum(lengths) * per_token,
                      "padded_token_bytes": len(lengths) * longest * per_token})
     return rows
@@ -138,7 +143,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     config = load_config(args.model)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     prompt = torch.randint(10, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
 
     results = {"beam_search": beam_search(model, prompt, args.new, args.beams),
@@ -154,6 +159,7 @@ def main() -> None:
                                            ("tokens_per_row", "tokens/row", "d")]))
     print("\nleft-padded batch of 8 prompts, 100..2000 tokens")
     print(format_table(results["padded_batch"], [("cache", "cache", ""), ("bytes_at_rest", "bytes at rest", ","),
+                                                ("payload_bytes", "held blocks' bytes", ","),
                                                 ("real_token_bytes", "real tokens' bytes", ","),
                                                 ("padded_token_bytes", "padded bytes", ",")]))
     print(f"\nprefix reuse: two prompts sharing {args.prefix} tokens (+100 of their own), time to first token")
