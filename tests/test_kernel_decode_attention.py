@@ -14,10 +14,10 @@ nearest, which doubles the bf16 figure compared with a GPU); bounds 2e-3 / 1e-2.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_checks import BOUND, left_padding, rel_err
 
 import hf_kvplus.kernels.decode_attention as mod
 from hf_kvplus.errors import (
@@ -34,29 +34,6 @@ from hf_kvplus.kernels.decode_attention import (
     decode_attention_triton,
     pick_num_splits,
 )
-
-BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-@pytest.fixture
-def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    return s
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every floating torch.empty made during the test starts as NaN, so unwritten output shows."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 def reference(q, k, v, scale, mask=None):
@@ -75,10 +52,6 @@ def reference(q, k, v, scale, mask=None):
     return torch.einsum("bhn,bhnd->bhd", p, vd)
 
 
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def check(out, q, v, ref, seed, what=""):
     B, Hq, _ = q.shape
     assert out.shape == (B, Hq, v.shape[-1]), f"{what}: shape {tuple(out.shape)}"
@@ -95,13 +68,6 @@ def make(B, Hkv, G, N, D, Dv, dtype):
     k = torch.randn(B, Hkv, N, D, dtype=dtype)
     v = torch.randn(B, Hkv, N, Dv, dtype=dtype)
     return q, k, v
-
-
-def left_padding(B, N, pads):
-    mask = torch.ones(B, N, dtype=torch.bool)
-    for b, pad in enumerate(pads):
-        mask[b, :pad] = False
-    return mask
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ The store is checked bit for bit against a loop that writes slot by slot.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_checks import BOUND, left_padding, rel_err
 
 import hf_kvplus.kernels.paged_attention as mod
 from hf_kvplus.errors import (
@@ -38,30 +38,6 @@ from hf_kvplus.kernels.paged_attention import (
     paged_store_torch,
     paged_store_triton,
 )
-
-BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-@pytest.fixture
-def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    return s
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every floating torch.empty made during the test starts as NaN, so unwritten output shows."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
 
 # ---------------------------------------------------------------------------------------------------
 # Layouts and references
@@ -133,10 +109,6 @@ def reference(q, lay, scale, mask=None):
     return torch.einsum("bhn,bhnd->bhd", p, vd)
 
 
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def check(out, q, Dv, ref, seed, what=""):
     B, Hq, _ = q.shape
     assert out.shape == (B, Hq, Dv), f"{what}: shape {tuple(out.shape)}"
@@ -146,13 +118,6 @@ def check(out, q, Dv, ref, seed, what=""):
     err = rel_err(out, ref)
     assert err < BOUND[q.dtype], f"{what}: rel err {err:.3g} >= {BOUND[q.dtype]} for {q.dtype} (seed {seed})"
     return err
-
-
-def left_padding(B, N, pads):
-    mask = torch.ones(B, N, dtype=torch.bool)
-    for b, pad in enumerate(pads):
-        mask[b, :pad] = False
-    return mask
 
 
 def bits(t):
