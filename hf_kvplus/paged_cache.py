@@ -30,8 +30,8 @@ class PagedCache(KVCache):
     reference counts; a row that writes into a shared, partly filled block first gets its own copy.
     Sliding-window layers free blocks that left their window.
 
-    Without `pool`, the cache builds its own (`block_size`, `num_blocks`: None grows on demand; a
-    fixed pool that runs out raises `CapacityError` naming the blocks needed and free, and the cache
+    Without `pool`, the cache builds its own (`block_size`; `num_blocks` or a `max_bytes` budget fix it,
+    by default it grows on demand; a fixed pool that runs out raises `CapacityError` naming the blocks needed and free, and the cache
     stays as it was). Pass a `PagedPool` to share blocks with other caches of the same model, and to
     reuse prompt prefixes across calls under a `namespace` (tenant, adapter...): blocks stored under
     one namespace are never served to another.
@@ -52,13 +52,14 @@ class PagedCache(KVCache):
         pool: PagedPool | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
+        max_bytes: int | None = None,
         namespace: str = "default",
     ):
         if not isinstance(namespace, str):
             raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
         self.namespace = namespace
         self._owns_pool = pool is None
-        self.pool = pool or PagedPool(config, block_size=block_size, num_blocks=num_blocks)
+        self.pool = pool or PagedPool(config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes)
         self.pool.check_model(ModelSpec.from_config(config))
         self.groups: dict[str, BlockGroup] = {}
         fused = getattr(config, "_attn_implementation", None) in FUSED_ATTENTION

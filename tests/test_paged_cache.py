@@ -165,6 +165,20 @@ def test_prefix_reuse_is_refused_where_it_cannot_work():
         PagedCache(config=model.config).reuse_prefix(prompt(20, batch=2))
 
 
+def test_a_memory_budget_fixes_the_pools():
+    config = build_model("qwen2").config  # one sliding layer group and one full layer group
+    head_dim = config.hidden_size // config.num_attention_heads
+    block = 2 * config.num_key_value_heads * 8 * head_dim * 4  # one layer, float32
+    cache = PagedCache(config=config, block_size=8, max_bytes=3 * 10 * block)
+    pools = cache.block_pools()
+    assert pools["full"].is_fixed and pools["full"].capacity == 10  # one full layer of three: a third
+    assert pools["sliding:8"].capacity == 10  # two sliding layers share two thirds
+    with pytest.raises(ConfigError, match=r"max_bytes 100 leaves 66 bytes for the sliding:8 layers, less than one block of 4,096 bytes"):
+        PagedCache(config=config, block_size=8, max_bytes=100)
+    with pytest.raises(ConfigError, match="not both"):
+        PagedCache(config=config, num_blocks=4, max_bytes=10**6)
+
+
 def test_bad_construction_is_refused():
     config = build_model("llama").config
     with pytest.raises(ConfigError, match="power of two in 8..128, got 12"):
