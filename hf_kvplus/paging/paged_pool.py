@@ -15,6 +15,8 @@ from .prefix_store import PrefixStore
 #: head, a whole number of the decode kernel's 16..64-key tiles, and a sequence wastes at most 15
 #: token slots per layer.
 DEFAULT_BLOCK_SIZE = 16
+#: A growable pool starts this small: a short prompt should not hold a large empty pool at rest.
+GROWABLE_INITIAL_BLOCKS = 8
 
 
 def group_key(spec: LayerSpec) -> str:
@@ -59,7 +61,8 @@ class PagedPool:
                 continue
             key = group_key(spec)
             if key not in self.blocks:
-                self.blocks[key] = BlockPool(budgets[key] if max_bytes is not None else num_blocks)
+                fixed = budgets[key] if max_bytes is not None else num_blocks
+                self.blocks[key] = BlockPool(fixed, initial=GROWABLE_INITIAL_BLOCKS)
             self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
         only_full = set(self.blocks) == {"full"}
         self.prefix_store = PrefixStore(self.blocks["full"], block_size) if only_full else None
