@@ -90,20 +90,24 @@ def _check_inputs(q, k, v, scale, mask, num_splits) -> tuple[int, int, int, int,
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ShapeError(f"{name}={d} is not supported; expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
 
+    _check_mask_and_scale(mask, scale, (B, N), "[B, N]", q.device, "q/k/v")
+    _check_num_splits(num_splits)
+    return B, Hq, Hkv, Hq // Hkv, N, D, Dv
+
+
+def _check_mask_and_scale(mask, scale, shape: tuple[int, int], layout: str, device, holders: str) -> None:
+    """Shared by the dense and paged kernels: a bool `shape` mask on `device` (or None), a finite scale."""
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise DTypeError(f"mask must be a torch.bool tensor or None, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
             raise DTypeError(f"mask dtype must be torch.bool (True = attend), got {mask.dtype}")
-        if tuple(mask.shape) != (B, N):
-            raise ShapeError(f"mask shape must be [B, N] = [{B}, {N}], got {list(mask.shape)}")
-        if mask.device != q.device:
-            raise DeviceError(f"mask is on {mask.device}, q/k/v on {q.device}")
-
+        if tuple(mask.shape) != shape:
+            raise ShapeError(f"mask shape must be {layout} = {list(shape)}, got {list(mask.shape)}")
+        if mask.device != device:
+            raise DeviceError(f"mask is on {mask.device}, {holders} on {device}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ConfigError(f"scale must be a finite float, got {scale!r}")
-    _check_num_splits(num_splits)
-    return B, Hq, Hkv, Hq // Hkv, N, D, Dv
 
 
 def _check_num_splits(num_splits) -> None:

@@ -33,8 +33,6 @@ counts as a masked key there (the twin raises ShapeError), never as an out-of-bo
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
@@ -42,6 +40,7 @@ from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
     SUPPORTED_DTYPES,
+    _check_mask_and_scale,
     _check_num_splits,
     _is_interpreted,
     _split_kv_attention,
@@ -173,18 +172,7 @@ def _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale
             f"columns ({columns * bs} tokens)"
         )
 
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise DTypeError(f"mask must be a torch.bool tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool:
-            raise DTypeError(f"mask dtype must be torch.bool (True = attend), got {mask.dtype}")
-        if tuple(mask.shape) != (B, length):
-            raise ShapeError(f"mask shape must be [B, length] = [{B}, {length}], got {list(mask.shape)}")
-        if mask.device != q.device:
-            raise DeviceError(f"mask is on {mask.device}, q and the pools on {q.device}")
-
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ConfigError(f"scale must be a finite float, got {scale!r}")
+    _check_mask_and_scale(mask, scale, (B, length), "[B, length]", q.device, "q and the pools")
     _check_num_splits(num_splits)
     return B, Hq, Hkv, Hq // Hkv, D, Dv, bs, nb
 

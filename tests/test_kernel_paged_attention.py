@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from kernel_checks import BOUND, left_padding, rel_err
+from kernel_checks import check, left_padding, reference
 
 import hf_kvplus.kernels.paged_attention as mod
 from hf_kvplus.errors import (
@@ -92,32 +92,12 @@ def contiguous(pool, table, start, length):
     return out
 
 
-def reference(q, lay, scale, mask=None):
-    """float64 softmax(q k^T * scale + mask) v over the contiguous K/V, K/V repeated per query group."""
+def paged_reference(q, lay, scale, mask=None):
+    """The float64 reference over the contiguous K/V the table describes."""
     k = contiguous(lay.k_pool, lay.table, lay.start, lay.length)
     v = contiguous(lay.v_pool, lay.table, lay.start, lay.length)
     assert torch.isfinite(k).all() and torch.isfinite(v).all()  # the poison is outside the range
-    G = q.shape[1] // k.shape[1]
-    kd, vd = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    s = torch.einsum("bhd,bhnd->bhn", q.double(), kd) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    if mask is not None:
-        # A row with no key to attend to is defined as zeros (softmax over all -inf is NaN).
-        p = torch.where(mask.any(dim=-1)[:, None, None], p, torch.zeros_like(p))
-    return torch.einsum("bhn,bhnd->bhd", p, vd)
-
-
-def check(out, q, Dv, ref, seed, what=""):
-    B, Hq, _ = q.shape
-    assert out.shape == (B, Hq, Dv), f"{what}: shape {tuple(out.shape)}"
-    assert out.dtype == q.dtype
-    assert out.is_contiguous()
-    assert torch.isfinite(out).all(), f"{what}: non-finite output (seed {seed})"
-    err = rel_err(out, ref)
-    assert err < BOUND[q.dtype], f"{what}: rel err {err:.3g} >= {BOUND[q.dtype]} for {q.dtype} (seed {seed})"
-    return err
+    return reference(q, k, v, scale, mask)
 
 
 def bits(t):
@@ -151,7 +131,7 @@ def test_triton_matches_reference(
     out = paged_decode_attention_triton(
         q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=scale, mask=mask, num_splits=num_splits
     )
-    check(out, q, Dv, reference(q, lay, scale, mask), seed)
+    check(out, q, Dv, paged_reference(q, lay, scale, mask), seed)
     if pads is not None and max(pads) == length:
         assert torch.equal(out[pads.index(length)], torch.zeros_like(out[0]))
     assert torch.equal(bits(lay.k_pool), k_before) and torch.equal(bits(lay.v_pool), v_before)
@@ -162,7 +142,7 @@ def test_triton_num_splits_agree(seed, poisoned_empty):
     # the merge has to get the max rescaling right.
     lay = Layout(2, 2, 64, 64, 16, 9, 230, torch.float32, share=3)
     q = torch.randn(2, 4, 64)
-    ref = reference(q, lay, 1.0)
+    ref = paged_reference(q, lay, 1.0)
     for num_splits in (1, 2, 3, 64):
         out = paged_decode_attention_triton(
             q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=1.0, num_splits=num_splits
@@ -186,7 +166,7 @@ def test_triton_views_and_all_masked(seed, poisoned_empty):
     assert not (k.is_contiguous() or table.is_contiguous())
     mask = left_padding(B, 50, (3, 0))
     out = paged_decode_attention_triton(q, k, v, table, start=6, length=50, scale=0.125, mask=mask, num_splits=2)
-    check(out, q, D, reference(q, lay, 0.125, mask), seed, "views")
+    check(out, q, D, paged_reference(q, lay, 0.125, mask), seed, "views")
 
     mask = torch.zeros(B, 50, dtype=torch.bool)
     out = paged_decode_attention_triton(q, k, v, table, start=6, length=50, scale=0.125, mask=mask)
@@ -226,10 +206,10 @@ def test_torch_twin_matches_reference(seed, dtype, G, D, Dv, bs, start, length):
     q = torch.randn(B, Hkv * G, D).to(dtype)
     mask = left_padding(B, length, (0, length // 3, length))
     out = paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1, mask=mask)
-    check(out, q, Dv, reference(q, lay, 0.1, mask), seed, f"G={G}, bs={bs}")
+    check(out, q, Dv, paged_reference(q, lay, 0.1, mask), seed, f"G={G}, bs={bs}")
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     out = paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1)
-    check(out, q, Dv, reference(q, lay, 0.1), seed, f"G={G}, bs={bs}, no mask")
+    check(out, q, Dv, paged_reference(q, lay, 0.1), seed, f"G={G}, bs={bs}, no mask")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -244,7 +224,7 @@ def test_torch_twin_small_chunks(seed, monkeypatch, dtype):
     mask = left_padding(B, length, (0, 40, 89, 0))
     mask[3] = torch.rand(length) < 0.7
     mask[3, -1] = True
-    ref = reference(q, lay, 1.0, mask)
+    ref = paged_reference(q, lay, 1.0, mask)
     out = paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=1.0, mask=mask)
     check(out, q, D, ref, seed, "contiguous pools")
     kbuf = torch.randn(lay.k_pool.shape[0], Hkv + 1, bs, D).to(dtype)
