@@ -69,6 +69,8 @@ class BlockGroup:
         `sources[row]` names an earlier row with the same tokens (beams and samples of one prompt):
         such a row shares that row's blocks instead of getting its own.
         """
+        if self.tables and end <= self.reserved:
+            return  # a later layer of this step: the first one allocated (and trimmed)
         self.trim()
         if not self.tables:
             if sources is not None and any(src != row for row, src in enumerate(sources)):
