@@ -1,0 +1,234 @@
+"""Quantized K/V formats: the byte layout shared by the quantize-and-pack and attention kernels.
+
+KIVI layout (Liu et al., 2024): keys are quantized per channel, in groups of ``group_size`` tokens
+(outlier channels of keys get their own range); values per token, in groups of ``group_size``
+channels. ``bits`` is 8, 4 or 2 (asymmetric integers: a float16 scale and zero point per group) or
+``"fp8"`` (float8 e4m3 codes with a float16 scale per group, no zero point).
+
+Layout of ``T`` tokens of one (row, head) — leading dims are free (``[B, Hkv]`` dense, ``[blocks,
+Hkv]`` paged):
+
+- codes, keys and values alike: uint8 ``[..., T, D * bits // 8]`` (fp8: ``[..., T, D]``). With
+  ``per = 8 // bits`` codes per byte and ``P = D // per``, byte ``j`` of a token holds channel
+  ``i * P + j`` in bits ``i * bits .. (i + 1) * bits - 1`` for ``i = 0 .. per - 1`` (so unpacking a
+  byte row with ``per`` shifts and concatenating gives the channels in order).
+- key scales/zeros: float16 ``[..., T // group_size, D]`` (token ``t`` uses row ``t // group_size``).
+- value scales/zeros: float16 ``[..., T, D // group_size]`` (channel ``c`` uses column ``c // group_size``).
+
+Integer codes: ``q = clamp(floor((x - zero) / scale + 0.5), 0, 2**bits - 1)``, ``x^ = zero + q * scale``.
+The group's min and max are taken in float32; the zero point is rounded to float16 *below* the min
+and the scale to float16 *above* ``(max - zero) / (2**bits - 1)``, so no value is clamped and
+``|x - x^| <= scale / 2`` (plus float32 rounding) for every element: the analytic bound. fp8:
+``scale >= amax / 448`` rounded up to float16, ``q = e4m3(x / scale)`` (round to nearest even),
+``|x - x^| <= |x| * 2**-4 + scale * 2**-10``.
+
+The functions here are the plain-torch twins (any device); ``kernels/quant_pack.py`` has the Triton
+quantize-and-pack kernels, bit-identical to these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
+
+__all__ = [
+    "FP8_MAX",
+    "PackedKV",
+    "QuantFormat",
+    "dequantize_keys",
+    "dequantize_values",
+    "pack_codes",
+    "quantize_keys",
+    "quantize_values",
+    "unpack_codes",
+]
+
+#: Largest finite float8 e4m3fn value.
+FP8_MAX = 448.0
+#: Relative margin for the directed float16 rounding of zero points and scales (2 float16 ulps).
+_MARGIN = 2.0**-10
+#: Smallest positive float16 (subnormal): the floor of a scale, so a constant group divides by > 0.
+_TINY = 2.0**-24
+BIT_WIDTHS = (8, 4, 2, "fp8")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A bit width (8, 4, 2 or "fp8") and a group size (tokens per key group, channels per value group)."""
+
+    bits: int | str
+    group_size: int
+
+    def __post_init__(self):
+        if self.bits not in BIT_WIDTHS or isinstance(self.bits, bool):
+            raise ConfigError(f"bits must be one of 8, 4, 2 or 'fp8', got {self.bits!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ConfigError(f"group_size must be a positive int, got {self.group_size!r}")
+
+    @property
+    def is_float(self) -> bool:
+        return self.bits == "fp8"
+
+    @property
+    def code_bits(self) -> int:
+        return 8 if self.is_float else self.bits
+
+    @property
+    def per_byte(self) -> int:
+        """Codes per byte."""
+        return 8 // self.code_bits
+
+    @property
+    def qmax(self) -> int:
+        return 2**self.code_bits - 1
+
+    def packed_dim(self, head_dim: int) -> int:
+        return head_dim // self.per_byte
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """A value group must tile the head dim, and a byte must hold whole channels."""
+        if head_dim % self.group_size:
+            raise ConfigError(
+                f"group_size {self.group_size} does not divide head_dim {head_dim}: value groups must tile the "
+                "channels"
+            )
+        if head_dim % self.per_byte:
+            raise ConfigError(f"head_dim {head_dim} is not a multiple of {self.per_byte} ({self.bits}-bit codes per byte)")
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Bytes at rest of one token's key and value of one head: codes plus amortized scales/zeros."""
+        params = 1 if self.is_float else 2  # scale (+ zero), float16 each
+        codes = 2 * self.packed_dim(head_dim)
+        key_params = params * 2 * head_dim / self.group_size  # one row per group of tokens
+        value_params = params * 2 * head_dim / self.group_size  # head_dim / group_size groups per token
+        return codes + key_params + value_params
+
+    def __str__(self) -> str:
+        name = "fp8" if self.is_float else f"int{self.bits}"
+        return f"{name}/g{self.group_size}"
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """Quantized keys and values of one layer as the attention kernels read them (zeros None for fp8).
+
+    Dense storage: ``[B, Hkv, T, ...]`` buffers (token ``t``'s key group is row ``t // group_size`` of
+    ``k_scale``/``k_zero``). Paged storage: pools ``[blocks, Hkv, block_size, ...]`` with ``block_size``
+    a multiple of the group size (a block's key groups are rows ``offset // group_size`` of its
+    ``k_scale``/``k_zero`` block, ``[blocks, Hkv, block_size // group_size, D]``).
+    """
+
+    k: torch.Tensor  # uint8 [..., T, D // per]
+    k_scale: torch.Tensor  # float16 [..., T // group_size, D]
+    k_zero: torch.Tensor | None
+    v: torch.Tensor  # uint8 [..., T, Dv // per]
+    v_scale: torch.Tensor  # float16 [..., T, Dv // group_size]
+    v_zero: torch.Tensor | None
+
+
+def _check_float(x: torch.Tensor, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise DTypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise DTypeError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 2:
+        raise ShapeError(f"{what} must be [..., tokens, head_dim], got shape {tuple(x.shape)}")
+
+
+def pack_codes(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """uint8 codes ``[..., D]`` (each < 2**bits) to packed bytes ``[..., D // per]`` (see module doc)."""
+    per = fmt.per_byte
+    if per == 1:
+        return codes.to(torch.uint8)
+    parts = codes.to(torch.uint8).unflatten(-1, (per, -1))  # [..., per, P]: part i = channels i*P..
+    packed = torch.zeros_like(parts[..., 0, :])
+    for i in range(per):
+        packed |= parts[..., i, :] << (i * fmt.code_bits)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Packed bytes ``[..., P]`` to uint8 codes ``[..., P * per]``, channels in order."""
+    per = fmt.per_byte
+    if per == 1:
+        return packed
+    mask = fmt.qmax
+    return torch.cat([(packed >> (i * fmt.code_bits)) & mask for i in range(per)], dim=-1)
+
+
+def _params_int(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 (scale, zero) with zero <= lo and zero + qmax * scale >= hi (float32 in, float16 out)."""
+    zero = (lo - lo.abs() * _MARGIN - _TINY).to(torch.float16)
+    scale = ((hi - zero.float()) / qmax * (1 + _MARGIN)).clamp_min(_TINY).to(torch.float16)
+    return scale, zero
+
+
+def _encode_int(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: int) -> torch.Tensor:
+    q = torch.floor((x - zero.float()) / scale.float() + 0.5)
+    return q.clamp_(0, qmax).to(torch.uint8)
+
+
+def _scale_fp8(amax: torch.Tensor) -> torch.Tensor:
+    return (amax / FP8_MAX * (1 + _MARGIN)).clamp_min(_TINY).to(torch.float16)
+
+
+def _encode_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    y = (x / scale.float()).clamp_(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: QuantFormat) -> torch.Tensor:
+    if fmt.is_float:
+        return codes.view(torch.float8_e4m3fn).float() * scale.float()
+    return zero.float() + codes.float() * scale.float()
+
+
+def quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys ``[..., T, D]`` (T a multiple of the group size) to (codes, scale, zero), per channel per group of tokens."""
+    _check_float(x, "keys")
+    T, D = x.shape[-2:]
+    if T % fmt.group_size:
+        raise ShapeError(f"keys hold {T} tokens, not a multiple of the group size {fmt.group_size}")
+    fmt.check_head_dim(D)
+    xf = x.float().unflatten(-2, (T // fmt.group_size, fmt.group_size))  # [..., groups, G, D]
+    if fmt.is_float:
+        scale = _scale_fp8(xf.abs().amax(dim=-2))
+        codes = _encode_fp8(xf, scale.unsqueeze(-2)).flatten(-3, -2)
+        return codes, scale, None
+    scale, zero = _params_int(xf.amin(dim=-2), xf.amax(dim=-2), fmt.qmax)
+    codes = _encode_int(xf, scale.unsqueeze(-2), zero.unsqueeze(-2), fmt.qmax).flatten(-3, -2)
+    return pack_codes(codes, fmt), scale, zero
+
+
+def quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Values ``[..., T, D]`` to (codes, scale, zero), per token per group of channels."""
+    _check_float(x, "values")
+    D = x.shape[-1]
+    fmt.check_head_dim(D)
+    xf = x.float().unflatten(-1, (D // fmt.group_size, fmt.group_size))  # [..., T, groups, G]
+    if fmt.is_float:
+        scale = _scale_fp8(xf.abs().amax(dim=-1))
+        codes = _encode_fp8(xf, scale.unsqueeze(-1)).flatten(-2)
+        return codes, scale, None
+    scale, zero = _params_int(xf.amin(dim=-1), xf.amax(dim=-1), fmt.qmax)
+    codes = _encode_int(xf, scale.unsqueeze(-1), zero.unsqueeze(-1), fmt.qmax).flatten(-2)
+    return pack_codes(codes, fmt), scale, zero
+
+
+def dequantize_keys(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype``."""
+    q = unpack_codes(codes, fmt).unflatten(-2, (scale.shape[-2], fmt.group_size))
+    s = scale.unsqueeze(-2)
+    z = None if zero is None else zero.unsqueeze(-2)
+    return _decode(q, s, z, fmt).flatten(-3, -2).to(dtype)
+
+
+def dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype``."""
+    q = unpack_codes(codes, fmt).unflatten(-1, (scale.shape[-1], fmt.group_size))
+    s = scale.unsqueeze(-1)
+    z = None if zero is None else zero.unsqueeze(-1)
+    return _decode(q, s, z, fmt).flatten(-2).to(dtype)
