@@ -52,6 +52,8 @@ FP8_MAX = 448.0
 _MARGIN = 2.0**-10
 #: Smallest positive float16 (subnormal): the floor of a scale, so a constant group divides by > 0.
 _TINY = 2.0**-24
+#: Half the float16 subnormal spacing: added before rounding a scale so that it rounds up there too.
+_HALF_TINY = 2.0**-25
 BIT_WIDTHS = (8, 4, 2, "fp8")
 
 
@@ -162,7 +164,7 @@ def unpack_codes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 def _params_int(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 (scale, zero) with zero <= lo and zero + qmax * scale >= hi (float32 in, float16 out)."""
     zero = (lo - lo.abs() * _MARGIN - _TINY).to(torch.float16)
-    scale = ((hi - zero.float()) / qmax * (1 + _MARGIN)).clamp_min(_TINY).to(torch.float16)
+    scale = ((hi - zero.float()) / qmax * (1 + _MARGIN) + _HALF_TINY).clamp_min(_TINY).to(torch.float16)
     return scale, zero
 
 
@@ -172,7 +174,7 @@ def _encode_int(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: 
 
 
 def _scale_fp8(amax: torch.Tensor) -> torch.Tensor:
-    return (amax / FP8_MAX * (1 + _MARGIN)).clamp_min(_TINY).to(torch.float16)
+    return (amax / FP8_MAX * (1 + _MARGIN) + _HALF_TINY).clamp_min(_TINY).to(torch.float16)
 
 
 def _encode_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
