@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +176,7 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(
         Q, K, V, Mask, MidO, MidM, MidL, BT,
-        N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
+        N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS, SPLIT_OFFSET,
         qk_scale,
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kn,
@@ -193,7 +194,8 @@ if triton is not None:
         # key n of row b is logical token t = START + n, in block BT[b, t // BLOCK_SIZE] at offset
         # t % BLOCK_SIZE (stride_kb is then the pool's block stride). Table entries outside the keys'
         # columns are never read; block ids outside 0..NUM_BLOCKS-1 are treated as masked keys
-        # (never dereferenced).
+        # (never dereferenced). Partials: NUM_SPLITS slots per query head in MidO/MidM/MidL, this
+        # launch's split pid_s writes slot SPLIT_OFFSET + pid_s (other launches may fill the rest).
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -264,7 +266,7 @@ if triton is not None:
             m_i = m_new
 
         # Partials of query head (pid_h * G + g) for this split.
-        row = (pid_b * HQ + q_rows) * NUM_SPLITS + pid_s
+        row = (pid_b * HQ + q_rows) * NUM_SPLITS + SPLIT_OFFSET + pid_s
         tl.store(MidM + row, m_i, mask=g_ok)
         tl.store(MidL + row, l_i, mask=g_ok)
         tl.store(MidO + row[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
@@ -347,6 +349,49 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
     return _split_kv_attention(q, k, v, mask, scale=scale, num_splits=num_splits, n_keys=N)
 
 
+class _SplitPlan(NamedTuple):
+    """Tile sizes and split count of one launch of the split kernel (see :func:`_plan_splits`)."""
+
+    block_g: int
+    g_chunks: int
+    d_pad: int
+    dv_pad: int
+    block_n: int
+    num_warps: int
+    tiles_per_split: int
+    num_splits: int
+
+
+def _plan_splits(q, Hkv, Dv, n_keys, num_splits, block_n=None) -> _SplitPlan:
+    """Tiles and splits for ``n_keys`` keys (``block_n`` None: the dense kernel's tile rule)."""
+    B, Hq, D = q.shape
+    G = Hq // Hkv
+    block_g = min(MAX_BLOCK_G, max(16, triton.next_power_of_2(G)))
+    g_chunks = triton.cdiv(G, block_g)
+    d_pad = max(16, triton.next_power_of_2(D))
+    dv_pad = max(16, triton.next_power_of_2(Dv))
+    if block_n is None:
+        block_n = _block_n(d_pad, dv_pad, q.element_size())
+    num_warps = _num_warps(block_g, d_pad, dv_pad, block_n, q.element_size())
+    tiles = triton.cdiv(n_keys, block_n)
+    if num_splits is None:
+        sms = _sm_count(q.device.index) if q.is_cuda else None
+        num_splits = pick_num_splits(B, Hkv * g_chunks, n_keys, block_n, sms)
+    tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
+    num_splits = triton.cdiv(tiles, tiles_per_split)
+    return _SplitPlan(block_g, g_chunks, d_pad, dv_pad, block_n, num_warps, tiles_per_split, num_splits)
+
+
+def _alloc_partials(q, Dv, total_splits):
+    """float32 partial results (acc [B, Hq, S, Dv], running max and sum [B, Hq, S]) for the merge kernel."""
+    B, Hq, _ = q.shape
+    dev = q.device
+    mid_o = torch.empty((B, Hq, total_splits, Dv), dtype=torch.float32, device=dev)
+    mid_m = torch.empty((B, Hq, total_splits), dtype=torch.float32, device=dev)
+    mid_l = torch.empty((B, Hq, total_splits), dtype=torch.float32, device=dev)
+    return mid_o, mid_m, mid_l
+
+
 def _split_kv_attention(
     q, k, v, mask, *, scale, num_splits, n_keys, block_table=None, start=0, block_size=1
 ) -> torch.Tensor:
@@ -357,28 +402,30 @@ def _split_kv_attention(
     ``start + n`` of that row's ``block_table`` (int32 [B, columns]). ``n_keys`` = N keys, ``mask``
     None or bool [B, N].
     """
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    plan = _plan_splits(q, Hkv, Dv, n_keys, num_splits)
+    partials = _alloc_partials(q, Dv, plan.num_splits)
+    _launch_split(
+        q, k, v, mask, partials, plan, scale=scale, n_keys=n_keys, block_table=block_table, start=start,
+        block_size=block_size,
+    )
+    return _merge_partials(partials, q.dtype, plan.dv_pad)
+
+
+def _launch_split(
+    q, k, v, mask, partials, plan, *, scale, n_keys, split_offset=0, block_table=None, start=0, block_size=1
+) -> None:
+    """Launch the split kernel: its ``plan.num_splits`` splits write slots ``split_offset ..`` of ``partials``.
+
+    Storage and arguments as in :func:`_split_kv_attention`; ``partials`` from :func:`_alloc_partials`
+    (other launches may fill its other slots before :func:`_merge_partials`).
+    """
     B, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G, N = Hq // Hkv, n_keys
     paged = block_table is not None
-    block_g = min(MAX_BLOCK_G, max(16, triton.next_power_of_2(G)))
-    g_chunks = triton.cdiv(G, block_g)
-    d_pad = max(16, triton.next_power_of_2(D))
-    dv_pad = max(16, triton.next_power_of_2(Dv))
-    block_n = _block_n(d_pad, dv_pad, q.element_size())
-    num_warps = _num_warps(block_g, d_pad, dv_pad, block_n, q.element_size())
-    tiles = triton.cdiv(N, block_n)
-    if num_splits is None:
-        sms = _sm_count(q.device.index) if q.is_cuda else None
-        num_splits = pick_num_splits(B, Hkv * g_chunks, N, block_n, sms)
-    tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
-    num_splits = triton.cdiv(tiles, tiles_per_split)
-
-    dev = q.device
-    mid_o = torch.empty((B, Hq, num_splits, Dv), dtype=torch.float32, device=dev)
-    mid_m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
-    mid_l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
-    out = torch.empty((B, Hq, Dv), dtype=q.dtype, device=dev)
+    mid_o, mid_m, mid_l = partials
+    total_splits = mid_m.shape[-1]
 
     if mask is None:
         mask_arg, smb, smn = q, 0, 0  # never read (HAS_MASK=False)
@@ -392,9 +439,9 @@ def _split_kv_attention(
         bt_arg, sbb, sbc, num_blocks = q, 0, 0, 0  # never read (PAGED=False)
 
     log2e = 1.4426950408889634
-    _decode_split_kernel[(B, Hkv * g_chunks, num_splits)](
+    _decode_split_kernel[(B, Hkv * plan.g_chunks, plan.num_splits)](
         q, k, v, mask_arg, mid_o, mid_m, mid_l, bt_arg,
-        N, G, D, Dv, Hq, num_splits, tiles_per_split, start, num_blocks,
+        N, G, D, Dv, Hq, total_splits, plan.tiles_per_split, start, num_blocks, split_offset,
         float(scale) * log2e,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
@@ -403,15 +450,23 @@ def _split_kv_attention(
         sbb, sbc,
         HAS_MASK=mask is not None,
         PAGED=paged, BLOCK_SIZE=block_size if paged else 1,
-        G_CHUNKS=g_chunks, BLOCK_G=block_g, D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_N=block_n,
+        G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
+        BLOCK_N=plan.block_n,
         # fp16/bf16 values are exact in tf32, so QK^T loses nothing on tensor cores and P keeps 11
         # significant bits in P @ V; float32 inputs need "ieee" to stay float32-accurate.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        num_warps=plan.num_warps,
     )
+
+
+def _merge_partials(partials, dtype, dv_pad) -> torch.Tensor:
+    """Merge kernel: combine every split slot of ``partials`` into the output [B, Hq, Dv] in ``dtype``."""
+    mid_o, mid_m, mid_l = partials
+    B, Hq, total_splits, Dv = mid_o.shape
+    out = torch.empty((B, Hq, Dv), dtype=dtype, device=mid_o.device)
     _decode_merge_kernel[(B, Hq)](
         mid_o, mid_m, mid_l, out,
-        Dv, Hq, num_splits,
+        Dv, Hq, total_splits,
         out.stride(0), out.stride(1),
         DV_PAD=dv_pad, BLOCK_S=MERGE_BLOCK_S,
         num_warps=4,

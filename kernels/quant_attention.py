@@ -1,0 +1,697 @@
+"""Decode attention over quantized K/V, read in place: the codes are dequantized in registers.
+
+One query token per batch row attends to a quantized segment (group-quantized codes with float16
+scales/zeros, the layout of ``kernels/quant_format.py``) followed by an optional full-precision
+residual (the most recent tokens, not yet quantized). No full-length dequantized K/V is ever made.
+
+Three entry points share one contract:
+
+- :func:`quantized_decode_attention` dispatches: CUDA tensors go to Triton, everything else to the
+  plain-torch twin.
+- :func:`quantized_decode_attention_triton` is split-KV flash-decoding. Kernel 1 (``_quant_split_kernel``)
+  walks one slice of the quantized tokens per (batch row, KV head, split) for the whole query group:
+  it loads uint8 code tiles [BLOCK_N, P] and, per token and channel, the token's key scale/zero row
+  (``t // group_size``) and value scale/zero column (``c // group_size``), unpacks the codes with
+  shifts, dequantizes in float32 registers and runs the online softmax. The bit width (``BITS``,
+  ``IS_FP8``) and the storage (``PAGED``) are compile-time switches. The residual, if any, runs
+  ``decode_attention``'s split kernel on its own splits, writing its partials after the quantized
+  ones into the same buffers; ``decode_attention``'s merge kernel combines all of them.
+- :func:`quantized_decode_attention_torch` is the twin: it walks the quantized segment in chunks
+  (``TWIN_CHUNK_TOKENS`` keys; whole key groups dense, whole blocks paged), dequantizes one chunk at
+  a time with ``quant_format``'s functions, then the residual, merging with an online softmax in
+  float32 (memory O(chunk), not O(length)).
+
+Arguments. q [B, Hq, D] in float32, float16 or bfloat16; Hq % Hkv == 0 (query head h reads KV head
+h // (Hq // Hkv)). ``packed`` is a :class:`PackedKV` in format ``fmt`` (``per = 8 // bits`` codes per
+byte, fp8: 1; G = ``fmt.group_size``):
+
+- dense (``block_table`` None): buffers k [B, Hkv, T, D // per], k_scale/k_zero [B, Hkv, T // G, D],
+  v [B, Hkv, T, Dv // per], v_scale/v_zero [B, Hkv, T, Dv // G]; the keys attended are buffer tokens
+  ``start .. start + length - 1`` (``start`` need not be group-aligned; every attended token's key
+  group must lie inside the buffer: ``start + length <= (T // G) * G``).
+- paged (``block_table`` int32 [B, columns]): pools with ``num_blocks`` in place of B and the block
+  size ``bs`` (a multiple of G) in place of T (k_scale/k_zero [num_blocks, Hkv, bs // G, D]); logical
+  token t of row b is in block ``block_table[b, t // bs]`` at offset ``t % bs``; tokens ``start ..
+  start + length - 1`` are attended. Table columns those tokens do not use are never read. The Triton
+  path treats a block id outside 0..num_blocks-1 in a column it reads as masked keys; the twin raises
+  ShapeError.
+
+Codes are uint8, scales and zeros float16, zeros None exactly for fp8; any strides.
+``residual_k`` [B, Hkv, R, D] / ``residual_v`` [B, Hkv, R, Dv] (both or neither, q's dtype, any
+strides) are attended after the quantized tokens. ``length`` may be 0 and the residual absent or
+empty, but there must be at least one key. ``mask`` None or bool [B, length + R] (True = attend) over
+[quantized..., residual...]; a row with every key masked outputs zeros. Output [B, Hq, Dv] in
+q.dtype: softmax(q K^T * scale + mask) V with K, V the dequantized codes (``quant_format.dequantize_*``)
+followed by the residual.
+
+``num_splits`` (Triton only; None = automatic, see ``decode_attention.pick_num_splits``) cuts the
+quantized segment and the residual each into at most that many slices (never an empty one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels.decode_attention import (
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    _alloc_partials,
+    _check_mask_and_scale,
+    _check_num_splits,
+    _is_interpreted,
+    _launch_split,
+    _merge_partials,
+    _plan_splits,
+)
+from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch twin still works without triton
+    triton = None
+    tl = None
+
+__all__ = [
+    "quantized_decode_attention",
+    "quantized_decode_attention_torch",
+    "quantized_decode_attention_triton",
+]
+
+# Keys per chunk of the torch twin (rounded to whole key groups dense, whole blocks paged).
+TWIN_CHUNK_TOKENS = 1024
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Info:
+    """What validation learned: sizes, and for paged storage the block size and pool size."""
+
+    __slots__ = ("B", "Hq", "Hkv", "G", "D", "Dv", "R", "T", "paged", "num_blocks")
+
+    def __init__(self, **kw):
+        for name, value in kw.items():
+            setattr(self, name, value)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_tensor(name, t, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise DTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ShapeError(f"{name} must have 4 dims, got {t.dim()} dims with shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise DTypeError(f"{name} dtype must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise DeviceError(f"{name} is on {t.device}, q on {device}")
+
+
+def _check_inputs(
+    q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+) -> _Info:
+    """Validate the whole contract (shapes, dtypes, devices, ranges); see the module docstring."""
+    if not isinstance(fmt, QuantFormat):
+        raise ConfigError(f"fmt must be a QuantFormat, got {type(fmt).__name__}")
+    if not isinstance(packed, PackedKV):
+        raise DTypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise DTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3:
+        raise ShapeError(f"q must have 3 dims ([B, Hq, D]), got {q.dim()} dims with shape {tuple(q.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise DTypeError(f"q dtype {q.dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
+    B, Hq, D = q.shape
+    if B == 0 or Hq == 0:
+        raise ShapeError(f"batch and head counts must be positive, got B={B}, Hq={Hq}")
+    dev, G, per = q.device, fmt.group_size, fmt.per_byte
+
+    # Packed tensors: dtypes, devices, zeros present exactly for the integer formats.
+    for name in ("k", "k_scale", "v", "v_scale"):
+        want = torch.uint8 if name in ("k", "v") else torch.float16
+        _check_tensor(name, getattr(packed, name), want, dev)
+    for name in ("k_zero", "v_zero"):
+        z = getattr(packed, name)
+        if fmt.is_float and z is not None:
+            raise ConfigError(f"format {fmt} has no zero points, but packed.{name} is a tensor")
+        if not fmt.is_float:
+            if z is None:
+                raise ConfigError(f"format {fmt} needs zero points, but packed.{name} is None")
+            _check_tensor(name, z, torch.float16, dev)
+
+    # Shapes: [L, Hkv, T, ...] with L = B (dense) or num_blocks (paged), T = capacity or block size.
+    L, Hkv, T, pk = packed.k.shape
+    if Hkv == 0 or L == 0:
+        raise ShapeError(
+            f"packed.k must have at least one KV head and one row/block, got shape {list(packed.k.shape)}"
+        )
+    fmt.check_head_dim(D)
+    if pk != D // per:
+        raise ShapeError(
+            f"packed.k holds {pk} bytes per token; head_dim D={D} in {fmt} needs {D // per} ({per} codes per byte)"
+        )
+    Dv = packed.v.shape[-1] * per
+    fmt.check_head_dim(Dv)
+    for name, d in (("head_dim D", D), ("value head_dim Dv", Dv)):
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise ShapeError(f"{name}={d} is not supported; expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    expected = {
+        "k_scale": (L, Hkv, T // G, D),
+        "k_zero": (L, Hkv, T // G, D),
+        "v": (L, Hkv, T, Dv // per),
+        "v_scale": (L, Hkv, T, Dv // G),
+        "v_zero": (L, Hkv, T, Dv // G),
+    }
+    for name, shape in expected.items():
+        t = getattr(packed, name)
+        if t is not None and tuple(t.shape) != shape:
+            raise ShapeError(
+                f"packed.{name} shape must be {list(shape)} (packed.k is {list(packed.k.shape)}, {fmt}, "
+                f"D={D}, Dv={Dv}), got {list(t.shape)}"
+            )
+    if Hq % Hkv != 0:
+        raise ShapeError(
+            f"query heads Hq={Hq} must be a multiple of KV heads Hkv={Hkv} (remainder {Hq % Hkv})"
+        )
+
+    if not _is_int(start) or start < 0:
+        raise ConfigError(f"start must be an int >= 0, got {start!r}")
+    if not _is_int(length) or length < 0:
+        raise ConfigError(f"length must be an int >= 0, got {length!r}")
+
+    paged = block_table is not None
+    if paged:
+        if T % G:
+            raise ConfigError(f"block_size {T} (pool dim 2) is not a multiple of the group size {G} ({fmt})")
+        if not isinstance(block_table, torch.Tensor):
+            raise DTypeError(f"block_table must be an int32 torch.Tensor, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise DTypeError(f"block_table dtype must be torch.int32, got {block_table.dtype}")
+        if block_table.dim() != 2:
+            raise ShapeError(
+                f"block_table must have 2 dims ([B, columns]), got {block_table.dim()} dims with shape "
+                f"{tuple(block_table.shape)}"
+            )
+        if block_table.shape[0] != B:
+            raise ShapeError(f"batch size mismatch: q has B={B}, block_table has {block_table.shape[0]} rows")
+        if block_table.device != dev:
+            raise DeviceError(f"block_table is on {block_table.device}, q on {dev}")
+        columns = block_table.shape[1]
+        if start + length > columns * T:
+            raise ShapeError(
+                f"tokens {start}..{start + length - 1} (start={start}, length={length}) need "
+                f"{(start + length - 1) // T + 1} table columns of block_size {T}; block_table has {columns} "
+                f"columns ({columns * T} tokens)"
+            )
+    else:
+        if L != B:
+            raise ShapeError(f"batch size mismatch: q has B={B}, packed buffers have {L} rows")
+        if start + length > T:
+            raise ShapeError(
+                f"tokens {start}..{start + length - 1} (start={start}, length={length}) are past the "
+                f"buffer of T={T} tokens"
+            )
+        if start + length > (T // G) * G:
+            raise ShapeError(
+                f"tokens {start}..{start + length - 1} reach past the last whole key group: the buffer of "
+                f"T={T} tokens has {T // G} key groups of {G} ({(T // G) * G} tokens)"
+            )
+
+    R = 0
+    if (residual_k is None) != (residual_v is None):
+        raise ConfigError("residual_k and residual_v must be given together (or both None)")
+    if residual_k is not None:
+        for name, t, d in (("residual_k", residual_k, D), ("residual_v", residual_v, Dv)):
+            _check_tensor(name, t, q.dtype, dev)
+            if t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != d:
+                raise ShapeError(
+                    f"{name} shape must be [B, Hkv, R, {'D' if d == D else 'Dv'}] = [{B}, {Hkv}, R, {d}], "
+                    f"got {list(t.shape)}"
+                )
+        R = residual_k.shape[2]
+        if residual_v.shape[2] != R:
+            raise ShapeError(
+                f"residual length mismatch: residual_k has R={R}, residual_v has {residual_v.shape[2]}"
+            )
+    if length + R == 0:
+        raise ShapeError(f"no keys to attend to: length={length} quantized tokens and R={R} residual tokens")
+
+    _check_mask_and_scale(mask, scale, (B, length + R), "[B, length + R]", dev, "q and the packed K/V")
+    _check_num_splits(num_splits)
+    return _Info(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, D=D, Dv=Dv, R=R, T=T, paged=paged, num_blocks=L)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------------
+
+
+def quantized_decode_attention(
+    q,
+    packed,
+    fmt,
+    *,
+    start,
+    length,
+    scale,
+    residual_k=None,
+    residual_v=None,
+    mask=None,
+    block_table=None,
+    num_splits=None,
+) -> torch.Tensor:
+    """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin."""
+    kw = dict(
+        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table,
+    )  # fmt: skip
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        return quantized_decode_attention_triton(q, packed, fmt, **kw, num_splits=num_splits)
+    return quantized_decode_attention_torch(q, packed, fmt, **kw, num_splits=num_splits)
+
+
+def quantized_decode_attention_triton(
+    q,
+    packed,
+    fmt,
+    *,
+    start,
+    length,
+    scale,
+    residual_k=None,
+    residual_v=None,
+    mask=None,
+    block_table=None,
+    num_splits=None,
+) -> torch.Tensor:
+    """Split-KV flash-decoding over the codes in place (CUDA tensors, or any under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise KernelUnavailableError("quantized_decode_attention_triton needs triton, which is not installed")
+    info = _check_inputs(
+        q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+    )
+    if not q.is_cuda and not _is_interpreted(_quant_split_kernel):
+        raise KernelUnavailableError(
+            f"quantized_decode_attention_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
+            "before import; use quantized_decode_attention_torch"
+        )
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    R, Dv = info.R, info.Dv
+
+    quant_plan = res_plan = None
+    if length > 0:
+        quant_plan = _quant_plan(q, info, length, num_splits)
+    if R > 0:
+        res_plan = _plan_splits(q, info.Hkv, Dv, R, num_splits)
+    s_quant = quant_plan.num_splits if quant_plan else 0
+    s_res = res_plan.num_splits if res_plan else 0
+    partials = _alloc_partials(q, Dv, s_quant + s_res)
+
+    if quant_plan is not None:
+        _launch_quant_split(
+            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table
+        )
+    if res_plan is not None:
+        rk = residual_k if residual_k.stride(-1) == 1 else residual_k.contiguous()
+        rv = residual_v if residual_v.stride(-1) == 1 else residual_v.contiguous()
+        rmask = None if mask is None else mask[:, length:]
+        _launch_split(q, rk, rv, rmask, partials, res_plan, scale=scale, n_keys=R, split_offset=s_quant)
+    return _merge_partials(partials, q.dtype, max(16, triton.next_power_of_2(Dv)))
+
+
+def _quant_plan(q, info, n_keys, num_splits):
+    """Tiles of the quantized kernel: BLOCK_N keys of float32 K/V plus their scales and zeros.
+
+    The dequantized tiles cost more registers than the dense kernel's (codes, scale and zero tiles of
+    [BLOCK_N, D] each): 64 keys at head dims up to 64, 32 up to 128, 16 beyond; 4 warps when every
+    tile is at most 64 wide and q is half precision, else 8 (float32 q uses FMA dots).
+    """
+    widest = max(16, triton.next_power_of_2(max(info.D, info.Dv)))
+    block_n = max(16, min(64, 4096 // widest))
+    plan = _plan_splits(q, info.Hkv, info.Dv, n_keys, num_splits, block_n=block_n)
+    num_warps = 4 if widest <= 64 and q.element_size() < 4 else 8
+    return plan._replace(num_warps=num_warps)
+
+
+def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table):
+    """Kernel 1 over the quantized segment: splits 0 .. plan.num_splits - 1 of ``partials``."""
+    B, Hq, D = q.shape
+    mid_o, mid_m, mid_l = partials
+    per = fmt.per_byte
+    pk, pv = D // per, info.Dv // per
+    if mask is None:
+        mask_arg, smb, smn = q, 0, 0  # never read (HAS_MASK=False)
+    else:
+        mask_arg = mask.view(torch.uint8)  # same bytes; triton loads bytes more reliably than int1
+        smb, smn = mask_arg.stride()
+    if info.paged:
+        bt_arg, sbb, sbc = block_table, block_table.stride(0), block_table.stride(1)
+    else:
+        bt_arg, sbb, sbc = q, 0, 0  # never read (PAGED=False)
+    # fp8 has no zero points: pass the scales in their place (never read, IS_FP8=True).
+    k_zero = packed.k_scale if packed.k_zero is None else packed.k_zero
+    v_zero = packed.v_scale if packed.v_zero is None else packed.v_zero
+    # fmt: off
+    _quant_split_kernel[(B, info.Hkv * plan.g_chunks, plan.num_splits)](
+        q, packed.k, packed.k_scale, k_zero, packed.v, packed.v_scale, v_zero,
+        mask_arg, mid_o, mid_m, mid_l, bt_arg,
+        length, info.G, D, info.Dv, Hq, mid_m.shape[-1], plan.tiles_per_split, start, info.num_blocks,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        *packed.k.stride(), *packed.k_scale.stride(), *k_zero.stride(),
+        *packed.v.stride(), *packed.v_scale.stride(), *v_zero.stride(),
+        smb, smn,
+        sbb, sbc,
+        HAS_MASK=mask is not None,
+        PAGED=info.paged, BLOCK_SIZE=info.T if info.paged else 1, GROUP=fmt.group_size,
+        BITS=fmt.code_bits, PER=per, IS_FP8=fmt.is_float,
+        PK=pk, PV=pv, PK_PAD=triton.next_power_of_2(pk), PV_PAD=triton.next_power_of_2(pv),
+        G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
+        BLOCK_N=plan.block_n,
+        # Dequantized K/V are float32: "tf32" rounds them (and P) to 11 significant bits on tensor
+        # cores, below half-precision outputs' resolution; float32 q keeps float32 accuracy with "ieee".
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps,
+    )
+    # fmt: on
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_tile(
+        codes, scale, zero,
+        BITS: tl.constexpr, PER: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):  # fmt: skip
+        # codes uint8 [BLOCK_N, WIDTH // PER]; scale, zero float32 [BLOCK_N, WIDTH] in the unpacked
+        # channel order: column i * (WIDTH // PER) + j holds the code in bits i*BITS.. of byte j.
+        if IS_FP8:
+            x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        else:
+            if PER == 1:
+                u = codes.to(tl.float32)
+            else:
+                shifts = tl.arange(0, PER) * BITS
+                parts = (codes.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+                u = tl.reshape(parts, [BLOCK_N, WIDTH]).to(tl.float32)  # [N, PER, WIDTH/PER] row-major
+            x = zero + u * scale
+        return x
+
+    @triton.jit
+    def _quant_split_kernel(
+        Q, KC, KS, KZ, VC, VS, VZ, Mask, MidO, MidM, MidL, BT,
+        N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
+        qk_scale,
+        stride_qb, stride_qh,
+        stride_kcb, stride_kch, stride_kcn, stride_kcp,
+        stride_ksb, stride_ksh, stride_ksr, stride_ksd,
+        stride_kzb, stride_kzh, stride_kzr, stride_kzd,
+        stride_vcb, stride_vch, stride_vcn, stride_vcp,
+        stride_vsb, stride_vsh, stride_vsn, stride_vsg,
+        stride_vzb, stride_vzh, stride_vzn, stride_vzg,
+        stride_mb, stride_mn,
+        stride_btb, stride_btc,
+        HAS_MASK: tl.constexpr,
+        PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+        BITS: tl.constexpr, PER: tl.constexpr, IS_FP8: tl.constexpr,
+        PK: tl.constexpr, PV: tl.constexpr, PK_PAD: tl.constexpr, PV_PAD: tl.constexpr,
+        G_CHUNKS: tl.constexpr,
+        BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # Key n (0 .. N-1) of row b is token t = START + n: dense, token t of the buffers of (b, head);
+        # paged, block BT[b, t // BLOCK_SIZE] at offset o = t % BLOCK_SIZE (block ids outside
+        # 0..NUM_BLOCKS-1 count as masked keys, never dereferenced). Its key scale/zero row is
+        # t // GROUP (paged: o // GROUP of its block), its value scale/zero column c // GROUP.
+        #
+        # Channel order. Unpacking a code tile [BLOCK_N, PK_PAD] with PER shifts gives register column
+        # c' = i * PK_PAD + j for the code of channel i * PK + j (PK = D // PER bytes per token, PK_PAD
+        # its next power of two, so D_PAD = PER * PK_PAD). Everything on the key side (q, scales, zeros)
+        # is loaded in that order, which leaves q.k unchanged; the value side likewise with PV, and the
+        # accumulator is stored back to channel order.
+        pid_b = tl.program_id(0).to(tl.int64)
+        pid_hg = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        pid_h = (pid_hg // G_CHUNKS).to(tl.int64)  # KV head
+        chunk = pid_hg % G_CHUNKS  # which BLOCK_G rows of its query group
+
+        offs_g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+        g_ok = offs_g < G
+        offs_c = tl.arange(0, D_PAD)
+        kj = offs_c % PK_PAD
+        k_ch = (offs_c // PK_PAD) * PK + kj  # channel of register column c'
+        k_ok = kj < PK
+        offs_cv = tl.arange(0, DV_PAD)
+        vj = offs_cv % PV_PAD
+        v_ch = (offs_cv // PV_PAD) * PV + vj
+        v_ok = vj < PV
+        v_grp = v_ch // GROUP
+        offs_pk = tl.arange(0, PK_PAD)
+        offs_pv = tl.arange(0, PV_PAD)
+
+        q_rows = pid_h * G + offs_g
+        q_ptrs = Q + pid_b * stride_qb + q_rows[:, None] * stride_qh + k_ch[None, :]
+        q = tl.load(q_ptrs, mask=g_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+
+        if PAGED:
+            kc_base = KC + pid_h * stride_kch
+            ks_base = KS + pid_h * stride_ksh
+            kz_base = KZ + pid_h * stride_kzh
+            vc_base = VC + pid_h * stride_vch
+            vs_base = VS + pid_h * stride_vsh
+            vz_base = VZ + pid_h * stride_vzh
+            bt_row = BT + pid_b * stride_btb
+        else:
+            kc_base = KC + pid_b * stride_kcb + pid_h * stride_kch
+            ks_base = KS + pid_b * stride_ksb + pid_h * stride_ksh
+            kz_base = KZ + pid_b * stride_kzb + pid_h * stride_kzh
+            vc_base = VC + pid_b * stride_vcb + pid_h * stride_vch
+            vs_base = VS + pid_b * stride_vsb + pid_h * stride_vsh
+            vz_base = VZ + pid_b * stride_vzb + pid_h * stride_vzh
+
+        # Finite initial max: a row that sees only masked keys keeps m = -1e30, p = 0, l = 0 (no NaN).
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, DV_PAD], dtype=tl.float32)
+
+        start = pid_s * TILES_PER_SPLIT * BLOCK_N
+        end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, N)
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            offs_n64 = offs_n.to(tl.int64)
+            if HAS_MASK:
+                keep = tl.load(Mask + pid_b * stride_mb + offs_n64 * stride_mn, mask=n_ok, other=0)
+                n_ok = n_ok & (keep != 0)  # masked keys are not even loaded
+            tok = START + offs_n64
+            if PAGED:
+                blk = tl.load(bt_row + (tok // BLOCK_SIZE) * stride_btc, mask=n_ok, other=0).to(tl.int64)
+                n_ok = n_ok & (blk >= 0) & (blk < NUM_BLOCKS)
+                off = tok % BLOCK_SIZE
+                kc_rows = blk * stride_kcb + off * stride_kcn
+                ks_rows = blk * stride_ksb + (off // GROUP) * stride_ksr
+                kz_rows = blk * stride_kzb + (off // GROUP) * stride_kzr
+                vc_rows = blk * stride_vcb + off * stride_vcn
+                vs_rows = blk * stride_vsb + off * stride_vsn
+                vz_rows = blk * stride_vzb + off * stride_vzn
+            else:
+                kc_rows = tok * stride_kcn
+                ks_rows = (tok // GROUP) * stride_ksr
+                kz_rows = (tok // GROUP) * stride_kzr
+                vc_rows = tok * stride_vcn
+                vs_rows = tok * stride_vsn
+                vz_rows = tok * stride_vzn
+
+            # Keys: codes [BLOCK_N, PK_PAD], scale/zero gathered per token and channel [BLOCK_N, D_PAD].
+            nk = n_ok[:, None] & k_ok[None, :]
+            kc = tl.load(
+                kc_base + kc_rows[:, None] + offs_pk[None, :] * stride_kcp,
+                mask=n_ok[:, None] & (offs_pk < PK)[None, :], other=0,
+            )  # fmt: skip
+            ks = tl.load(ks_base + ks_rows[:, None] + k_ch[None, :] * stride_ksd, mask=nk, other=0.0)
+            ks = ks.to(tl.float32)
+            if IS_FP8:
+                kz = ks  # unused
+            else:
+                kz = tl.load(kz_base + kz_rows[:, None] + k_ch[None, :] * stride_kzd, mask=nk, other=0.0)
+                kz = kz.to(tl.float32)
+            k = _dequant_tile(kc, ks, kz, BITS, PER, IS_FP8, BLOCK_N, D_PAD)
+
+            # Values: codes [BLOCK_N, PV_PAD], scale/zero of column c // GROUP per token [BLOCK_N, DV_PAD].
+            nv = n_ok[:, None] & v_ok[None, :]
+            vc = tl.load(
+                vc_base + vc_rows[:, None] + offs_pv[None, :] * stride_vcp,
+                mask=n_ok[:, None] & (offs_pv < PV)[None, :], other=0,
+            )  # fmt: skip
+            vs = tl.load(vs_base + vs_rows[:, None] + v_grp[None, :] * stride_vsg, mask=nv, other=0.0)
+            vs = vs.to(tl.float32)
+            if IS_FP8:
+                vz = vs  # unused
+            else:
+                vz = tl.load(vz_base + vz_rows[:, None] + v_grp[None, :] * stride_vzg, mask=nv, other=0.0)
+                vz = vz.to(tl.float32)
+            v = _dequant_tile(vc, vs, vz, BITS, PER, IS_FP8, BLOCK_N, DV_PAD)
+
+            # Scores in the log2 domain; masked keys are -inf, so exp2(-inf - finite max) = 0.
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Partials of query head (pid_h * G + g), split slot pid_s (the quantized splits come first).
+        row = (pid_b * HQ + q_rows) * NUM_SPLITS + pid_s
+        tl.store(MidM + row, m_i, mask=g_ok)
+        tl.store(MidL + row, l_i, mask=g_ok)
+        tl.store(MidO + row[:, None] * DV + v_ch[None, :], acc, mask=g_ok[:, None] & v_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Torch twin
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gather_blocks(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``ids`` (int64 [B, c]) of pool [num_blocks, Hkv, rows, dim] as [B, Hkv, c * rows, dim]."""
+    _, hkv, rows, dim = pool.shape
+    B, c = ids.shape
+    picked = pool.index_select(0, ids.reshape(-1)).view(B, c, hkv, rows, dim)
+    return picked.transpose(1, 2).reshape(B, hkv, c * rows, dim)
+
+
+def _quant_chunks(packed, fmt, info, start, length, block_table):
+    """Yield (first key index n0, K float32 [B, Hkv, n, D], V float32 [B, Hkv, n, Dv]) chunk by chunk."""
+    G = fmt.group_size
+    end = start + length
+    if info.paged:
+        bs = info.T
+        first_col, end_col = start // bs, (end - 1) // bs + 1
+        cols = block_table[:, first_col:end_col].long()
+        step = max(1, TWIN_CHUNK_TOKENS // bs)
+        for c in range(first_col, end_col, step):
+            c_end = min(c + step, end_col)
+            ids = cols[:, c - first_col : c_end - first_col]
+            tensors = (packed.k, packed.k_scale, packed.k_zero, packed.v, packed.v_scale, packed.v_zero)
+            parts = [None if t is None else _gather_blocks(t, ids) for t in tensors]
+            t0, t1 = c * bs, c_end * bs
+            yield t0, t1, parts
+    else:
+        step = max(1, TWIN_CHUNK_TOKENS // G)
+        for g0 in range(start // G, -(-end // G), step):
+            g1 = min(g0 + step, -(-end // G))
+            t0, t1 = g0 * G, g1 * G
+            parts = [
+                packed.k[:, :, t0:t1],
+                packed.k_scale[:, :, g0:g1],
+                None if packed.k_zero is None else packed.k_zero[:, :, g0:g1],
+                packed.v[:, :, t0:t1],
+                packed.v_scale[:, :, t0:t1],
+                None if packed.v_zero is None else packed.v_zero[:, :, t0:t1],
+            ]
+            yield t0, t1, parts
+
+
+def quantized_decode_attention_torch(
+    q,
+    packed,
+    fmt,
+    *,
+    start,
+    length,
+    scale,
+    residual_k=None,
+    residual_v=None,
+    mask=None,
+    block_table=None,
+    num_splits=None,
+) -> torch.Tensor:
+    """Plain-torch twin: dequantizes a chunk at a time, online softmax in float32 across the chunks.
+
+    ``num_splits`` is validated and otherwise ignored (it only shapes the Triton launch).
+
+    Each chunk (about TWIN_CHUNK_TOKENS keys of all rows and KV heads) is dequantized with
+    ``quant_format.dequantize_keys/values`` (paged: its blocks gathered first), then q k^T and p v run
+    as batched matmuls over (row, KV head) with the query group as the rows. Paged: also checks that
+    the table columns it reads hold block ids of the pool (ShapeError otherwise).
+    """
+    info = _check_inputs(
+        q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+    )
+    B, Hq, Hkv, G, D, Dv, R = info.B, info.Hq, info.Hkv, info.G, info.D, info.Dv, info.R
+    if info.paged and length > 0:
+        bs, nb = info.T, info.num_blocks
+        first_col, end_col = start // bs, (start + length - 1) // bs + 1
+        used = block_table[:, first_col:end_col]
+        lo_id, hi_id = int(used.min()), int(used.max())
+        if lo_id < 0 or hi_id >= nb:
+            bad = lo_id if lo_id < 0 else hi_id
+            raise ShapeError(
+                f"block_table holds block id {bad} in the columns read ({first_col}..{end_col - 1}, tokens "
+                f"{start}..{start + length - 1}); the pools have {nb} blocks (ids 0..{nb - 1})"
+            )
+
+    # Scores in the log2 domain, as in the kernel.
+    qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)
+    bias = None
+    if mask is not None:
+        # Additive mask: 0 where attended, -inf where masked (exp2(-inf - finite max) = 0).
+        bias = torch.zeros(B, length + R, dtype=torch.float32, device=q.device).masked_fill_(
+            ~mask, float("-inf")
+        )
+    state = [None, None, None]  # running max, sum, accumulator
+
+    end = start + length
+    if length > 0:
+        for t0, t1, (kc, ks, kz, vc, vs, vz) in _quant_chunks(packed, fmt, info, start, length, block_table):
+            lo, hi = max(start, t0) - t0, min(end, t1) - t0  # the attended keys of the chunk
+            k = dequantize_keys(kc, ks, kz, fmt)[:, :, lo:hi]
+            v = dequantize_values(
+                vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi], fmt
+            )
+            n0 = t0 + lo - start
+            _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + hi - lo])
+    for r0 in range(0, R, TWIN_CHUNK_TOKENS):
+        r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
+        k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()
+        _online_step(state, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1])
+
+    _, l_run, acc = state
+    # Every key masked: acc and l are both 0; output zeros instead of 0/0.
+    out = acc.div_(torch.where(l_run > 0, l_run, 1.0)[..., None])
+    return out.reshape(B, Hq, Dv).to(q.dtype)
+
+
+def _online_step(state, qg, k, v, bias) -> None:
+    """Fold keys k [B, Hkv, n, D] / values v [B, Hkv, n, Dv] (float32) into state [m, l, acc] in place."""
+    s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G, n], scaled, log2 domain
+    if bias is not None:
+        s.add_(bias[:, None, None, :])
+    m_run, l_run, acc = state
+    m_chunk = s.amax(dim=-1)
+    if m_run is None:
+        # Finite floor: a row that has seen only masked keys keeps m = -1e30, p = 0, l = 0 (no NaN).
+        m_new = m_chunk.clamp_(min=-1.0e30)
+    else:
+        m_new = torch.maximum(m_run, m_chunk)
+    p = s.sub_(m_new[..., None]).exp2_()
+    pv = torch.matmul(p, v)
+    if m_run is None:
+        l_run, acc = p.sum(dim=-1), pv
+    else:
+        alpha = torch.exp2(m_run - m_new)
+        l_run = l_run.mul_(alpha).add_(p.sum(dim=-1))
+        acc = acc.mul_(alpha[..., None]).add_(pv)
+    state[:] = [m_new, l_run, acc]
