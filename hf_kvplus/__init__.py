@@ -26,8 +26,9 @@ from .model_spec import LayerSpec, ModelSpec
 from .paged_cache import PagedCache
 from .paging import BlockPool, PagedPool, PrefixStore
 from .placement import OnDevice, Placement
+from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
-from .storage import DenseStorage, KVStorage
+from .storage import DenseStorage, KVStorage, QuantizedStorage
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,8 @@ __all__ = [
     "BlockPool",
     "PrefixStore",
     "Placement",
+    "QuantizedCache",
+    "QuantizedStorage",
     "RDataError",
     "Retention",
     "ShapeError",
@@ -67,5 +70,6 @@ __all__ = [
     "install",
     "kvplus_attention",
     "model_retention",
+    "quantized_storage",
     "uninstall",
 ]

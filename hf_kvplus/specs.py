@@ -9,6 +9,8 @@
 - `hf-quantized:hqq:4`      the same with HQQ (needs the hqq package)
 - `dense`                   hf_kvplus DenseCache (`dense:max_tokens=N` fixes its capacity)
 - `paged`                   hf_kvplus PagedCache (`paged:block=16:blocks=N`: block size, a fixed pool)
+- `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
+                            128 full-precision tokens) and `backend=quanto` may follow
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -19,11 +21,14 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import Cache, DynamicCache, PreTrainedConfig, QuantizedCache, StaticCache
+from transformers import Cache, DynamicCache, PreTrainedConfig, StaticCache
+from transformers import QuantizedCache as HFQuantizedCache
 
 from .cache import DenseCache
 from .errors import ConfigError
 from .paged_cache import PagedCache
+from .quantized_cache import BACKENDS, QuantizedCache, parse_bits
+from .storage.quantized import DEFAULT_WINDOW
 
 #: Builds a cache: (config, positional args, keyword args, max_length needed by the run or None).
 CacheBuilder = Callable[[PreTrainedConfig, list[str], dict[str, str], "int | None"], Cache]
@@ -100,7 +105,10 @@ def parse_cache_spec(text: str) -> CacheSpec:
 
 def available_cache_specs() -> list[str]:
     """One default spec per registered cache family whose modules are installed."""
-    defaults = {"hf-quantized": ["hf-quantized:quanto:4", "hf-quantized:quanto:2"]}
+    defaults = {
+        "hf-quantized": ["hf-quantized:quanto:4", "hf-quantized:quanto:2"],
+        "quantized": ["quantized:int8", "quantized:fp8", "quantized:int4", "quantized:int2"],
+    }
     specs = []
     for name, kind in CACHE_KINDS.items():
         if kind.available():
@@ -145,6 +153,19 @@ def _validate(spec: CacheSpec) -> None:
         for key in ("block", "blocks"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
+    elif name == "quantized":
+        _check_arity(spec, 1, {"group", "window", "backend"})
+        if len(spec.args) != 1:
+            raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
+        try:
+            parse_bits(spec.args[0])
+        except ConfigError as exc:
+            raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
+        for key in ("group", "window"):
+            if key in spec.kwargs:
+                _int(spec.text, key, spec.kwargs[key])
+        if spec.kwargs.get("backend", "kvplus") not in BACKENDS:
+            raise ConfigError(f"cache spec {spec.text!r}: backend must be one of {BACKENDS}")
     elif name == "hf-quantized":
         _check_arity(spec, 2, {"residual", "group"})
         if len(spec.args) != 2 or spec.args[0] not in ("quanto", "hqq"):
@@ -170,11 +191,21 @@ def _static(config, args, kwargs, max_length):
     return StaticCache(config=config, max_cache_len=length)
 
 
+def _quantized(config, args, kwargs, max_length):
+    return QuantizedCache(
+        config=config,
+        bits=args[0],
+        group_size=int(kwargs["group"]) if "group" in kwargs else None,
+        window=int(kwargs.get("window", DEFAULT_WINDOW)),
+        backend=kwargs.get("backend", "kvplus"),
+    )
+
+
 def _hf_quantized(config, args, kwargs, max_length):
     backend, bits = args[0], int(args[1])
     if backend == "hqq" and importlib.util.find_spec("hqq") is None:
         raise ConfigError("cache spec hf-quantized:hqq needs the hqq package, not installed")
-    return QuantizedCache(
+    return HFQuantizedCache(
         backend=backend,
         config=config,
         nbits=bits,
@@ -206,5 +237,6 @@ for _kind in (
         True,
         False,
     ),
+    CacheKind("quantized", _quantized, "hf_kvplus QuantizedCache: KIVI int8/int4/int2 or fp8", False, False),
 ):
     register_cache_spec(_kind)

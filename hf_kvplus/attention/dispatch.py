@@ -18,7 +18,15 @@ from ..layer import KV_SOURCE_ATTR
 #: The name of the explicit attention implementation: `from_pretrained(..., attn_implementation="kvplus")`.
 ATTN_IMPLEMENTATION = "kvplus"
 
+#: Attention implementations whose calls reach `kvplus_attention`, so a cache may attend in place.
+FUSED_ATTENTION = ("sdpa", ATTN_IMPLEMENTATION)
+
 _fallback = sdpa_attention_forward
+
+
+def takes_fused_path(config) -> bool:
+    """Whether a model with this config attends through `kvplus_attention` (and not eager or another)."""
+    return getattr(config, "_attn_implementation", None) in FUSED_ATTENTION
 
 
 def kvplus_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

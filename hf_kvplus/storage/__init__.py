@@ -2,5 +2,6 @@
 
 from .base import KVStorage
 from .dense import DenseStorage
+from .quantized import QuantizedSegment, QuantizedStorage
 
-__all__ = ["KVStorage", "DenseStorage"]
+__all__ = ["KVStorage", "DenseStorage", "QuantizedSegment", "QuantizedStorage"]

@@ -94,6 +94,10 @@ def assert_conforms(case: CacheCase, ref: ModeResult, got: ModeResult) -> None:
 
     # 2. logits (and scores) of every step with a shared context
     n_shared = shared_context_steps(ref, got)
+    if not case.lossless and mode in ("beam", "fanout_beams"):
+        # A lossy cache may reorder the hidden running beams even when the returned ones agree: only the first
+        # step's context is known to be identical.
+        n_shared = min(n_shared, 1)
     for i in range(n_shared):
         _close(case, mode, f"logits of step {i} (of {len(ref.logits)})", got.logits[i], ref.logits[i])
     if ref.scores is not None:

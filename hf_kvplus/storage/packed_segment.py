@@ -1,0 +1,173 @@
+"""hf_kvplus's own quantized segment: packed codes and float16 group scales in growable buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CacheMismatchError
+from ..kernels.decode_attention import decode_attention
+from ..kernels.quant_attention import quantized_decode_attention
+from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from ..kernels.quant_pack import quantize_keys, quantize_values
+from ..memory import MemoryReport, tensor_bytes
+from .quantized import QuantizedSegment
+
+_NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
+
+
+class PackedSegment(QuantizedSegment):
+    """Quantized tokens as `[batch, kv_heads, capacity, ...]` code buffers in the `kernels.quant_format`
+    layout, written by the quantize-and-pack kernel and read in place by the fused decode kernel.
+
+    Tokens `start .. end - 1` of the buffers are held; groups are aligned to buffer multiples of the
+    group size, so `end` is always on a group boundary while `start` may fall inside a group (the rest
+    of that group stays until the next compaction). Buffers grow by an eighth (at least 64 tokens)
+    and give back headroom far larger than what is held.
+    """
+
+    def __init__(self, fmt: QuantFormat):
+        self.fmt = fmt
+        self.buffers: PackedKV | None = None
+        self.start = self.end = 0
+        self.granule = fmt.group_size * -(-64 // fmt.group_size)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def front_offset(self) -> int:
+        return self.start % self.fmt.group_size
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.buffers is None else self.buffers.k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffers is None else self.buffers.k.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[2]
+        if self.start >= self.end:
+            self.start = self.end = 0
+        if self.buffers is None:
+            self.dtype = keys.dtype
+            self._allocate(keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.device, self._grown(n))
+        elif keys.shape[0] != self.batch_size:
+            raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
+        if self.end + n > self.capacity or self.capacity > 2 * self._grown(self.length + n):
+            self._compact(self.length + n)
+        g, e = self.fmt.group_size, self.end
+        b = self.buffers
+        quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g))
+        quantize_values(values, self.fmt, out=_out(b.v[:, :, e : e + n], b.v_scale, b.v_zero, e, e + n))
+        self.end += n
+
+    def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
+        dtype = dtype or self.dtype
+        g, b = self.fmt.group_size, self.buffers
+        lo, hi = self.start + first, self.start + last
+        a, z = lo // g * g, -(-hi // g) * g
+        k = dequantize_keys(b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], _rows(b.k_zero, a // g, z // g), self.fmt, dtype)
+        v = dequantize_values(b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z), self.fmt, dtype)
+        return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
+
+    def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
+        if count == 0:  # only full-precision tokens in view
+            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask)
+        return quantized_decode_attention(
+            query, self.buffers, self.fmt, start=self.start + first, length=count, scale=scale,
+            residual_k=recent_k, residual_v=recent_v, mask=mask,
+        )
+
+    def drop_front(self, count: int) -> None:
+        self.start += count  # the next append compacts (or empties) the buffers
+
+    def truncate(self, keep: int) -> None:
+        self.end = self.start + keep
+        if keep == 0:
+            self.start = self.end = 0
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        if self.buffers is None:
+            return
+        indices = indices.to(self.buffers.k.device)
+        tensors = {name: getattr(self.buffers, name) for name in _NAMES}
+        if indices.numel() == self.batch_size:
+            g = self.fmt.group_size
+            a = self.start // g * g
+            for name, t in tensors.items():
+                if t is not None:
+                    rows = slice(a // g, self.end // g) if name in ("k_scale", "k_zero") else slice(a, self.end)
+                    t[:, :, rows] = t[indices, :, rows]
+        else:
+            self.buffers = PackedKV(**{n: None if t is None else t.index_select(0, indices) for n, t in tensors.items()})
+
+    def reset(self) -> None:
+        self.buffers = None
+        self.start = self.end = 0
+
+    def memory(self) -> MemoryReport:
+        if self.buffers is None:
+            return MemoryReport()
+        b, g = self.buffers, self.fmt.group_size
+        allocated = tensor_bytes([getattr(b, n) for n in _NAMES])
+        if self.length == 0:
+            return MemoryReport(reserved_bytes=allocated, batch_size=self.batch_size)
+        a = self.start // g * g
+        payload = (b.k[:, :, a : self.end].numel() + b.v[:, :, a : self.end].numel()) * b.k.element_size()
+        key_params = sum(t[:, :, a // g : self.end // g].numel() * 2 for t in (b.k_scale, b.k_zero) if t is not None)
+        value_params = sum(t[:, :, a : self.end].numel() * 2 for t in (b.v_scale, b.v_zero) if t is not None)
+        metadata = key_params + value_params
+        return MemoryReport(
+            payload_bytes=payload,
+            metadata_bytes=metadata,
+            reserved_bytes=allocated - payload - metadata,
+            batch_size=self.batch_size,
+        )
+
+    def _grown(self, tokens: int) -> int:
+        n = tokens + max(tokens // 8, self.granule)
+        return -(-n // self.granule) * self.granule
+
+    def _allocate(self, batch, heads, dim, v_dim, device, capacity) -> None:
+        fmt, g = self.fmt, self.fmt.group_size
+        has_zero = not fmt.is_float
+
+        def f16(*shape):
+            return torch.empty(batch, heads, *shape, dtype=torch.float16, device=device)
+
+        self.buffers = PackedKV(
+            k=torch.empty(batch, heads, capacity, fmt.packed_dim(dim), dtype=torch.uint8, device=device),
+            k_scale=f16(capacity // g, dim),
+            k_zero=f16(capacity // g, dim) if has_zero else None,
+            v=torch.empty(batch, heads, capacity, fmt.packed_dim(v_dim), dtype=torch.uint8, device=device),
+            v_scale=f16(capacity, v_dim // g),
+            v_zero=f16(capacity, v_dim // g) if has_zero else None,
+        )
+
+    def _compact(self, needed: int) -> None:
+        """Moves the held groups to the front of buffers sized for `needed` tokens (plus headroom)."""
+        g, old = self.fmt.group_size, self.buffers
+        a = self.start // g * g
+        held = self.end - a
+        capacity = self._grown(needed + self.start - a)
+        b = old.k
+        self._allocate(b.shape[0], b.shape[1], old.k_scale.shape[-1], old.v_scale.shape[-1] * g, b.device, capacity)
+        for name in _NAMES:
+            src, dst = getattr(old, name), getattr(self.buffers, name)
+            if src is not None:
+                grouped = name in ("k_scale", "k_zero")
+                lo, n = (a // g, held // g) if grouped else (a, held)
+                dst[:, :, :n] = src[:, :, lo : lo + n]
+        self.start, self.end = self.start - a, held
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[:, :, lo:hi]
+
+
+def _out(codes, scale, zero, lo, hi):
+    return codes, scale[:, :, lo:hi], _rows(zero, lo, hi)
+

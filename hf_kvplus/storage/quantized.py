@@ -1,0 +1,208 @@
+"""Quantized storage: a quantized segment of old tokens plus a full-precision recent window (KIVI)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..attention.dense import decode_mask, dense_attention
+from ..errors import ConfigError
+from ..kernels.quant_format import QuantFormat
+from ..memory import MemoryReport
+from .base import KVStorage
+from .dense import DenseStorage
+
+#: Full-precision recent tokens kept by default (KIVI's residual length).
+DEFAULT_WINDOW = 128
+
+
+class QuantizedSegment(ABC):
+    """The quantized tokens of one layer, oldest first, written in whole groups and never re-quantized.
+
+    `length` counts tokens held; token 0 is the oldest one not dropped. Appends are whole groups;
+    `drop_front` may cut into a group (its bytes stay until the whole group is gone).
+    """
+
+    fmt: QuantFormat
+    length: int = 0
+    batch_size: int = 0
+    #: Dtype of the K/V given to `append` (what `dequantized` returns by default).
+    dtype: torch.dtype = torch.float32
+    #: Tokens dropped from the front of the oldest unit still held (units start at -front_offset).
+    front_offset: int = 0
+
+    @abstractmethod
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantizes `[batch, kv_heads, n, head_dim]` K/V, `n` a multiple of the group size, after the held tokens."""
+
+    @abstractmethod
+    def dequantized(self, first: int, last: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `first .. last - 1` dequantized to dense `[batch, kv_heads, last - first, head_dim]` K/V."""
+
+    @abstractmethod
+    def drop_front(self, count: int) -> None:
+        """Forgets the `count` oldest tokens. Lazily: until the next append, `attend` and `dequantized` still
+        read them at negative positions (the layers of a step attend after their retention dropped tokens)."""
+
+    @abstractmethod
+    def truncate(self, keep: int) -> None:
+        """Keeps the oldest `keep` tokens; `keep` ends on a group boundary of the appended groups."""
+
+    @property
+    def unit(self) -> int:
+        """Tokens per append: whole groups (a paged segment appends whole blocks)."""
+        return self.fmt.group_size
+
+    def group_start(self, token: int) -> int:
+        """The first token of the appended unit holding `token` (units stay aligned to appends)."""
+        return token - (token + self.front_offset) % self.unit
+
+    @abstractmethod
+    def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
+        """Decode attention of `query` `[batch, q_heads, head_dim]` over held tokens `first .. first + count - 1`
+        followed by the full-precision `recent_k`/`recent_v`; `mask` None or bool `[batch, count + recent]`."""
+
+    @abstractmethod
+    def index_batch(self, indices: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def memory(self) -> MemoryReport:
+        """Bytes at rest: codes as payload, scales and zero points as metadata, headroom as reserved."""
+
+
+class QuantizedStorage(KVStorage):
+    """Old tokens in a `QuantizedSegment`, the newest `window` (or more, up to a group) at full precision.
+
+    New tokens land in a full-precision `DenseStorage`; once it holds `window + group_size` tokens or
+    more, its oldest whole groups are quantized into the segment (once: a group is never re-quantized),
+    so at least `window` recent tokens are always exact. Decode attends over the segment in place
+    (`QuantizedSegment.attend`: the fused dequantizing kernel) plus the window; prefill attends with SDPA
+    over the dequantized past and the fresh chunk at full precision.
+
+    Rolling back into the quantized tokens (`drop_back`, assisted decoding with a small window) moves the
+    kept part of the cut group back into the window dequantized; it is quantized again later.
+    """
+
+    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW, fused: bool = True):
+        group = segment.fmt.group_size
+        if isinstance(window, bool) or not isinstance(window, int) or window < group:
+            raise ConfigError(
+                f"the full-precision window ({window!r} tokens) must be an int of at least one group "
+                f"({group} tokens): keys are quantized a whole group of tokens at a time"
+            )
+        self.segment = segment
+        self.window = window
+        self.fused = fused
+        self.recent = DenseStorage()
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decode: tuple | None = None
+        self._dropped = 0  # tokens dropped from the segment's front: decode positions survive eviction
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return self.segment.fmt
+
+    @property
+    def length(self) -> int:
+        return self.segment.length + self.recent.length
+
+    @property
+    def batch_size(self) -> int:
+        return self.recent.batch_size or self.segment.batch_size
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.fmt.check_head_dim(keys.shape[-1])
+        self.recent.append(keys, values)
+        self._fresh = (keys, values)
+        unit = self.segment.unit
+        flush = (self.recent.length - self.window) // unit * unit
+        if flush > 0:
+            old_k, old_v = self.recent.view(self.recent.length)
+            self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush])
+            self.recent.drop_front(flush)
+
+    def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        recent = min(last, self.recent.length)
+        k, v = self.recent.view(recent)
+        if last == recent:
+            return k, v
+        n = self.segment.length
+        old_k, old_v = self.segment.dequantized(n - (last - recent), n, k.dtype)
+        return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+
+    def attention_inputs(self, last: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        fresh, self._fresh = self._fresh, None
+        if self.fused and new == 1:
+            # Decode reads the segment in place: remember what this step attends to (eviction may drop
+            # tokens before attention runs) and hand attention shape-correct NaN placeholders.
+            recent = min(last, self.recent.length)
+            rk, rv = self.recent.view(recent)
+            n = self.segment.length
+            self._decode = (n - (last - recent) + self._dropped, last - recent, rk, rv)
+            nan = torch.full((), float("nan"), dtype=rk.dtype, device=rk.device)
+            return nan.expand(*rk.shape[:2], last, rk.shape[3]), nan.expand(*rv.shape[:2], last, rv.shape[3])
+        if fresh is None or new <= self.recent.length:
+            return self.view(last)
+        # Part of the fresh chunk is already quantized: attend to the chunk at full precision anyway
+        # (`view` concatenated a dequantized part, so its result is ours to overwrite).
+        k, v = self.view(last)
+        k[:, :, last - new :] = fresh[0]
+        v[:, :, last - new :] = fresh[1]
+        return k, v
+
+    def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
+        decode, self._decode = self._decode, None
+        if decode is not None and query.shape[2] == 1 and not kwargs.get("dropout") and kwargs.get("softcap") is None:
+            mask = decode_mask(attention_mask, query.shape[0])
+            if mask is not False:
+                first, count, rk, rv = decode
+                first -= self._dropped  # < 0 if eviction dropped attended tokens (still held until the next append)
+                out = self.segment.attend(query[:, :, 0], first, count, rk, rv, mask, scaling)
+                return out.unsqueeze(1)
+        if keys.stride(-1) == 0:  # placeholders, but this call cannot take the fused path
+            keys, values = self.view(keys.shape[2])
+        return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
+
+    def drop_front(self, count: int) -> None:
+        from_segment = min(count, self.segment.length)
+        if from_segment:
+            self.segment.drop_front(from_segment)
+            self._dropped += from_segment
+        if count > from_segment:
+            self.recent.drop_front(count - from_segment)
+
+    def drop_back(self, count: int) -> None:
+        from_recent = min(count, self.recent.length)
+        if from_recent:
+            self.recent.drop_back(from_recent)
+        rest = count - from_recent
+        if not rest:
+            return
+        keep = self.segment.length - rest
+        cut = max(self.segment.group_start(keep), 0)
+        if cut < keep:  # the kept head of a cut group returns to the window, dequantized
+            k, v = self.segment.dequantized(cut, keep, self._dtype())
+            self.segment.truncate(cut)
+            self.recent.reset()
+            self.recent.append(k.contiguous(), v.contiguous())
+        else:
+            self.segment.truncate(keep)
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        self.segment.index_batch(indices)
+        self.recent.index_batch(indices)
+
+    def reset(self) -> None:
+        self.segment.reset()
+        self.recent.reset()
+        self._fresh = self._decode = None
+
+    def memory(self) -> MemoryReport:
+        return self.segment.memory() + self.recent.memory()
+
+    def _dtype(self) -> torch.dtype:
+        return self.recent.keys.dtype if self.recent.keys is not None else self.segment.dtype
