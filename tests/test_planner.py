@@ -154,16 +154,31 @@ def test_parameter_formula_equals_the_instantiated_model(name):
 )
 def test_parameter_formula_covers_biases_norms_and_tying(model_type, extra):
     config = AutoConfig.for_model(
-        model_type, vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, **extra,
+        model_type,
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        **extra,
     )
     assert planner.count_parameters(config).total == meta_count(config)
 
 
 def test_unknown_families_are_counted_on_the_meta_device():
     config = AutoConfig.for_model(
-        "phi3", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        "phi3",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     count = planner.count_parameters(config)
     assert count.method == "meta-device model" and count.total == meta_count(config)
@@ -220,47 +235,124 @@ def test_budget_caps_every_layer():
 # --- quantized formats ------------------------------------------------------------------------------
 
 
-def kivi_bytes_per_head(quantized, recent, head_dim, bits, group):
-    """KIVI layout, written out: packed payload, key scales+zeros per channel per token group, value
-    scales+zeros per token per channel group (fp16 each), fp16 recent window."""
+def kivi_bytes_per_head(quantized, recent, head_dim, bits, group, params=2):
+    """KIVI layout, written out: packed payload, key scales (+zeros) per channel per token group, value
+    scales (+zeros) per token per channel group (fp16 each), fp16 recent window. `params` is 2 for the
+    int formats (scale and zero point), 1 for fp8 (a scale only, with `bits` 8: one byte per value)."""
     key_payload = quantized * head_dim * bits / 8
     value_payload = quantized * head_dim * bits / 8
-    key_meta = math.ceil(quantized / group) * head_dim * (2 + 2)
-    value_meta = quantized * (head_dim // group) * (2 + 2)
+    key_meta = math.ceil(quantized / group) * head_dim * params * 2
+    value_meta = quantized * (head_dim // group) * params * 2
     window = recent * head_dim * 2 * 2  # keys + values, fp16
     return key_payload + value_payload + key_meta + value_meta + window
 
 
-@pytest.mark.parametrize(
-    ("kv_format", "bits", "bound"), [("int8", 8, 0.56), ("int4", 4, 0.32), ("int2", 2, 0.19)]
-)
-def test_quantized_bytes_per_token_over_fp16_meet_the_targets(kv_format, bits, bound):
-    head_dim, group = 128, 64
-    ratio = kivi_bytes_per_head(group, 0, head_dim, bits, group) / group / (2 * head_dim * 2)
-    assert ratio == bits / 16 + 2 / group <= bound  # 0.53125, 0.28125, 0.15625
+#: (format, bits per value, fp16 parameters per group, QuantizedCache's default group at head_dim 128,
+#: the ratio-to-fp16 target the default group is chosen for; fp8 has none).
+QUANTIZED = [
+    ("int8", 8, 2, 64, 0.56),
+    ("int4", 4, 2, 32, 0.32),
+    ("int2", 2, 2, 32, 0.19),
+    ("fp8", 8, 1, 32, None),
+]
+
+
+@pytest.mark.parametrize(("kv_format", "bits", "params", "group", "bound"), QUANTIZED)
+def test_quantized_bytes_per_token_over_fp16_meet_the_targets(kv_format, bits, params, group, bound):
+    head_dim = 128
+    ratio = kivi_bytes_per_head(group, 0, head_dim, bits, group, params) / group / (2 * head_dim * 2)
+    # int: b/16 + 2/G (0.53125, 0.3125, 0.1875); fp8: 1/2 + 1/G (0.53125)
+    assert ratio == (bits / 16 + 2 / group if params == 2 else 1 / 2 + 1 / group)
+    assert bound is None or ratio <= bound
     p = planner.plan("llama-3.1-8b", context=32768, kv_format=kv_format)
     assert p.ratio_to_fp16 == ratio
     assert p.kv_bytes_per_token_excl_residual == ratio * 131_072
-    assert p.group_size == 64 and p.residual == 128
+    assert p.group_size == group and p.residual == 128
     # at 32K the last 128 tokens sit in fp16: per token costs more than the stored rate
-    expected = 32 * 8 * kivi_bytes_per_head(32768 - 128, 128, head_dim, bits, group)
+    expected = 32 * 8 * kivi_bytes_per_head(32768 - 128, 128, head_dim, bits, group, params)
     assert p.kv_bytes == expected
     assert p.kv_bytes_per_token == expected / 32768 > p.kv_bytes_per_token_excl_residual
 
 
-def test_fp8_is_one_byte_per_value_plus_an_fp16_scale_per_token_and_head():
+def test_fp8_is_one_byte_per_value_plus_an_fp16_scale_per_group_and_a_full_precision_window():
     p = planner.plan("llama-3.1-8b", context=32768, kv_format="fp8")
-    assert p.kv_bytes == 32768 * 32 * 8 * 2 * (128 + 2)
-    assert p.ratio_to_fp16 == (128 + 2) / 256 and p.residual == 0 and p.group_size is None
+    quantized = 32768 - 128
+    key_scales = quantized // 32 * 128 * 2  # one fp16 scale per channel per 32 tokens
+    value_scales = quantized * (128 // 32) * 2  # one fp16 scale per 32 channels per token
+    per_head = 2 * quantized * 128 + key_scales + value_scales + 128 * 2 * 128 * 2
+    assert p.kv_bytes == 32 * 8 * per_head
+    assert p.ratio_to_fp16 == 1 / 2 + 1 / 32 and p.residual == 128 and p.group_size == 32
+    assert p.layer_kinds[0].tokens_full_precision == 128
+    # an explicit group size applies to fp8 too
+    assert (
+        planner.plan("llama-3.1-8b", context=32768, kv_format="fp8", group_size=64).ratio_to_fp16
+        == 1 / 2 + 1 / 64
+    )
 
 
 def test_quantized_partial_groups_small_contexts_and_group_size():
     # 100 tokens, no fp16 window, groups of 32: the key scales cover 4 groups (the last one partial)
     p = planner.plan("llama-3.1-8b", context=100, kv_format="int4", group_size=32, residual=0)
     assert p.kv_bytes == 32 * 8 * kivi_bytes_per_head(100, 0, 128, 4, 32)
+    p = planner.plan("llama-3.1-8b", context=100, kv_format="fp8", group_size=32, residual=0)
+    assert p.kv_bytes == 32 * 8 * kivi_bytes_per_head(100, 0, 128, 8, 32, params=1)
     # fewer tokens than the window: everything is fp16
-    assert planner.plan("llama-3.1-8b", context=100, kv_format="int2").kv_bytes == 100 * 131_072
-    assert planner.plan("llama-3.1-8b", context=0, kv_format="int2").kv_bytes == 0
+    for kv_format in ("int2", "fp8"):
+        assert planner.plan("llama-3.1-8b", context=100, kv_format=kv_format).kv_bytes == 100 * 131_072
+        assert planner.plan("llama-3.1-8b", context=0, kv_format=kv_format).kv_bytes == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2, "fp8"])
+def test_default_group_is_the_caches_gcd_with_the_head_dims(bits):
+    from hf_kvplus.quantized_cache import QuantizedCache
+
+    name = "fp8" if bits == "fp8" else f"int{bits}"
+    # head_dim 32 is below int8's default 64: the cache falls back to gcd(64, 32) = 32
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    assert planner.plan(config, 10, kv_format=name).group_size == 32
+    assert QuantizedCache(config, bits=bits).format.group_size == 32
+    cache_group = QuantizedCache(planner.load_config("llama-3.1-8b"), bits=bits).format.group_size
+    assert planner.plan("llama-3.1-8b", 10, kv_format=name).group_size == cache_group
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "gemma-3-4b", "smollm2-135m"])
+@pytest.mark.parametrize(("kv_format", "bits"), [("int8", 8), ("int4", 4), ("int2", 2), ("fp8", "fp8")])
+def test_bytes_per_token_are_the_cache_formats(name, kv_format, bits):
+    """The planner's stored rate is `QuantFormat.bytes_per_token` (the layout the kernels write) times
+    layers x KV heads, at the group the cache picks. No shipped config mixes head dims."""
+    from hf_kvplus.kernels.quant_format import QuantFormat
+    from hf_kvplus.quantized_cache import QuantizedCache
+
+    layers, kv_heads, head_dim, _ = geometry(name)
+    group = QuantizedCache(planner.load_config(name), bits=bits).format.group_size
+    p = planner.plan(name, context=4096, kv_format=kv_format)
+    assert p.group_size == group
+    expected = layers * kv_heads * QuantFormat(bits, group).bytes_per_token(head_dim)
+    assert p.kv_bytes_per_token_excl_residual == expected
+    assert p.ratio_to_fp16 == expected / textbook_bytes_per_token(name)
+
+
+@pytest.mark.parametrize(("kv_format", "bits"), [("int8", 8), ("int4", 4), ("int2", 2), ("fp8", "fp8")])
+def test_plan_matches_what_a_quantized_cache_holds(kv_format, bits):
+    """A filled QuantizedCache holds, in payload + metadata, exactly the planned KV bytes. The context is
+    128 + a multiple of every default group, so the cache's full-precision window holds exactly 128
+    tokens (in float16, as the planner counts them)."""
+    from hf_kvplus.quantized_cache import QuantizedCache
+
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
+    )
+    context = 128 + 64 * 13
+    cache = QuantizedCache(config, bits=bits)
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(config.num_hidden_layers):
+        k, v = (torch.randn(1, 2, context, 64, generator=generator).half() for _ in range(2))
+        cache.update(k, v, layer)
+    report = cache.memory_report()
+    assert report.tokens_held == context
+    p = planner.plan(config, context, 1, kv_format=kv_format)
+    assert p.group_size == cache.format.group_size and p.layer_kinds[0].tokens_full_precision == 128
+    assert p.kv_bytes == report.payload_bytes + report.metadata_bytes
 
 
 # --- largest context and batch ------------------------------------------------------------------------
@@ -359,6 +451,8 @@ def test_bad_inputs_raise_typed_errors_with_the_numbers():
         planner.plan("llama-3.1-8b", 1024, kv_format="int4", group_size=48)
     with pytest.raises(ConfigError, match=r"group_size must be a positive integer for int4, got 0"):
         planner.plan("llama-3.1-8b", 1024, kv_format="int4", group_size=0)
+    with pytest.raises(ConfigError, match=r"group_size 48 does not divide head_dim 128: fp8 values"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="fp8", group_size=48)
     with pytest.raises(ConfigError, match=r"at least 1 token per layer, got budget=0"):
         planner.plan("llama-3.1-8b", 1024, budget=0)
     with pytest.raises(ConfigError, match=r"non-negative number of tokens, got context=-1"):
@@ -389,6 +483,7 @@ def test_load_config_from_a_file_a_folder_or_an_object(tmp_path):
     shutil.copy(source, tmp_path / "config.json")
     from_folder = planner.load_config(tmp_path)
     from_file = planner.load_config(str(tmp_path / "config.json"))
+
     def contents(config):
         return {k: v for k, v in config.to_diff_dict().items() if k != "_name_or_path"}
 
@@ -488,7 +583,7 @@ def test_cli_reports_bounded_caches_and_weights_that_do_not_fit(capsys):
     assert cli("llama-3.1-70b", "--memory", "24GB", "--json", "-") == 0
     out = capsys.readouterr().out
     assert "weights > memory" in out
-    assert json.loads(out[out.index("{"):])["plans"][0]["weights_fit"] is False
+    assert json.loads(out[out.index("{") :])["plans"][0]["weights_fit"] is False
 
 
 def test_cli_errors(capsys):

@@ -68,17 +68,25 @@ def register(subparsers) -> argparse.ArgumentParser:
         metavar="FORMAT",
         help=f"KV cache format(s), several to compare: {', '.join(KV_FORMATS)} (default fp16)",
     )
+    defaults = ", ".join(f"{name} {size}" for name, size in DEFAULT_GROUP_SIZE.items())
     parser.add_argument(
         "--group-size",
         type=int,
-        default=DEFAULT_GROUP_SIZE,
-        help=f"int formats: tokens per key group, channels per value group (default {DEFAULT_GROUP_SIZE})",
+        default=None,
+        help=(
+            "quantized formats (int8/int4/int2/fp8, as QuantizedCache stores them): tokens per key group, "
+            "channels per value group; must divide head_dim (default: the cache's, the gcd of "
+            f"{defaults} with the head dims)"
+        ),
     )
     parser.add_argument(
         "--residual",
         type=int,
         default=DEFAULT_RESIDUAL,
-        help=f"int formats: most recent tokens kept in fp16 (default {DEFAULT_RESIDUAL})",
+        help=(
+            "quantized formats: most recent tokens kept at full precision, counted as fp16 "
+            f"(default {DEFAULT_RESIDUAL}, the cache's window)"
+        ),
     )
     parser.add_argument("--budget", type=int, default=None, help="eviction budget: tokens kept per layer")
     parser.add_argument("--weights-dtype", default="bf16", choices=list(WEIGHT_BITS), help="default bf16")
@@ -207,14 +215,19 @@ def _notes(args, rows, first: Plan, beyond: bool) -> list[str]:
         "token held by every KV layer, in the storage format, scales included, fp16 recent window excluded; "
         "vs fp16: that over fp16."
     ]
-    if any(r[0].group_size for r in rows):
+    quantized = [r[0] for r in rows if r[0].group_size]
+    if quantized:
+        groups = ", ".join(f"{p.kv_format} {p.group_size}" for p in quantized)
+        kinds = []
+        if any(p.kv_format != "fp8" for p in quantized):
+            kinds.append("int formats asymmetric with an fp16 scale and zero point per group")
+        if any(p.kv_format == "fp8" for p in quantized):
+            kinds.append("fp8 e4m3 with an fp16 scale per group (no zero point)")
         notes.append(
-            f"int formats: asymmetric groups of {args.group_size} (keys per channel along tokens, values per "
-            f"token along channels), an fp16 scale and zero point per group, the last {args.residual} tokens "
-            "in fp16."
+            f"{'/'.join(p.kv_format for p in quantized)}: as QuantizedCache stores them, KIVI groups of G "
+            f"({groups}): keys per channel over groups of G tokens, values per token over groups of G "
+            f"channels; {'; '.join(kinds)}; the last {args.residual} tokens at full precision, counted as fp16."
         )
-    if any(r[0].kv_format == "fp8" for r in rows):
-        notes.append("fp8: e4m3 values, one fp16 scale per token and KV head for keys and for values.")
     if args.memory is not None:
         notes.append(
             f"memory: {format_bytes(args.memory)} ({args.memory:,} bytes) for weights + KV; activations, "

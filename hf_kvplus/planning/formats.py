@@ -1,23 +1,33 @@
 """Bytes of each KV-cache storage format and of each weight dtype.
 
+The quantized formats are exactly what :class:`hf_kvplus.quantized_cache.QuantizedCache` holds: the
+byte layout is :class:`hf_kvplus.kernels.quant_format.QuantFormat` (imported here, not restated) and the
+default group sizes are the cache's ``DEFAULT_GROUP``.
+
 Layouts, per layer, per batch row, per KV head, for a head of `D = head_dim` channels:
 
 - ``fp32`` / ``fp16`` / ``bf16``: keys and values as they are, ``2 x D x (4 | 2 | 2)`` bytes per token.
-- ``fp8`` (e4m3, the quantized-cache issue's format): one byte per value, plus one fp16 scale per
-  (token, KV head) for the keys and one for the values: ``2 x (D + 2)`` bytes per token.
-- ``int8`` / ``int4`` / ``int2`` (KIVI-style asymmetric group quantization, ``b`` bits, group size
-  ``G``, default 64): values are packed ``ceil(D x b / 8)`` bytes per token row.
-  Keys are quantized per channel along tokens: each group of ``G`` consecutive quantized tokens has,
-  for every one of the ``D`` channels, an fp16 scale and an fp16 zero point (``4 x D`` bytes per
-  group, ``4 x D / G`` per token; a partial last group is counted as a whole one). Values are
-  quantized per token along channels: each token's ``D`` channels form ``D / G`` groups with an fp16
-  scale and zero point each (``4 x D / G`` bytes per token; ``G`` must divide ``D``). The most recent
-  ``residual`` tokens (default 128) are held in fp16 (``2 x D x 2`` bytes per token) and quantized
-  once they leave that window.
+- ``int8`` / ``int4`` / ``int2`` / ``fp8``: KIVI grouping with group size ``G`` for all four. Codes are
+  packed ``D x b / 8`` bytes per token row for keys and for values (``b`` = 8, 4, 2; fp8 is e4m3,
+  one byte per value). Keys are quantized per channel along tokens: each group of ``G`` consecutive
+  quantized tokens has, for every one of the ``D`` channels, an fp16 scale and (int only) an fp16
+  zero point (``4 x D / G`` bytes per token for int, ``2 x D / G`` for fp8; a partial last group is
+  counted as a whole one). Values are quantized per token along channels: each token's ``D``
+  channels form ``D / G`` groups with an fp16 scale (and, int only, zero point) each (``4 x D / G``
+  bytes per token for int, ``2 x D / G`` for fp8; ``G`` must divide ``D``).
+- Default ``G`` (``group_size=None``): the cache's, ``gcd(DEFAULT_GROUP[format], *head_dims)`` with
+  ``DEFAULT_GROUP`` int8 64, int4 32, int2 32, fp8 32. An explicit group size applies to every
+  quantized format and must divide every head_dim.
+- The most recent ``residual`` tokens (default 128, the cache's ``window``) of every quantized format
+  are held at full precision, counted as fp16 (``2 x D x 2`` bytes per token; the cache holds them
+  in the model's dtype, so a float32 model holds twice that), and quantized once they leave that
+  window. The cache keeps between ``window`` and ``window + G - 1`` recent tokens (it quantizes whole
+  groups); the planner counts exactly ``min(held, residual)``, so at most ``G - 1`` tokens per layer
+  that the cache still holds at full precision are counted at the quantized rate.
 
 Bytes per token over fp16, scales and zero points included, the fp16 window excluded, are therefore
-``b / 16 + 2 / G``, whatever ``D``: at ``G = 64`` int8 0.53125, int4 0.28125, int2 0.15625; fp8 is
-``(D + 2) / (2 D)``, 0.5078 at ``D = 128``.
+``b / 16 + 2 / G`` for int and ``1 / 2 + 1 / G`` for fp8, whatever ``D``: at the default groups
+int8 0.53125 (``G = 64``), int4 0.3125, int2 0.1875, fp8 0.53125 (``G = 32``).
 """
 
 from __future__ import annotations
@@ -26,15 +36,24 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..kernels.quant_format import QuantFormat
+from ..quantized_cache import DEFAULT_GROUP
+from ..storage.quantized import DEFAULT_WINDOW
 
 #: Bytes of one scale or zero point (fp16).
 SCALE_BYTES = 2
-#: Bytes of one value in the full-precision recent window of the integer formats (fp16).
+#: Bytes of one value in the full-precision recent window of the quantized formats (counted as fp16).
 RESIDUAL_VALUE_BYTES = 2
-#: Default group size of the integer formats (tokens per key group, channels per value group).
-DEFAULT_GROUP_SIZE = 64
-#: Default number of most recent tokens the integer formats hold in fp16.
-DEFAULT_RESIDUAL = 128
+#: Default group size of each quantized format before the gcd with the head dims (tokens per key group,
+#: channels per value group): `QuantizedCache`'s ``DEFAULT_GROUP``, keyed by format name.
+DEFAULT_GROUP_SIZE: dict[str, int] = {
+    "int8": DEFAULT_GROUP[8],
+    "int4": DEFAULT_GROUP[4],
+    "int2": DEFAULT_GROUP[2],
+    "fp8": DEFAULT_GROUP["fp8"],
+}
+#: Default number of most recent tokens the quantized formats hold at full precision (the cache's window).
+DEFAULT_RESIDUAL = DEFAULT_WINDOW
 
 
 @dataclass(frozen=True)
@@ -47,30 +66,54 @@ class KVFormat:
 
     @property
     def is_grouped(self) -> bool:
-        """Integer formats: group scales and zero points, and a full-precision recent window."""
-        return self.kind == "int"
+        """The quantized formats (int8/int4/int2/fp8): group scales and a full-precision recent window."""
+        return self.kind in ("int", "fp8")
+
+    @property
+    def cache_bits(self) -> int | str | None:
+        """The `bits` argument of `QuantizedCache` for this format (8, 4, 2, "fp8"); None if unquantized."""
+        if self.kind == "fp8":
+            return "fp8"
+        return self.bits if self.kind == "int" else None
+
+    def quant_format(self, group_size: int) -> QuantFormat:
+        """The cache's byte layout of this quantized format at `group_size`."""
+        if not self.is_grouped:
+            raise ConfigError(f"{self.name} is not a quantized format: it has no group layout")
+        return QuantFormat(self.cache_bits, group_size)
+
+    def default_group_size(self, head_dims) -> int | None:
+        """The group size `QuantizedCache` picks when given none: gcd(DEFAULT_GROUP, every head_dim)."""
+        if not self.is_grouped:
+            return None
+        return math.gcd(DEFAULT_GROUP[self.cache_bits], *head_dims)
 
     def row_bytes(self, head_dim: int) -> int:
         """Payload bytes of one token's keys (or values) for one KV head, packed."""
         return math.ceil(head_dim * self.bits / 8)
 
-    def stored_bytes(self, tokens: int, head_dim: int, group_size: int) -> int:
-        """Keys + values bytes of `tokens` tokens of one KV head in this format (no fp16 window)."""
-        payload = 2 * tokens * self.row_bytes(head_dim)
-        if self.kind == "float":
-            return payload
-        if self.kind == "fp8":
-            return payload + 2 * tokens * SCALE_BYTES
-        key_groups = math.ceil(tokens / group_size)
-        key_scales = key_groups * head_dim * 2 * SCALE_BYTES
-        value_scales = tokens * (head_dim // group_size) * 2 * SCALE_BYTES
-        return payload + key_scales + value_scales
+    def stored_bytes(self, tokens: int, head_dim: int, group_size: int | None) -> int:
+        """Keys + values bytes of `tokens` tokens of one KV head in this format (no fp16 window).
 
-    def bytes_per_token(self, head_dim: int, group_size: int) -> int:
-        """Keys + values bytes one stored token costs one KV head, scales included, fp16 window excluded."""
-        if self.kind == "int":
-            return 2 * self.row_bytes(head_dim) + 2 * (head_dim // group_size) * 2 * SCALE_BYTES
-        return self.stored_bytes(1, head_dim, group_size)
+        Quantized formats: codes, plus the key scales (and zeros) of ``ceil(tokens / G)`` token groups and
+        the value scales (and zeros) of every token's ``D / G`` channel groups.
+        """
+        if not self.is_grouped:
+            return 2 * tokens * self.row_bytes(head_dim)
+        fmt = self.quant_format(group_size)
+        params = 1 if fmt.is_float else 2  # scale (+ zero point), fp16 each
+        codes = 2 * tokens * fmt.packed_dim(head_dim)
+        key_params = math.ceil(tokens / group_size) * head_dim * params * SCALE_BYTES
+        value_params = tokens * (head_dim // group_size) * params * SCALE_BYTES
+        return codes + key_params + value_params
+
+    def bytes_per_token(self, head_dim: int, group_size: int | None) -> int | float:
+        """Keys + values bytes one stored token costs one KV head, scales included, fp16 window excluded:
+        `QuantFormat.bytes_per_token` for the quantized formats (an integer when ``G`` divides ``D``)."""
+        if not self.is_grouped:
+            return self.stored_bytes(1, head_dim, group_size)
+        exact = self.quant_format(group_size).bytes_per_token(head_dim)
+        return int(exact) if exact == int(exact) else exact
 
 
 def residual_bytes(tokens: int, head_dim: int) -> int:
@@ -125,16 +168,34 @@ def weight_bits(dtype: str) -> int:
     return bits
 
 
+def resolve_group_size(fmt: KVFormat, group_size: int | None, head_dims: set[int]) -> int | None:
+    """The group size a `QuantizedCache` in `fmt` would use: `group_size`, or the cache's default for the
+    format when None (see `KVFormat.default_group_size`); checked against every head_dim. None for the
+    unquantized formats, whatever `group_size` is."""
+    if not fmt.is_grouped:
+        return None
+    if group_size is None:
+        group_size = fmt.default_group_size(sorted(head_dims))
+    check_group_size(fmt, group_size, head_dims)
+    return group_size
+
+
 def check_group_size(fmt: KVFormat, group_size: int, head_dims: set[int]) -> None:
-    """Integer formats need a positive group size dividing every head_dim (values group channels)."""
+    """Quantized formats need a positive group size dividing every head_dim (values group channels), and
+    head dims that pack into whole bytes."""
     if not fmt.is_grouped:
         return
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ConfigError(f"group_size must be a positive integer for {fmt.name}, got {group_size!r}")
+    per_byte = fmt.quant_format(group_size).per_byte
     for head_dim in sorted(head_dims):
         if head_dim % group_size:
             divisors = [g for g in range(1, head_dim + 1) if head_dim % g == 0 and g >= 8]
             raise ConfigError(
                 f"group_size {group_size} does not divide head_dim {head_dim}: {fmt.name} values are grouped "
                 f"along the {head_dim} channels of each token; group sizes that divide it: {divisors}"
+            )
+        if head_dim % per_byte:
+            raise ConfigError(
+                f"head_dim {head_dim} is not a multiple of {per_byte}: {fmt.name} packs {per_byte} codes per byte"
             )

@@ -8,11 +8,13 @@ Tokens held per layer, per batch row, at a context of ``n`` tokens:
 - an eviction ``budget`` (sinks + recent window + heavy hitters: everything an evicting cache keeps)
   caps every layer at ``budget`` tokens.
 
-Of the tokens a layer holds, the integer formats keep the most recent ``min(held, residual)`` in fp16
-and the rest quantized (see :mod:`hf_kvplus.planning.formats` for the layouts). KV bytes are payload,
-scales and zero points, exactly; growth headroom a cache may allocate ahead (``DenseCache`` rounds its
-buffers up and grows them by an eighth) and block-table metadata are not counted, nor are activations,
-the CUDA context or allocator fragmentation: leave a margin for them.
+Of the tokens a layer holds, the quantized formats (int8/int4/int2/fp8, as `QuantizedCache` stores
+them) keep the most recent ``min(held, residual)`` at full precision, counted as fp16, and the rest
+quantized (see :mod:`hf_kvplus.planning.formats` for the layouts, and for the up to ``G - 1`` extra
+full-precision tokens the cache may hold). ``group_size=None`` means the cache's default group for the
+format. KV bytes are payload, scales and zero points, exactly; growth headroom a cache may allocate
+ahead (``DenseCache`` rounds its buffers up and grows them by an eighth) and block-table metadata are
+not counted, nor are activations, the CUDA context or allocator fragmentation: leave a margin for them.
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ from ..errors import CapacityError, ConfigError
 from ..model_spec import ModelSpec
 from .configs import config_name, load_config
 from .formats import (
-    DEFAULT_GROUP_SIZE,
     DEFAULT_RESIDUAL,
     KV_FORMATS,
     KVFormat,
-    check_group_size,
     kv_format,
     residual_bytes,
+    resolve_group_size,
     weight_bits,
 )
 from .parameters import ParameterCount, count_parameters
@@ -45,7 +46,7 @@ class LayerKindPlan:
     """The layers of one kind (and window) in a plan.
 
     `tokens_held` is per layer and batch row, `tokens_full_precision` how many of them sit in the fp16
-    recent window (integer formats; 0 otherwise), `bound` the most tokens these layers ever hold (the
+    recent window (quantized formats; 0 otherwise), `bound` the most tokens these layers ever hold (the
     window or the budget; None when they grow with the context). `kv_bytes` covers all these layers and
     the whole batch; `bytes_per_token` is what one more held token costs all these layers for one batch
     row, in the storage format (scales included, fp16 window excluded).
@@ -71,7 +72,7 @@ class Plan:
 
     - `kv_bytes_per_token` = ``kv_bytes / (batch x context)``: what each sequence token costs on average
       at this context, everything included (sliding layers saturated at their window, the fp16 recent
-      window of the integer formats); 0.0 at context 0.
+      window of the quantized formats); 0.0 at context 0.
     - `kv_bytes_per_token_excl_residual`: what one token held by every KV layer costs in the storage
       format, scales and zero points included, the fp16 recent window excluded. For fp16 it is the
       textbook ``2 x layers x kv_heads x head_dim x 2`` (131,072 for Llama 3.1 8B).
@@ -80,7 +81,8 @@ class Plan:
       layers); 0 when every layer is bounded.
     - `ratio_to_fp16`: `kv_bytes_per_token_excl_residual` over the same figure in fp16.
 
-    `group_size` is None and `residual` 0 for formats without groups (fp32/fp16/bf16/fp8).
+    `group_size` is the group size in use (the cache's default for the format unless one was given);
+    it is None and `residual` 0 for the unquantized formats (fp32/fp16/bf16).
     `total_bytes` is ``weights_bytes + kv_bytes``.
     """
 
@@ -141,7 +143,7 @@ class _Model:
 @dataclass(frozen=True)
 class _Settings:
     fmt: KVFormat
-    group_size: int
+    group_size: int | None
     residual: int
     budget: int | None
     weights_dtype: str
@@ -173,7 +175,7 @@ def _is_int(value) -> bool:
 def _settings(model: _Model, kv_format_name, group_size, residual, budget, weights_dtype) -> _Settings:
     fmt = kv_format(kv_format_name)
     weight_bits(weights_dtype)
-    check_group_size(fmt, group_size, {g.head_dim for g in model.groups})
+    group_size = resolve_group_size(fmt, group_size, {g.head_dim for g in model.groups})
     if budget is not None and (not _is_int(budget) or budget < 1):
         raise ConfigError(f"an eviction budget must keep at least 1 token per layer, got budget={budget!r}")
     if fmt.is_grouped and (not _is_int(residual) or residual < 0):
@@ -238,7 +240,7 @@ def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> P
         kv_format=fmt.name,
         context=context,
         batch=batch,
-        group_size=group_size if fmt.is_grouped else None,
+        group_size=group_size,
         residual=settings.residual,
         budget=settings.budget,
         weights_dtype=settings.weights_dtype,
@@ -259,7 +261,7 @@ def plan(
     context: int,
     batch: int = 1,
     kv_format: str = "fp16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     residual: int = DEFAULT_RESIDUAL,
     budget: int | None = None,
     weights_dtype: str = "bf16",
@@ -267,8 +269,10 @@ def plan(
     """Weights + KV bytes of `config` holding `context` tokens for each of `batch` sequences.
 
     `config`: a config object, a shipped short name (``"llama-3.1-8b"``), a path to a config.json or its
-    folder, or a hub id. `kv_format`: fp32, fp16, bf16, fp8, int8, int4, int2. `group_size` (default
-    64) and `residual` (fp16 recent window, default 128 tokens) apply to the integer formats. `budget`:
+    folder, or a hub id. `kv_format`: fp32, fp16, bf16, fp8, int8, int4, int2. `group_size` and
+    `residual` (full-precision recent window, default 128 tokens) apply to the quantized formats
+    (int8/int4/int2/fp8, as `QuantizedCache` stores them); `group_size=None` is the cache's default,
+    ``gcd(DEFAULT_GROUP_SIZE[format], *head_dims)`` (int8 64, int4/int2/fp8 32). `budget`:
     tokens an evicting cache keeps per layer (sinks + recent), None for no eviction. `weights_dtype`:
     fp32, fp16, bf16, fp8, int8, int4 (nominal bits per weight, no quantization scales).
     """
@@ -295,7 +299,7 @@ def max_context(
     memory: int | str,
     batch: int = 1,
     kv_format: str = "fp16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     residual: int = DEFAULT_RESIDUAL,
     budget: int | None = None,
     weights_dtype: str = "bf16",
@@ -338,7 +342,7 @@ def max_batch(
     memory: int | str,
     context: int,
     kv_format: str = "fp16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     residual: int = DEFAULT_RESIDUAL,
     budget: int | None = None,
     weights_dtype: str = "bf16",
