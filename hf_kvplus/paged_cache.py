@@ -8,21 +8,22 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedConfig
 
+from .attention.dispatch import takes_fused_path
 from .cache import KVCache
-from .errors import ConfigError, UnsupportedOperationError
+from .errors import CapacityError, ConfigError, UnsupportedOperationError
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
 from .paging.block_pool import BlockPool
 from .paging.group import BlockGroup
-from .paging.paged_pool import DEFAULT_BLOCK_SIZE, PagedPool, group_key
+from .paging.paged_pool import PagedPool, group_key, resolve_format
 from .storage.paged import PagedStorage
-
-FUSED_ATTENTION = ("sdpa", "kvplus")
+from .storage.paged_segment import PagedSegment
+from .storage.quantized import DEFAULT_WINDOW, QuantizedStorage
 
 
 class PagedCache(KVCache):
-    """A lossless cache whose layers hold K/V in blocks of a `PagedPool`, through per-row block tables.
+    """A cache whose layers hold K/V in blocks of a `PagedPool`, through per-row block tables.
 
     Layers that hold the same tokens (all full layers; the sliding layers of one window) share one
     table per row, so block ids mean the same tokens in each of them. Beam search's reorder,
@@ -42,6 +43,21 @@ class PagedCache(KVCache):
     >>> out = model.generate(input_ids, past_key_values=cache)  # prefills only the rest
     >>> cache.store_prefix(input_ids)                        # offer the prompt's full blocks to later calls
 
+    Paged and quantized (`bits` 8, 4, 2 or "fp8", as `QuantizedCache`): each layer is a `QuantizedStorage`
+    whose quantized part is a `PagedSegment`. The newest `window` tokens (at least; up to a block more) stay at
+    full precision outside the pool; a block that fills is quantized once into a block of the pool (codes and
+    float16 group scales, `group_size` tokens per key group), so `block_size` must be a multiple of `group_size`
+    (by default it is 16, or the group size if larger). Decode attends over the quantized blocks in place
+    (fused kernel with the block table) plus the window. Lossy, like `QuantizedCache`: the same tokens quantized
+    in the same groups give the same values, but a dense `QuantizedCache` flushes whole groups and this one whole
+    blocks. A `PagedPool` passed in must hold the same format (`CacheMismatchError` otherwise); without `bits`
+    the cache takes the pool's format. `num_blocks`/`max_bytes` count quantized blocks (the full-precision window
+    is not in the pool). Prefix reuse only attaches stored blocks that end at least `window` tokens before the end
+    of the prompt, so the window stays at full precision and the cache quantizes exactly the tokens that a fresh
+    prefill of the whole prompt would have quantized.
+
+    >>> cache = PagedCache(config=model.config, bits=4, window=128)       # int4 blocks, 128 exact recent tokens
+
     A released cache gives its blocks back to the pool (the prefix store keeps the ones it holds).
     """
 
@@ -50,38 +66,81 @@ class PagedCache(KVCache):
         config: PreTrainedConfig,
         *,
         pool: PagedPool | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         max_bytes: int | None = None,
         namespace: str = "default",
+        bits: int | str | None = None,
+        group_size: int | None = None,
+        window: int = DEFAULT_WINDOW,
     ):
         if not isinstance(namespace, str):
             raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
         self.namespace = namespace
         self._owns_pool = pool is None
-        self.pool = pool or PagedPool(config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes)
-        self.pool.check_model(ModelSpec.from_config(config))
+        spec = ModelSpec.from_config(config)
+        if pool is None:
+            pool = PagedPool(
+                config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes, bits=bits,
+                group_size=group_size,
+            )
+        else:
+            pool.check_model(spec)
+            if bits is not None or group_size is not None:
+                pool.check_format(resolve_format(spec, bits, group_size))
+        self.pool = pool
+        #: The quantized format of the blocks (None: full precision, lossless).
+        self.format = pool.format
+        #: Full-precision recent tokens per layer (None when lossless).
+        self.window = None
+        if self.format is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < self.format.group_size:
+                raise ConfigError(
+                    f"window={window!r}: the full-precision recent window must be an int of at least one group "
+                    f"(group_size={self.format.group_size} tokens)"
+                )
+            self.window = window
         self.groups: dict[str, BlockGroup] = {}
-        fused = getattr(config, "_attn_implementation", None) in FUSED_ATTENTION
+        fused = takes_fused_path(config)
 
-        def storage(spec: LayerSpec) -> PagedStorage:
+        def storage(spec: LayerSpec) -> PagedStorage | QuantizedStorage:
             key = group_key(spec)
             if key not in self.groups:
                 self.groups[key] = BlockGroup(self.pool.blocks[key], self.pool.block_size)
-            return PagedStorage(self.groups[key], self.pool.layers[spec.index], fused=fused)
+            if self.format is None:
+                return PagedStorage(self.groups[key], self.pool.layers[spec.index], fused=fused)
+            segment = PagedSegment(self.groups[key], self.pool.layers[spec.index])
+            return QuantizedStorage(segment, window=window, fused=fused)
 
         super().__init__(config, storage=storage)
+        self._first_kv_layer = next(i for i, layer in enumerate(self.layers) if isinstance(layer, KVLayer))
         weakref.finalize(self, _release, list(self.groups.values()))
 
     @property
     def block_size(self) -> int:
         return self.pool.block_size
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.format is not None and layer_idx == self._first_kv_layer:
+            # A new forward: every layer has attended the last one, so blocks of tokens that windows dropped
+            # then can go (a quantized layer allocates only when a block fills, so its group may not trim for
+            # many steps otherwise).
+            for group in self.groups.values():
+                group.trim()
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except CapacityError:
+            if self.format is not None:
+                # The quantized storage took the new tokens into its full-precision window before the block
+                # they filled could not be allocated: give them back, so the layer stays as it was.
+                self.layers[layer_idx].storage.recent.drop_back(key_states.shape[2])
+            raise
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch([int(i) for i in beam_idx])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = next(iter(self.groups.values())).batch_size
+        batch = max(layer.storage.batch_size for layer in self.layers if isinstance(layer, KVLayer))
         self._index_batch([row for row in range(batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -91,8 +150,13 @@ class PagedCache(KVCache):
         self._index_batch([int(i) for i in indices])
 
     def _index_batch(self, rows: list[int]) -> None:
-        for group in self.groups.values():
+        for group in self.groups.values():  # once per group: the layers of a group share its tables
             group.index_batch(rows)
+        if self.format is not None:  # and every layer's full-precision window
+            indices = torch.tensor(rows, dtype=torch.long)
+            for layer in self.layers:
+                if isinstance(layer, KVLayer):
+                    layer.storage.recent.index_batch(indices)
 
     def reuse_prefix(self, input_ids) -> int:
         """Attaches the stored blocks of the longest stored prefix of `input_ids` (one prompt) to this
@@ -102,7 +166,10 @@ class PagedCache(KVCache):
             raise UnsupportedOperationError(
                 f"reuse_prefix needs an empty cache; this one holds {self.get_seq_length()} tokens"
             )
-        blocks = store.lookup(ids[:-1], self.namespace)
+        # At least one token is left to run the model on; a quantized cache also leaves its window to prefill
+        # (those tokens stay at full precision, so blocks reaching into them were never quantized by a fresh run).
+        keep = 1 if self.window is None else self.window
+        blocks = store.lookup(ids[: max(0, len(ids) - keep)], self.namespace)
         reused = len(blocks) * self.block_size
         if reused:
             group = self.groups["full"]
@@ -110,7 +177,9 @@ class PagedCache(KVCache):
             group._table_tensor = None
             for layer in self.layers:
                 if isinstance(layer, KVLayer):
-                    layer.seen = layer.storage.end = reused
+                    layer.seen = reused
+                    target = layer.storage if self.format is None else layer.storage.segment
+                    target.end = reused
         return reused
 
     def store_prefix(self, input_ids) -> int:
@@ -152,6 +221,32 @@ class PagedCache(KVCache):
             (layer.blocks.capacity - layer.blocks.num_used) * layer.block_bytes for layer in self.pool.layers.values()
         )
         return replace(report, reserved_bytes=report.reserved_bytes + free)
+
+    def quantized_report(self) -> dict:
+        """Bytes at rest of the quantized blocks alone (codes, scales and zero points of the blocks the tables
+        reference, shared blocks once; the full-precision window and the tables excluded), per quantized token
+        slot and as a fraction of float16 K/V for the same slots. Like `QuantizedCache.quantized_report`."""
+        if self.format is None:
+            raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
+        for group in self.groups.values():
+            group.trim()
+        quantized_bytes = tokens = fp16_bytes = 0
+        for layer in self.layers:
+            if not isinstance(layer, KVLayer):
+                continue
+            segment = layer.storage.segment
+            blocks = segment.group.blocks_in_use() if segment.pool.k is not None else 0
+            quantized_bytes += blocks * segment.pool.block_bytes
+            slots = blocks * self.block_size
+            tokens = max(tokens, slots)
+            fp16_bytes += slots * 2 * 2 * layer.spec.num_kv_heads * layer.spec.head_dim
+        return {
+            "format": str(self.format),
+            "quantized_tokens": tokens,
+            "quantized_bytes": quantized_bytes,
+            "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
+            "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
+        }
 
     def block_pools(self) -> dict[str, BlockPool]:
         """The block pool of each layer group ("full", "sliding:512", ...)."""

@@ -11,6 +11,8 @@
 - `paged`                   hf_kvplus PagedCache (`paged:block=16:blocks=N`: block size, a fixed pool)
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
                             128 full-precision tokens) and `backend=quanto` may follow
+- `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
+                            `group=N`, `window=N`, `block=N`, `blocks=N` may follow
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -108,6 +110,7 @@ def available_cache_specs() -> list[str]:
     defaults = {
         "hf-quantized": ["hf-quantized:quanto:4", "hf-quantized:quanto:2"],
         "quantized": ["quantized:int8", "quantized:fp8", "quantized:int4", "quantized:int2"],
+        "paged-quantized": ["paged-quantized:int4"],
     }
     specs = []
     for name, kind in CACHE_KINDS.items():
@@ -166,6 +169,19 @@ def _validate(spec: CacheSpec) -> None:
                 _int(spec.text, key, spec.kwargs[key])
         if spec.kwargs.get("backend", "kvplus") not in BACKENDS:
             raise ConfigError(f"cache spec {spec.text!r}: backend must be one of {BACKENDS}")
+    elif name == "paged-quantized":
+        _check_arity(spec, 1, {"group", "window", "block", "blocks"})
+        if len(spec.args) != 1:
+            raise ConfigError(
+                f"cache spec {spec.text!r}: expected paged-quantized:<int8|int4|int2|fp8>, e.g. paged-quantized:int4"
+            )
+        try:
+            parse_bits(spec.args[0])
+        except ConfigError as exc:
+            raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
+        for key in ("group", "window", "block", "blocks"):
+            if key in spec.kwargs:
+                _int(spec.text, key, spec.kwargs[key])
     elif name == "hf-quantized":
         _check_arity(spec, 2, {"residual", "group"})
         if len(spec.args) != 2 or spec.args[0] not in ("quanto", "hqq"):
@@ -198,6 +214,17 @@ def _quantized(config, args, kwargs, max_length):
         group_size=int(kwargs["group"]) if "group" in kwargs else None,
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         backend=kwargs.get("backend", "kvplus"),
+    )
+
+
+def _paged_quantized(config, args, kwargs, max_length):
+    return PagedCache(
+        config=config,
+        bits=args[0],
+        group_size=int(kwargs["group"]) if "group" in kwargs else None,
+        window=int(kwargs.get("window", DEFAULT_WINDOW)),
+        block_size=int(kwargs["block"]) if "block" in kwargs else None,
+        num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
     )
 
 
@@ -238,5 +265,6 @@ for _kind in (
         False,
     ),
     CacheKind("quantized", _quantized, "hf_kvplus QuantizedCache: KIVI int8/int4/int2 or fp8", False, False),
+    CacheKind("paged-quantized", _paged_quantized, "hf_kvplus PagedCache with quantized blocks", False, False),
 ):
     register_cache_spec(_kind)

@@ -128,6 +128,9 @@ def test_cache_specs_name_every_format():
         cache = parse_cache_spec(text).build(cfg)
         assert isinstance(cache, QuantizedCache) and cache.format == fmt
     assert parse_cache_spec("quantized:int4:backend=quanto").build(cfg).backend == "quanto"
-    for bad in ["quantized", "quantized:int3", "quantized:int4:backend=x", "quantized:int4:group=a"]:
+    paged = parse_cache_spec("paged-quantized:int2:block=64").build(cfg)
+    assert paged.format == QuantFormat(2, 32) and paged.block_size == 64
+    for bad in ["quantized", "quantized:int3", "quantized:int4:backend=x", "quantized:int4:group=a",
+                "paged-quantized", "paged-quantized:int4:backend=quanto"]:
         with pytest.raises(ConfigError):
             parse_cache_spec(bad)

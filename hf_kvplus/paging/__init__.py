@@ -1,11 +1,12 @@
 """Paging: block ids with reference counts (`BlockPool`), reusable prompt blocks (`PrefixStore`), the
-per-layer block tensors of a model (`LayerPool`, `PagedPool`) and a cache's block tables (`BlockGroup`)."""
+per-layer block tensors of a model (`LayerPool`, `QuantLayerPool`, `PagedPool`) and a cache's block tables (`BlockGroup`)."""
 
 from .block_pool import BlockPool
 from .group import BlockGroup
 from .layer_pool import LayerPool
 from .paged_pool import DEFAULT_BLOCK_SIZE, PagedPool
 from .prefix_store import PrefixStore, PrefixStoreStats, block_hash, chain_hashes
+from .quant_layer_pool import QuantLayerPool
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -15,6 +16,7 @@ __all__ = [
     "PagedPool",
     "PrefixStore",
     "PrefixStoreStats",
+    "QuantLayerPool",
     "block_hash",
     "chain_hashes",
 ]

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import PreTrainedConfig
 
 from ..errors import CacheMismatchError, ConfigError
+from ..kernels.quant_format import QuantFormat
 from ..model_spec import LayerSpec, ModelSpec
 from .block_pool import BlockPool
 from .layer_pool import LayerPool
 from .prefix_store import PrefixStore
+from .quant_layer_pool import QuantLayerPool, check_block_size
 
 #: Block size in tokens. 16 is vLLM's default: a block of K/V for head_dim 128 in fp16 is 4 KiB per
 #: head, a whole number of the decode kernel's 16..64-key tiles, and a sequence wastes at most 15
@@ -24,6 +28,25 @@ def group_key(spec: LayerSpec) -> str:
     return "full" if spec.kind == "full" else f"{spec.kind}:{spec.window}"
 
 
+def resolve_format(spec: ModelSpec, bits: int | str | None, group_size: int | None) -> QuantFormat | None:
+    """The quantized format of `bits`/`group_size` for a model (None when `bits` is None), checked against every
+    head_dim; the default group is `QuantizedCache`'s: the format's default, reduced to divide every head_dim."""
+    if bits is None:
+        if group_size is not None:
+            raise ConfigError(f"group_size={group_size!r} needs bits (8, 4, 2 or 'fp8'): full-precision blocks have no groups")
+        return None
+    from ..quantized_cache import DEFAULT_GROUP, parse_bits  # the quantized cache's own defaults
+
+    bits = parse_bits(bits)
+    head_dims = sorted({layer.head_dim for layer in spec.layers if layer.holds_kv})
+    if group_size is None:
+        group_size = math.gcd(DEFAULT_GROUP[bits], *head_dims)
+    fmt = QuantFormat(bits, group_size)
+    for head_dim in head_dims:
+        fmt.check_head_dim(head_dim)
+    return fmt
+
+
 class PagedPool:
     """Per layer group, a `BlockPool` of block ids; per layer, the tensors those ids index.
 
@@ -33,29 +56,45 @@ class PagedPool:
     `num_blocks` fixes each group's pool; `max_bytes` fixes them from a memory budget instead (split
     between groups in proportion to their layer counts; `dtype`, default the config's, sizes a block);
     with neither, pools grow on demand.
+
+    `bits` (8, 4, 2 or "fp8"; "int4"... also accepted) makes a quantized pool: each layer's blocks are a
+    `QuantLayerPool` of codes and float16 group scales (`group_size`, default as `QuantizedCache`: the format's
+    default group, reduced to divide every head_dim), and a `max_bytes` budget counts quantized blocks. The block
+    size must be a multiple of the group size; by default it is `DEFAULT_BLOCK_SIZE`, or the group size if larger.
+    Caches on a pool use its format (`format`, None for full precision).
     """
 
     def __init__(
         self,
         config: PreTrainedConfig,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         max_bytes: int | None = None,
         dtype: torch.dtype | None = None,
+        bits: int | str | None = None,
+        group_size: int | None = None,
     ):
-        if block_size < 8 or block_size > 128 or block_size & (block_size - 1):
+        self.model_spec = ModelSpec.from_config(config)
+        self.format = resolve_format(self.model_spec, bits, group_size)
+        if block_size is None:
+            block_size = DEFAULT_BLOCK_SIZE if self.format is None else max(DEFAULT_BLOCK_SIZE, self.format.group_size)
+        if (
+            isinstance(block_size, bool) or not isinstance(block_size, int)
+            or block_size < 8 or block_size > 128 or block_size & (block_size - 1)
+        ):
             raise ConfigError(f"block_size must be a power of two in 8..128, got {block_size}")
+        if self.format is not None:
+            check_block_size(block_size, self.format)
         if num_blocks is not None and num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1 (or None to grow on demand), got {num_blocks}")
         self.block_size = block_size
         if num_blocks is not None and max_bytes is not None:
             raise ConfigError(f"give num_blocks ({num_blocks}) or max_bytes ({max_bytes}), not both")
-        self.model_spec = ModelSpec.from_config(config)
         if max_bytes is not None:
             budgets = self._blocks_for_budget(config, block_size, max_bytes, dtype)
         self.blocks: dict[str, BlockPool] = {}
-        self.layers: dict[int, LayerPool] = {}
+        self.layers: dict[int, LayerPool | QuantLayerPool] = {}
         for spec in self.model_spec.layers:
             if not spec.holds_kv:
                 continue
@@ -63,7 +102,12 @@ class PagedPool:
             if key not in self.blocks:
                 fixed = budgets[key] if max_bytes is not None else num_blocks
                 self.blocks[key] = BlockPool(fixed, initial=GROWABLE_INITIAL_BLOCKS)
-            self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
+            if self.format is None:
+                self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
+            else:
+                self.layers[spec.index] = QuantLayerPool(
+                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, self.format
+                )
         only_full = set(self.blocks) == {"full"}
         self.prefix_store = PrefixStore(self.blocks["full"], block_size) if only_full else None
 
@@ -78,14 +122,31 @@ class PagedPool:
         total = sum(len(group) for group in layers.values())
         budgets = {}
         for key, group in layers.items():
-            block_bytes = sum(2 * s.num_kv_heads * block_size * s.head_dim * dtype.itemsize for s in group)
+            if self.format is None:
+                block_bytes = sum(2 * s.num_kv_heads * block_size * s.head_dim * dtype.itemsize for s in group)
+                held_as = f"in {dtype}"
+            else:
+                block_bytes = sum(
+                    QuantLayerPool.bytes_per_block(self.format, block_size, s.num_kv_heads, s.head_dim) for s in group
+                )
+                held_as = f"quantized {self.format}"
             budgets[key] = max_bytes * len(group) // total // block_bytes
             if budgets[key] < 1:
                 raise ConfigError(
                     f"max_bytes {max_bytes:,} leaves {max_bytes * len(group) // total:,} bytes for the {key} layers, "
-                    f"less than one block of {block_bytes:,} bytes ({len(group)} layers x {block_size} tokens in {dtype})"
+                    f"less than one block of {block_bytes:,} bytes ({len(group)} layers x {block_size} tokens {held_as})"
                 )
         return budgets
+
+    def check_format(self, fmt: QuantFormat | None) -> None:
+        """A pool holds blocks in one format: caches on it must ask for that one."""
+        if fmt != self.format:
+            have = "full precision" if self.format is None else str(self.format)
+            want = "full precision" if fmt is None else str(fmt)
+            raise CacheMismatchError(
+                f"this PagedPool holds {have} blocks; the cache asks for {want} (build the pool with the same "
+                "bits/group_size, or leave them out of the cache to use the pool's)"
+            )
 
     def check_model(self, spec: ModelSpec) -> None:
         """A pool serves caches of the model it was built for, no other."""

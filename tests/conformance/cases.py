@@ -151,6 +151,13 @@ CASES: list[CacheCase] = [
         lossless=False, logits_atol=2.0, logits_rtol=0.0, min_token_agreement=0.0,
         note=_QUANTIZED_NOTE + "; optimum-quanto's quantizers",
     ),
+    CacheCase(
+        name="paged-quantized-int8",
+        make=lambda model: _paged_cache(model, bits=8, group_size=4, window=4, block_size=8),
+        lossless=False, logits_atol=0.15, logits_rtol=0.0, min_token_agreement=0.0,
+        note="hf_kvplus.PagedCache(bits=8): int8 groups of 4 in blocks of 8, window 4 (a block that fills is "
+        "quantized); lossy like quantized-int8, logits bounded on identical contexts",
+    ),
     # Add new caches above this line.
     # ---- HARNESS SELF-CHECK, not a project cache (temporary; kept until removed on purpose) ---------------------------
     # The reference cache against itself: checks the harness (every mode runs on every architecture and is
