@@ -53,11 +53,6 @@ def quantized_storage(
     fmt = QuantFormat(bits, group_size)
     for head_dim in head_dims:
         fmt.check_head_dim(head_dim)
-    if isinstance(window, bool) or not isinstance(window, int) or window < group_size:
-        raise ConfigError(
-            f"window={window!r}: the full-precision recent window must be an int of at least one group "
-            f"(group_size={group_size} tokens)"
-        )
     fused = takes_fused_path(config)
 
     def segment() -> QuantizedSegment:
@@ -69,7 +64,7 @@ def quantized_storage(
 
         return PackedSegment(fmt)
 
-    segment()  # a missing backend package fails here, not at the first forward
+    QuantizedStorage(segment(), window=window)  # a bad window or a missing backend fails here, not at a forward
     return lambda spec: QuantizedStorage(segment(), window=window, fused=fused)
 
 

@@ -37,7 +37,7 @@ def fill(cache, cfg, tokens, dtype=torch.float16, batch=1):
         (dict(bits=True), "got True"),
         (dict(bits=4, group_size=48), "group_size 48 does not divide head_dim 64"),
         (dict(bits=4, group_size=0), "positive int"),
-        (dict(bits=4, group_size=32, window=16), r"window=16.*group_size=32"),
+        (dict(bits=4, group_size=32, window=16), r"window \(16 tokens\).*one group \(32 tokens\)"),
         (dict(bits=4, backend="hqq"), "backend must be one of"),
     ],
 )
