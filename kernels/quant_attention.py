@@ -65,6 +65,7 @@ from hf_kvplus.kernels.decode_attention import (
     _merge_partials,
     _plan_splits,
 )
+from hf_kvplus.kernels.paged_attention import _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 
 try:
@@ -98,10 +99,6 @@ class _Info:
     def __init__(self, **kw):
         for name, value in kw.items():
             setattr(self, name, value)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_tensor(name, t, dtype, device) -> None:
