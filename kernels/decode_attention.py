@@ -11,10 +11,18 @@ Three entry points share one contract:
   32 query heads per KV head), kernel 2 merges the splits. Kernel 1 has a compile-time storage
   switch (``PAGED``): the same code reads paged pools through a block table for
   ``kernels/paged_attention.py``, which also reuses the merge kernel.
+- :func:`decode_attention_with_mass` (dispatching like :func:`decode_attention`, twins
+  :func:`decode_attention_with_mass_torch` and :func:`decode_attention_with_mass_triton`) also returns
+  each key's attention mass per KV head, for heavy-hitter (H2O) eviction: the Triton path turns on two
+  more compile-time switches, ``STORE_SCORES`` (kernel 1 stores its logits) and ``STORE_LSE`` (the merge
+  kernel stores each query head's log-sum-exp), so the probabilities are rebuilt from N floats per
+  query head without a second pass over K.
 
 Shapes: q [B, Hq, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv], Hq % Hkv == 0 (query head h reads KV head
 h // (Hq // Hkv)), mask None or bool [B, N] with True = attend. Output [B, Hq, Dv] in q.dtype. A row
-whose keys are all masked outputs zeros.
+whose keys are all masked outputs zeros. Attention mass [B, Hkv, N] float32: mass[b, j, n] is the sum,
+over the query heads of KV head j's group, of their softmax probability of key n (so each row with an
+unmasked key sums to G = Hq // Hkv); masked keys and fully masked rows get 0.
 """
 
 from __future__ import annotations
@@ -35,7 +43,15 @@ except ImportError:  # the torch twin still works without triton
     triton = None
     tl = None
 
-__all__ = ["decode_attention", "decode_attention_torch", "decode_attention_triton", "pick_num_splits"]
+__all__ = [
+    "decode_attention",
+    "decode_attention_torch",
+    "decode_attention_triton",
+    "decode_attention_with_mass",
+    "decode_attention_with_mass_torch",
+    "decode_attention_with_mass_triton",
+    "pick_num_splits",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM = 16
@@ -141,6 +157,35 @@ def decode_attention_torch(q, k, v, *, scale, mask=None) -> torch.Tensor:
     return out.reshape(B, Hq, Dv).contiguous()
 
 
+def decode_attention_with_mass(
+    q, k, v, *, scale, mask=None, num_splits=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention plus per-key attention mass [B, Hkv, N] float32; dispatches like decode_attention."""
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        return decode_attention_with_mass_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits)
+    _check_num_splits(num_splits)
+    return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask)
+
+
+def decode_attention_with_mass_torch(q, k, v, *, scale, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch twin of :func:`decode_attention_with_mass`: explicit float32 softmax.
+
+    SDPA does not hand back its probabilities, so the logits are formed here, with each KV head's
+    query group packed as rows ([B, Hkv, G, N]: K is read once per group, never repeated).
+    """
+    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None)
+    qg = q.reshape(B, Hkv, G, D).float()
+    s = torch.matmul(qg, k.float().transpose(-1, -2)) * float(scale)  # [B, Hkv, G, N]
+    if mask is not None:
+        s = s.masked_fill(~mask.view(B, 1, 1, N), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if mask is not None:
+        # Softmax over a row of -inf is NaN; the contract is zeros (output and mass).
+        p = p.masked_fill(~mask.any(dim=-1).view(B, 1, 1, 1), 0.0)
+    out = torch.matmul(p, v.float()).to(q.dtype).reshape(B, Hq, Dv).contiguous()
+    return out, p.sum(dim=2)
+
+
 def _block_n(d_pad: int, dv_pad: int, element_size: int) -> int:
     # Keys per tile: a K (or V) tile of at most 16 KiB keeps the shared-memory buffers and the float32
     # copies in registers within budget (64 keys for fp16/bf16 at head_dim 128).
@@ -175,7 +220,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, Mask, MidO, MidM, MidL, BT,
+        Q, K, V, Mask, MidO, MidM, MidL, BT, Scores,
         N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS, SPLIT_OFFSET,
         qk_scale,
         stride_qb, stride_qh,
@@ -183,8 +228,10 @@ if triton is not None:
         stride_vb, stride_vh, stride_vn,
         stride_mb, stride_mn,
         stride_btb, stride_btc,
+        stride_sb, stride_sh, stride_sn,
         HAS_MASK: tl.constexpr,
         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        STORE_SCORES: tl.constexpr,
         G_CHUNKS: tl.constexpr,
         BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -196,6 +243,9 @@ if triton is not None:
         # columns are never read; block ids outside 0..NUM_BLOCKS-1 are treated as masked keys
         # (never dereferenced). Partials: NUM_SPLITS slots per query head in MidO/MidM/MidL, this
         # launch's split pid_s writes slot SPLIT_OFFSET + pid_s (other launches may fill the rest).
+        # STORE_SCORES (compile time): also write the log2-domain logits of every key n < N into
+        # Scores [B, HQ, N] float32 (-inf where masked), for the attention mass (see
+        # decode_attention_with_mass_triton); Scores is never touched otherwise.
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -231,7 +281,8 @@ if triton is not None:
         end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, N)
         for start_n in range(start, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < N
+            n_in = offs_n < N
+            n_ok = n_in
             offs_n64 = offs_n.to(tl.int64)
             if PAGED:
                 tok = START + offs_n64
@@ -258,6 +309,12 @@ if triton is not None:
             # Scores in the log2 domain; masked keys are -inf, so exp2(-inf - finite max) = 0.
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
+            if STORE_SCORES:
+                s_ptrs = (
+                    Scores + pid_b * stride_sb + q_rows[:, None] * stride_sh
+                    + offs_n64[None, :] * stride_sn
+                )
+                tl.store(s_ptrs, s, mask=g_ok[:, None] & n_in[None, :])
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -273,11 +330,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_merge_kernel(
-        MidO, MidM, MidL, Out,
+        MidO, MidM, MidL, Out, Lse,
         DV, HQ, NUM_SPLITS,
         stride_ob, stride_oh,
+        stride_lb, stride_lh,
         DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+        STORE_LSE: tl.constexpr,
     ):
+        # STORE_LSE (compile time): also write the log2-domain log-sum-exp of the row's logits into
+        # Lse [B, HQ], so that exp2(logit - lse) is the softmax probability; Lse is never touched otherwise.
         pid_b = tl.program_id(0).to(tl.int64)
         pid_h = tl.program_id(1).to(tl.int64)
         offs_dv = tl.arange(0, DV_PAD)
@@ -312,6 +373,10 @@ if triton is not None:
         out = acc / tl.where(denom > 0.0, denom, 1.0)
         out_ptrs = Out + pid_b * stride_ob + pid_h * stride_oh + offs_dv
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=dv_ok)
+        if STORE_LSE:
+            # Every key masked: +inf, so exp2(logit - lse) is 0 for the (-inf) logits, never NaN.
+            lse = tl.where(denom > 0.0, m_all + tl.log2(tl.where(denom > 0.0, denom, 1.0)), float("inf"))
+            tl.store(Lse + pid_b * stride_lb + pid_h * stride_lh, lse)
 
 
 @functools.cache
@@ -413,12 +478,14 @@ def _split_kv_attention(
 
 
 def _launch_split(
-    q, k, v, mask, partials, plan, *, scale, n_keys, split_offset=0, block_table=None, start=0, block_size=1
+    q, k, v, mask, partials, plan, *, scale, n_keys, split_offset=0, block_table=None, start=0, block_size=1,
+    scores=None,
 ) -> None:
     """Launch the split kernel: its ``plan.num_splits`` splits write slots ``split_offset ..`` of ``partials``.
 
     Storage and arguments as in :func:`_split_kv_attention`; ``partials`` from :func:`_alloc_partials`
-    (other launches may fill its other slots before :func:`_merge_partials`).
+    (other launches may fill its other slots before :func:`_merge_partials`). ``scores``: None, or
+    float32 [B, Hq, n_keys] that receives the log2-domain logits (-inf where masked).
     """
     B, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -438,9 +505,18 @@ def _launch_split(
     else:
         bt_arg, sbb, sbc, num_blocks = q, 0, 0, 0  # never read (PAGED=False)
 
+    if scores is None:
+        scores_arg, ssb, ssh, ssn = mid_m, 0, 0, 0  # never written (STORE_SCORES=False)
+    else:
+        if scores.dtype != torch.float32 or tuple(scores.shape) != (B, Hq, N):
+            raise ShapeError(
+                f"scores must be float32 [B, Hq, N] = {[B, Hq, N]}, got {scores.dtype} {list(scores.shape)}"
+            )
+        scores_arg, (ssb, ssh, ssn) = scores, scores.stride()
+
     log2e = 1.4426950408889634
     _decode_split_kernel[(B, Hkv * plan.g_chunks, plan.num_splits)](
-        q, k, v, mask_arg, mid_o, mid_m, mid_l, bt_arg,
+        q, k, v, mask_arg, mid_o, mid_m, mid_l, bt_arg, scores_arg,
         N, G, D, Dv, Hq, total_splits, plan.tiles_per_split, start, num_blocks, split_offset,
         float(scale) * log2e,
         q.stride(0), q.stride(1),
@@ -448,8 +524,10 @@ def _launch_split(
         v.stride(0), v.stride(1), v.stride(2),
         smb, smn,
         sbb, sbc,
+        ssb, ssh, ssn,
         HAS_MASK=mask is not None,
         PAGED=paged, BLOCK_SIZE=block_size if paged else 1,
+        STORE_SCORES=scores is not None,
         G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
         BLOCK_N=plan.block_n,
         # fp16/bf16 values are exact in tf32, so QK^T loses nothing on tensor cores and P keeps 11
@@ -459,16 +537,62 @@ def _launch_split(
     )
 
 
-def _merge_partials(partials, dtype, dv_pad) -> torch.Tensor:
-    """Merge kernel: combine every split slot of ``partials`` into the output [B, Hq, Dv] in ``dtype``."""
+def _merge_partials(partials, dtype, dv_pad, lse=None) -> torch.Tensor:
+    """Merge kernel: combine every split slot of ``partials`` into the output [B, Hq, Dv] in ``dtype``.
+
+    ``lse``: None, or float32 [B, Hq] that receives each row's log2-domain log-sum-exp (+inf for a row
+    with every key masked).
+    """
     mid_o, mid_m, mid_l = partials
     B, Hq, total_splits, Dv = mid_o.shape
     out = torch.empty((B, Hq, Dv), dtype=dtype, device=mid_o.device)
+    if lse is None:
+        lse_arg, slb, slh = mid_m, 0, 0  # never written (STORE_LSE=False)
+    else:
+        if lse.dtype != torch.float32 or tuple(lse.shape) != (B, Hq):
+            raise ShapeError(f"lse must be float32 [B, Hq] = {[B, Hq]}, got {lse.dtype} {list(lse.shape)}")
+        lse_arg, (slb, slh) = lse, lse.stride()
     _decode_merge_kernel[(B, Hq)](
-        mid_o, mid_m, mid_l, out,
+        mid_o, mid_m, mid_l, out, lse_arg,
         Dv, Hq, total_splits,
         out.stride(0), out.stride(1),
+        slb, slh,
         DV_PAD=dv_pad, BLOCK_S=MERGE_BLOCK_S,
+        STORE_LSE=lse is not None,
         num_warps=4,
     )
     return out
+
+
+def decode_attention_with_mass_triton(
+    q, k, v, *, scale, mask=None, num_splits=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_attention_triton` plus per-key attention mass [B, Hkv, N] float32.
+
+    Kernel 1 stores its logits and the merge kernel each row's log-sum-exp (both log2 domain), so the
+    probabilities come back as exp2(logit - lse) at the cost of N floats per query head, without a
+    second pass over K; the group sum is done in torch.
+    """
+    if triton is None:
+        raise KernelUnavailableError("decode_attention_with_mass_triton needs triton, which is not installed")
+    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, num_splits)
+    if not q.is_cuda and not _is_interpreted(_decode_split_kernel):
+        raise KernelUnavailableError(
+            f"decode_attention_with_mass_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
+            "before import; use decode_attention_with_mass_torch"
+        )
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+
+    plan = _plan_splits(q, Hkv, Dv, N, num_splits)
+    partials = _alloc_partials(q, Dv, plan.num_splits)
+    scores = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
+    _launch_split(q, k, v, mask, partials, plan, scale=scale, n_keys=N, scores=scores)
+    out = _merge_partials(partials, q.dtype, plan.dv_pad, lse=lse)
+    mass = torch.exp2(scores - lse[..., None]).view(B, Hkv, G, N).sum(dim=2)
+    return out, mass
