@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
+from .evicting_cache import EvictingCache, H2OCache, SinkCache, SnapKVCache
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -43,7 +44,9 @@ __all__ = [
     "DenseCache",
     "DenseStorage",
     "DeviceError",
+    "EvictingCache",
     "FetchError",
+    "H2OCache",
     "KVCache",
     "KVLayer",
     "KVPlusError",
@@ -64,7 +67,9 @@ __all__ = [
     "RDataError",
     "Retention",
     "ShapeError",
+    "SinkCache",
     "SlidingWindow",
+    "SnapKVCache",
     "UnsupportedModelError",
     "UnsupportedOperationError",
     "install",

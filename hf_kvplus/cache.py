@@ -55,10 +55,14 @@ class KVCache(Cache):
                 "them needs transformers >= 5.22 (its DummyLayer)"
             )
         layers = [
-            KVLayer(spec, storage(spec), retention(spec), placement) if spec.holds_kv else DummyLayer()
+            self._build_layer(spec, storage, retention, placement) if spec.holds_kv else DummyLayer()
             for spec in self.model_spec.layers
         ]
         super().__init__(layers=layers)
+
+    def _build_layer(self, spec: LayerSpec, storage, retention, placement: Placement):
+        """The cache layer of one attention layer (subclasses serve some layers with another layer type)."""
+        return KVLayer(spec, storage(spec), retention(spec), placement)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
@@ -72,7 +76,7 @@ class KVCache(Cache):
         """Bytes at rest summed over layers (payload, headroom, metadata), with tokens seen and held."""
         report = MemoryReport()
         for layer in self.layers:
-            if isinstance(layer, KVLayer):
+            if callable(getattr(layer, "memory", None)):
                 report = report + layer.memory()
         return report
 

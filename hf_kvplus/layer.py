@@ -59,7 +59,7 @@ class KVLayer(CacheLayerMixin):
         return self.storage.view(self.storage.length)[1] if self.storage.length else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._check_states(key_states, value_states)
+        check_states(self.spec, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -67,7 +67,7 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         else:
-            self._check_states(key_states, value_states)
+            check_states(self.spec, key_states, value_states)
         new = key_states.shape[2]
         visible = self.retention.visible(self.storage.length)
         self.storage.append(key_states, value_states)
@@ -157,20 +157,21 @@ class KVLayer(CacheLayerMixin):
         if excess:
             self.storage.drop_front(excess)
 
-    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        spec = self.spec
-        if key_states.ndim != 4 or value_states.ndim != 4:
-            raise ShapeError(
-                f"layer {spec.index} expects 4-d [batch, kv_heads, tokens, head_dim] keys and values, got "
-                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
-            )
-        if key_states.shape[1] != spec.num_kv_heads or key_states.shape[3] != spec.head_dim:
-            raise CacheMismatchError(
-                f"layer {spec.index} was built for {spec.num_kv_heads} KV heads of head_dim {spec.head_dim}, "
-                f"got keys of shape {tuple(key_states.shape)}: is this cache built from this model's config?"
-            )
-        if key_states.shape[:3] != value_states.shape[:3]:
-            raise ShapeError(
-                f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} disagree on batch, heads "
-                "or tokens"
-            )
+
+def check_states(spec: LayerSpec, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Refuses keys/values whose shape does not match the layer the cache built from the model config."""
+    if key_states.ndim != 4 or value_states.ndim != 4:
+        raise ShapeError(
+            f"layer {spec.index} expects 4-d [batch, kv_heads, tokens, head_dim] keys and values, got "
+            f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+        )
+    if key_states.shape[1] != spec.num_kv_heads or key_states.shape[3] != spec.head_dim:
+        raise CacheMismatchError(
+            f"layer {spec.index} was built for {spec.num_kv_heads} KV heads of head_dim {spec.head_dim}, "
+            f"got keys of shape {tuple(key_states.shape)}: is this cache built from this model's config?"
+        )
+    if key_states.shape[:3] != value_states.shape[:3]:
+        raise ShapeError(
+            f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} disagree on batch, heads "
+            "or tokens"
+        )

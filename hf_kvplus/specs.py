@@ -13,6 +13,10 @@
                             128 full-precision tokens) and `backend=quanto` may follow
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` may follow
+- `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`)
+- `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget)
+- `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
+                            `pooling=avg|max`)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -28,6 +32,7 @@ from transformers import QuantizedCache as HFQuantizedCache
 
 from .cache import DenseCache
 from .errors import ConfigError
+from .evicting_cache import H2OCache, SinkCache, SnapKVCache
 from .paged_cache import PagedCache
 from .quantized_cache import BACKENDS, QuantizedCache, parse_bits
 from .storage.quantized import DEFAULT_WINDOW
@@ -111,6 +116,9 @@ def available_cache_specs() -> list[str]:
         "hf-quantized": ["hf-quantized:quanto:4", "hf-quantized:quanto:2"],
         "quantized": ["quantized:int8", "quantized:fp8", "quantized:int4", "quantized:int2"],
         "paged-quantized": ["paged-quantized:int4"],
+        "sink": ["sink:4:252"],
+        "h2o": ["h2o:256"],
+        "snapkv": ["snapkv:256"],
     }
     specs = []
     for name, kind in CACHE_KINDS.items():
@@ -182,6 +190,8 @@ def _validate(spec: CacheSpec) -> None:
         for key in ("group", "window", "block", "blocks"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
+    elif name in EVICTING_OPTIONS:
+        _validate_evicting(spec)
     elif name == "hf-quantized":
         _check_arity(spec, 2, {"residual", "group"})
         if len(spec.args) != 2 or spec.args[0] not in ("quanto", "hqq"):
@@ -195,6 +205,43 @@ def _validate(spec: CacheSpec) -> None:
         for key in ("residual", "group"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
+
+
+#: Evicting cache specs: positional arguments and the integer and text options each accepts.
+EVICTING_OPTIONS = {
+    "sink": (("num_sinks", "window"), set(), {"positions": ("cache", "original")}),
+    "h2o": (("budget",), {"recent"}, {}),
+    "snapkv": (("budget",), {"observation", "kernel"}, {"pooling": ("avg", "max")}),
+}
+
+
+def _validate_evicting(spec: CacheSpec) -> None:
+    positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
+    _check_arity(spec, len(positional), set(integers) | set(choices))
+    if len(spec.args) != len(positional):
+        example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024"}[spec.kind.name]
+        raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
+    for what, value in zip(positional, spec.args, strict=True):
+        _int(spec.text, what, value, minimum=0)
+    for key in integers & set(spec.kwargs):
+        _int(spec.text, key, spec.kwargs[key], minimum=0)
+    for key, allowed in choices.items():
+        if key in spec.kwargs and spec.kwargs[key] not in allowed:
+            raise ConfigError(f"cache spec {spec.text!r}: {key} must be one of {allowed}, got {spec.kwargs[key]!r}")
+
+
+def _sink(config, args, kwargs, max_length):
+    return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"))
+
+
+def _h2o(config, args, kwargs, max_length):
+    return H2OCache(config, budget=int(args[0]), recent=int(kwargs["recent"]) if "recent" in kwargs else None)
+
+
+def _snapkv(config, args, kwargs, max_length):
+    options = {"observation": int(kwargs.get("observation", 32)), "kernel_size": int(kwargs.get("kernel", 7)),
+               "pooling": kwargs.get("pooling", "avg")}
+    return SnapKVCache(config, budget=int(args[0]), **options)
 
 
 def _static(config, args, kwargs, max_length):
@@ -266,5 +313,9 @@ for _kind in (
     ),
     CacheKind("quantized", _quantized, "hf_kvplus QuantizedCache: KIVI int8/int4/int2 or fp8", False, False),
     CacheKind("paged-quantized", _paged_quantized, "hf_kvplus PagedCache with quantized blocks", False, False),
+    CacheKind("sink", _sink, "hf_kvplus SinkCache: attention sinks + recent window (StreamingLLM)", False, False),
+    CacheKind("h2o", _h2o, "hf_kvplus H2OCache: heavy hitters + recent window", False, False),
+    CacheKind("snapkv", _snapkv, "hf_kvplus SnapKVCache: prompts compressed by their last tokens' attention", False,
+              False),
 ):
     register_cache_spec(_kind)

@@ -114,6 +114,18 @@ def _quantized_cache(model: PreTrainedModel, **kwargs) -> Cache:
 # quanto int4 1.01).
 _QUANTIZED_NOTE = "hf_kvplus.QuantizedCache, groups of 4, window 4: lossy, logits bounded on identical contexts"
 
+def _evicting_cache(model: PreTrainedModel, name: str, **kwargs) -> Cache:
+    import hf_kvplus
+
+    return getattr(hf_kvplus, name)(model.config, **kwargs)
+
+
+# H2O and SnapKV refuse assisted decoding (prompt lookup is assisted decoding too) when it starts.
+_NOT_CROPPABLE = ("assisted", "prompt_lookup")
+# Evicting caches with a budget of 8 on 12-20 token sequences: the model sees different tokens, so neither tokens
+# nor logits are promised; what is checked is that every mode runs (or is refused up front) without error.
+_EVICTING_NOTE = "budget of 8: lossy by design; every mode must run, with declared refusals"
+
 CASES: list[CacheCase] = [
     CacheCase(
         name="dense",
@@ -157,6 +169,38 @@ CASES: list[CacheCase] = [
         lossless=False, logits_atol=0.15, logits_rtol=0.0, min_token_agreement=0.0,
         note="hf_kvplus.PagedCache(bits=8): int8 groups of 4 in blocks of 8, window 4 (a block that fills is "
         "quantized); lossy like quantized-int8, logits bounded on identical contexts",
+    ),
+    CacheCase(
+        name="sink-roomy",
+        make=lambda model: _evicting_cache(model, "SinkCache", num_sinks=4, window=60),
+        note="hf_kvplus.SinkCache(4 + 60): the budget exceeds every sequence, so nothing is evicted: lossless",
+    ),
+    CacheCase(
+        name="h2o-roomy",
+        make=lambda model: _evicting_cache(model, "H2OCache", budget=64),
+        unsupported_modes=_NOT_CROPPABLE, note="hf_kvplus.H2OCache(64): nothing is evicted: lossless",
+    ),
+    CacheCase(
+        name="snapkv-roomy",
+        make=lambda model: _evicting_cache(model, "SnapKVCache", budget=64, observation=4),
+        unsupported_modes=_NOT_CROPPABLE, note="hf_kvplus.SnapKVCache(64): nothing is evicted: lossless",
+    ),
+    CacheCase(
+        name="sink-tight",
+        make=lambda model: _evicting_cache(model, "SinkCache", num_sinks=2, window=6),
+        lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, note=_EVICTING_NOTE,
+    ),
+    CacheCase(
+        name="h2o-tight",
+        make=lambda model: _evicting_cache(model, "H2OCache", budget=8),
+        lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, unsupported_modes=_NOT_CROPPABLE,
+        note=_EVICTING_NOTE,
+    ),
+    CacheCase(
+        name="snapkv-tight",
+        make=lambda model: _evicting_cache(model, "SnapKVCache", budget=8, observation=2, kernel_size=3),
+        lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, unsupported_modes=_NOT_CROPPABLE,
+        note=_EVICTING_NOTE,
     ),
     # Add new caches above this line.
     # ---- HARNESS SELF-CHECK, not a project cache (temporary; kept until removed on purpose) ---------------------------

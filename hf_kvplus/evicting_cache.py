@@ -1,0 +1,114 @@
+"""Evicting caches: memory bounded by a token budget per layer, whatever the sequence length.
+
+Full-attention layers keep `budget` tokens per KV head, chosen by a policy (StreamingLLM sinks +
+window, H2O heavy hitters, SnapKV prompt selection); sliding-window layers keep their own window as
+in every other cache. Evicting layers attend through hf_kvplus's attention path, which masks their
+slots and reports attention mass, so the model must run "sdpa" (the default) or "kvplus" attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedConfig
+
+from .attention.dispatch import FUSED_ATTENTION
+from .cache import KVCache
+from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
+from .eviction.heavy_hitters import HeavyHitterPolicy
+from .eviction.layer import EvictingLayer
+from .eviction.policy import EvictionPolicy
+from .eviction.rope import RotaryShift
+from .eviction.sinks import POSITIONS, SinkPolicy
+from .eviction.snapkv import SnapKVPolicy
+from .model_spec import LayerSpec
+from .storage.dense import DenseStorage
+
+
+class EvictingCache(KVCache):
+    """A cache whose full-attention layers are `EvictingLayer`s with a policy built by `policy(spec)`."""
+
+    #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
+    #: model whose layers are all sliding (the same cache must behave the same on every model).
+    rollback: bool = True
+
+    def __init__(self, config: PreTrainedConfig, policy: Callable[[LayerSpec], EvictionPolicy]):
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation is not None and implementation not in FUSED_ATTENTION:
+            raise UnsupportedModelError(
+                f"{type(self).__name__} attends through hf_kvplus's attention, but the model uses "
+                f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
+            )
+        self._policy = policy
+        super().__init__(config, storage=lambda spec: DenseStorage())
+
+    def activate_past_recording(self) -> None:
+        if not self.rollback:
+            raise UnsupportedOperationError(
+                f"{type(self).__name__} cannot roll tokens back (its scores already count the rejected queries); "
+                "assisted and prompt-lookup decoding need a croppable cache such as SinkCache"
+            )
+        super().activate_past_recording()
+
+    def _build_layer(self, spec, storage, retention, placement):
+        if spec.kind == "full":
+            return EvictingLayer(spec, self._policy(spec))
+        return super()._build_layer(spec, storage, retention, placement)
+
+
+class SinkCache(EvictingCache):
+    """StreamingLLM: `num_sinks` first tokens of each row plus the `window` most recent ones.
+
+    `positions="cache"` (default) counts positions inside the cache, which keeps perplexity stable
+    far past the model's trained length; `positions="original"` keeps each key where the model put
+    it. Supports greedy, sampling, beam search and assisted decoding.
+
+    >>> cache = SinkCache(model.config, num_sinks=4, window=1020)
+    >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
+    """
+
+    def __init__(self, config: PreTrainedConfig, *, num_sinks: int = 4, window: int = 1020, positions: str = "cache"):
+        if positions not in POSITIONS:
+            raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
+        SinkPolicy(num_sinks, window, rotary)  # refuse bad sizes before building layers
+        super().__init__(config, lambda spec: SinkPolicy(num_sinks, window, rotary))
+
+
+class H2OCache(EvictingCache):
+    """H2O: per KV head, `budget - recent` heavy hitters (largest accumulated attention) + `recent` newest.
+
+    `recent` defaults to half the budget, as in the paper. Keys keep their original positions.
+    Supports greedy, sampling and beam search; assisted decoding is refused (a rolled-back query
+    would already have added its attention to the scores).
+    """
+
+    rollback = False
+
+    def __init__(self, config: PreTrainedConfig, *, budget: int = 1024, recent: int | None = None):
+        recent = budget // 2 if recent is None else recent
+        HeavyHitterPolicy(budget, recent)
+        super().__init__(config, lambda spec: HeavyHitterPolicy(budget, recent))
+
+
+class SnapKVCache(EvictingCache):
+    """SnapKV: each prompt (multi-token forward) is compressed to `budget` tokens per KV head.
+
+    The last `observation` prompt tokens are kept; the rest are ranked by the attention those tokens
+    give them, pooled over `kernel_size` neighbours. Decode steps append. Supports greedy, sampling
+    and beam search; assisted decoding is refused (its verification forwards would compress).
+    """
+
+    rollback = False
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        budget: int = 1024,
+        observation: int = 32,
+        kernel_size: int = 7,
+        pooling: str = "avg",
+    ):
+        SnapKVPolicy(budget, observation, kernel_size, pooling)
+        super().__init__(config, lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling))

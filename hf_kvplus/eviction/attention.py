@@ -1,0 +1,73 @@
+"""Attention over a layer's slots, with the per-key attention mass the evicting policies score by.
+
+Slots hold tokens in any order, so the mask is built here from what the slots hold (padding slots
+are never attended) plus causality among the fresh tokens, which sit in the last `q` slots. The
+mass of key n for KV head h is the softmax weight it received, summed over the query heads of h's
+group and over the queries asked for: decode reads it off the decode kernel (Triton on CUDA, its
+torch twin elsewhere), prefill computes output and mass in one chunked pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.decode_attention import decode_attention, decode_attention_with_mass
+
+#: Prefill computes the score matrix in query chunks of at most this many elements.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _prefill_mask(valid: torch.Tensor, q: int) -> torch.Tensor:
+    """`[batch, 1, q, n]` bool: held slots where valid, fresh slots causally (and where valid)."""
+    n = valid.shape[1]
+    cols = torch.arange(n, device=valid.device)
+    rows = torch.arange(q, device=valid.device)[:, None] + (n - q)
+    return (valid[:, None, :] & (cols[None, :] <= rows))[:, None]
+
+
+def slot_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    *,
+    mass_queries: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of `query` [batch, q_heads, q, d] over slots `keys`/`values` [batch, kv_heads, n, d].
+
+    `valid` [batch, n] marks the slots that hold real tokens; the last q slots are the queries' own
+    tokens. Returns the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
+    `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last
+    `mass_queries` queries. A query with no valid key outputs zeros.
+    """
+    batch, q_heads, q, dim = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    if q == 1:
+        if mass_queries:
+            out, mass = decode_attention_with_mass(query[:, :, 0], keys, values, scale=scaling, mask=valid)
+        else:
+            out, mass = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=valid), None
+        return out.unsqueeze(1), mass
+    mask = _prefill_mask(valid, q)
+    if not mass_queries:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        return out.transpose(1, 2).contiguous(), None
+    group = q_heads // kv_heads
+    grouped = query.view(batch, kv_heads, group, q, dim)
+    out = query.new_empty(batch, kv_heads, group, q, values.shape[-1])
+    mass = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=query.device)
+    step = max(1, CHUNK_ELEMENTS // max(1, q_heads * n * batch))
+    first_scored = q - mass_queries
+    for start in range(0, q, step):
+        stop = min(q, start + step)
+        logits = torch.einsum("bhgqd,bhnd->bhgqn", grouped[:, :, :, start:stop].float(), keys.float()) * scaling
+        allowed = mask[:, :, None, start:stop]
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        probs = torch.where(allowed.any(-1, keepdim=True), probs, 0.0)
+        out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values.float()).to(out.dtype)
+        if stop > first_scored:
+            mass += probs[:, :, :, max(0, first_scored - start) :].sum(dim=(2, 3))
+    return out.view(batch, q_heads, q, -1).transpose(1, 2).contiguous(), mass

@@ -1,0 +1,36 @@
+"""H2O: per KV head, the tokens with the largest accumulated attention (heavy hitters) plus a recent window."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .policy import EvictionPolicy, padding_and_recent
+from .slots import SlotStore
+
+
+class HeavyHitterPolicy(EvictionPolicy):
+    """Keeps `budget - recent` heavy hitters and the `recent` newest tokens of each KV head.
+
+    A token's score is the attention mass every later query gave it (summed over the query heads of
+    its KV head's group), including the queries of the forward that brought it in.
+    """
+
+    def __init__(self, budget: int, recent: int):
+        if budget < 1:
+            raise ConfigError(f"the H2O budget must hold at least 1 token, got budget={budget}")
+        if not 0 <= recent <= budget:
+            raise ConfigError(f"the recent window must be within 0..budget={budget}, got recent={recent}")
+        self.budget, self.recent = budget, recent
+
+    def mass_queries(self, new: int) -> int:
+        return new
+
+    def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:
+        store.scores.add_(mass)
+
+    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
+        return padding_and_recent(store, seen, self.recent, store.scores.clone())
+
+    def __repr__(self) -> str:
+        return f"HeavyHitterPolicy(budget={self.budget}, recent={self.recent})"

@@ -1,0 +1,93 @@
+"""Shifting rotary positions of cached keys, with the model's own rotary parameters.
+
+Keys reach the cache already rotated at their logical position. RoPE makes a score depend only on
+the distance between query and key, so moving a cached key by `d` positions is one more rotation
+by `d`: no unrotated copy is needed. The inverse frequencies come from the model config through
+Transformers' own initialisers (default, linear, dynamic, YaRN, LongRoPE, Llama 3, partial rotary);
+the YaRN/LongRoPE attention factor scales cos and sin in the model but is a magnitude, not an
+angle, so a shift applies the pure rotation.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ..errors import ShapeError, UnsupportedModelError
+
+#: Model families that rotate interleaved pairs (GPT-J style) rather than the two halves of the head.
+INTERLEAVED_ROPE_MODELS = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "chatglm", "deepseek_v2",
+                                     "deepseek_v3"})
+
+
+def _rope_parameters(config: PreTrainedConfig, layer_type: str | None) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]  # per layer type (Gemma 3: full and sliding layers differ)
+    return params
+
+
+class RotaryShift:
+    """Rotates cached keys by a number of positions, as the model's rotary embedding would.
+
+    `rotary_dim` leading channels rotate (the rest pass through, as with partial rotary), in the
+    rotate-half convention of Llama-family models: channel i pairs with channel i + rotary_dim / 2.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, head_dim: int):
+        self.inv_freq = inv_freq.detach().double().cpu()
+        self.rotary_dim = 2 * self.inv_freq.numel()
+        self.head_dim = head_dim
+        if self.rotary_dim > head_dim:
+            raise UnsupportedModelError(f"rotary dims {self.rotary_dim} exceed head_dim {head_dim}")
+
+    @classmethod
+    def from_config(cls, config: PreTrainedConfig, layer_type: str | None = "full_attention") -> RotaryShift:
+        """The rotation of `config`'s rotary embedding (of `layer_type` where it differs per layer type)."""
+        text = config.get_text_config(decoder=True)
+        model_type = getattr(text, "model_type", type(text).__name__)
+        if model_type in INTERLEAVED_ROPE_MODELS:
+            raise UnsupportedModelError(
+                f"{model_type} rotates interleaved channel pairs; positions inside the cache support the "
+                "rotate-half convention only (use positions='original')"
+            )
+        params = _rope_parameters(text, layer_type)
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        if "rope_theta" not in params and getattr(text, "rope_theta", None) is None:
+            raise UnsupportedModelError(
+                f"{model_type} has no rotary parameters in its config (rope_parameters={params!r}); positions "
+                "inside the cache need RoPE (use positions='original')"
+            )
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(text, "rope_theta", None))
+            factor = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
+            dim = int(head_dim * factor)
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            kwargs = {"layer_type": layer_type} if layer_type in (getattr(text, "rope_parameters", None) or {}) else {}
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](text, None, **kwargs)
+        else:
+            raise UnsupportedModelError(
+                f"{model_type} uses rope_type {rope_type!r}; known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
+            )
+        return cls(inv_freq, head_dim)
+
+    def rotate(self, keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """`keys` [batch, heads, n, head_dim] moved `shift` positions later (`shift` [batch], any integers).
+
+        Computed in float64 for the angles and float32 for the product, returned in `keys.dtype`.
+        """
+        if keys.ndim != 4 or keys.shape[-1] != self.head_dim:
+            raise ShapeError(f"expected keys [batch, heads, n, {self.head_dim}], got {tuple(keys.shape)}")
+        if shift.shape != keys.shape[:1]:
+            raise ShapeError(f"expected one shift per batch row ({keys.shape[0]}), got shape {tuple(shift.shape)}")
+        angles = shift.double().cpu()[:, None] * self.inv_freq[None, :]  # [batch, rotary_dim / 2]
+        cos = angles.cos().float().to(keys.device)[:, None, None, :]
+        sin = angles.sin().float().to(keys.device)[:, None, None, :]
+        half = self.rotary_dim // 2
+        x = keys.float()
+        x1, x2, rest = x[..., :half], x[..., half : self.rotary_dim], x[..., self.rotary_dim :]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+        return rotated.to(keys.dtype)

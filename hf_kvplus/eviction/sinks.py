@@ -1,0 +1,80 @@
+"""StreamingLLM: the first real tokens of each row (attention sinks) plus a recent window."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .policy import KEEP, EvictionPolicy, padding_and_recent
+from .rope import RotaryShift
+from .slots import SlotStore
+
+POSITIONS = ("cache", "original")
+
+
+class SinkPolicy(EvictionPolicy):
+    """Keeps `num_sinks` first real tokens and the `window` newest, evicting the oldest in between.
+
+    With `positions="cache"` the distance between a query and each kept key is its distance inside
+    the cache: the window is contiguous with the queries, so only the sinks move, by the number of
+    tokens evicted after them. Their keys are re-rotated from the copy taken before the first
+    eviction (one rotation, no drift), so the model never sees a distance larger than the budget.
+    """
+
+    is_croppable = True
+
+    def __init__(self, num_sinks: int, window: int, rotary: RotaryShift | None):
+        if num_sinks < 0:
+            raise ConfigError(f"num_sinks must be >= 0, got {num_sinks}")
+        if window < 1:
+            raise ConfigError(f"the recent window must hold at least 1 token, got window={window}")
+        self.num_sinks, self.window, self.rotary = num_sinks, window, rotary
+        self.budget = num_sinks + window
+        self.sink_keys: torch.Tensor | None = None  # [batch, kv_heads, num_sinks, head_dim], unshifted
+        self.captured: torch.Tensor | None = None  # [batch] bool: sink_keys holds this row's sinks
+
+    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
+        pos = store.positions
+        ranks = pos.float().masked_fill(self._is_sink(pos, first_real), KEEP)
+        return padding_and_recent(store, seen, self.window, ranks)
+
+    def after_evict(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> None:
+        if self.rotary is None or not self.num_sinks:
+            return
+        pos = store.positions
+        real_held = (pos[:, 0] >= 0).sum(-1)
+        shift = (seen - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
+        moving = (shift > 0) & (first_real >= 0)
+        if not bool(moving.any()):
+            return
+        # Slot of sink i in each head: where pos == first_real + i (the same slot in every head).
+        targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)
+        slots = (pos[:, :, None, :] == targets[:, None, :, None]).int().argmax(-1)
+        index = slots[..., None].expand(-1, -1, -1, store.keys.shape[-1])
+        held = store.keys.gather(2, index)
+        if self.sink_keys is None:
+            self.sink_keys = torch.zeros_like(held)
+            self.captured = torch.zeros_like(moving)
+        # A row's sinks are copied at its first eviction of a real token, before they ever move.
+        fresh = moving & ~self.captured
+        self.sink_keys = torch.where(fresh[:, None, None, None], held, self.sink_keys)
+        self.captured = self.captured | moving
+        shifted = self.rotary.rotate(self.sink_keys, shift.clamp(min=0))
+        store.keys.scatter_(2, index, torch.where(moving[:, None, None, None], shifted, held))
+
+    def _is_sink(self, pos: torch.Tensor, first_real: torch.Tensor) -> torch.Tensor:
+        start = first_real.clamp(min=0)[:, None, None]
+        return (first_real[:, None, None] >= 0) & (pos >= start) & (pos < start + self.num_sinks)
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        if self.sink_keys is not None:
+            indices = indices.to(self.sink_keys.device)
+            self.sink_keys = self.sink_keys.index_select(0, indices)
+            self.captured = self.captured.index_select(0, indices)
+
+    def reset(self) -> None:
+        self.sink_keys = self.captured = None
+
+    def __repr__(self) -> str:
+        where = "original" if self.rotary is None else "cache"
+        return f"SinkPolicy(num_sinks={self.num_sinks}, window={self.window}, positions={where!r})"

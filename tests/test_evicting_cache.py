@@ -1,0 +1,179 @@
+"""Evicting caches on models: sink re-rotation against keys rotated from scratch, left padding against
+rows run alone, bounded memory, and refusals."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from conformance.models import get_model
+from conformance.modes import left_padded_batch, make_prompt
+from hf_kvplus import (
+    ConfigError,
+    H2OCache,
+    SinkCache,
+    SnapKVCache,
+    UnsupportedModelError,
+    UnsupportedOperationError,
+)
+from hf_kvplus.eviction import RotaryShift
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+def rope_config(rope, **kwargs):
+    return LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=1,
+                       vocab_size=32, intermediate_size=32, max_position_embeddings=256, rope_parameters=dict(rope),
+                       **kwargs)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_shift_equals_rotation_from_scratch_at_the_new_position(rope, seed):
+    config = rope_config(ROPES[rope])
+    embedding = LlamaRotaryEmbedding(config)
+    raw = torch.randn(3, 1, 5, 64)
+    start = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [100, 101, 102, 103, 104]])
+    shift = torch.tensor([0, 13, 90])
+
+    def rotated(positions):
+        cos, sin = embedding(raw, positions)
+        # attention_scaling multiplies cos and sin; take it out to compare pure rotations.
+        return apply_rotary_pos_emb(raw, raw, cos / embedding.attention_scaling, sin / embedding.attention_scaling)[1]
+
+    moved = RotaryShift.from_config(config).rotate(rotated(start), shift)
+    torch.testing.assert_close(moved, rotated(start + shift[:, None]), atol=2e-5, rtol=1e-5)
+
+
+def test_partial_rotary_leaves_the_other_channels_alone(seed):
+    config = rope_config({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    shift = RotaryShift.from_config(config)
+    assert shift.rotary_dim == 32
+    keys = torch.randn(2, 1, 3, 64)
+    moved = shift.rotate(keys, torch.tensor([5, 9]))
+    assert torch.equal(moved[..., 32:], keys[..., 32:])
+    assert not torch.allclose(moved[..., :32], keys[..., :32])
+
+
+def test_sink_keys_equal_keys_rotated_from_scratch_at_their_cache_position(seed):
+    model = get_model("llama")
+    num_sinks, window = 2, 6
+    cache = SinkCache(model.config, num_sinks=num_sinks, window=window)
+    ids = make_prompt(30)
+    with torch.no_grad():
+        model(ids[:, :12], past_key_values=cache)
+        for t in range(12, 30):
+            model(ids[:, t : t + 1], past_key_values=cache)
+    # Layer 0 keys depend on the token and its position only: recompute the sinks' from scratch.
+    layer = model.model.layers[0].self_attn
+    hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[:, :num_sinks]))
+    raw = layer.k_proj(hidden).view(1, num_sinks, -1, layer.head_dim).transpose(1, 2)
+    evicted = 30 - (num_sinks + window)
+    cos, sin = model.model.rotary_emb(raw, torch.arange(num_sinks)[None] + evicted)
+    expected = apply_rotary_pos_emb(raw, raw, cos, sin)[1]
+    store = cache.layers[0].store
+    slots = [store.positions[0, 0].tolist().index(i) for i in range(num_sinks)]
+    torch.testing.assert_close(store.keys[:, :, slots], expected, atol=1e-5, rtol=1e-5)
+    # The window keys keep their original rotation: their distance to the query is already right.
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=dense)
+    newest = store.positions[0, 0].tolist().index(29)
+    torch.testing.assert_close(store.keys[:, :, newest], dense.layers[0].keys[:, :, 29], atol=1e-5, rtol=1e-5)
+
+
+EVICTING = {
+    "sink": lambda config: SinkCache(config, num_sinks=2, window=5),
+    "sink-original": lambda config: SinkCache(config, num_sinks=2, window=5, positions="original"),
+    "h2o": lambda config: H2OCache(config, budget=6, recent=2),
+    "snapkv": lambda config: SnapKVCache(config, budget=6, observation=2, kernel_size=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVICTING))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_left_padded_row_matches_the_row_run_alone(name, arch):
+    model = get_model(arch)
+    ids, mask = left_padded_batch()
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    batched = model.generate(ids, attention_mask=mask, past_key_values=EVICTING[name](model.config), **kwargs)
+    for row in range(ids.shape[0]):
+        real = ids[row : row + 1, ~mask[row].logical_not()]
+        alone = model.generate(real, past_key_values=EVICTING[name](model.config), **kwargs)
+        assert torch.equal(batched.sequences[row, ids.shape[1] :], alone.sequences[0, real.shape[1] :]), f"row {row}"
+        for step, (got, want) in enumerate(zip(batched.logits, alone.logits, strict=True)):
+            torch.testing.assert_close(got[row], want[0], atol=1e-4, rtol=1e-4, msg=f"row {row} step {step}")
+
+
+@pytest.mark.parametrize("name", ["sink", "h2o"])
+def test_memory_stays_constant_as_the_sequence_grows(name):
+    model = get_model("llama")
+    cache = EVICTING[name](model.config)
+    sizes = {}
+    with torch.no_grad():
+        model(make_prompt(40), past_key_values=cache)
+        for t in range(200):
+            model(make_prompt(1, seed=t), past_key_values=cache)
+            if t in (20, 199):
+                sizes[t] = cache.memory_report()
+    assert sizes[20].total_bytes == sizes[199].total_bytes
+    assert sizes[199].tokens_seen == 240
+    assert sizes[199].tokens_held == (7 if name == "sink" else 6)
+
+
+def test_snapkv_memory_is_bounded_in_the_prompt_length():
+    model = get_model("llama")
+    held = []
+    for length in (40, 160):
+        cache = SnapKVCache(model.config, budget=16, observation=4)
+        with torch.no_grad():
+            model(make_prompt(length), past_key_values=cache)
+        held.append((cache.memory_report().tokens_held, cache.memory_report().total_bytes))
+    assert held[0] == held[1] and held[0][0] == 16
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda c: SinkCache(c, window=0), "at least 1 token, got window=0"),
+        (lambda c: SinkCache(c, num_sinks=-1), "num_sinks must be >= 0, got -1"),
+        (lambda c: SinkCache(c, positions="absolute"), "positions must be one of"),
+        (lambda c: H2OCache(c, budget=0), "budget=0"),
+        (lambda c: H2OCache(c, budget=8, recent=9), "within 0..budget=8, got recent=9"),
+        (lambda c: SnapKVCache(c, budget=32, observation=32), r"budget \(32\) must exceed the observation window \(32\)"),
+        (lambda c: SnapKVCache(c, kernel_size=4), "positive odd number, got 4"),
+        (lambda c: SnapKVCache(c, pooling="median"), "pooling must be one of"),
+    ],
+)
+def test_bad_budgets_are_refused_at_construction(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build(get_model("llama").config)
+
+
+def test_eager_attention_is_refused_at_construction_and_at_run_time():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                         vocab_size=128, intermediate_size=64)
+    config._attn_implementation = "eager"
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='eager'"):
+        SinkCache(config)
+    model = LlamaForCausalLM(config).eval()
+    config._attn_implementation = "sdpa"
+    cache = SinkCache(config, num_sinks=1, window=4)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="did not go through hf_kvplus"):
+        model(make_prompt(6), past_key_values=cache)
+        model(make_prompt(1), past_key_values=cache)
+
+
+@pytest.mark.parametrize("cls, extra", [(H2OCache, {}), (SnapKVCache, {"observation": 4})])
+def test_assisted_decoding_is_refused_before_it_starts(cls, extra):
+    model = get_model("llama")
+    with pytest.raises(UnsupportedOperationError, match="cannot roll tokens back"):
+        model.generate(make_prompt(6), past_key_values=cls(model.config, budget=16, **extra), max_new_tokens=4,
+                       prompt_lookup_num_tokens=2, do_sample=False)
