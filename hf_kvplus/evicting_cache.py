@@ -20,19 +20,32 @@ from .eviction.layer import EvictingLayer
 from .eviction.policy import EvictionPolicy
 from .eviction.rope import RotaryShift
 from .eviction.sinks import POSITIONS, SinkPolicy
+from .eviction.slots import DenseCodec, TokenQuantCodec
 from .eviction.snapkv import SnapKVPolicy
 from .model_spec import LayerSpec
+from .quantized_cache import model_format
 from .storage.dense import DenseStorage
 
 
 class EvictingCache(KVCache):
-    """A cache whose full-attention layers are `EvictingLayer`s with a policy built by `policy(spec)`."""
+    """A cache whose full-attention layers are `EvictingLayer`s with a policy built by `policy(spec)`.
+
+    `bits` (8, 4, 2 or "fp8") holds the kept tokens quantized per token over groups of `group_size`
+    channels (the quantized caches' defaults); None keeps them at full precision.
+    """
 
     #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
     #: model whose layers are all sliding (the same cache must behave the same on every model).
     rollback: bool = True
 
-    def __init__(self, config: PreTrainedConfig, policy: Callable[[LayerSpec], EvictionPolicy]):
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        policy: Callable[[LayerSpec], EvictionPolicy],
+        *,
+        bits: int | str | None = None,
+        group_size: int | None = None,
+    ):
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
             raise UnsupportedModelError(
@@ -40,6 +53,7 @@ class EvictingCache(KVCache):
                 f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
             )
         self._policy = policy
+        self._codec = DenseCodec() if bits is None else TokenQuantCodec(model_format(config, bits, group_size))
         super().__init__(config, storage=lambda spec: DenseStorage())
 
     def activate_past_recording(self) -> None:
@@ -52,7 +66,7 @@ class EvictingCache(KVCache):
 
     def _build_layer(self, spec, storage, retention, placement):
         if spec.kind == "full":
-            return EvictingLayer(spec, self._policy(spec))
+            return EvictingLayer(spec, self._policy(spec), self._codec)
         return super()._build_layer(spec, storage, retention, placement)
 
 
@@ -63,16 +77,25 @@ class SinkCache(EvictingCache):
     far past the model's trained length; `positions="original"` keeps each key where the model put
     it. Supports greedy, sampling, beam search and assisted decoding.
 
-    >>> cache = SinkCache(model.config, num_sinks=4, window=1020)
+    >>> cache = SinkCache(model.config, num_sinks=4, window=1020)  # bits=4: the kept tokens in int4
     >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
     """
 
-    def __init__(self, config: PreTrainedConfig, *, num_sinks: int = 4, window: int = 1020, positions: str = "cache"):
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        num_sinks: int = 4,
+        window: int = 1020,
+        positions: str = "cache",
+        bits: int | str | None = None,
+        group_size: int | None = None,
+    ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
         rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
         SinkPolicy(num_sinks, window, rotary)  # refuse bad sizes before building layers
-        super().__init__(config, lambda spec: SinkPolicy(num_sinks, window, rotary))
+        super().__init__(config, lambda spec: SinkPolicy(num_sinks, window, rotary), bits=bits, group_size=group_size)
 
 
 class H2OCache(EvictingCache):
@@ -85,10 +108,18 @@ class H2OCache(EvictingCache):
 
     rollback = False
 
-    def __init__(self, config: PreTrainedConfig, *, budget: int = 1024, recent: int | None = None):
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        budget: int = 1024,
+        recent: int | None = None,
+        bits: int | str | None = None,
+        group_size: int | None = None,
+    ):
         recent = budget // 2 if recent is None else recent
         HeavyHitterPolicy(budget, recent)
-        super().__init__(config, lambda spec: HeavyHitterPolicy(budget, recent))
+        super().__init__(config, lambda spec: HeavyHitterPolicy(budget, recent), bits=bits, group_size=group_size)
 
 
 class SnapKVCache(EvictingCache):
@@ -109,6 +140,9 @@ class SnapKVCache(EvictingCache):
         observation: int = 32,
         kernel_size: int = 7,
         pooling: str = "avg",
+        bits: int | str | None = None,
+        group_size: int | None = None,
     ):
         SnapKVPolicy(budget, observation, kernel_size, pooling)
-        super().__init__(config, lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling))
+        policy = lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling)  # noqa: E731
+        super().__init__(config, policy, bits=bits, group_size=group_size)

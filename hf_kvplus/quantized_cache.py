@@ -31,6 +31,18 @@ def parse_bits(bits) -> int | str:
     return bits
 
 
+def model_format(config: PreTrainedConfig, bits: int | str, group_size: int | None) -> QuantFormat:
+    """The `QuantFormat` for every layer of `config`: default group (gcd with the head dims) and checked."""
+    bits = parse_bits(bits)
+    head_dims = sorted({spec.head_dim for spec in ModelSpec.from_config(config).layers if spec.holds_kv})
+    if group_size is None:
+        group_size = math.gcd(DEFAULT_GROUP[bits], *head_dims)
+    fmt = QuantFormat(bits, group_size)
+    for head_dim in head_dims:
+        fmt.check_head_dim(head_dim)
+    return fmt
+
+
 def quantized_storage(
     config: PreTrainedConfig,
     *,
@@ -44,15 +56,9 @@ def quantized_storage(
     Checks everything at construction: the bit width, the backend, that the group size divides every
     layer's head_dim, and that the full-precision window holds at least one group.
     """
-    bits = parse_bits(bits)
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    head_dims = sorted({spec.head_dim for spec in ModelSpec.from_config(config).layers if spec.holds_kv})
-    if group_size is None:
-        group_size = math.gcd(DEFAULT_GROUP[bits], *head_dims)
-    fmt = QuantFormat(bits, group_size)
-    for head_dim in head_dims:
-        fmt.check_head_dim(head_dim)
+    fmt = model_format(config, bits, group_size)
     fused = takes_fused_path(config)
 
     def segment() -> QuantizedSegment:

@@ -13,7 +13,8 @@
                             128 full-precision tokens) and `backend=quanto` may follow
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` may follow
-- `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`)
+- `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
+                            every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget)
 - `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
                             `pooling=avg|max`)
@@ -116,7 +117,7 @@ def available_cache_specs() -> list[str]:
         "hf-quantized": ["hf-quantized:quanto:4", "hf-quantized:quanto:2"],
         "quantized": ["quantized:int8", "quantized:fp8", "quantized:int4", "quantized:int2"],
         "paged-quantized": ["paged-quantized:int4"],
-        "sink": ["sink:4:252"],
+        "sink": ["sink:4:252", "sink:4:252:bits=int4"],
         "h2o": ["h2o:256"],
         "snapkv": ["snapkv:256"],
     }
@@ -217,31 +218,42 @@ EVICTING_OPTIONS = {
 
 def _validate_evicting(spec: CacheSpec) -> None:
     positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
-    _check_arity(spec, len(positional), set(integers) | set(choices))
+    _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"})
     if len(spec.args) != len(positional):
         example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024"}[spec.kind.name]
         raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
     for what, value in zip(positional, spec.args, strict=True):
         _int(spec.text, what, value, minimum=0)
-    for key in integers & set(spec.kwargs):
+    for key in (integers | {"group"}) & set(spec.kwargs):
         _int(spec.text, key, spec.kwargs[key], minimum=0)
+    if "bits" in spec.kwargs:
+        try:
+            parse_bits(spec.kwargs["bits"])
+        except ConfigError as exc:
+            raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
     for key, allowed in choices.items():
         if key in spec.kwargs and spec.kwargs[key] not in allowed:
             raise ConfigError(f"cache spec {spec.text!r}: {key} must be one of {allowed}, got {spec.kwargs[key]!r}")
 
 
+def _storage(kwargs) -> dict:
+    return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None}
+
+
 def _sink(config, args, kwargs, max_length):
-    return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"))
+    return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"),
+                     **_storage(kwargs))
 
 
 def _h2o(config, args, kwargs, max_length):
-    return H2OCache(config, budget=int(args[0]), recent=int(kwargs["recent"]) if "recent" in kwargs else None)
+    recent = int(kwargs["recent"]) if "recent" in kwargs else None
+    return H2OCache(config, budget=int(args[0]), recent=recent, **_storage(kwargs))
 
 
 def _snapkv(config, args, kwargs, max_length):
     options = {"observation": int(kwargs.get("observation", 32)), "kernel_size": int(kwargs.get("kernel", 7)),
                "pooling": kwargs.get("pooling", "avg")}
-    return SnapKVCache(config, budget=int(args[0]), **options)
+    return SnapKVCache(config, budget=int(args[0]), **options, **_storage(kwargs))
 
 
 def _static(config, args, kwargs, max_length):

@@ -16,7 +16,9 @@ from hf_kvplus import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
-from hf_kvplus.eviction import RotaryShift
+from hf_kvplus.eviction import RotaryShift, SlotStore
+from hf_kvplus.eviction.slots import TokenQuantCodec
+from hf_kvplus.kernels.quant_format import QuantFormat
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -79,13 +81,13 @@ def test_sink_keys_equal_keys_rotated_from_scratch_at_their_cache_position(seed)
     expected = apply_rotary_pos_emb(raw, raw, cos, sin)[1]
     store = cache.layers[0].store
     slots = [store.positions[0, 0].tolist().index(i) for i in range(num_sinks)]
-    torch.testing.assert_close(store.keys[:, :, slots], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(store.view()[0][:, :, slots], expected, atol=1e-5, rtol=1e-5)
     # The window keys keep their original rotation: their distance to the query is already right.
     dense = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=dense)
     newest = store.positions[0, 0].tolist().index(29)
-    torch.testing.assert_close(store.keys[:, :, newest], dense.layers[0].keys[:, :, 29], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(store.view()[0][:, :, newest], dense.layers[0].keys[:, :, 29], atol=1e-5, rtol=1e-5)
 
 
 EVICTING = {
@@ -177,3 +179,33 @@ def test_assisted_decoding_is_refused_before_it_starts(cls, extra):
     with pytest.raises(UnsupportedOperationError, match="cannot roll tokens back"):
         model.generate(make_prompt(6), past_key_values=cls(model.config, budget=16, **extra), max_new_tokens=4,
                        prompt_lookup_num_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("bits, group", [(8, 16), (4, 16), (2, 8), ("fp8", 16)])
+def test_quantized_slots_stay_within_the_format_bound(bits, group, seed):
+    store = SlotStore(TokenQuantCodec(QuantFormat(bits, group)))
+    keys, values = torch.randn(2, 3, 40, 32) * 3, torch.randn(2, 3, 40, 32)
+    store.append(keys, values, 0)
+    for got, want in zip(store.view(), (keys, values), strict=True):
+        groups = want.unflatten(-1, (32 // group, group))
+        if bits == "fp8":  # e4m3: 3 mantissa bits, relative error at most 2^-4, plus the scale's rounding
+            bound = groups.abs() * 2**-4 + groups.abs().amax(-1, keepdim=True) / 448 * 2**-9
+        else:
+            bound = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / (2**bits - 1) / 2 * (1 + 2**-9)
+        assert ((got.unflatten(-1, (32 // group, group)) - groups).abs() <= bound + 1e-6).all()
+
+
+def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload():
+    model = get_model("llama")
+    sizes = {}
+    for bits in (None, 4):
+        cache = SinkCache(model.config, num_sinks=2, window=30, bits=bits, group_size=16)
+        with torch.no_grad():
+            model(make_prompt(60), past_key_values=cache)
+            for t in range(10):
+                model(make_prompt(1, seed=t), past_key_values=cache)
+        sizes[bits] = cache.memory_report()
+    assert sizes[4].tokens_held == sizes[None].tokens_held == 32
+    # float32 K/V of 16 channels -> 8 bytes of int4 codes + one float16 scale and zero per token and tensor.
+    assert sizes[4].payload_bytes * 64 == sizes[None].payload_bytes * 8
+    assert sizes[4].total_bytes < 0.3 * sizes[None].total_bytes

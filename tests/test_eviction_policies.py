@@ -176,8 +176,8 @@ def test_h2o_decode_step_replaces_the_evicted_slot_in_place(seed):
     q, k, v = qkv(1, 8)
     forward(cache, q, k, v)
     store = cache.layers[0].store
-    buffer, capacity = store.keys.data_ptr(), store.capacity
+    buffer, capacity = store.fields["keys"].data_ptr(), store.capacity
     for _ in range(20):
         forward(cache, *qkv(1, 1))
         assert store.length == 8
-    assert (store.keys.data_ptr(), store.capacity) == (buffer, capacity)
+    assert (store.fields["keys"].data_ptr(), store.capacity) == (buffer, capacity)

@@ -70,3 +70,34 @@ def test_bad_specs_are_refused(text, message):
 def test_static_without_a_length_says_how_to_give_one():
     with pytest.raises(ConfigError, match="static:<max_cache_len>"):
         parse_cache_spec("static").build(make_config("llama"))
+
+
+@pytest.mark.parametrize(
+    "text, cls, policy",
+    [
+        ("sink:4:1020", "SinkCache", "SinkPolicy(num_sinks=4, window=1020, positions='cache')"),
+        ("sink:0:64:positions=original", "SinkCache", "SinkPolicy(num_sinks=0, window=64, positions='original')"),
+        ("h2o:256:recent=32", "H2OCache", "HeavyHitterPolicy(budget=256, recent=32)"),
+        ("snapkv:256:observation=16:kernel=5:pooling=max", "SnapKVCache",
+         "SnapKVPolicy(budget=256, observation=16, kernel_size=5, pooling='max')"),
+    ],
+)
+def test_evicting_specs_build_their_cache(text, cls, policy):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                         vocab_size=32, intermediate_size=32)
+    cache = parse_cache_spec(text).build(config)
+    assert type(cache).__name__ == cls
+    assert repr(cache.layers[0].policy) == policy
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("sink:4", "expected sink:<num_sinks>:<window>"), ("h2o:-1", "must be >= 0, got -1"),
+     ("snapkv:64:pooling=median", "pooling must be one of"), ("sink:4:8:bits=int3", "got 'int3'"),
+     ("h2o:8:window=4", "unknown options")],
+)
+def test_bad_evicting_specs_are_refused(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_cache_spec(text)

@@ -11,7 +11,7 @@ from ..memory import MemoryReport
 from ..model_spec import LayerSpec
 from .attention import slot_attention
 from .policy import EvictionPolicy
-from .slots import PAD, SlotStore
+from .slots import PAD, DenseCodec, SlotStore, TokenQuantCodec
 
 
 def padding_of_new(attention_mask: torch.Tensor | None, batch: int, new: int) -> torch.Tensor | None:
@@ -43,10 +43,10 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, spec: LayerSpec, policy: EvictionPolicy):
+    def __init__(self, spec: LayerSpec, policy: EvictionPolicy, codec: DenseCodec | TokenQuantCodec | None = None):
         self.spec = spec
         self.policy = policy
-        self.store = SlotStore()
+        self.store = SlotStore(codec)
         self.is_initialized = False
         self.record_past = False
         self.seen = 0
@@ -55,7 +55,7 @@ class EvictingLayer(CacheLayerMixin):
         self._awaiting_attention = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(index={self.spec.index}, policy={self.policy!r})"
+        return f"{type(self).__name__}(index={self.spec.index}, policy={self.policy!r}, codec={self.store.codec!r})"
 
     @property
     def is_croppable(self) -> bool:

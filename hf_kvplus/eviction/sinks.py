@@ -50,8 +50,7 @@ class SinkPolicy(EvictionPolicy):
         # Slot of sink i in each head: where pos == first_real + i (the same slot in every head).
         targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)
         slots = (pos[:, :, None, :] == targets[:, None, :, None]).int().argmax(-1)
-        index = slots[..., None].expand(-1, -1, -1, store.keys.shape[-1])
-        held = store.keys.gather(2, index)
+        held = store.read_keys(slots)
         if self.sink_keys is None:
             self.sink_keys = torch.zeros_like(held)
             self.captured = torch.zeros_like(moving)
@@ -60,7 +59,7 @@ class SinkPolicy(EvictionPolicy):
         self.sink_keys = torch.where(fresh[:, None, None, None], held, self.sink_keys)
         self.captured = self.captured | moving
         shifted = self.rotary.rotate(self.sink_keys, shift.clamp(min=0))
-        store.keys.scatter_(2, index, torch.where(moving[:, None, None, None], shifted, held))
+        store.write_keys(slots, torch.where(moving[:, None, None, None], shifted, held))
 
     def _is_sink(self, pos: torch.Tensor, first_real: torch.Tensor) -> torch.Tensor:
         start = first_real.clamp(min=0)[:, None, None]

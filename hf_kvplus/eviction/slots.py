@@ -5,6 +5,9 @@ row b, head h holds one token's key and value, its logical position (`pos`, -1 f
 and its accumulated attention mass (`score`). Attention reads the slots with a mask built from `pos`,
 so slot order does not matter to it; compaction keeps slots in position order anyway (padding
 first), which keeps padding slots at the same indices in every head of a row.
+
+How a token's key and value are held is the codec's business: full precision, or quantized per
+token (a token's key and value each stand alone, so any slot can be overwritten in place).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError
+from ..kernels.quant_format import QuantFormat, dequantize_values
+from ..kernels.quant_pack import quantize_values
 from ..memory import MemoryReport
 from ..storage.dense import _grown
 
@@ -19,42 +24,94 @@ from ..storage.dense import _grown
 PAD = -1
 
 
-class SlotStore:
-    """K/V `[batch, kv_heads, capacity, head_dim]` with per-slot positions and scores; `length` slots used."""
+def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """`slots` [batch, kv_heads, k] broadcast over the trailing dims of a per-slot tensor, for gather/scatter."""
+    return slots.view(*slots.shape, *([1] * (held.ndim - 3))).expand(*slots.shape, *held.shape[3:])
 
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.score: torch.Tensor | None = None
+
+class DenseCodec:
+    """Keys and values as they come."""
+
+    payload = ("keys", "values")
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"keys": keys, "values": values}
+
+    def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"keys": keys}
+
+    def decode_keys(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return fields["keys"]
+
+    def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return fields["values"]
+
+    def __repr__(self) -> str:
+        return "DenseCodec()"
+
+
+class TokenQuantCodec:
+    """Keys and values quantized per token over groups of channels (int8/int4/int2 or fp8).
+
+    Per-token keys (not KIVI's per-channel groups) because an evicting layer overwrites single
+    slots: a group spanning tokens would have to be re-quantized whenever one of them is evicted.
+    """
+
+    def __init__(self, fmt: QuantFormat):
+        self.fmt = fmt
+        self.payload = ("k", "v")
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {**self._encode("k", keys), **self._encode("v", values)}
+
+    def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._encode("k", keys)
+
+    def _encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale, zero = quantize_values(x.contiguous(), self.fmt)
+        fields = {name: codes, f"{name}_scale": scale}
+        if zero is not None:
+            fields[f"{name}_zero"] = zero
+        return fields
+
+    def _decode(self, fields, name, dtype):
+        zero = fields.get(f"{name}_zero")
+        return dequantize_values(fields[name], fields[f"{name}_scale"], zero, self.fmt, dtype=dtype)
+
+    def decode_keys(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(fields, "k", dtype)
+
+    def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(fields, "v", dtype)
+
+    def __repr__(self) -> str:
+        return f"TokenQuantCodec({self.fmt})"
+
+
+class SlotStore:
+    """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, `score`); `length` used."""
+
+    def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None):
+        self.codec = codec or DenseCodec()
+        self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
+        self.dtype: torch.dtype | None = None
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.fields["pos"]
+
+    @property
+    def score(self) -> torch.Tensor:
+        return self.fields["score"]
 
     @property
     def batch_size(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
+        return self.pos.shape[0] if self.fields else 0
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
-        """Writes `new` tokens at logical positions `first_pos ..` into slots `length ..`."""
-        new = keys.shape[2]
-        if self.keys is None:
-            self._allocate(keys, values, _grown(new))
-        else:
-            self._check_compatible(keys, values)
-            if self.length + new > self.capacity:
-                self._resize(_grown(self.length + new))
-        end = self.length + new
-        self.keys[:, :, self.length : end] = keys
-        self.values[:, :, self.length : end] = values
-        self.pos[:, :, self.length : end] = torch.arange(first_pos, first_pos + new, device=self.pos.device)
-        self.score[:, :, self.length : end] = 0.0
-        self.length = end
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        return self.pos.shape[2] if self.fields else 0
 
     @property
     def positions(self) -> torch.Tensor:
@@ -63,6 +120,39 @@ class SlotStore:
     @property
     def scores(self) -> torch.Tensor:
         return self.score[:, :, : self.length]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
+        """Writes `new` tokens at logical positions `first_pos ..` into slots `length ..`."""
+        new = keys.shape[2]
+        if self.fields:
+            self._check_compatible(keys, values)
+        encoded = self.codec.encode(keys, values)
+        encoded["pos"] = torch.arange(first_pos, first_pos + new, device=keys.device).expand(*keys.shape[:2], new)
+        encoded["score"] = keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
+        if not self.fields:
+            self.dtype, self.device = keys.dtype, keys.device
+            self.head_dims = (keys.shape[1], keys.shape[3], values.shape[3])
+            self._allocate(encoded, _grown(new))
+        elif self.length + new > self.capacity:
+            self._resize(_grown(self.length + new))
+        for name, part in encoded.items():
+            self.fields[name][:, :, self.length : self.length + new] = part
+        self.length += new
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
+        used = {name: held[:, :, : self.length] for name, held in self.fields.items()}
+        return self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
+
+    def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """Dense keys of slots `slots` [batch, kv_heads, k]."""
+        return self.codec.decode_keys(self._gather(slots), self.dtype)
+
+    def write_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim]."""
+        for name, part in self.codec.encode_keys(keys).items():
+            held = self.fields[name]
+            held.scatter_(2, _slot_index(slots, held), part)
 
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the last `padding.shape[1]` slots of each row as padding where `padding` [batch, new] is True."""
@@ -76,75 +166,68 @@ class SlotStore:
         The buffers are re-sized to what the kept slots need, so what a layer holds at rest after a
         compaction depends on its budget only, not on how long the prompt was.
         """
-        order = self.pos.gather(2, slots).argsort(dim=2, stable=True)
-        slots = slots.gather(2, order)
-        kept = [held.gather(2, slots[..., None].expand(-1, -1, -1, held.shape[-1])) for held in (self.keys, self.values)]
-        kept += [self.pos.gather(2, slots), self.score.gather(2, slots)]
+        slots = slots.gather(2, self.pos.gather(2, slots).argsort(dim=2, stable=True))
+        kept = self._gather(slots)
         self.length = slots.shape[2]
         if self.capacity != _grown(self.length):
-            self._allocate(self.keys, self.values, _grown(self.length))
-        for held, part in zip((self.keys, self.values, self.pos, self.score), kept, strict=True):
-            held[:, :, : self.length] = part
+            self._allocate(kept, _grown(self.length))
+        for name, part in kept.items():
+            self.fields[name][:, :, : self.length] = part
 
     def move_last_into(self, slot: torch.Tensor) -> None:
         """The newest slot takes slot `slot` [batch, kv_heads] in place (the evicted one); one slot fewer."""
         last = self.length - 1
-        index = slot[..., None, None]
-        for held in (self.keys, self.values):
-            held.scatter_(2, index.expand(-1, -1, 1, held.shape[-1]), held[:, :, last : last + 1].clone())
-        for held in (self.pos, self.score):
-            held.scatter_(2, slot[..., None], held[:, :, last : last + 1].clone())
+        for held in self.fields.values():
+            held.scatter_(2, _slot_index(slot[..., None], held), held[:, :, last : last + 1].clone())
         self.length = last
 
     def drop_back(self, count: int) -> None:
         self.length -= count
 
     def index_batch(self, indices: torch.Tensor) -> None:
-        if self.keys is None:
-            return
-        indices = indices.to(self.keys.device)
-        for name in ("keys", "values", "pos", "score"):
-            setattr(self, name, getattr(self, name).index_select(0, indices))
+        if self.fields:
+            indices = indices.to(self.device)
+            self.fields = {name: held.index_select(0, indices) for name, held in self.fields.items()}
 
     def reset(self) -> None:
-        self.keys = self.values = self.pos = self.score = None
+        self.fields = {}
         self.length = 0
 
     def memory(self) -> MemoryReport:
-        if self.keys is None:
+        if not self.fields:
             return MemoryReport()
-        per_slot = (self.keys[:, :, :1].numel() + self.values[:, :, :1].numel()) * self.keys.element_size()
-        meta_per_slot = self.pos[:, :, :1].numel() * (self.pos.element_size() + self.score.element_size())
+        per_slot = {name: held[:, :, :1].numel() * held.element_size() for name, held in self.fields.items()}
+        payload = sum(per_slot[name] for name in self.codec.payload)
+        metadata = sum(per_slot.values()) - payload
         return MemoryReport(
-            payload_bytes=per_slot * self.length,
-            reserved_bytes=per_slot * (self.capacity - self.length),
-            metadata_bytes=meta_per_slot * self.capacity,
+            payload_bytes=payload * self.length,
+            reserved_bytes=payload * (self.capacity - self.length),
+            metadata_bytes=metadata * self.capacity,
             batch_size=self.batch_size,
         )
 
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        batch, heads, _, dim = keys.shape
-        self.keys = keys.new_empty(batch, heads, capacity, dim)
-        self.values = values.new_empty(batch, heads, capacity, values.shape[-1])
-        self.pos = torch.full((batch, heads, capacity), PAD, dtype=torch.int64, device=keys.device)
-        self.score = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=keys.device)
+    def _gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: held.gather(2, _slot_index(slots, held)) for name, held in self.fields.items()}
+
+    def _allocate(self, like: dict[str, torch.Tensor], capacity: int) -> None:
+        self.fields = {
+            name: part.new_zeros(*part.shape[:2], capacity, *part.shape[3:]) for name, part in like.items()
+        }
 
     def _resize(self, capacity: int) -> None:
-        old = self.keys, self.values, self.pos, self.score
-        self._allocate(self.keys, self.values, capacity)
-        for new, held in zip((self.keys, self.values, self.pos, self.score), old, strict=True):
-            new[:, :, : self.length] = held[:, :, : self.length]
+        old = self.fields
+        self._allocate(old, capacity)
+        for name, held in old.items():
+            self.fields[name][:, :, : self.length] = held[:, :, : self.length]
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        held = self.keys
-        if (keys.shape[0], keys.shape[1], keys.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]) or (
-            values.shape[-1] != self.values.shape[-1]
-        ):
+        batch, (heads, key_dim, value_dim) = self.batch_size, self.head_dims
+        if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (batch, heads, key_dim, value_dim):
             raise CacheMismatchError(
                 f"new keys/values of shape {tuple(keys.shape)}/{tuple(values.shape)} do not fit the cache's "
-                f"[batch={held.shape[0]}, kv_heads={held.shape[1]}, head_dim={held.shape[3]}] layout"
+                f"[batch={batch}, kv_heads={heads}, head_dim={key_dim}] layout"
             )
-        if keys.dtype != held.dtype or keys.device != held.device:
+        if keys.dtype != self.dtype or keys.device != self.device:
             raise CacheMismatchError(
-                f"new keys are {keys.dtype} on {keys.device}, the cache holds {held.dtype} on {held.device}"
+                f"new keys are {keys.dtype} on {keys.device}, the cache holds {self.dtype} on {self.device}"
             )

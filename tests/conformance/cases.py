@@ -186,6 +186,13 @@ CASES: list[CacheCase] = [
         unsupported_modes=_NOT_CROPPABLE, note="hf_kvplus.SnapKVCache(64): nothing is evicted: lossless",
     ),
     CacheCase(
+        name="sink-roomy-int8",
+        make=lambda model: _evicting_cache(model, "SinkCache", num_sinks=4, window=60, bits=8, group_size=16),
+        lossless=False, logits_atol=0.15, logits_rtol=0.0, min_token_agreement=0.0,
+        note="hf_kvplus.SinkCache(4 + 60, bits=8): nothing evicted, every token int8 per token in groups of 16 "
+        "channels; lossy like quantized-int8, logits bounded on identical contexts",
+    ),
+    CacheCase(
         name="sink-tight",
         make=lambda model: _evicting_cache(model, "SinkCache", num_sinks=2, window=6),
         lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, note=_EVICTING_NOTE,
