@@ -30,14 +30,14 @@ def slot_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     scaling: float,
     *,
     mass_queries: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` [batch, q_heads, q, d] over slots `keys`/`values` [batch, kv_heads, n, d].
 
-    `valid` [batch, n] marks the slots that hold real tokens; the last q slots are the queries' own
+    `valid` [batch, n] marks the slots that hold real tokens (None: all do); the last q slots are the queries' own
     tokens. Returns the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
     `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last
     `mass_queries` queries. A query with no valid key outputs zeros.
@@ -50,6 +50,8 @@ def slot_attention(
         else:
             out, mass = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=valid), None
         return out.unsqueeze(1), mass
+    if valid is None:
+        valid = torch.ones(batch, n, dtype=torch.bool, device=query.device)
     mask = _prefill_mask(valid, q)
     if not mass_queries:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)

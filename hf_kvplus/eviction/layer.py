@@ -52,6 +52,8 @@ class EvictingLayer(CacheLayerMixin):
         self.seen = 0
         self.first_real: torch.Tensor | None = None  # [batch] first real position per row, -1 if none yet
         self._pending: int | None = None  # fresh tokens of the last forward, while eviction waits
+        self._padded = False  # whether any slot ever held padding (else attention needs no mask)
+        self._first_real_known = False
         self._awaiting_attention = False
 
     def __repr__(self) -> str:
@@ -106,9 +108,10 @@ class EvictingLayer(CacheLayerMixin):
         padding = padding_of_new(attention_mask, self.store.batch_size, new)
         if padding is not None:
             self.store.mark_padding(padding)
+            self._padded = True
         self._learn_first_real(new)
         held_keys, held_values = self.store.view()
-        valid = self.store.positions[:, 0] != PAD
+        valid = self.store.positions[:, 0] != PAD if self._padded else None
         out, mass = slot_attention(
             query, held_keys, held_values, valid, scaling, mass_queries=self.policy.mass_queries(new)
         )
@@ -162,6 +165,8 @@ class EvictingLayer(CacheLayerMixin):
         self.first_real = None
         self._pending = None
         self._awaiting_attention = False
+        self._padded = False
+        self._first_real_known = False
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -197,10 +202,13 @@ class EvictingLayer(CacheLayerMixin):
         )
 
     def _learn_first_real(self, new: int) -> None:
+        if self._first_real_known:
+            return
         pos = self.store.positions[:, 0, self.store.length - new :]
         real = pos != PAD
         first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen).min(-1).values, -1)
         self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
+        self._first_real_known = bool((self.first_real >= 0).all())
 
     def _evict(self, new: int) -> None:
         self._pending = None

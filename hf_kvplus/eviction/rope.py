@@ -39,6 +39,7 @@ class RotaryShift:
         self.inv_freq = inv_freq.detach().double().cpu()
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.head_dim = head_dim
+        self._last: tuple | None = None  # (shifts, device, cos, sin): every layer of a step asks for the same
         if self.rotary_dim > head_dim:
             raise UnsupportedModelError(f"rotary dims {self.rotary_dim} exceed head_dim {head_dim}")
 
@@ -83,11 +84,18 @@ class RotaryShift:
             raise ShapeError(f"expected keys [batch, heads, n, {self.head_dim}], got {tuple(keys.shape)}")
         if shift.shape != keys.shape[:1]:
             raise ShapeError(f"expected one shift per batch row ({keys.shape[0]}), got shape {tuple(shift.shape)}")
-        angles = shift.double().cpu()[:, None] * self.inv_freq[None, :]  # [batch, rotary_dim / 2]
-        cos = angles.cos().float().to(keys.device)[:, None, None, :]
-        sin = angles.sin().float().to(keys.device)[:, None, None, :]
+        cos, sin = self._cos_sin(shift, keys.device)
         half = self.rotary_dim // 2
         x = keys.float()
         x1, x2, rest = x[..., :half], x[..., half : self.rotary_dim], x[..., self.rotary_dim :]
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
         return rotated.to(keys.dtype)
+
+    def _cos_sin(self, shift: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        shifts = tuple(shift.tolist())
+        if self._last is None or self._last[:2] != (shifts, device):
+            angles = torch.tensor(shifts, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+            cos = angles.cos().float().to(device)[:, None, None, :]  # [batch, 1, 1, rotary_dim / 2]
+            sin = angles.sin().float().to(device)[:, None, None, :]
+            self._last = (shifts, device, cos, sin)
+        return self._last[2], self._last[3]

@@ -47,9 +47,14 @@ class SinkPolicy(EvictionPolicy):
         moving = (shift > 0) & (first_real >= 0)
         if not bool(moving.any()):
             return
-        # Slot of sink i in each head: where pos == first_real + i (the same slot in every head).
+        # Slot of sink i: where pos == first_real + i, the same slot in every head (sinks never move).
         targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)
-        slots = (pos[:, :, None, :] == targets[:, None, :, None]).int().argmax(-1)
+        slots = (pos[:, 0, None, :] == targets[:, :, None]).int().argmax(-1)
+        slots = slots[:, None, :].expand(-1, pos.shape[1], -1)
+        if self.sink_keys is not None and bool(self.captured.all()) and bool(moving.all()):
+            # Steady state: every row's sinks are copied and move; no need to read them back.
+            store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift))
+            return
         held = store.read_keys(slots)
         if self.sink_keys is None:
             self.sink_keys = torch.zeros_like(held)

@@ -33,6 +33,7 @@ class DenseCodec:
     """Keys and values as they come."""
 
     payload = ("keys", "values")
+    key_fields = ("keys",)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"keys": keys, "values": values}
@@ -60,6 +61,7 @@ class TokenQuantCodec:
     def __init__(self, fmt: QuantFormat):
         self.fmt = fmt
         self.payload = ("k", "v")
+        self.key_fields = ("k", "k_scale", "k_zero")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return {**self._encode("k", keys), **self._encode("v", values)}
@@ -146,7 +148,8 @@ class SlotStore:
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """Dense keys of slots `slots` [batch, kv_heads, k]."""
-        return self.codec.decode_keys(self._gather(slots), self.dtype)
+        names = [name for name in self.fields if name in self.codec.key_fields]
+        return self.codec.decode_keys(self._gather(slots, names), self.dtype)
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim]."""
@@ -206,8 +209,9 @@ class SlotStore:
             batch_size=self.batch_size,
         )
 
-    def _gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: held.gather(2, _slot_index(slots, held)) for name, held in self.fields.items()}
+    def _gather(self, slots: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
+        names = self.fields if names is None else names
+        return {name: self.fields[name].gather(2, _slot_index(slots, self.fields[name])) for name in names}
 
     def _allocate(self, like: dict[str, torch.Tensor], capacity: int) -> None:
         self.fields = {
