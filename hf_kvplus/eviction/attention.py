@@ -40,36 +40,56 @@ def slot_attention(
     `valid` [batch, n] marks the slots that hold real tokens (None: all do); the last q slots are the queries' own
     tokens. Returns the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
     `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last
-    `mass_queries` queries. A query with no valid key outputs zeros.
+    `mass_queries` queries. A query with no valid key outputs zeros. Queries that report no mass go
+    through SDPA (its causal fast path for a first prefill without padding).
     """
-    batch, q_heads, q, dim = query.shape
-    kv_heads, n = keys.shape[1], keys.shape[2]
+    q = query.shape[2]
     if q == 1:
         if mass_queries:
             out, mass = decode_attention_with_mass(query[:, :, 0], keys, values, scale=scaling, mask=valid)
         else:
             out, mass = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=valid), None
         return out.unsqueeze(1), mass
-    if valid is None:
-        valid = torch.ones(batch, n, dtype=torch.bool, device=query.device)
-    mask = _prefill_mask(valid, q)
-    if not mass_queries:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-        return out.transpose(1, 2).contiguous(), None
+    head = q - mass_queries  # the first queries need their output only: SDPA
+    parts = [_sdpa_rows(query[:, :, :head], keys, values, valid, scaling, q)] if head else []
+    mass = None
+    if mass_queries:
+        tail, mass = _rows_with_mass(query[:, :, head:], keys, values, valid, scaling, q)
+        parts.append(tail)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return out.transpose(1, 2).contiguous(), mass
+
+
+def _sdpa_rows(rows, keys, values, valid, scaling, q):
+    """SDPA output `[batch, q_heads, r, d]` of the first r of the q fresh queries."""
+    r, n = rows.shape[2], keys.shape[2]
+    if valid is None and n == q:  # a first prefill with no padding: the causal fast path
+        return F.scaled_dot_product_attention(
+            rows, keys[:, :, :r], values[:, :, :r], is_causal=True, scale=scaling, enable_gqa=True
+        )
+    valid = torch.ones(keys.shape[0], n, dtype=torch.bool, device=keys.device) if valid is None else valid
+    mask = _prefill_mask(valid, q)[:, :, :r]
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def _rows_with_mass(rows, keys, values, valid, scaling, q):
+    """Output of the last r of the q fresh queries and the mass they give each key, in one chunked pass."""
+    batch, q_heads, r, dim = rows.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    valid = torch.ones(batch, n, dtype=torch.bool, device=keys.device) if valid is None else valid
+    mask = _prefill_mask(valid, q)[:, :, q - r :]
     group = q_heads // kv_heads
-    grouped = query.view(batch, kv_heads, group, q, dim)
-    out = query.new_empty(batch, kv_heads, group, q, values.shape[-1])
-    mass = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=query.device)
+    grouped = rows.reshape(batch, kv_heads, group, r, dim)
+    out = rows.new_empty(batch, kv_heads, group, r, values.shape[-1])
+    mass = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=rows.device)
     step = max(1, CHUNK_ELEMENTS // max(1, q_heads * n * batch))
-    first_scored = q - mass_queries
-    for start in range(0, q, step):
-        stop = min(q, start + step)
+    for start in range(0, r, step):
+        stop = min(r, start + step)
         logits = torch.einsum("bhgqd,bhnd->bhgqn", grouped[:, :, :, start:stop].float(), keys.float()) * scaling
         allowed = mask[:, :, None, start:stop]
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
         probs = torch.where(allowed.any(-1, keepdim=True), probs, 0.0)
         out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values.float()).to(out.dtype)
-        if stop > first_scored:
-            mass += probs[:, :, :, max(0, first_scored - start) :].sum(dim=(2, 3))
-    return out.view(batch, q_heads, q, -1).transpose(1, 2).contiguous(), mass
+        mass += probs.sum(dim=(2, 3))
+    return out.view(batch, q_heads, r, -1), mass
