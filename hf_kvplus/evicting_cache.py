@@ -30,8 +30,9 @@ from .storage.dense import DenseStorage
 class EvictingCache(KVCache):
     """A cache whose full-attention layers are `EvictingLayer`s with a policy built by `policy(spec)`.
 
-    `bits` (8, 4, 2 or "fp8") holds the kept tokens quantized per token over groups of `group_size`
-    channels (the quantized caches' defaults); None keeps them at full precision.
+    `bits` (8, 4, 2 or "fp8") holds the kept tokens of the evicting layers quantized per token over
+    groups of `group_size` channels (the quantized caches' defaults); None keeps them at full
+    precision. Sliding-window layers keep their own window at full precision either way.
     """
 
     #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
