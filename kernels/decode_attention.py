@@ -395,23 +395,22 @@ def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> to
     (batch row, KV head); None picks it with :func:`pick_num_splits`. It is clamped so that no split
     is empty (at most one split per BLOCK_N tile).
     """
+    (B, Hq, Hkv, G, N, D, Dv), q, k, v = _triton_inputs(q, k, v, scale, mask, num_splits, "decode_attention")
+    return _split_kv_attention(q, k, v, mask, scale=scale, num_splits=num_splits, n_keys=N)
+
+
+def _triton_inputs(q, k, v, scale, mask, num_splits, name):
+    """Checks the shared contract and that Triton can run; returns the dims and unit-stride q, k, v."""
     if triton is None:
-        raise KernelUnavailableError("decode_attention_triton needs triton, which is not installed")
-    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, num_splits)
+        raise KernelUnavailableError(f"{name}_triton needs triton, which is not installed")
+    dims = _check_inputs(q, k, v, scale, mask, num_splits)
     if not q.is_cuda and not _is_interpreted(_decode_split_kernel):
         raise KernelUnavailableError(
-            f"decode_attention_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before "
-            "import; use decode_attention_torch"
+            f"{name}_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import; use "
+            f"{name}_torch"
         )
-
     # The kernel assumes unit stride along the head dim; other strides are passed through.
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    return _split_kv_attention(q, k, v, mask, scale=scale, num_splits=num_splits, n_keys=N)
+    return dims, *(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
 
 
 class _SplitPlan(NamedTuple):
@@ -573,20 +572,9 @@ def decode_attention_with_mass_triton(
     probabilities come back as exp2(logit - lse) at the cost of N floats per query head, without a
     second pass over K; the group sum is done in torch.
     """
-    if triton is None:
-        raise KernelUnavailableError("decode_attention_with_mass_triton needs triton, which is not installed")
-    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, num_splits)
-    if not q.is_cuda and not _is_interpreted(_decode_split_kernel):
-        raise KernelUnavailableError(
-            f"decode_attention_with_mass_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
-            "before import; use decode_attention_with_mass_torch"
-        )
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    (B, Hq, Hkv, G, N, D, Dv), q, k, v = _triton_inputs(
+        q, k, v, scale, mask, num_splits, "decode_attention_with_mass"
+    )
 
     plan = _plan_splits(q, Hkv, Dv, N, num_splits)
     partials = _alloc_partials(q, Dv, plan.num_splits)
