@@ -138,6 +138,13 @@ def _int(spec_text: str, what: str, value: str, minimum: int = 1) -> int:
     return number
 
 
+def _check_bits(spec: CacheSpec, bits: str) -> None:
+    try:
+        parse_bits(bits)
+    except ConfigError as exc:
+        raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
+
+
 def _check_arity(spec: CacheSpec, max_args: int, keys: set[str]) -> None:
     if len(spec.args) > max_args:
         raise ConfigError(
@@ -169,10 +176,7 @@ def _validate(spec: CacheSpec) -> None:
         _check_arity(spec, 1, {"group", "window", "backend"})
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
-        try:
-            parse_bits(spec.args[0])
-        except ConfigError as exc:
-            raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
+        _check_bits(spec, spec.args[0])
         for key in ("group", "window"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
@@ -184,10 +188,7 @@ def _validate(spec: CacheSpec) -> None:
             raise ConfigError(
                 f"cache spec {spec.text!r}: expected paged-quantized:<int8|int4|int2|fp8>, e.g. paged-quantized:int4"
             )
-        try:
-            parse_bits(spec.args[0])
-        except ConfigError as exc:
-            raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
+        _check_bits(spec, spec.args[0])
         for key in ("group", "window", "block", "blocks"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
@@ -227,10 +228,7 @@ def _validate_evicting(spec: CacheSpec) -> None:
     for key in (integers | {"group"}) & set(spec.kwargs):
         _int(spec.text, key, spec.kwargs[key], minimum=0)
     if "bits" in spec.kwargs:
-        try:
-            parse_bits(spec.kwargs["bits"])
-        except ConfigError as exc:
-            raise ConfigError(f"cache spec {spec.text!r}: {exc}") from None
+        _check_bits(spec, spec.kwargs["bits"])
     for key, allowed in choices.items():
         if key in spec.kwargs and spec.kwargs[key] not in allowed:
             raise ConfigError(f"cache spec {spec.text!r}: {key} must be one of {allowed}, got {spec.kwargs[key]!r}")
