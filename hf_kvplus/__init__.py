@@ -11,6 +11,7 @@ from .errors import (
     CapacityError,
     ConfigError,
     DeviceError,
+    DiskTierError,
     DTypeError,
     FetchError,
     KernelUnavailableError,
@@ -24,9 +25,10 @@ from .evicting_cache import EvictingCache, H2OCache, SinkCache, SnapKVCache
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
+from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
 from .paging import BlockPool, PagedPool, PrefixStore
-from .placement import OnDevice, Placement
+from .placement import Offloaded, OnDevice, Placement, TierBytes
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
 from .storage import DenseStorage, KVStorage, QuantizedStorage
@@ -44,6 +46,7 @@ __all__ = [
     "DenseCache",
     "DenseStorage",
     "DeviceError",
+    "DiskTierError",
     "EvictingCache",
     "FetchError",
     "H2OCache",
@@ -56,6 +59,8 @@ __all__ = [
     "LayerSpec",
     "MemoryReport",
     "ModelSpec",
+    "Offloaded",
+    "OffloadedCache",
     "OnDevice",
     "PagedCache",
     "PagedPool",
@@ -70,6 +75,7 @@ __all__ = [
     "SinkCache",
     "SlidingWindow",
     "SnapKVCache",
+    "TierBytes",
     "UnsupportedModelError",
     "UnsupportedOperationError",
     "install",

@@ -11,7 +11,7 @@ from .errors import CacheMismatchError, UnsupportedModelError
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
-from .placement.base import Placement
+from .placement.base import Placement, TierBytes
 from .placement.device import OnDevice
 from .retention.base import Retention
 from .retention.keep_all import KeepAll
@@ -36,6 +36,10 @@ class KVCache(Cache):
     `storage(spec)` and `retention(spec)` build one object per attention layer, so a layout can differ
     between full and sliding layers; `placement` is shared. The named caches of this package are
     such combinations; a new combination needs no new class.
+
+    A placement that moves bytes (`Offloaded`) is scheduled from `update`: updating layer i releases
+    the layer updated before it (its attention has been issued by then), prefetches the next
+    `placement.lookahead` layers (wrapping around to layer 0 for the next step) and acquires layer i.
     """
 
     def __init__(
@@ -59,6 +63,12 @@ class KVCache(Cache):
             for spec in self.model_spec.layers
         ]
         super().__init__(layers=layers)
+        self.placement = placement
+        self._placed = [i for i, layer in enumerate(self.layers) if getattr(layer, "placement", None) is placement]
+        self._active: int | None = None  # the layer updated last, whose device copy is in use
+        if placement.moves:
+            for i in self._placed:
+                placement.register(self.layers[i].storage)
 
     def _build_layer(self, spec: LayerSpec, storage, retention, placement: Placement):
         """The cache layer of one attention layer (subclasses serve some layers with another layer type)."""
@@ -70,7 +80,26 @@ class KVCache(Cache):
                 f"layer_idx {layer_idx} is out of range: this cache was built for a {self.model_spec.model_type} "
                 f"config with {len(self.layers)} layers"
             )
+        if self.placement.moves and layer_idx in self._placed:
+            self._stage(layer_idx, key_states.device)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _stage(self, layer_idx: int, device) -> None:
+        placement, placed = self.placement, self._placed
+        placement.attach(device)
+        position = placed.index(layer_idx)
+        if position == 0:
+            placement.begin()
+        if self._active is not None and self._active != layer_idx:
+            placement.release(self.layers[self._active].storage)
+        self._active = layer_idx
+        for step in range(1, min(placement.lookahead, len(placed) - 1) + 1):
+            placement.prefetch(self.layers[placed[(position + step) % len(placed)]].storage)
+        placement.acquire(self.layers[layer_idx].storage)
+
+    def tier_bytes(self) -> TierBytes:
+        """Bytes of K/V per tier (device copies, host memory, disk), read off the placement."""
+        return self.placement.tier_bytes(self.layers[i].storage for i in self._placed)
 
     def memory_report(self) -> MemoryReport:
         """Bytes at rest summed over layers (payload, headroom, metadata), with tokens seen and held."""
@@ -102,5 +131,5 @@ class DenseCache(KVCache):
     >>> model.generate(**inputs, past_key_values=cache)
     """
 
-    def __init__(self, config: PreTrainedConfig, *, max_tokens: int | None = None):
-        super().__init__(config, storage=lambda spec: DenseStorage(max_tokens=max_tokens))
+    def __init__(self, config: PreTrainedConfig, *, max_tokens: int | None = None, placement: Placement | None = None):
+        super().__init__(config, storage=lambda spec: DenseStorage(max_tokens=max_tokens), placement=placement)

@@ -39,6 +39,13 @@ class CapacityError(KVPlusError, RuntimeError):
     """A fixed-size resource (block pool, memory budget) cannot hold what was asked of it."""
 
 
+class DiskTierError(KVPlusError, OSError):
+    """The disk tier of an offloaded cache could not write its files (full disk, unwritable folder).
+
+    The layer it was moving stays where it was, so the cache is still whole and usable.
+    """
+
+
 class KernelUnavailableError(KVPlusError, RuntimeError):
     """A Triton kernel was requested where Triton (or a CUDA device) is not available."""
 

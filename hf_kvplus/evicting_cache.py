@@ -23,6 +23,7 @@ from .eviction.sinks import POSITIONS, SinkPolicy
 from .eviction.slots import DenseCodec, TokenQuantCodec
 from .eviction.snapkv import SnapKVPolicy
 from .model_spec import LayerSpec
+from .placement.base import Placement
 from .quantized_cache import model_format
 from .storage.dense import DenseStorage
 
@@ -33,6 +34,7 @@ class EvictingCache(KVCache):
     `bits` (8, 4, 2 or "fp8") holds the kept tokens of the evicting layers quantized per token over
     groups of `group_size` channels (the quantized caches' defaults); None keeps them at full
     precision. Sliding-window layers keep their own window at full precision either way.
+    `placement` (e.g. `Offloaded()`) says where every layer's tokens rest; on the device by default.
     """
 
     #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
@@ -46,6 +48,7 @@ class EvictingCache(KVCache):
         *,
         bits: int | str | None = None,
         group_size: int | None = None,
+        placement: Placement | None = None,
     ):
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
@@ -55,7 +58,7 @@ class EvictingCache(KVCache):
             )
         self._policy = policy
         self._codec = DenseCodec() if bits is None else TokenQuantCodec(model_format(config, bits, group_size))
-        super().__init__(config, storage=lambda spec: DenseStorage())
+        super().__init__(config, storage=lambda spec: DenseStorage(), placement=placement)
 
     def activate_past_recording(self) -> None:
         if not self.rollback:
@@ -67,7 +70,7 @@ class EvictingCache(KVCache):
 
     def _build_layer(self, spec, storage, retention, placement):
         if spec.kind == "full":
-            return EvictingLayer(spec, self._policy(spec), self._codec)
+            return EvictingLayer(spec, self._policy(spec), self._codec, placement)
         return super()._build_layer(spec, storage, retention, placement)
 
 
@@ -91,12 +94,13 @@ class SinkCache(EvictingCache):
         positions: str = "cache",
         bits: int | str | None = None,
         group_size: int | None = None,
+        placement: Placement | None = None,
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
         rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
         SinkPolicy(num_sinks, window, rotary)  # refuse bad sizes before building layers
-        super().__init__(config, lambda spec: SinkPolicy(num_sinks, window, rotary), bits=bits, group_size=group_size)
+        super().__init__(config, lambda spec: SinkPolicy(num_sinks, window, rotary), bits=bits, group_size=group_size, placement=placement)
 
 
 class H2OCache(EvictingCache):
@@ -117,10 +121,11 @@ class H2OCache(EvictingCache):
         recent: int | None = None,
         bits: int | str | None = None,
         group_size: int | None = None,
+        placement: Placement | None = None,
     ):
         recent = budget // 2 if recent is None else recent
         HeavyHitterPolicy(budget, recent)
-        super().__init__(config, lambda spec: HeavyHitterPolicy(budget, recent), bits=bits, group_size=group_size)
+        super().__init__(config, lambda spec: HeavyHitterPolicy(budget, recent), bits=bits, group_size=group_size, placement=placement)
 
 
 class SnapKVCache(EvictingCache):
@@ -143,7 +148,8 @@ class SnapKVCache(EvictingCache):
         pooling: str = "avg",
         bits: int | str | None = None,
         group_size: int | None = None,
+        placement: Placement | None = None,
     ):
         SnapKVPolicy(budget, observation, kernel_size, pooling)
         policy = lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling)  # noqa: E731
-        super().__init__(config, policy, bits=bits, group_size=group_size)
+        super().__init__(config, policy, bits=bits, group_size=group_size, placement=placement)

@@ -51,12 +51,18 @@ class KVLayer(CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor | None:
         """The held keys as a dense view, `[batch, kv_heads, held, head_dim]`."""
-        return self.storage.view(self.storage.length)[0] if self.storage.length else None
+        return self._held()[0]
 
     @property
     def values(self) -> torch.Tensor | None:
         """The held values as a dense view, `[batch, kv_heads, held, head_dim]`."""
-        return self.storage.view(self.storage.length)[1] if self.storage.length else None
+        return self._held()[1]
+
+    def _held(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.storage.length:
+            return None, None
+        with self.placement.using(self.storage):
+            return self.storage.view(self.storage.length)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_states(self.spec, key_states, value_states)
@@ -70,6 +76,7 @@ class KVLayer(CacheLayerMixin):
             check_states(self.spec, key_states, value_states)
         new = key_states.shape[2]
         visible = self.retention.visible(self.storage.length)
+        self.placement.acquire(self.storage)
         self.storage.append(key_states, value_states)
         self.seen += new
         keys, values = self.storage.attention_inputs(visible + new, new)
@@ -112,27 +119,31 @@ class KVLayer(CacheLayerMixin):
                 f"{self.storage.length - remove} but the next step needs {needed_after} "
                 "(call activate_past_recording() before steps that may be rolled back)"
             )
-        if remove:
-            self.storage.drop_back(remove)
-            self.seen -= remove
-        self._evict()
+        with self.placement.using(self.storage):
+            if remove:
+                self.storage.drop_back(remove)
+                self.seen -= remove
+            self._evict()
 
     def reset(self) -> None:
         self.storage.reset()
+        self.placement.forget(self.storage)
         self.seen = 0
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.storage.index_batch(beam_idx)
+        with self.placement.using(self.storage):
+            self.storage.index_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.storage.index_batch(torch.arange(self.storage.batch_size).repeat_interleave(repeats))
+        self.batch_select_indices(torch.arange(self.storage.batch_size).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         indices = torch.as_tensor(indices)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
-        self.storage.index_batch(indices)
+        with self.placement.using(self.storage):
+            self.storage.index_batch(indices)
 
     def offload(self) -> None:
         self.placement.release(self.storage)

@@ -17,6 +17,7 @@ from .model_spec import LayerSpec, ModelSpec
 from .paging.block_pool import BlockPool
 from .paging.group import BlockGroup
 from .paging.paged_pool import PagedPool, group_key, resolve_format
+from .placement.base import Placement
 from .storage.paged import PagedStorage
 from .storage.paged_segment import PagedSegment
 from .storage.quantized import DEFAULT_WINDOW, QuantizedStorage
@@ -73,6 +74,7 @@ class PagedCache(KVCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
+        placement: Placement | None = None,
     ):
         if not isinstance(namespace, str):
             raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
@@ -85,6 +87,11 @@ class PagedCache(KVCache):
                 group_size=group_size,
             )
         else:
+            if placement is not None and placement.moves:
+                raise ConfigError(
+                    f"a PagedCache with placement {placement!r} needs a pool of its own: a shared PagedPool's blocks "
+                    "stay where all the caches sharing it attend (leave pool=None)"
+                )
             pool.check_model(spec)
             if bits is not None or group_size is not None:
                 pool.check_format(resolve_format(spec, bits, group_size))
@@ -112,7 +119,7 @@ class PagedCache(KVCache):
             segment = PagedSegment(self.groups[key], self.pool.layers[spec.index])
             return QuantizedStorage(segment, window=window, fused=fused)
 
-        super().__init__(config, storage=storage)
+        super().__init__(config, storage=storage, placement=placement)
         self._first_kv_layer = next(i for i, layer in enumerate(self.layers) if isinstance(layer, KVLayer))
         weakref.finalize(self, _release, list(self.groups.values()))
 

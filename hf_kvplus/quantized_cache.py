@@ -12,6 +12,7 @@ from .cache import KVCache
 from .errors import ConfigError
 from .kernels.quant_format import BIT_WIDTHS, QuantFormat
 from .model_spec import LayerSpec, ModelSpec
+from .placement.base import Placement
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
 
 #: Default group size per format: the largest that keeps int8 under 0.56, int4 under 0.32 and int2 under
@@ -100,9 +101,10 @@ class QuantizedCache(KVCache):
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
         backend: str = "kvplus",
+        placement: Placement | None = None,
     ):
         storage = quantized_storage(config, bits=bits, group_size=group_size, window=window, backend=backend)
-        super().__init__(config, storage=storage)
+        super().__init__(config, storage=storage, placement=placement)
         first = next(layer.storage for layer in self.layers if hasattr(layer, "storage"))
         self.format, self.window, self.backend = first.fmt, window, backend
 

@@ -18,6 +18,10 @@
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget)
 - `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
                             `pooling=avg|max`)
+- `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
+                            `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
+                            `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
+- `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 codes (`group=N`, `window=N`)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -25,6 +29,7 @@ Later caches register themselves with `register_cache_spec`.
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +39,7 @@ from transformers import QuantizedCache as HFQuantizedCache
 from .cache import DenseCache
 from .errors import ConfigError
 from .evicting_cache import H2OCache, SinkCache, SnapKVCache
+from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
 from .quantized_cache import BACKENDS, QuantizedCache, parse_bits
 from .storage.quantized import DEFAULT_WINDOW
@@ -120,6 +126,8 @@ def available_cache_specs() -> list[str]:
         "sink": ["sink:4:252", "sink:4:252:bits=int4"],
         "h2o": ["h2o:256"],
         "snapkv": ["snapkv:256"],
+        "offloaded": ["offloaded", "offloaded:disk=tmp"],
+        "offloaded-quantized": ["offloaded-quantized:int4"],
     }
     specs = []
     for name, kind in CACHE_KINDS.items():
@@ -194,6 +202,19 @@ def _validate(spec: CacheSpec) -> None:
                 _int(spec.text, key, spec.kwargs[key])
     elif name in EVICTING_OPTIONS:
         _validate_evicting(spec)
+    elif name in ("offloaded", "offloaded-quantized"):
+        quantized = name == "offloaded-quantized"
+        _check_arity(spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window"} if quantized else set()))
+        if quantized and len(spec.args) != 1:
+            raise ConfigError(f"cache spec {spec.text!r}: expected {name}:<int8|int4|int2|fp8>, e.g. {name}:int4")
+        if quantized:
+            _check_bits(spec, spec.args[0])
+        for key in {"lookahead", "group", "window"} & set(spec.kwargs):
+            _int(spec.text, key, spec.kwargs[key], minimum=0 if key == "lookahead" else 1)
+        if "host" in spec.kwargs:
+            if "disk" not in spec.kwargs:
+                raise ConfigError(f"cache spec {spec.text!r}: host=SIZE is the budget before the disk tier; give disk=FOLDER")
+            _size(spec.text, spec.kwargs["host"])
     elif name == "hf-quantized":
         _check_arity(spec, 2, {"residual", "group"})
         if len(spec.args) != 2 or spec.args[0] not in ("quanto", "hqq"):
@@ -232,6 +253,31 @@ def _validate_evicting(spec: CacheSpec) -> None:
     for key, allowed in choices.items():
         if key in spec.kwargs and spec.kwargs[key] not in allowed:
             raise ConfigError(f"cache spec {spec.text!r}: {key} must be one of {allowed}, got {spec.kwargs[key]!r}")
+
+
+#: Byte suffixes of sizes in specs (binary: K = 1024).
+SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(spec_text: str, value: str) -> int:
+    """`4096`, `64K`, `512M`, `8G` as bytes."""
+    number, suffix = (value[:-1], value[-1].upper()) if value[-1:].isalpha() else (value, "")
+    if suffix not in SIZE_SUFFIXES or not number.isdigit():
+        raise ConfigError(f"cache spec {spec_text!r}: a size is bytes with an optional K/M/G suffix, got {value!r}")
+    return int(number) * SIZE_SUFFIXES[suffix]
+
+
+def _offloaded(config, args, kwargs, max_length):
+    disk = kwargs.get("disk")
+    options = {
+        "lookahead": int(kwargs.get("lookahead", 1)),
+        "folder": tempfile.gettempdir() if disk == "tmp" else disk,
+        "host_budget": None if disk is None else _size("offloaded", kwargs.get("host", "0")),
+    }
+    if args:
+        options |= {"bits": args[0], "group_size": int(kwargs["group"]) if "group" in kwargs else None,
+                    "window": int(kwargs.get("window", DEFAULT_WINDOW))}
+    return OffloadedCache(config, **options)
 
 
 def _storage(kwargs) -> dict:
@@ -327,5 +373,8 @@ for _kind in (
     CacheKind("h2o", _h2o, "hf_kvplus H2OCache: heavy hitters + recent window", False, False),
     CacheKind("snapkv", _snapkv, "hf_kvplus SnapKVCache: prompts compressed by their last tokens' attention", False,
               False),
+    CacheKind("offloaded", _offloaded, "hf_kvplus OffloadedCache: K/V in host memory (and on disk), fetched ahead",
+              True, False),
+    CacheKind("offloaded-quantized", _offloaded, "hf_kvplus OffloadedCache holding quantized codes", False, False),
 ):
     register_cache_spec(_kind)

@@ -9,6 +9,8 @@ from ..errors import CacheMismatchError, ShapeError, UnsupportedModelError, Unsu
 from ..layer import KV_SOURCE_ATTR, check_states
 from ..memory import MemoryReport
 from ..model_spec import LayerSpec
+from ..placement.base import Placement
+from ..placement.device import OnDevice
 from .attention import slot_attention
 from .policy import EvictionPolicy
 from .slots import PAD, DenseCodec, SlotStore, TokenQuantCodec
@@ -38,15 +40,23 @@ class EvictingLayer(CacheLayerMixin):
     not in sequence order), hands the attention mass to the policy, then evicts down to the budget.
     With `activate_past_recording()` eviction waits for the next `update`, so `crop` can still remove
     the newest tokens. `get_mask_sizes` reports `(held + q, seen - held)` as DESIGN.md requires.
+    A `placement` moves the slots (the policy's per-row state stays on the device).
     """
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, spec: LayerSpec, policy: EvictionPolicy, codec: DenseCodec | TokenQuantCodec | None = None):
+    def __init__(
+        self,
+        spec: LayerSpec,
+        policy: EvictionPolicy,
+        codec: DenseCodec | TokenQuantCodec | None = None,
+        placement: Placement | None = None,
+    ):
         self.spec = spec
         self.policy = policy
         self.store = SlotStore(codec)
+        self.placement = placement or OnDevice()
         self.is_initialized = False
         self.record_past = False
         self.seen = 0
@@ -64,12 +74,23 @@ class EvictingLayer(CacheLayerMixin):
         return self.policy.is_croppable
 
     @property
+    def storage(self) -> SlotStore:
+        """What the placement moves."""
+        return self.store
+
+    @property
     def keys(self) -> torch.Tensor | None:
-        return self.store.view()[0] if self.store.length else None
+        return self._held()[0]
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self.store.view()[1] if self.store.length else None
+        return self._held()[1]
+
+    def _held(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.store.length:
+            return None, None
+        with self.placement.using(self.store):
+            return self.store.view()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -86,6 +107,7 @@ class EvictingLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.placement.acquire(self.store)
         if self._pending is not None:
             self._evict(self._pending)
         self.store.append(key_states, value_states, self.seen)
@@ -160,6 +182,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store.reset()
+        self.placement.forget(self.store)
         self.policy.reset()
         self.seen = 0
         self.first_real = None
@@ -179,16 +202,17 @@ class EvictingLayer(CacheLayerMixin):
         indices = torch.as_tensor(indices)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
-        self.store.index_batch(indices)
+        with self.placement.using(self.store):
+            self.store.index_batch(indices)
         self.policy.index_batch(indices)
         if self.first_real is not None:
             self.first_real = self.first_real.index_select(0, indices.to(self.first_real.device))
 
     def offload(self) -> None:
-        """Evicting layers stay where they are (their memory is already bounded)."""
+        self.placement.release(self.store)
 
     def prefetch(self) -> None:
-        """See `offload`."""
+        self.placement.prefetch(self.store)
 
     def memory(self) -> MemoryReport:
         report = self.store.memory()

@@ -196,6 +196,17 @@ class SlotStore:
         self.fields = {}
         self.length = 0
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The per-slot tensors by name: what an offloading placement moves."""
+        return dict(self.fields)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.fields = dict(tensors)
+
+    def take_written(self) -> dict:
+        """Slots are overwritten anywhere (evictions): a changed field is written back whole."""
+        return {}
+
     def memory(self) -> MemoryReport:
         if not self.fields:
             return MemoryReport()

@@ -38,6 +38,13 @@ class LayerPool:
         """Bytes of one block of K and V in this layer (0 before the first write)."""
         return 0 if self.k is None else (self.k[0].numel() + self.v[0].numel()) * self.k.element_size()
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The block tensors by name: what an offloading placement moves (the tables stay)."""
+        return {} if self.k is None else {"k": self.k, "v": self.v}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.k, self.v = tensors.get("k"), tensors.get("v")
+
     def copy_block(self, source: int, target: int) -> None:
         if self.k is not None:
             self.k[target] = self.k[source]

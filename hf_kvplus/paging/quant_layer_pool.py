@@ -106,6 +106,14 @@ class QuantLayerPool:
             dequantize_values(v, v_scale, v_zero, self.fmt, dtype),
         )
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The code and parameter block tensors by name: what an offloading placement moves."""
+        return {name: t for name in NAMES if (t := getattr(self, name)) is not None}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name in NAMES:
+            setattr(self, name, tensors.get(name))
+
     def copy_block(self, source: int, target: int) -> None:
         for name in NAMES:
             t = getattr(self, name)

@@ -1,6 +1,5 @@
 """On-device placement: the storage stays where the model runs."""
 
-from ..storage.base import KVStorage
 from .base import Placement
 
 
@@ -9,10 +8,10 @@ class OnDevice(Placement):
 
     name = "device"
 
-    def prefetch(self, storage: KVStorage) -> None:
+    def prefetch(self, storage) -> None:
         return None
 
-    def release(self, storage: KVStorage) -> None:
+    def release(self, storage) -> None:
         return None
 
     def __repr__(self) -> str:

@@ -6,7 +6,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..errors import UnsupportedOperationError
 from ..memory import MemoryReport
+
+#: A region written in place: `(dim, lo, hi)`, the slice `lo:hi` along dimension `dim`.
+Region = tuple[int, int, int]
 
 
 class KVStorage(ABC):
@@ -56,6 +60,22 @@ class KVStorage(ABC):
     def memory(self) -> MemoryReport:
         """Bytes held at rest (tokens fields are filled in by the layer)."""
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor holding this storage's bytes, by name: what an offloading placement moves."""
+        raise UnsupportedOperationError(f"{type(self).__name__} cannot be moved off the device (it has no tensors())")
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Holds `tensors` (the `tensors()` of this storage, in another memory) in place of its own."""
+        raise UnsupportedOperationError(f"{type(self).__name__} cannot be moved off the device (no load_tensors())")
+
+    def take_written(self) -> dict[str, Region]:
+        """The regions written in place since the last call, by tensor name.
+
+        An offloading placement writes back only these; a changed tensor that is not named here is
+        written back whole, so a storage may name nothing and stay correct.
+        """
+        return {}
+
     @abstractmethod
     def attend(
         self,
@@ -71,3 +91,14 @@ class KVStorage(ABC):
 
         Returns `[batch, q_len, q_heads, head_dim]`, the layout Transformers' attention functions return.
         """
+
+
+def prefixed(prefix: str, tensors: dict) -> dict:
+    """`tensors` (or regions) with names `prefix.name`: a storage made of parts names its parts' tensors so."""
+    return {f"{prefix}.{name}": t for name, t in tensors.items()}
+
+
+def part_of(prefix: str, tensors: dict) -> dict:
+    """The entries of `tensors` named `prefix.name`, by `name`."""
+    cut = len(prefix) + 1
+    return {name[cut:]: t for name, t in tensors.items() if name.startswith(prefix + ".")}

@@ -7,7 +7,7 @@ import torch
 from ..attention.dense import dense_attention
 from ..errors import CacheMismatchError, CapacityError
 from ..memory import MemoryReport
-from .base import KVStorage
+from .base import KVStorage, Region
 
 #: Capacity is allocated in multiples of this many tokens.
 GRANULE = 64
@@ -41,6 +41,7 @@ class DenseStorage(KVStorage):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.start = self.end = 0
+        self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
 
     @property
     def length(self) -> int:
@@ -64,6 +65,7 @@ class DenseStorage(KVStorage):
             self._make_room(new)
         self.keys[:, :, self.end : self.end + new] = keys
         self.values[:, :, self.end : self.end + new] = values
+        self._note_written(self.end, self.end + new)
         self.end += new
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +92,7 @@ class DenseStorage(KVStorage):
             held = slice(self.start, self.end)
             self.keys[:, :, held] = self.keys[indices, :, held]
             self.values[:, :, held] = self.values[indices, :, held]
+            self._note_written(self.start, self.end)
         else:
             self.keys = self.keys.index_select(0, indices)
             self.values = self.values.index_select(0, indices)
@@ -107,6 +110,16 @@ class DenseStorage(KVStorage):
             reserved_bytes=per_token * (self.capacity - self.length),
             batch_size=self.batch_size,
         )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.keys is None else {"keys": self.keys, "values": self.values}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.keys, self.values = tensors.get("keys"), tensors.get("values")
+
+    def take_written(self) -> dict[str, Region]:
+        written, self._written = self._written or (0, 0), None
+        return {} if self.keys is None else {"keys": (2, *written), "values": (2, *written)}
 
     def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
         return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
@@ -161,4 +174,10 @@ class DenseStorage(KVStorage):
             held_k, held_v = held_k.clone(), held_v.clone()
         self.keys[:, :, : self.length] = held_k
         self.values[:, :, : self.length] = held_v
+        self._note_written(0, self.length)
         self.start, self.end = 0, self.length
+
+    def _note_written(self, lo: int, hi: int) -> None:
+        if self._written is not None:
+            lo, hi = min(lo, self._written[0]), max(hi, self._written[1])
+        self._written = (lo, hi)

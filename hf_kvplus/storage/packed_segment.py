@@ -30,6 +30,7 @@ class PackedSegment(QuantizedSegment):
         self.buffers: PackedKV | None = None
         self.start = self.end = 0
         self.granule = fmt.group_size * -(-64 // fmt.group_size)
+        self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
 
     @property
     def length(self) -> int:
@@ -62,6 +63,7 @@ class PackedSegment(QuantizedSegment):
         b = self.buffers
         quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g))
         quantize_values(values, self.fmt, out=_out(b.v[:, :, e : e + n], b.v_scale, b.v_zero, e, e + n))
+        self._note_written(e, e + n)
         self.end += n
 
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
@@ -101,12 +103,34 @@ class PackedSegment(QuantizedSegment):
                 if t is not None:
                     rows = slice(a // g, self.end // g) if name in ("k_scale", "k_zero") else slice(a, self.end)
                     t[:, :, rows] = t[indices, :, rows]
+            self._note_written(a, self.end)
         else:
             self.buffers = PackedKV(**{n: None if t is None else t.index_select(0, indices) for n, t in tensors.items()})
 
     def reset(self) -> None:
         self.buffers = None
         self.start = self.end = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.buffers is None:
+            return {}
+        return {name: t for name in _NAMES if (t := getattr(self.buffers, name)) is not None}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.buffers = PackedKV(**{name: tensors.get(name) for name in _NAMES}) if tensors else None
+
+    def take_written(self) -> dict[str, tuple[int, int, int]]:
+        (lo, hi), self._written = self._written or (0, 0), None
+        g = self.fmt.group_size
+        return {
+            name: (2, lo // g, -(-hi // g)) if name in ("k_scale", "k_zero") else (2, lo, hi)
+            for name in self.tensors()
+        }
+
+    def _note_written(self, lo: int, hi: int) -> None:
+        if self._written is not None:
+            lo, hi = min(lo, self._written[0]), max(hi, self._written[1])
+        self._written = (lo, hi)
 
     def memory(self) -> MemoryReport:
         if self.buffers is None:

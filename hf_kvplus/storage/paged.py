@@ -23,6 +23,9 @@ class PagedStorage(KVStorage):
     gathered dense K/V on every step instead.
     """
 
+    #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
+    shared_at_rest = True
+
     def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True):
         self.group = group
         self.pool = pool
@@ -121,6 +124,13 @@ class PagedStorage(KVStorage):
     def reset(self) -> None:
         self.start = self.end = 0
         self.group.trim()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's block tensors (the block tables are the group's and stay where they are)."""
+        return self.pool.tensors()
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pool.load_tensors(tensors)
 
     def memory(self) -> MemoryReport:
         if self.k_pool is None:

@@ -32,6 +32,9 @@ class PagedSegment(QuantizedSegment):
     on its own.
     """
 
+    #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
+    shared_at_rest = True
+
     def __init__(self, group: BlockGroup, pool: QuantLayerPool):
         self.group = group
         self.pool = pool
@@ -117,6 +120,12 @@ class PagedSegment(QuantizedSegment):
     def reset(self) -> None:
         self.start = self.end = 0
         self.group.trim()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.pool.tensors()
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pool.load_tensors(tensors)
 
     def memory(self) -> MemoryReport:
         """Codes of the blocks the group's tables reference (shared blocks once) as payload; their scales and zero

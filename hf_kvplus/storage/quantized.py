@@ -7,10 +7,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..attention.dense import decode_mask, dense_attention
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import QuantFormat
 from ..memory import MemoryReport
-from .base import KVStorage
+from .base import KVStorage, Region, part_of, prefixed
 from .dense import DenseStorage
 
 #: Full-precision recent tokens kept by default (KIVI's residual length).
@@ -73,6 +73,17 @@ class QuantizedSegment(ABC):
     def memory(self) -> MemoryReport:
         """Bytes at rest: codes as payload, scales and zero points as metadata, headroom as reserved."""
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The code and parameter tensors, by name (what an offloading placement moves; see `KVStorage`)."""
+        raise UnsupportedOperationError(f"{type(self).__name__} cannot be moved off the device (it has no tensors())")
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise UnsupportedOperationError(f"{type(self).__name__} cannot be moved off the device (no load_tensors())")
+
+    def take_written(self) -> dict[str, Region]:
+        """Regions written in place since the last call, by tensor name (see `KVStorage.take_written`)."""
+        return {}
+
 
 class QuantizedStorage(KVStorage):
     """Old tokens in a `QuantizedSegment`, the newest `window` (or more, up to a group) at full precision.
@@ -101,6 +112,10 @@ class QuantizedStorage(KVStorage):
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode: tuple | None = None
         self._dropped = 0  # tokens dropped from the segment's front: decode positions survive eviction
+
+    @property
+    def shared_at_rest(self) -> bool:
+        return getattr(self.segment, "shared_at_rest", False)
 
     @property
     def fmt(self) -> QuantFormat:
@@ -203,6 +218,16 @@ class QuantizedStorage(KVStorage):
 
     def memory(self) -> MemoryReport:
         return self.segment.memory() + self.recent.memory()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return prefixed("segment", self.segment.tensors()) | prefixed("recent", self.recent.tensors())
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.segment.load_tensors(part_of("segment", tensors))
+        self.recent.load_tensors(part_of("recent", tensors))
+
+    def take_written(self) -> dict[str, Region]:
+        return prefixed("segment", self.segment.take_written()) | prefixed("recent", self.recent.take_written())
 
     def _dtype(self) -> torch.dtype:
         return self.recent.keys.dtype if self.recent.keys is not None else self.segment.dtype

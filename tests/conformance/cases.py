@@ -18,6 +18,7 @@ A case is a factory plus the promise it makes:
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,6 +115,20 @@ def _quantized_cache(model: PreTrainedModel, **kwargs) -> Cache:
 # quanto int4 1.01).
 _QUANTIZED_NOTE = "hf_kvplus.QuantizedCache, groups of 4, window 4: lossy, logits bounded on identical contexts"
 
+def _offloaded(**kwargs):
+    from hf_kvplus import Offloaded
+
+    if "host_budget" in kwargs:
+        kwargs["folder"] = tempfile.gettempdir()
+    return Offloaded(**kwargs)
+
+
+def _offloaded_cache(model: PreTrainedModel, **kwargs) -> Cache:
+    from hf_kvplus import OffloadedCache
+
+    return OffloadedCache(model.config, **kwargs)
+
+
 def _evicting_cache(model: PreTrainedModel, name: str, **kwargs) -> Cache:
     import hf_kvplus
 
@@ -208,6 +223,32 @@ CASES: list[CacheCase] = [
         make=lambda model: _evicting_cache(model, "SnapKVCache", budget=8, observation=2, kernel_size=3),
         lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, unsupported_modes=_NOT_CROPPABLE,
         note=_EVICTING_NOTE,
+    ),
+    CacheCase(
+        name="offloaded",
+        make=lambda model: _offloaded_cache(model),
+        note="hf_kvplus.OffloadedCache: dense storage at rest in host memory, one layer fetched ahead; lossless",
+    ),
+    CacheCase(
+        name="offloaded-disk",
+        make=lambda model: _offloaded_cache(model, host_budget=4096, folder=tempfile.gettempdir()),
+        note="hf_kvplus.OffloadedCache with 4 KB of host memory: most layers rest in memory-mapped files; lossless",
+    ),
+    CacheCase(
+        name="offloaded-int8",
+        make=lambda model: _offloaded_cache(model, bits=8, group_size=4, window=4),
+        lossless=False, logits_atol=0.15, logits_rtol=0.0, min_token_agreement=0.0,
+        note="hf_kvplus.OffloadedCache(bits=8): the packed codes rest offloaded; lossy like quantized-int8",
+    ),
+    CacheCase(
+        name="paged-offloaded-disk",
+        make=lambda model: _paged_cache(model, block_size=8, placement=_offloaded(host_budget=0)),
+        note="hf_kvplus.PagedCache(placement=Offloaded) with every layer's blocks on disk; the tables stay: lossless",
+    ),
+    CacheCase(
+        name="sink-roomy-offloaded",
+        make=lambda model: _evicting_cache(model, "SinkCache", num_sinks=4, window=60, placement=_offloaded()),
+        note="hf_kvplus.SinkCache(4 + 60, placement=Offloaded): the slots rest offloaded, nothing evicted: lossless",
     ),
     # Add new caches above this line.
     # ---- HARNESS SELF-CHECK, not a project cache (temporary; kept until removed on purpose) ---------------------------

@@ -1,0 +1,53 @@
+"""OffloadedCache: K/V at rest in host memory (and optionally on disk), brought to the device a layer ahead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedConfig
+
+from .cache import KVCache
+from .placement.offloaded import Offloaded
+from .quantized_cache import quantized_storage
+from .storage.dense import DenseStorage
+from .storage.quantized import DEFAULT_WINDOW
+
+
+class OffloadedCache(KVCache):
+    """Every layer's K/V rest in host memory and come to the accelerator `lookahead` layers ahead of use.
+
+    Lossless with the default full-precision storage (token-identical to `DynamicCache`); with `bits`
+    (8, 4, 2 or "fp8", as `QuantizedCache`) the packed codes rest on the host and cross the bus, a
+    quarter of the bytes at int4. `host_budget` (bytes) and `folder` add a disk tier: layers beyond the
+    budget go to memory-mapped files in `folder`, read back ahead of use and removed with the cache.
+    Works without CUDA (the host is then the compute device: only the disk tier moves bytes).
+    `tier_bytes()` tells where the bytes are. Other caches take the same placement:
+    `QuantizedCache(config, placement=Offloaded())`, `PagedCache(config, placement=Offloaded())`,
+    `SinkCache(config, placement=Offloaded())`...
+
+    >>> cache = OffloadedCache(model.config)                                   # host memory, 1 layer ahead
+    >>> cache = OffloadedCache(model.config, bits=4, host_budget=8 << 30, folder="/scratch/kv")
+    >>> model.generate(**inputs, past_key_values=cache)
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        lookahead: int = 1,
+        host_budget: int | None = None,
+        folder: str | Path | None = None,
+        bits: int | str | None = None,
+        group_size: int | None = None,
+        window: int = DEFAULT_WINDOW,
+    ):
+        placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
+        if bits is None:
+            storage = lambda spec: DenseStorage()  # noqa: E731
+        else:
+            storage = quantized_storage(config, bits=bits, group_size=group_size, window=window)
+        super().__init__(config, storage=storage, placement=placement)
+
+    def close(self) -> None:
+        """Removes the disk tier's files now (they also go when the cache is collected)."""
+        self.placement.close()

@@ -1,0 +1,308 @@
+"""Offloaded placement: each layer's K/V rest in host memory (or on disk) and come to the device ahead of use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from weakref import WeakKeyDictionary
+
+import torch
+
+from ..errors import ConfigError, DiskTierError
+from .base import Placement, TierBytes
+from .disk import DiskTier
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(eq=False)
+class _Rest:
+    """What the placement keeps for one storage: its tensors at rest and the copies in flight or in use."""
+
+    rest: Tensors = field(default_factory=dict)  # host (pinned with CUDA) or memory-mapped tensors
+    files: dict[str, Path | None] = field(default_factory=dict)  # the disk tier's file of each tensor
+    on_disk: bool = False
+    fetch: tuple[Tensors, Tensors, dict[str, int], Future | tuple] | None = None  # (source, versions, result)
+    installed: Tensors | None = None  # the working copies the storage holds while acquired
+    versions: dict[str, int] = field(default_factory=dict)  # their versions when installed
+    written: torch.cuda.Event | None = None  # the last write-back to host memory is done
+
+
+class Offloaded(Placement):
+    """K/V at rest in host memory, brought to the accelerator `lookahead` layers ahead of use.
+
+    The cache prefetches the next `lookahead` layers when it updates one, and releases the previous
+    layer once its attention has been issued, so at most `lookahead + 1` layers have device copies.
+    With CUDA, host tensors are pinned; copies in run on one side stream and write-backs on another,
+    ordered by events (a layer's copy in waits for its last write-back, the compute stream waits for
+    the copy in, the write-back waits for the compute stream), and device copies are recorded on every
+    stream that uses them so the allocator never hands out memory still being read. A write-back
+    copies only the regions the storage reports written (one token per decode step for dense and
+    packed quantized storage); any other tensor goes back whole if its version counter moved, or
+    always under `torch.inference_mode` (whose tensors keep no version counter). Whatever the storage holds crosses the bus
+    as it is: packed codes and scales for quantized storage, block tensors for paged storage (the
+    block tables stay on the device).
+
+    `host_budget` (bytes) with `folder`: once host memory holds more than the budget, a layer that is
+    released goes to memory-mapped files in `folder` (the layer just used is the one needed furthest
+    in the future); disk layers are read back on a worker thread ahead of use. A layer that cannot be
+    written (full disk) stays in host memory and the `DiskTierError` is raised before the next forward
+    pass changes any layer. The files go when the cache is reset or collected.
+
+    Without CUDA the model's device is host memory: host-tier layers are used in place, and the disk
+    tier still works (read ahead into memory, written back in place).
+    """
+
+    name = "offloaded"
+    moves = True
+
+    def __init__(self, *, lookahead: int = 1, host_budget: int | None = None, folder: str | Path | None = None):
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ConfigError(f"lookahead must be an int >= 0 (layers fetched ahead), got {lookahead!r}")
+        if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+            raise ConfigError(f"host_budget must be a number of bytes >= 0, got {host_budget!r}")
+        if (host_budget is None) != (folder is None):
+            raise ConfigError(
+                f"the disk tier needs both host_budget and folder (got host_budget={host_budget!r}, folder={folder!r})"
+            )
+        self.lookahead = lookahead
+        self.host_budget = host_budget
+        self.disk = DiskTier(folder) if folder is not None else None
+        self.device: torch.device | None = None
+        self._rests: WeakKeyDictionary = WeakKeyDictionary()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplus-disk") if self.disk else None
+        self._copy_in = self._copy_out = None
+        self._failure: DiskTierError | None = None
+
+    def __repr__(self) -> str:
+        disk = f", host_budget={self.host_budget}, folder={str(self.disk.root.parent)!r}" if self.disk else ""
+        return f"Offloaded(lookahead={self.lookahead}{disk})"
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def attach(self, device: torch.device) -> None:
+        if self.device is None:
+            self.device = torch.device(device)
+            if self._cuda:
+                self._copy_in = torch.cuda.Stream(self.device)
+                self._copy_out = torch.cuda.Stream(self.device)
+
+    def begin(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def register(self, storage) -> None:
+        self._rest(storage)
+
+    def is_acquired(self, storage) -> bool:
+        return self._rest(storage).installed is not None
+
+    # ------------------------------------------------------------------ moving in
+    def prefetch(self, storage) -> None:
+        rest = self._rest(storage)
+        if rest.installed is None and rest.fetch is None and self._copies(rest):
+            self._start_fetch(rest)
+
+    def acquire(self, storage) -> None:
+        rest = self._rest(storage)
+        if rest.installed is not None:
+            return
+        self._adopt(rest, storage.tensors())
+        if not self._copies(rest):  # host memory is the compute device's memory: use in place
+            rest.installed, rest.fetch = rest.rest, None
+            return
+        if rest.fetch is not None and not self._still_current(rest, getattr(storage, "shared_at_rest", False)):
+            rest.fetch = None  # the tensors at rest changed since the copy in started (paged copy-on-write)
+        if rest.fetch is None:
+            self._start_fetch(rest)
+        result = rest.fetch[2]
+        rest.fetch = None
+        copies, event = result.result() if isinstance(result, Future) else result
+        if event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for t in copies.values():
+                t.record_stream(stream)
+        storage.load_tensors(copies)
+        storage.take_written()  # what it writes from now on is what goes back
+        rest.installed = copies
+        rest.versions = {name: _version(t) for name, t in copies.items()}
+
+    def _copies(self, rest: _Rest) -> bool:
+        return self._cuda or rest.on_disk
+
+    def _start_fetch(self, rest: _Rest) -> None:
+        source = dict(rest.rest)
+        versions = {name: _version(t) for name, t in source.items()}
+        if rest.on_disk:
+            result = self._reader.submit(self._read, source, rest.written)
+        else:
+            result = self._to_device(source, rest.written)
+        rest.fetch = (source, versions, result)
+
+    def _read(self, source: Tensors, written) -> tuple[Tensors, torch.cuda.Event | None]:
+        """Runs on the reader thread: pages a disk layer into memory (pinned, then copied in, with CUDA)."""
+        if not self._cuda:
+            return {name: t.clone() for name, t in source.items()}, None
+        staged = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for name, t in source.items()}
+        return self._to_device(staged, written)
+
+    def _to_device(self, source: Tensors, written) -> tuple[Tensors, torch.cuda.Event]:
+        stream = self._copy_in
+        with torch.cuda.stream(stream):
+            if written is not None:
+                stream.wait_event(written)  # no copy in of a host buffer still being written back
+            copies = {name: t.to(self.device, non_blocking=True) for name, t in source.items()}
+            event = stream.record_event()
+        return copies, event
+
+    def _still_current(self, rest: _Rest, shared: bool) -> bool:
+        """Whether the tensors at rest are those the copy in started from, unwritten since (unknown versions,
+        under inference mode, count as unwritten unless other layers write this storage at rest)."""
+        source, versions, _ = rest.fetch
+        return source.keys() == rest.rest.keys() and all(
+            rest.rest[name] is t and (_version(t) == versions[name] if versions[name] is not None else not shared)
+            for name, t in source.items()
+        )
+
+    def _adopt(self, rest: _Rest, held: Tensors) -> None:
+        """Takes tensors the storage changed while at rest (a paged pool grown by another layer) as its rest."""
+        for name in rest.rest.keys() - held.keys():
+            self._drop(rest, name)
+        for name, t in held.items():
+            if rest.rest.get(name) is not t:
+                self._drop(rest, name)
+                rest.rest[name] = t
+
+    # ------------------------------------------------------------------ moving out
+    def release(self, storage) -> None:
+        rest = self._rest(storage)
+        if rest.installed is None:
+            return
+        held, written = storage.tensors(), storage.take_written()
+        if self._copies(rest):
+            self._write_back(rest, held, written)
+        else:
+            for name in rest.rest.keys() - held.keys():
+                self._drop(rest, name)
+            rest.rest = dict(held)
+        rest.installed = None
+        storage.load_tensors(rest.rest)
+        if getattr(storage, "shared_at_rest", False) and rest.written is not None:
+            rest.written.synchronize()  # other layers' block operations touch these tensors at rest
+        self._spill_if_over_budget(storage, rest)
+
+    def _write_back(self, rest: _Rest, held: Tensors, written: dict) -> None:
+        changed = {}
+        for name in rest.rest.keys() - held.keys():
+            self._drop(rest, name)
+        for name, t in held.items():
+            old = rest.rest.get(name)
+            same = rest.installed.get(name) is t and old is not None and old.shape == t.shape and old.dtype == t.dtype
+            in_tier = not (rest.on_disk and name not in rest.files)
+            region = written.get(name) if same and in_tier else None
+            version = rest.versions.get(name)
+            if region is not None and region[1] >= region[2]:
+                continue  # the storage wrote nothing into it
+            if same and in_tier and region is None and version is not None and _version(t) == version:
+                continue  # unchanged (by its version counter): the bytes at rest are still right
+            changed[name] = (t, old, region)
+        if not changed:
+            return
+        if rest.on_disk:
+            for name, (t, old, region) in changed.items():
+                if region is not None:
+                    old[_index(region)] = t[_index(region)].cpu()
+                else:
+                    self._drop(rest, name)
+                    rest.rest[name], rest.files[name] = self.disk.write(name, t)
+            return
+        stream = self._copy_out
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the layer's writes and reads
+        with torch.cuda.stream(stream):
+            for name, (t, old, region) in changed.items():
+                if region is not None:
+                    old[_index(region)].copy_(t[_index(region)], non_blocking=True)
+                else:
+                    rest.rest[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                t.record_stream(stream)
+            rest.written = stream.record_event()
+
+    # ------------------------------------------------------------------ the disk tier
+    def _spill_if_over_budget(self, storage, rest: _Rest) -> None:
+        if self.disk is None or rest.on_disk or self._failure is not None or self._host_bytes() <= self.host_budget:
+            return
+        if rest.written is not None:
+            rest.written.synchronize()
+        mapped, files = {}, {}
+        try:
+            for name, t in rest.rest.items():
+                mapped[name], files[name] = self.disk.write(name, t)
+        except DiskTierError as e:
+            for path in files.values():
+                self.disk.remove(path)
+            self._failure = e  # the layer stays in host memory; raised before the next forward changes anything
+            return
+        rest.rest, rest.files, rest.on_disk = mapped, files, True
+        storage.load_tensors(mapped)
+
+    def _host_bytes(self) -> int:
+        return sum(_nbytes(r.rest) for r in self._rests.values() if not r.on_disk)
+
+    def _drop(self, rest: _Rest, name: str) -> None:
+        rest.rest.pop(name, None)
+        if self.disk is not None:
+            self.disk.remove(rest.files.pop(name, None))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def forget(self, storage) -> None:
+        rest = self._rests.pop(storage, None)
+        if rest is not None and self.disk is not None:
+            for path in rest.files.values():
+                self.disk.remove(path)
+
+    def tier_bytes(self, storages: Iterable) -> TierBytes:
+        device = host = disk = 0
+        for storage in storages:
+            rest = self._rest(storage)
+            if rest.installed is not None and self._copies(rest):
+                device += _nbytes(rest.installed)
+            if rest.fetch is not None:
+                device += _nbytes(rest.fetch[0])  # copies the size of their source are on their way
+            if rest.on_disk:
+                disk += _nbytes(rest.rest)
+            else:
+                host += _nbytes(rest.rest)
+        return TierBytes(device=device, host=host, disk=disk)
+
+    def close(self) -> None:
+        """Removes the disk tier's files now (they also go when the placement is collected)."""
+        if self.disk is not None:
+            self._reader.shutdown(wait=True)
+            self.disk.close()
+
+    def _rest(self, storage) -> _Rest:
+        rest = self._rests.get(storage)
+        if rest is None:
+            rest = self._rests[storage] = _Rest()
+            rest.rest = dict(storage.tensors())  # raises for a storage that cannot move
+        return rest
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for inference-mode tensors, which keep none."""
+    return None if t.is_inference() else t._version
+
+
+def _index(region: tuple[int, int, int]) -> tuple:
+    dim, lo, hi = region
+    return (slice(None),) * dim + (slice(lo, hi),)
+
+
+def _nbytes(tensors: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
