@@ -270,14 +270,16 @@ class Offloaded(Placement):
         device = host = disk = 0
         for storage in storages:
             rest = self._rest(storage)
-            if rest.installed is not None and self._copies(rest):
-                device += _nbytes(rest.installed)
+            copies = self._copies(rest)
+            if rest.installed is not None and copies:
+                device += _nbytes(storage.tensors())  # the working copy as it is now (it may have grown)
             if rest.fetch is not None:
                 device += _nbytes(rest.fetch[0])  # copies the size of their source are on their way
+            resting = storage.tensors() if rest.installed is not None and not copies else rest.rest
             if rest.on_disk:
-                disk += _nbytes(rest.rest)
+                disk += _nbytes(resting)
             else:
-                host += _nbytes(rest.rest)
+                host += _nbytes(resting)
         return TierBytes(device=device, host=host, disk=disk)
 
     def close(self) -> None:
