@@ -24,7 +24,7 @@ class _Rest:
     rest: Tensors = field(default_factory=dict)  # host (pinned with CUDA) or memory-mapped tensors
     files: dict[str, Path | None] = field(default_factory=dict)  # the disk tier's file of each tensor
     on_disk: bool = False
-    fetch: tuple[Tensors, Tensors, dict[str, int], Future | tuple] | None = None  # (source, versions, result)
+    fetch: tuple[Tensors, dict[str, int | None], Future | tuple] | None = None  # (source, versions, result)
     installed: Tensors | None = None  # the working copies the storage holds while acquired
     versions: dict[str, int] = field(default_factory=dict)  # their versions when installed
     written: torch.cuda.Event | None = None  # the last write-back to host memory is done
