@@ -16,7 +16,34 @@ from .storage.base import KVStorage
 KV_SOURCE_ATTR = "_kvplus_layer"
 
 
-class KVLayer(CacheLayerMixin):
+class PlacedLayer(CacheLayerMixin):
+    """What every hf_kvplus cache layer does alike around its `storage` (the object the `placement` moves)
+    and its count of tokens `seen`: Transformers' offload/prefetch hooks and the memory report."""
+
+    storage: KVStorage
+    placement: Placement
+    seen: int
+
+    def offload(self) -> None:
+        self.placement.release(self.storage)
+
+    def prefetch(self) -> None:
+        self.placement.prefetch(self.storage)
+
+    def memory(self) -> MemoryReport:
+        """Bytes at rest of this layer, with the tokens it holds and has seen."""
+        report = self.storage.memory()
+        return MemoryReport(
+            payload_bytes=report.payload_bytes,
+            reserved_bytes=report.reserved_bytes,
+            metadata_bytes=report.metadata_bytes,
+            tokens_held=self.storage.length,
+            tokens_seen=self.seen,
+            batch_size=report.batch_size,
+        )
+
+
+class KVLayer(PlacedLayer):
     """A `CacheLayerMixin` that composes storage x retention x placement.
 
     `get_seq_length()` counts the tokens seen; `update` returns the visible held tokens plus the new
@@ -139,34 +166,19 @@ class KVLayer(CacheLayerMixin):
         self.batch_select_indices(torch.arange(self.storage.batch_size).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        indices = torch.as_tensor(indices)
-        if indices.dtype == torch.bool:
-            indices = indices.nonzero().flatten()
         with self.placement.using(self.storage):
-            self.storage.index_batch(indices)
-
-    def offload(self) -> None:
-        self.placement.release(self.storage)
-
-    def prefetch(self) -> None:
-        self.placement.prefetch(self.storage)
-
-    def memory(self) -> MemoryReport:
-        """Bytes at rest of this layer, with the tokens it holds and has seen."""
-        report = self.storage.memory()
-        return MemoryReport(
-            payload_bytes=report.payload_bytes,
-            reserved_bytes=report.reserved_bytes,
-            metadata_bytes=report.metadata_bytes,
-            tokens_held=self.storage.length,
-            tokens_seen=self.seen,
-            batch_size=report.batch_size,
-        )
+            self.storage.index_batch(row_indices(indices))
 
     def _evict(self) -> None:
         excess = self.retention.excess(self.storage.length)
         if excess:
             self.storage.drop_front(excess)
+
+
+def row_indices(indices) -> torch.Tensor:
+    """Batch rows to keep as an index tensor: `batch_select_indices` also receives lists and bool masks."""
+    indices = torch.as_tensor(indices)
+    return indices.nonzero().flatten() if indices.dtype == torch.bool else indices
 
 
 def check_states(spec: LayerSpec, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

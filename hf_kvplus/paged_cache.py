@@ -11,7 +11,7 @@ from transformers import PreTrainedConfig
 from .attention.dispatch import takes_fused_path
 from .cache import KVCache
 from .errors import CapacityError, ConfigError, UnsupportedOperationError
-from .layer import KVLayer
+from .layer import KVLayer, row_indices
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
 from .paging.block_pool import BlockPool
@@ -151,10 +151,7 @@ class PagedCache(KVCache):
         self._index_batch([row for row in range(batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        indices = torch.as_tensor(indices)
-        if indices.dtype == torch.bool:
-            indices = indices.nonzero().flatten()
-        self._index_batch([int(i) for i in indices])
+        self._index_batch([int(i) for i in row_indices(indices)])
 
     def _index_batch(self, rows: list[int]) -> None:
         for group in self.groups.values():  # once per group: the layers of a group share its tables

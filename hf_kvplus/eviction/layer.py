@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import CacheMismatchError, ShapeError, UnsupportedModelError, UnsupportedOperationError
-from ..layer import KV_SOURCE_ATTR, check_states
-from ..memory import MemoryReport
+from ..layer import KV_SOURCE_ATTR, PlacedLayer, check_states, row_indices
 from ..model_spec import LayerSpec
 from ..placement.base import Placement
 from ..placement.device import OnDevice
@@ -32,7 +30,7 @@ def padding_of_new(attention_mask: torch.Tensor | None, batch: int, new: int) ->
     return padding if bool(padding.any()) else None
 
 
-class EvictingLayer(CacheLayerMixin):
+class EvictingLayer(PlacedLayer):
     """A `CacheLayerMixin` whose tokens live in per-head slots and are evicted by a policy after attention.
 
     `update` appends and returns the slots (the attention path reads them in place); `attend` learns
@@ -199,31 +197,12 @@ class EvictingLayer(CacheLayerMixin):
         self.batch_select_indices(torch.arange(self.store.batch_size).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        indices = torch.as_tensor(indices)
-        if indices.dtype == torch.bool:
-            indices = indices.nonzero().flatten()
+        indices = row_indices(indices)
         with self.placement.using(self.store):
             self.store.index_batch(indices)
         self.policy.index_batch(indices)
         if self.first_real is not None:
             self.first_real = self.first_real.index_select(0, indices.to(self.first_real.device))
-
-    def offload(self) -> None:
-        self.placement.release(self.store)
-
-    def prefetch(self) -> None:
-        self.placement.prefetch(self.store)
-
-    def memory(self) -> MemoryReport:
-        report = self.store.memory()
-        return MemoryReport(
-            payload_bytes=report.payload_bytes,
-            reserved_bytes=report.reserved_bytes,
-            metadata_bytes=report.metadata_bytes,
-            tokens_held=self.store.length,
-            tokens_seen=self.seen,
-            batch_size=report.batch_size,
-        )
 
     def _learn_first_real(self, new: int) -> None:
         if self._first_real_known:
