@@ -65,6 +65,7 @@ class KVCache(Cache):
         super().__init__(layers=layers)
         self.placement = placement
         self._placed = [i for i, layer in enumerate(self.layers) if getattr(layer, "placement", None) is placement]
+        self._position = {layer_idx: position for position, layer_idx in enumerate(self._placed)}
         self._active: int | None = None  # the layer updated last, whose device copy is in use
         if placement.moves:
             for i in self._placed:
@@ -80,14 +81,14 @@ class KVCache(Cache):
                 f"layer_idx {layer_idx} is out of range: this cache was built for a {self.model_spec.model_type} "
                 f"config with {len(self.layers)} layers"
             )
-        if self.placement.moves and layer_idx in self._placed:
+        if self.placement.moves and layer_idx in self._position:
             self._stage(layer_idx, key_states.device)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _stage(self, layer_idx: int, device) -> None:
         placement, placed = self.placement, self._placed
         placement.attach(device)
-        position = placed.index(layer_idx)
+        position = self._position[layer_idx]
         if position == 0:
             placement.begin()
         if self._active is not None and self._active != layer_idx:
