@@ -270,16 +270,17 @@ class Offloaded(Placement):
         device = host = disk = 0
         for storage in storages:
             rest = self._rest(storage)
+            in_use = _nbytes(storage.tensors()) if rest.installed is not None else 0  # as it is now (it may have grown)
             copies = self._copies(rest)
-            if rest.installed is not None and copies:
-                device += _nbytes(storage.tensors())  # the working copy as it is now (it may have grown)
+            if copies:
+                device += in_use
             if rest.fetch is not None:
                 device += _nbytes(rest.fetch[0])  # copies the size of their source are on their way
-            resting = storage.tensors() if rest.installed is not None and not copies else rest.rest
+            resting = in_use if rest.installed is not None and not copies else _nbytes(rest.rest)
             if rest.on_disk:
-                disk += _nbytes(resting)
+                disk += resting
             else:
-                host += _nbytes(resting)
+                host += resting
         return TierBytes(device=device, host=host, disk=disk)
 
     def close(self) -> None:

@@ -93,6 +93,11 @@ class KVStorage(ABC):
         """
 
 
+def widened(written: tuple[int, int] | None, lo: int, hi: int) -> tuple[int, int]:
+    """The token range `written` grown to cover `lo:hi` (what a storage reports from `take_written`)."""
+    return (lo, hi) if written is None else (min(lo, written[0]), max(hi, written[1]))
+
+
 def prefixed(prefix: str, tensors: dict) -> dict:
     """`tensors` (or regions) with names `prefix.name`: a storage made of parts names its parts' tensors so."""
     return {f"{prefix}.{name}": t for name, t in tensors.items()}

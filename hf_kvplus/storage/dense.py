@@ -7,7 +7,7 @@ import torch
 from ..attention.dense import dense_attention
 from ..errors import CacheMismatchError, CapacityError
 from ..memory import MemoryReport
-from .base import KVStorage, Region
+from .base import KVStorage, Region, widened
 
 #: Capacity is allocated in multiples of this many tokens.
 GRANULE = 64
@@ -178,6 +178,4 @@ class DenseStorage(KVStorage):
         self.start, self.end = 0, self.length
 
     def _note_written(self, lo: int, hi: int) -> None:
-        if self._written is not None:
-            lo, hi = min(lo, self._written[0]), max(hi, self._written[1])
-        self._written = (lo, hi)
+        self._written = widened(self._written, lo, hi)

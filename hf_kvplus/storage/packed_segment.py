@@ -10,6 +10,7 @@ from ..kernels.quant_attention import quantized_decode_attention
 from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..memory import MemoryReport, tensor_bytes
+from .base import widened
 from .quantized import QuantizedSegment
 
 _NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
@@ -128,9 +129,7 @@ class PackedSegment(QuantizedSegment):
         }
 
     def _note_written(self, lo: int, hi: int) -> None:
-        if self._written is not None:
-            lo, hi = min(lo, self._written[0]), max(hi, self._written[1])
-        self._written = (lo, hi)
+        self._written = widened(self._written, lo, hi)
 
     def memory(self) -> MemoryReport:
         if self.buffers is None:
