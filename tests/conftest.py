@@ -1,16 +1,60 @@
-"""Test-wide setup.
+"""Test-wide setup: which device the suite runs on, and the shared fixtures.
 
-`TRITON_INTERPRET` is read when `@triton.jit` decorates a kernel, so it must be set before anything
-imports hf_kvplus (and with it the kernel modules). This machine has no GPU: every Triton kernel in
-the tests runs under the interpreter.
+``--device cuda`` (or ``KVPLUS_TEST_DEVICE=cuda``) runs the suite with CUDA as torch's default device:
+tensors the tests make without naming a device are CUDA tensors, so the Triton kernels run compiled
+and the caches take their CUDA paths (side streams, events, pinned host memory). ``--device cpu`` runs
+on the CPU, every Triton kernel under the interpreter. The default is CUDA where a CUDA device is
+present, else the CPU. ``TRITON_INTERPRET`` set in the environment is left as it is.
+
+`TRITON_INTERPRET` is read when `@triton.jit` decorates a kernel, so it is set in
+``pytest_configure``, before any test module (and with it hf_kvplus) is imported.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+DEVICE_ENV = "KVPLUS_TEST_DEVICE"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=os.environ.get(DEVICE_ENV) or None,
+        help=f"device the tests run on (default: ${DEVICE_ENV}, else cuda when present, else cpu)",
+    )
+
+
+def pytest_configure(config):
+    device = config.getoption("--device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda: torch sees no CUDA device")
+        torch.set_default_device("cuda")
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    config.kvplus_device = torch.device(device)
+
+
+def pytest_report_header(config):
+    interp = os.environ.get("TRITON_INTERPRET", "0")
+    return f"hf_kvplus test device: {config.kvplus_device} (TRITON_INTERPRET={interp})"
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The device the suite runs on (see the module docstring)."""
+    return pytestconfig.kvplus_device
+
+
+@pytest.fixture
+def on_cpu():
+    """For tests of what happens with CPU tensors (dispatch to the twins, the Triton path refusing them):
+    tensors made without a device are CPU tensors inside the test, whatever device the suite runs on."""
+    with torch.device("cpu"):
+        yield
 
 
 @pytest.fixture

@@ -80,7 +80,7 @@ def test_chunks_and_steps_through_the_cache_equal_one_cache_free_forward(attn_mo
     Under sdpa this is hf_kvplus's attention path; under eager, the dense path (eager attention over the
     views `update` returns)."""
     model = attn_model
-    tokens = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(7))
+    tokens = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(7), device="cpu").to(torch.get_default_device())
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0
     mask[2, :11] = 0

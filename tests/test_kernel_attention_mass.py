@@ -145,6 +145,7 @@ def test_triton_single_key_and_all_masked_batch(seed, poisoned_empty):
     assert torch.equal(mass, torch.zeros_like(mass))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_triton_unavailable(monkeypatch):
     q, k, v = make(1, 1, 1, 4, 16, 16, torch.float32)
     monkeypatch.setattr(mod, "_is_interpreted", lambda fn: False)
@@ -187,6 +188,7 @@ def test_torch_twin_agrees_with_triton_and_sdpa(seed):
     torch.testing.assert_close(mass, mass_t)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     q, k, v = make(2, 2, 2, 50, 32, 32, torch.float32)
     mask = left_padding(2, 50, (0, 7))

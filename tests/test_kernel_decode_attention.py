@@ -35,6 +35,9 @@ from hf_kvplus.kernels.decode_attention import (
     pick_num_splits,
 )
 
+#: The device the tests make their tensors on (torch's default: see conftest.py).
+HOME = torch.get_default_device().type
+
 
 def make(B, Hkv, G, N, D, Dv, dtype):
     q = torch.randn(B, Hkv * G, D, dtype=dtype)
@@ -136,6 +139,7 @@ def test_triton_single_key_and_all_masked_batch(seed, poisoned_empty):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_triton_unavailable(monkeypatch):
     q, k, v = make(1, 1, 1, 4, 16, 16, torch.float32)
     monkeypatch.setattr(mod, "_is_interpreted", lambda fn: False)
@@ -196,6 +200,7 @@ def test_torch_twin_zeros_where_sdpa_gives_nan(seed, monkeypatch):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     q, k, v = make(2, 2, 4, 50, 64, 64, torch.float32)
     mask = left_padding(2, 50, (0, 7))
@@ -263,12 +268,12 @@ CASES = [
     ("mask dtype", DTypeError, _ok(mask=torch.ones(2, 10)), ["float32", "bool"]),
     ("mask shape", ShapeError, _ok(mask=torch.ones(2, 11, dtype=torch.bool)), ["2", "10", "11"]),
     ("mask ndim", ShapeError, _ok(mask=torch.ones(2, 1, 10, dtype=torch.bool)), ["[2, 10]", "[2, 1, 10]"]),
-    ("device", DeviceError, _ok(k=torch.randn(2, 2, 10, 32, device="meta")), ["cpu", "meta"]),
+    ("device", DeviceError, _ok(k=torch.randn(2, 2, 10, 32, device="meta")), [HOME, "meta"]),
     (
         "mask device",
         DeviceError,
         _ok(mask=torch.ones(2, 10, dtype=torch.bool, device="meta")),
-        ["cpu", "meta"],
+        [HOME, "meta"],
     ),
     ("scale", ConfigError, _ok(scale=float("nan")), ["nan"]),
     ("scale type", ConfigError, _ok(scale="0.5"), ["0.5"]),

@@ -43,6 +43,9 @@ from hf_kvplus.kernels.paged_attention import (
 # Layouts and references
 # ---------------------------------------------------------------------------------------------------
 
+#: The device the tests make their tensors on (torch's default: see conftest.py).
+HOME = torch.get_default_device().type
+
 
 class Layout:
     """Pools and a block table holding `length` tokens from `start` for B rows.
@@ -173,6 +176,7 @@ def test_triton_views_and_all_masked(seed, poisoned_empty):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_triton_unavailable(monkeypatch):
     lay = Layout(1, 1, 16, 16, 8, 0, 4, torch.float32)
     q = torch.randn(1, 1, 16)
@@ -234,6 +238,7 @@ def test_torch_twin_small_chunks(seed, monkeypatch, dtype):
     check(out, q, D, ref, seed, "pool views")
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     lay = Layout(2, 2, 64, 64, 16, 3, 50, torch.float32, share=1)
     q = torch.randn(2, 8, 64)
@@ -307,6 +312,7 @@ def test_store_matches_loop(seed, fn, dtype, B, Hkv, n, D, Dv, bs):
     assert torch.equal(bits(v_pool), bits(v_ref)), f"seed {seed}"
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_store_dispatcher_uses_torch_twin_on_cpu(monkeypatch):
     args = _store()
     calls = []
@@ -443,20 +449,20 @@ ATTN_CASES = [
     ("mask dtype", DTypeError, _attn(mask=torch.ones(2, 20)), ["float32", "bool"]),
     ("mask shape", ShapeError, _attn(mask=torch.ones(2, 21, dtype=torch.bool)), ["[2, 20]", "[2, 21]"]),
     ("mask ndim", ShapeError, _attn(mask=torch.ones(2, 1, 20, dtype=torch.bool)), ["[2, 20]", "[2, 1, 20]"]),
-    ("pool device", DeviceError, _attn(v_pool=torch.randn(6, 2, 8, 32, device="meta")), ["cpu", "meta"]),
+    ("pool device", DeviceError, _attn(v_pool=torch.randn(6, 2, 8, 32, device="meta")), [HOME, "meta"]),
     (
         "q device",
         DeviceError,
         _attn(**{k: t.to("meta") for k, t in _pools(8).items()}),
-        ["cpu", "meta"],
+        [HOME, "meta"],
     ),
     (
         "table device",
         DeviceError,
         _attn(block_table=torch.zeros(2, 3, dtype=torch.int32, device="meta")),
-        ["cpu", "meta"],
+        [HOME, "meta"],
     ),
-    ("mask device", DeviceError, _attn(mask=torch.ones(2, 20, dtype=torch.bool, device="meta")), ["cpu", "meta"]),
+    ("mask device", DeviceError, _attn(mask=torch.ones(2, 20, dtype=torch.bool, device="meta")), [HOME, "meta"]),
     ("scale", ConfigError, _attn(scale=float("nan")), ["nan"]),
     ("scale type", ConfigError, _attn(scale="0.5"), ["0.5"]),
 ]
@@ -518,12 +524,12 @@ STORE_CASES = [
     ("block size 24", ConfigError, _store(**_pools(24)), ["24", "8", "128"]),
     ("pool dtype", DTypeError, _store(**{k: t.double() for k, t in _pools(8).items()}), ["float64"]),
     ("pool dtype mix", DTypeError, _store(v_pool=torch.randn(6, 2, 8, 32).half()), ["float32", "float16"]),
-    ("pool device", DeviceError, _store(v_pool=torch.randn(6, 2, 8, 32, device="meta")), ["cpu", "meta"]),
+    ("pool device", DeviceError, _store(v_pool=torch.randn(6, 2, 8, 32, device="meta")), [HOME, "meta"]),
     ("keys type", DTypeError, _store(keys=1.0), ["float"]),
     ("keys ndim", ShapeError, _store(keys=torch.randn(2, 3, 32)), ["4", "3"]),
     ("keys dtype", DTypeError, _store(keys=torch.randn(2, 2, 3, 32).half()), ["float16", "float32"]),
     ("values dtype", DTypeError, _store(values=torch.randn(2, 2, 3, 32).bfloat16()), ["bfloat16", "float32"]),
-    ("keys device", DeviceError, _store(keys=torch.randn(2, 2, 3, 32, device="meta")), ["cpu", "meta"]),
+    ("keys device", DeviceError, _store(keys=torch.randn(2, 2, 3, 32, device="meta")), [HOME, "meta"]),
     ("tokens", ShapeError, _store(values=torch.randn(2, 2, 4, 32)), ["[2, 3]", "[2, 4]"]),
     ("batch", ShapeError, _store(values=torch.randn(1, 2, 3, 32)), ["[2, 3]", "[1, 3]"]),
     ("heads", ShapeError, _store(keys=torch.randn(2, 3, 3, 32)), ["Hkv=2", "3"]),
@@ -536,7 +542,7 @@ STORE_CASES = [
         "slots device",
         DeviceError,
         _store(slot_mapping=torch.zeros(2, 3, dtype=torch.int64, device="meta")),
-        ["cpu", "meta"],
+        [HOME, "meta"],
     ),
 ]
 

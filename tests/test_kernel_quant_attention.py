@@ -51,6 +51,9 @@ POISON_CODE = 0xFF  # e4m3fn NaN; for the integer formats the largest codes
 # Layouts and references
 # ---------------------------------------------------------------------------------------------------
 
+#: The device the tests make their tensors on (torch's default: see conftest.py).
+HOME = torch.get_default_device().type
+
 
 def quantize(k, v, fmt):
     """PackedKV of keys k [..., T, D] and values v [..., T, Dv], and their dequantized float32 copies."""
@@ -344,6 +347,7 @@ def test_twin_memory_is_per_chunk(monkeypatch):
     assert len(seen) == 2 * 8 and max(seen) <= 64
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     fmt = QuantFormat(4, 16)
     lay = Dense(fmt, 2, 2, 32, 32, 64, 3, 50)
@@ -368,6 +372,7 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
         run(quantized_decode_attention, q, fmt, lay, 0.2, rk, rv, num_splits=0)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_triton_unavailable(monkeypatch):
     fmt = QuantFormat(8, 16)
     lay = Dense(fmt, 1, 1, 16, 16, 16, 0, 4)
@@ -470,21 +475,21 @@ VALIDATION_CASES = [
     ("residual dim", ShapeError, _args(residual_k=torch.randn(2, 2, 3, 16)), ["residual_k", "[2, 2, R, 32]", "[2, 2, 3, 16]"]),
     ("residual ndim", ShapeError, _args(residual_k=torch.randn(2, 3, 32)), ["residual_k", "4", "3"]),
     ("residual lengths", ShapeError, _args(residual_v=torch.randn(2, 2, 4, 32)), ["R=3", "4"]),
-    ("residual device", DeviceError, _args(residual_v=torch.randn(2, 2, 3, 32, device="meta")), ["meta", "cpu"]),
+    ("residual device", DeviceError, _args(residual_v=torch.randn(2, 2, 3, 32, device="meta")), ["meta", HOME]),
     ("no keys", ShapeError, _args(length=0, residual_k=None, residual_v=None), ["length=0", "R=0"]),
     ("no keys, empty residual", ShapeError, _args(length=0, residual_k=torch.randn(2, 2, 0, 32), residual_v=torch.randn(2, 2, 0, 32)), ["length=0", "R=0"]),
     ("mask shape", ShapeError, _args(mask=torch.ones(2, 20, dtype=torch.bool)), ["[2, 23]", "[2, 20]"]),
     ("mask dtype", DTypeError, _args(mask=torch.ones(2, 23)), ["float32", "bool"]),
-    ("mask device", DeviceError, _args(mask=torch.ones(2, 23, dtype=torch.bool, device="meta")), ["cpu", "meta"]),
+    ("mask device", DeviceError, _args(mask=torch.ones(2, 23, dtype=torch.bool, device="meta")), [HOME, "meta"]),
     ("scale", ConfigError, _args(scale=float("inf")), ["inf"]),
-    ("packed device", DeviceError, _args(packed=_packed(v_scale=torch.ones(2, 2, 64, 2, dtype=H, device="meta"))), ["v_scale", "meta", "cpu"]),
+    ("packed device", DeviceError, _args(packed=_packed(v_scale=torch.ones(2, 2, 64, 2, dtype=H, device="meta"))), ["v_scale", "meta", HOME]),
     ("paged block vs group", ConfigError, _paged_args(packed=_packed(L=6, T=24, k_scale=torch.ones(6, 2, 1, 32, dtype=H), k_zero=torch.ones(6, 2, 1, 32, dtype=H))), ["24", "16"]),
     ("paged pool mismatch", ShapeError, _paged_args(packed=_packed(L=6, T=16, v=torch.zeros(5, 2, 16, 16, dtype=U8))), ["[6, 2, 16, 16]", "[5, 2, 16, 16]"]),
     ("table dtype", DTypeError, _paged_args(block_table=torch.zeros(2, 3, dtype=torch.int64)), ["int64", "int32"]),
     ("table type", DTypeError, _paged_args(block_table=[[0, 1, 2], [3, 4, 5]]), ["list"]),
     ("table ndim", ShapeError, _paged_args(block_table=torch.zeros(6, dtype=torch.int32)), ["2", "1"]),
     ("table batch", ShapeError, _paged_args(block_table=torch.zeros(3, 3, dtype=torch.int32)), ["B=2", "3 rows"]),
-    ("table device", DeviceError, _paged_args(block_table=torch.zeros(2, 3, dtype=torch.int32, device="meta")), ["cpu", "meta"]),
+    ("table device", DeviceError, _paged_args(block_table=torch.zeros(2, 3, dtype=torch.int32, device="meta")), [HOME, "meta"]),
     ("past the table", ShapeError, _paged_args(start=30, length=20), ["30..49", "4", "3 columns", "48"]),
 ]  # fmt: skip
 

@@ -415,6 +415,7 @@ def test_errors(fn):
         fn(x, fmt, out=_outs(kind, *x.shape, fmt)[:2])
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the Triton path must not run for CPU tensors")
@@ -441,6 +442,7 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
             assert_matches_twin(got, want, fmt, seed, f"dispatch {kind} out=")
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_triton_unavailable(monkeypatch):
     x = torch.randn(1, 1, 16, 32)
     fmt = QuantFormat(4, 16)

@@ -1,4 +1,6 @@
-"""OffloadedCache and the Offloaded placement on a CPU-only machine: host tier, disk tier, compositions, errors."""
+"""OffloadedCache and the Offloaded placement where the host is the compute device: host tier, disk tier,
+compositions, errors. Always on the CPU, whatever device the suite runs on (the CUDA path, with pinned memory
+and side streams, is tested in test_cuda_paths.py and test_offloaded_stateful.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from hf_kvplus import (
 )
 
 LAYERS = 4
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,8 @@ def model():
         vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256,
     )
-    return LlamaForCausalLM(config).eval()
+    with torch.device("cpu"):
+        return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture

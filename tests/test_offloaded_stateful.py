@@ -93,8 +93,8 @@ class OffloadedVsDynamic(RuleBasedStateMachine):
         """One forward pass: layers updated in order, the returned keys/values compared right away."""
         gen = torch.Generator().manual_seed(seed)
         for i in range(LAYERS):
-            k = torch.randn(self.batch, KV_HEADS, new, HEAD_DIM, generator=gen).to(self.device)
-            v = torch.randn(self.batch, KV_HEADS, new, HEAD_DIM, generator=gen).to(self.device)
+            k = torch.randn(self.batch, KV_HEADS, new, HEAD_DIM, generator=gen, device="cpu").to(self.device)
+            v = torch.randn(self.batch, KV_HEADS, new, HEAD_DIM, generator=gen, device="cpu").to(self.device)
             got_k, got_v = self.cache.update(k.clone(), v.clone(), i)
             want_k, want_v = self.model.update(k.clone(), v.clone(), i)
             assert_same(got_k, want_k, f"update keys of layer {i}")

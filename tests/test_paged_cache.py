@@ -11,7 +11,8 @@ from hf_kvplus import CapacityError, ConfigError, PagedCache, PagedPool, Unsuppo
 
 
 def prompt(n, seed=0, batch=1):
-    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed), device="cpu")
+    return ids.to(torch.get_default_device())
 
 
 def free_blocks(pool: PagedPool) -> dict:

@@ -13,7 +13,7 @@ from hf_kvplus.evaluation import cache_free_nll, perplexity, plot_perplexity
 
 
 def tokens(n, seed):
-    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed), device="cpu")
 
 
 def direct_nll(model, ids):

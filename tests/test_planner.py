@@ -346,7 +346,7 @@ def test_plan_matches_what_a_quantized_cache_holds(kv_format, bits):
     cache = QuantizedCache(config, bits=bits)
     generator = torch.Generator().manual_seed(0)
     for layer in range(config.num_hidden_layers):
-        k, v = (torch.randn(1, 2, context, 64, generator=generator).half() for _ in range(2))
+        k, v = (torch.randn(1, 2, context, 64, generator=generator, device="cpu").half() for _ in range(2))
         cache.update(k, v, layer)
     report = cache.memory_report()
     assert report.tokens_held == context

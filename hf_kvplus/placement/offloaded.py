@@ -149,7 +149,7 @@ class Offloaded(Placement):
         """Runs on the reader thread: pages a disk layer into memory (pinned, then copied in, with CUDA)."""
         if not self._cuda:
             return {name: t.clone() for name, t in source.items()}, None
-        staged = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for name, t in source.items()}
+        staged = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t) for name, t in source.items()}
         return self._to_device(staged, written)
 
     def _to_device(self, source: Tensors, written) -> tuple[Tensors, torch.cuda.Event]:
@@ -229,7 +229,7 @@ class Offloaded(Placement):
                 if region is not None:
                     old[_index(region)].copy_(t[_index(region)], non_blocking=True)
                 else:
-                    rest.rest[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                    rest.rest[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
                 t.record_stream(stream)
             rest.written = stream.record_event()
 

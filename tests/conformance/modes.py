@@ -66,7 +66,8 @@ class ModeResult:
 def make_prompt(length: int, *, seed: int = PROMPT_SEED, batch: int = 1) -> torch.Tensor:
     """Deterministic prompt ids (``batch`` x ``length``) of ordinary tokens (no pad / bos / eos)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(FIRST_ORDINARY_TOKEN, VOCAB_SIZE, (batch, length), generator=gen)
+    ids = torch.randint(FIRST_ORDINARY_TOKEN, VOCAB_SIZE, (batch, length), generator=gen, device="cpu")
+    return ids.to(torch.get_default_device())  # the same ids on every device
 
 
 def _fixed_length(n: int = MAX_NEW_TOKENS) -> dict:
