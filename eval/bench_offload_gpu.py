@@ -1,7 +1,7 @@
 """Offloaded KV caches against an on-device DynamicCache on a GPU, baseline measured in the same run.
 
-    python eval/bench_offload_gpu.py --context 16384 --batch 1 4 --new-tokens 32 --out eval/results/offload_gpu
-    python eval/bench_offload_gpu.py --tiny --context 256 --batch 1 2 --new-tokens 4 --out /tmp/offload_smoke
+    python eval/bench_offload_gpu.py --context 16384 --batch 1 4 --new-tokens 32 --out gpu-pass
+    python eval/bench_offload_gpu.py --dry-run --context 256 --batch 1 2 --new-tokens 4 --out /tmp/offload_smoke
 
 A Llama-3.1-8B-shaped model with random bf16 weights (nothing downloaded) prefills `--context` random
 tokens, `--prefill-chunk` tokens per forward, then decodes `--new-tokens` greedily after `--warmup`
@@ -11,7 +11,7 @@ bytes on the device and in host memory right after a decode step, peak CUDA memo
 prefill seconds, decode tokens/s against the baseline, the host-to-device bytes of one decode step
 (every offloaded layer comes over the bus once a step) and the bandwidth that achieves, as a fraction
 of the pinned host-to-device bandwidth measured at the start; and whether the greedy tokens equal the
-baseline's. `--tiny` is a CPU smoke test (4 layers, hidden 256, float32): no bus is crossed there and
+baseline's. Results go to `offload.json` and `offload.md` in `--out`. `--dry-run` is a CPU smoke test (4 layers, hidden 256, float32): no bus is crossed there and
 Transformers' offloading, which needs CUDA, is reported unavailable.
 """
 
@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
-from pathlib import Path
 
 import torch
+from gpu_common import add_common_args, write_step
+from gpu_env import pinned_bandwidth
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
@@ -83,7 +82,7 @@ COLUMNS = [
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for results.json and results.md")
+    add_common_args(p)
     p.add_argument("--context", type=int, default=16384, help="prompt tokens prefilled before decoding")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--new-tokens", type=int, default=32, help="timed greedy decode steps")
@@ -91,8 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill forward")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of each pinned copy timed")
     p.add_argument("--bandwidth-repeats", type=int, default=10)
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test: a 4-layer float32 model")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.context, args.new_tokens, args.prefill_chunk, args.warmup = 256, 4, 128, 1
+    return args
 
 
 def build_model(tiny: bool):
@@ -104,27 +105,6 @@ def build_model(tiny: bool):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
-
-
-def pinned_bandwidth(gib: float, repeats: int) -> dict:
-    """Host-to-device GB/s of pinned copies timed with CUDA events: the ceiling an offloaded cache's
-    per-step transfers are compared against."""
-    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, pin_memory=True)
-    source.to("cuda", non_blocking=True)  # warm-up: the allocator's block and the copy engine
-    rates = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        source.to("cuda", non_blocking=True)
-        end.record()
-        end.synchronize()
-        rates.append(source.numel() / (start.elapsed_time(end) * 1e-3) / 1e9)
-    return {
-        "bytes": source.numel(),
-        "gb_per_s": statistics.median(rates),
-        "max_gb_per_s": max(rates),
-        "repeats_gb_per_s": rates,
-    }
 
 
 @dataclass(frozen=True)
@@ -330,12 +310,12 @@ def table_row(row: dict) -> dict:
 
 
 def write_results(args, info: dict, bandwidth: dict | None, rows: list[dict]) -> str:
-    """results.json (everything) and results.md (stamp, bandwidth, table); returns the Markdown."""
-    model = "tiny Llama (CPU, float32)" if args.tiny else "Llama-3.1-8B-shaped, random bf16 weights"
+    """offload.json (everything) and offload.md (stamp, bandwidth, table); returns the Markdown."""
+    model = "tiny Llama (CPU, float32)" if args.dry_run else "Llama-3.1-8B-shaped, random bf16 weights"
     ceiling = "n/a (no CUDA)" if bandwidth is None else f"{bandwidth['gb_per_s']:.2f} GB/s (median)"
     md = "\n".join(
         [
-            "# Offloaded KV caches vs on-device DynamicCache",
+            "## Offloaded KV caches vs on-device DynamicCache",
             "",
             f"- device: {info['machine']}",
             f"- date: {info['date']}",
@@ -357,24 +337,22 @@ def write_results(args, info: dict, bandwidth: dict | None, rows: list[dict]) ->
             "",
         ]
     )
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {
         **info,
         "args": {k: str(v) for k, v in vars(args).items()},
         "pinned_bandwidth": bandwidth,
         "rows": rows,
     }
-    (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    (args.out / "results.md").write_text(md)
+    write_step(args.out, "offload", result, md)
     return md
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
-        sys.exit("bench_offload_gpu.py needs a CUDA device (or --tiny for the CPU smoke test)")
-    model = build_model(args.tiny)
-    bandwidth = None if args.tiny else pinned_bandwidth(args.bandwidth_gib, args.bandwidth_repeats)
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("bench_offload_gpu.py needs a CUDA device (or --dry-run for the CPU smoke test)")
+    model = build_model(args.dry_run)
+    bandwidth = None if args.dry_run else pinned_bandwidth(int(args.bandwidth_gib * 2**30), args.bandwidth_repeats)
     free_memory()
     warm_up(model, args)
     rows = run(model, args, bandwidth)

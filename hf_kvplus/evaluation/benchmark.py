@@ -75,20 +75,32 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def run_once(model: PreTrainedModel, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """One prefill + `new_tokens` greedy steps; timings, bytes read off the cache, peak memory, tokens."""
+def run_once(
+    model: PreTrainedModel, spec: CacheSpec, prompt: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None
+) -> dict:
+    """One prefill + `new_tokens` greedy steps; timings, bytes read off the cache, peak memory, tokens.
+
+    `prefill_chunk` feeds the prompt that many tokens per forward (None: one forward), which bounds the
+    activations of long prompts; only the last position's logits are computed.
+    """
     device = prompt.device
     cache = spec.build(model.config, max_length=prompt.shape[1] + new_tokens + 1)
     memory_start = _start_peak(device)
+
+    def step(input_ids):
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        return logits[:, -1:].argmax(-1)
+
+    chunk = prefill_chunk or prompt.shape[1]
     start = time.perf_counter()
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
-    token = logits[:, -1:].argmax(-1)
+    for first in range(0, prompt.shape[1], chunk):
+        token = step(prompt[:, first : first + chunk])
     _sync(device)
     prefill = time.perf_counter() - start
     tokens = [token]
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = step(token)
         tokens.append(token)
     _sync(device)
     decode = time.perf_counter() - start

@@ -1,0 +1,114 @@
+"""The one-command GPU pass (scripts/gpu_pass.sh): its report, and the whole pass as a CPU dry run.
+
+The dry run is every step of the pass at tiny sizes on the CPU (Triton kernels under the interpreter), so
+the scripts a lent GPU will run cannot rot between GPUs: a step that breaks here fails CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "eval" / "gpu_pass_report.py"
+STEPS = ["env", "tests", "aot", "kernels", "e2e-b1", "e2e-b8", "offload"]
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="1" skipped="1" tests="4">
+<testcase classname="tests.test_a" name="test_ok"/>
+<testcase classname="tests.test_a" name="test_ok2"/>
+<testcase classname="tests.test_a" name="test_bad"><failure message="AssertionError: rel err 3e-2 | over 1e-2">tb</failure></testcase>
+<testcase classname="tests.test_a" name="test_skip"><skipped message="no"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def report(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPORT), *map(str, args)], capture_output=True, text=True)
+
+
+def write_steps(folder: Path, *rows: tuple[str, int, int, int]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "steps.tsv").write_text("".join("\t".join(map(str, row)) + "\n" for row in rows))
+
+
+def test_report_counts_tests_and_says_which_steps_failed_or_timed_out(tmp_path):
+    run = tmp_path / "run"
+    write_steps(run, ("env", 0, 5, 60), ("tests", 1, 100, 360), ("kernels", 124, 240, 240))
+    (run / "tests.xml").write_text(JUNIT)
+    (run / "env.json").write_text(json.dumps({"gpu": {"name": "NVIDIA H100 80GB HBM3"}, "date": "2026-11-23"}))
+    (run / "env.md").write_text("## Environment\n\n- device: NVIDIA H100\n")
+    (run / "kernels.json").write_text(json.dumps({"rows": [{"kernel": "dense"}]}))
+    result = report(run, "--out", tmp_path / "merged")
+    assert result.returncode == 1, result.stdout + result.stderr
+    merged = json.loads((tmp_path / "merged" / "gpu_pass.json").read_text())
+    tests = merged["tests"]
+    assert (tests["tests"], tests["passed"], tests["failures"], tests["skipped"]) == (4, 2, 1, 1)
+    assert tests["failed"] == [
+        {"test": "tests.test_a::test_bad", "kind": "failure", "message": "AssertionError: rel err 3e-2 | over 1e-2"}
+    ]
+    assert merged["kernels"]["rows"] == [{"kernel": "dense"}]
+    md = (tmp_path / "merged" / "gpu_pass.md").read_text()
+    assert md.startswith("# GPU pass: NVIDIA H100 80GB HBM3, 2026-11-23")
+    assert "| env | 0 | 5 | 60 | ok |" in md
+    assert "| tests | 1 | 100 | 360 | FAILED |" in md
+    assert "| kernels | 124 | 240 | 240 | timed out |" in md
+    assert "2 passed, 1 failed, 0 errors, 1 skipped, of 4" in md
+    assert "over 1e-2" in md and "3e-2 / over" in md  # the table's cell separator is escaped
+    assert "## Environment" in md
+
+
+def test_report_takes_each_step_from_the_last_folder_that_ran_it(tmp_path):
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    write_steps(first, ("env", 0, 5, 60), ("kernels", 1, 30, 240))
+    (first / "env.json").write_text(json.dumps({"gpu": {"name": "first"}}))
+    write_steps(second, ("kernels", 0, 90, 240))
+    (second / "kernels.json").write_text(json.dumps({"rows": [{"kernel": "int4"}]}))
+    result = report(first, second, "--out", tmp_path / "merged")
+    assert result.returncode == 0, result.stdout + result.stderr
+    merged = json.loads((tmp_path / "merged" / "gpu_pass.json").read_text())
+    assert [(s["step"], s["rc"]) for s in merged["steps"]] == [("env", 0), ("kernels", 0)]
+    assert merged["kernels"]["rows"] == [{"kernel": "int4"}]
+    assert merged["env"]["gpu"]["name"] == "first"
+
+
+def test_report_with_no_steps_fails(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert report(tmp_path / "empty", "--out", tmp_path / "merged").returncode == 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_dry_run_of_the_whole_pass_on_the_cpu(tmp_path):
+    out = tmp_path / "pass"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
+    env["KVPLUS_VENV"] = str(Path(sys.executable).parents[1])  # this interpreter's environment
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_pass.sh"), "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
+    )
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log")))
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:] + logs
+    merged = json.loads((out / "gpu_pass.json").read_text())
+    assert [s["step"] for s in merged["steps"]] == STEPS
+    assert all(s["rc"] == 0 for s in merged["steps"]), merged["steps"]
+    assert merged["env"]["bandwidth"]["copy_gb_per_s"] > 0
+    assert merged["tests"]["passed"] > 0 and merged["tests"]["failures"] == merged["tests"]["errors"] == 0
+    kernels = {row["kernel"] for row in merged["kernels"]["rows"]}
+    assert kernels == {"sdpa (enable_gqa)", "dense", "dense+mass", "paged", "int8", "int4", "int2", "fp8"}
+    assert all(row["ok"] for row in merged["kernels"]["rows"] if "ok" in row)
+    for step in ("e2e_b1", "e2e_b8"):
+        rows = merged[step]["rows"]
+        assert rows[0]["cache"] == "dynamic" and len(rows) == 15
+        assert [r["cache"] for r in rows if "error" in r] == [], rows
+        lossless = [r for r in rows if r["lossless"]]
+        assert lossless and all(r["same_tokens"] for r in lossless), [(r["cache"], r.get("same_tokens")) for r in rows]
+    assert {row["cache"] for row in merged["offload"]["rows"]} >= {"OffloadedCache dense", "OffloadedCache int4"}
+    md = (out / "gpu_pass.md").read_text()
+    for section in ("## Environment", "## Tests on CUDA", "## Kernels compiled ahead of time",
+                    "## Decode-attention kernels", "## End to end", "## Offloaded KV caches"):
+        assert section in md
