@@ -22,7 +22,7 @@ import gc
 import sys
 
 import torch
-from gpu_common import add_common_args, prepare, write_step
+from gpu_common import LLAMA_31_8B, add_common_args, prepare, write_step
 from tqdm import tqdm
 
 STEP = "e2e"
@@ -44,12 +44,6 @@ SPECS = [
     "offloaded-quantized:int4",
     "hf-quantized:quanto:4",  # last: optimum-quanto builds its extension on first use (minutes)
 ]
-LLAMA_31_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    vocab_size=128256, max_position_embeddings=131072,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-)  # fmt: skip
 #: The evicting specs at a quarter of the dry run's 64-token context.
 DRY_RUN_SPECS = {"sink:4:4092": "sink:4:12", "h2o:4096": "h2o:16", "snapkv:4096": "snapkv:16:observation=8"}
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from itertools import product
 
 import torch
-from gpu_common import add_common_args, write_step
+from gpu_common import LLAMA_31_8B, add_common_args, write_step
 from gpu_env import pinned_bandwidth
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
@@ -37,23 +37,6 @@ from hf_kvplus.evaluation.report import format_table, stamp
 
 MiB = 2**20
 
-LLAMA_31_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_parameters={
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-)
 TINY = dict(
     hidden_size=256,
     intermediate_size=512,

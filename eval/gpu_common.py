@@ -18,6 +18,14 @@ from pathlib import Path
 
 import torch
 
+#: Llama 3.1 8B's shape (the benchmarks build it with random weights: nothing is downloaded).
+LLAMA_31_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, max_position_embeddings=131072,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+
 
 def add_common_args(parser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder the step writes <step>.json/.md into")
