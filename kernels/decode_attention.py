@@ -202,6 +202,18 @@ def _num_warps(block_g: int, d_pad: int, dv_pad: int, block_n: int, element_size
     return 4 if floats <= 200 * 128 else 8
 
 
+def _block_g(G: int) -> int:
+    """Query rows per program: the group padded to a power of two, at least 16 (tl.dot), at most 32."""
+    return min(MAX_BLOCK_G, max(16, triton.next_power_of_2(G)))
+
+
+def _num_stages(d_pad: int, dv_pad: int) -> int:
+    # Software-pipelined K/V tiles in shared memory: 3 stages (triton's default) fit every GPU up to
+    # head dim 128; at 256 a 32-row query group with 3 stages needs ~101 KiB, over the 99 KiB per block
+    # of sm_86/sm_89/sm_120 (compile gate, kernels/aot.py), so 2 stages there.
+    return 2 if max(d_pad, dv_pad) >= 256 else 3
+
+
 def pick_num_splits(batch: int, kv_heads: int, n_keys: int, block_n: int, sm_count: int | None = None) -> int:
     """Automatic split count for kernel 1 (grid B x Hkv x num_splits).
 
@@ -422,6 +434,7 @@ class _SplitPlan(NamedTuple):
     dv_pad: int
     block_n: int
     num_warps: int
+    num_stages: int
     tiles_per_split: int
     num_splits: int
 
@@ -430,7 +443,7 @@ def _plan_splits(q, Hkv, Dv, n_keys, num_splits, block_n=None) -> _SplitPlan:
     """Tiles and splits for ``n_keys`` keys (``block_n`` None: the dense kernel's tile rule)."""
     B, Hq, D = q.shape
     G = Hq // Hkv
-    block_g = min(MAX_BLOCK_G, max(16, triton.next_power_of_2(G)))
+    block_g = _block_g(G)
     g_chunks = triton.cdiv(G, block_g)
     d_pad = max(16, triton.next_power_of_2(D))
     dv_pad = max(16, triton.next_power_of_2(Dv))
@@ -443,7 +456,8 @@ def _plan_splits(q, Hkv, Dv, n_keys, num_splits, block_n=None) -> _SplitPlan:
         num_splits = pick_num_splits(B, Hkv * g_chunks, n_keys, block_n, sms)
     tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)
-    return _SplitPlan(block_g, g_chunks, d_pad, dv_pad, block_n, num_warps, tiles_per_split, num_splits)
+    num_stages = _num_stages(d_pad, dv_pad)
+    return _SplitPlan(block_g, g_chunks, d_pad, dv_pad, block_n, num_warps, num_stages, tiles_per_split, num_splits)
 
 
 def _alloc_partials(q, Dv, total_splits):
@@ -533,6 +547,8 @@ def _launch_split(
         # significant bits in P @ V; float32 inputs need "ieee" to stay float32-accurate.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+        enable_fp_fusion=True,  # multiply-adds contracted to FMAs (triton's default before 3.10)
     )
 
 
@@ -559,6 +575,7 @@ def _merge_partials(partials, dtype, dv_pad, lse=None) -> torch.Tensor:
         DV_PAD=dv_pad, BLOCK_S=MERGE_BLOCK_S,
         STORE_LSE=lse is not None,
         num_warps=4,
+        enable_fp_fusion=True,
     )
     return out
 

@@ -58,6 +58,7 @@ from hf_kvplus.kernels.decode_attention import (
     MIN_HEAD_DIM,
     SUPPORTED_DTYPES,
     _alloc_partials,
+    _block_g,
     _check_mask_and_scale,
     _check_num_splits,
     _is_interpreted,
@@ -83,6 +84,8 @@ __all__ = [
 
 # Keys per chunk of the torch twin (rounded to whole key groups dense, whole blocks paged).
 TWIN_CHUNK_TOKENS = 1024
+#: Float32 tile elements per thread the split kernel's plan allows, for half-precision and float32 q.
+REGISTER_FLOATS_HALF, REGISTER_FLOATS_FP32 = 90, 40
 LOG2E = 1.4426950408889634
 
 
@@ -329,13 +332,28 @@ def _quant_plan(q, info, n_keys, num_splits):
     """Tiles of the quantized kernel: BLOCK_N keys of float32 K/V plus their scales and zeros.
 
     The dequantized tiles cost more registers than the dense kernel's (codes, scale and zero tiles of
-    [BLOCK_N, D] each): 64 keys at head dims up to 64, 32 up to 128, 16 beyond; 4 warps when every
-    tile is at most 64 wide and q is half precision, else 8 (float32 q uses FMA dots).
+    [BLOCK_N, D] each). Start from 64 keys at head dims up to 64, 32 up to 128, 16 beyond, on 4 warps
+    when every tile is at most 64 wide and q is half precision, else 8; then take the first of 8 warps
+    and halved key tiles whose float32 tiles (K, V, q, acc, scores) come to at most REGISTER_FLOATS_HALF
+    (or _FP32) per thread, or the smallest. The budgets are where sm_90 builds start to spill (compile
+    gate, kernels/aot.py): float32 q uses FMA dots, which hold far more per thread. 16 warps spill more,
+    not less (ptxas caps them at 64 registers), so they are never chosen.
     """
     widest = max(16, triton.next_power_of_2(max(info.D, info.Dv)))
-    block_n = max(16, min(64, 4096 // widest))
+    block_g = _block_g(info.G)
+    budget = REGISTER_FLOATS_FP32 if q.element_size() == 4 else REGISTER_FLOATS_HALF
+    first_n = max(16, min(64, 4096 // widest))
+    first_w = 4 if widest <= 64 and q.element_size() < 4 else 8
+    sizes = [first_n >> i for i in range(first_n.bit_length()) if first_n >> i >= 16]
+    candidates = [(first_n, first_w), *((n, 8) for n in sizes)]
+
+    def floats_per_thread(n, warps):
+        return (2 * n * widest + 2 * block_g * widest + block_g * n) / (warps * 32)
+
+    block_n, num_warps = next(
+        ((n, w) for n, w in candidates if floats_per_thread(n, w) <= budget), candidates[-1]
+    )
     plan = _plan_splits(q, info.Hkv, info.Dv, n_keys, num_splits, block_n=block_n)
-    num_warps = 4 if widest <= 64 and q.element_size() < 4 else 8
     return plan._replace(num_warps=num_warps)
 
 
@@ -378,6 +396,8 @@ def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start
         # cores, below half-precision outputs' resolution; float32 q keeps float32 accuracy with "ieee".
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+        enable_fp_fusion=True,
     )
     # fmt: on
 
