@@ -26,7 +26,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=--dry-run ;;
         --out) DIR="$2"; shift ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) STEPS+=("$1") ;;
     esac
     shift
@@ -50,7 +50,6 @@ CONFORMANCE_SUBSET="(llama or gemma3) and (greedy or beam or left_padded or assi
 if [ -n "$DRY" ]; then
     PY="${KVPLUS_VENV:-.venv}/bin/python"
     [ -x "$PY" ] || PY=python3
-    DEVICE=cpu
     PARALLEL=()
 else
     PY=python3
@@ -58,10 +57,15 @@ else
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvplus-site .whl/*.whl \
             && export PYTHONPATH="/tmp/kvplus-site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    if ! "$PY" -c "import hf_kvplus" 2>/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+    if ! "$PY" -c "import hf_kvplus" 2>/dev/null \
+        && ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
+        # No usable build backend there: the package as links (kernels/ is hf_kvplus.kernels), first on the path.
+        mkdir -p /tmp/kvplus-src/hf_kvplus
+        for entry in hf_kvplus/*; do ln -sfn "$PWD/$entry" "/tmp/kvplus-src/$entry"; done
+        ln -sfn "$PWD/kernels" /tmp/kvplus-src/hf_kvplus/kernels
+        export PYTHONPATH="/tmp/kvplus-src${PYTHONPATH:+:$PYTHONPATH}"
+        "$PY" -c "import hf_kvplus" || exit 1
     fi
-    DEVICE=cuda
     PARALLEL=(-n 8)  # pytest-xdist: Triton compiles run in parallel
 fi
 
