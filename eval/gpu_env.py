@@ -105,7 +105,7 @@ def markdown(result: dict) -> str:
         ]
     else:
         lines.append("- pinned host-to-device: n/a (no CUDA)")
-    lines.append(f"- dense matmul ({result['matmul_n']}^3): {result['matmul_tflops']:.1f} TFLOP/s")
+    lines.append(f"- dense matmul ({result['matmul_n']}^3): {result['matmul_tflops']:.3g} TFLOP/s")
     return "\n".join(lines) + "\n"
 
 
