@@ -1,0 +1,253 @@
+"""What a decode step costs the host, for every cache against DynamicCache and StaticCache in one run.
+
+    python eval/bench_host.py --out eval/results/host_cpu
+    python eval/bench_host.py --out /tmp/host --steps 8 --repeats 1 --specs dynamic dense   # quick look
+
+On a GPU one layer's decode takes ~100-200 us for an 8B model, so the Python and dispatch work around
+the kernels decides speed. This measures that work on a tiny 8-layer Llama whose attention costs almost
+nothing, so a decode step's time is the host's. Per cache spec:
+
+- host time per decode step (eager, greedy, one thread): the median over `--repeats` runs of the mean
+  step time of `--steps` steps after a `--prompt`-token prefill, caches alternating within each
+  repeat, and its ratio to DynamicCache's;
+- Python calls per layer per step made by cache code (functions defined in hf_kvplus or in
+  Transformers' cache_utils.py), counted with `sys.setprofile` over one decode step;
+- device-to-host syncs per decode step: the ops that force one on a GPU (`aten._local_scalar_dense`,
+  which `.item()`, `bool()` and `int()` of a tensor run, `nonzero`, `equal`, `masked_select`,
+  `unique`, `repeat_interleave` without an output size, boolean-mask indexing) counted by a
+  `TorchDispatchMode`, plus `Tensor.tolist()` calls;
+- graph breaks of one decode step under `torch._dynamo.explain`, with the first reasons.
+
+Writes `host.json`, `host.md` (the table) and `host.png` (time and syncs per cache) into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=4096)  # fmt: skip
+#: Every cache family at budgets that evict during the run (prompt 256 + 64 steps).
+SPECS = [
+    "dynamic", "static", "dense", "paged", "quantized:int8", "quantized:int4", "quantized:int2", "quantized:fp8",
+    "paged-quantized:int4", "sink:4:252", "sink:4:252:bits=int4", "h2o:256", "snapkv:256", "offloaded",
+    "offloaded-quantized:int4", "hf-quantized:quanto:4",
+]  # fmt: skip
+aten = torch.ops.aten
+SYNC_OPS = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten.masked_select.default,
+    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
+}  # fmt: skip
+
+COLUMNS = [
+    ("cache", "cache", ""),
+    ("step_ms", "host ms/step", ".3f"),
+    ("vs_dynamic", "x Dynamic", ".2f"),
+    ("calls_per_layer", "cache calls/layer/step", ".1f"),
+    ("syncs_per_step", "syncs/step", "d"),
+    ("graph_breaks", "graph breaks", ""),
+]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device (on a GPU), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNC_OPS:
+            self.counts[str(func.overloadpacket.__name__)] += 1
+        elif func is aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
+        ):
+            self.counts["index with a bool mask"] += 1
+        return func(*args, **kwargs)
+
+
+def count_syncs(step) -> Counter:
+    counter = SyncCounter()
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(self):
+        counter.counts["tolist"] += 1
+        return real_tolist(self)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with counter:
+            step()
+    finally:
+        torch.Tensor.tolist = real_tolist
+    return counter.counts
+
+
+def cache_code(filename: str) -> bool:
+    return ("hf_kvplus" in filename or "/kernels/" in filename) or filename.endswith("cache_utils.py")
+
+
+def count_calls(step) -> int:
+    """Python function calls made by cache code during `step()`."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and cache_code(frame.f_code.co_filename):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def build_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def prefilled(model, spec, prompt, steps):
+    cache = spec.build(model.config, max_length=prompt.shape[1] + steps + 2)
+    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return cache, logits[:, -1:].argmax(-1)
+
+
+def decode(model, cache, token):
+    return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+
+def time_steps(model, spec, prompt, steps) -> float:
+    cache, token = prefilled(model, spec, prompt, steps)
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = decode(model, cache, token)
+    return (time.perf_counter() - start) / steps
+
+
+def graph_breaks(model, spec, prompt, steps) -> tuple[int | str, list[str]]:
+    import torch._dynamo
+
+    cache, token = prefilled(model, spec, prompt, steps)
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(model)(input_ids=token, past_key_values=cache, use_cache=True)
+    except Exception as exc:  # a cache dynamo cannot trace at all is reported, not hidden
+        return "error", [f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"]
+    reasons = [str(getattr(b, "reason", b)).splitlines()[0][:160] for b in explained.break_reasons]
+    return explained.graph_break_count, list(dict.fromkeys(reasons))[:5]
+
+
+def markdown(result: dict) -> str:
+    from hf_kvplus.evaluation.report import format_table
+
+    a = result["args"]
+    lines = [
+        "## Host cost of a decode step",
+        "",
+        f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['threads']} "
+        f"thread(s), prompt {a['prompt']}, {a['steps']} decode steps, median of {a['repeats']} alternating runs; "
+        f"{result['machine']}, {result['date']}",
+        "",
+        "```",
+        format_table(result["rows"], COLUMNS),
+        "```",
+        "",
+        "Syncs by op and graph-break reasons:",
+        "",
+    ]
+    for row in result["rows"]:
+        syncs = ", ".join(f"{name} {n}" for name, n in row["syncs_by_op"].items()) or "none"
+        reasons = "; ".join(row["break_reasons"]) or "none"
+        lines.append(f"- `{row['cache']}`: syncs: {syncs}. Breaks: {reasons}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["cache"] for r in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 0.35 * len(rows) + 1.5), sharey=True)
+    left.barh(names, [r["vs_dynamic"] for r in rows])
+    left.axvline(1.25, color="red", linestyle="--", label="1.25x target")
+    left.set_xlabel("host time per decode step, x DynamicCache")
+    left.legend()
+    left.invert_yaxis()
+    right.barh(names, [r["syncs_per_step"] for r in rows])
+    right.set_xlabel("device-to-host syncs per decode step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for host.json, host.md and host.png")
+    parser.add_argument("--specs", nargs="+", default=SPECS, help="cache specs; dynamic must be among them")
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-explain", action="store_true", help="skip the graph-break count (the slow part)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from hf_kvplus.evaluation.report import stamp
+    from hf_kvplus.specs import parse_cache_spec
+
+    specs = [parse_cache_spec(s) for s in args.specs]
+    if "dynamic" not in args.specs:
+        parser.error("the specs must include dynamic, the baseline")
+    model = build_model()
+    prompt = torch.randint(0, TINY["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    for spec in specs:  # warm-up: first-call costs (lazy imports, allocator) out of the timings
+        time_steps(model, spec, prompt[:, :32], 2)
+    times = {spec.text: [] for spec in specs}
+    for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
+        for spec in specs:
+            times[spec.text].append(time_steps(model, spec, prompt, args.steps))
+    rows = []
+    for spec in tqdm(specs, desc="calls, syncs, graph breaks", file=sys.stderr):
+        cache, token = prefilled(model, spec, prompt, args.steps)
+        calls = count_calls(lambda cache=cache, token=token: decode(model, cache, token))
+        cache, token = prefilled(model, spec, prompt, args.steps)
+        syncs = count_syncs(lambda cache=cache, token=token: decode(model, cache, token))
+        breaks, reasons = ("-", []) if args.no_explain else graph_breaks(model, spec, prompt, args.steps)
+        rows.append({
+            "cache": spec.text, "step_ms": statistics.median(times[spec.text]) * 1e3,
+            "calls_per_layer": calls / TINY["num_hidden_layers"], "syncs_per_step": sum(syncs.values()),
+            "syncs_by_op": dict(syncs), "graph_breaks": breaks, "break_reasons": reasons,
+        })  # fmt: skip
+    base = next(r["step_ms"] for r in rows if r["cache"] == "dynamic")
+    for row in rows:
+        row["vs_dynamic"] = row["step_ms"] / base
+    result = {**stamp(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    result["args"].update(threads=args.threads, prompt=args.prompt, steps=args.steps, repeats=args.repeats)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (args.out / "host.md").write_text(md)
+    plot(rows, args.out / "host.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
