@@ -166,6 +166,22 @@ def test_beam_search_shares_the_prompt_blocks_and_matches_the_dense_cache():
     assert group.blocks_in_use() < rows * columns  # the 3 prompt blocks are held once
 
 
+def test_rows_of_one_prompt_share_blocks_first_filled_by_a_decode_step():
+    """A prompt shorter than window + block: the first block fills while decoding and holds only the prompt's
+    tokens, so rows of one prompt share it (which rows are equal was read at the prompt: the decode step that
+    fills the block compares nothing)."""
+    model = get_model("llama")
+    ours, ref = paged(model), dense(model)
+    prompt = make_prompt(12, seed=8).repeat(3, 1)
+    step(model, ours, prompt), step(model, ref, prompt)
+    group = ours.groups["full"]
+    for token in range(5):  # the fourth step fills the first block (tokens 0..7)
+        rows = [[3 + token]] * 3
+        torch.testing.assert_close(step(model, ours, rows), step(model, ref, rows), atol=1e-5, rtol=1e-5)
+    assert group.batch_size == 3 and len(group.tables[0]) == 1
+    assert group.blocks_in_use() == 1
+
+
 def test_fanned_out_rows_share_blocks_until_they_fill_their_own():
     model = get_model("llama")
     ours, ref = paged(model), dense(model)

@@ -15,10 +15,11 @@ from .slots import PAD, DenseCodec, SlotStore, TokenQuantCodec
 
 
 def padding_of_new(attention_mask: torch.Tensor | None, batch: int, new: int) -> torch.Tensor | None:
-    """`[batch, new]` True where a fresh token is padding, read off the model's mask; None if none is.
+    """`[batch, new]` True where a fresh token is padding, read off the model's mask; None without a mask.
 
     The mask's last `new` columns are the fresh tokens (`get_mask_sizes` says so); the last query of a
-    left-padded row is real and sees every real key, so the keys it may not see are padding.
+    left-padded row is real and sees every real key, so the keys it may not see are padding. Whether
+    any is padding stays on the device (asking would stall it).
     """
     if attention_mask is None:
         return None
@@ -26,8 +27,7 @@ def padding_of_new(attention_mask: torch.Tensor | None, batch: int, new: int) ->
         raise ShapeError(f"expected a 4-d attention mask, got shape {tuple(attention_mask.shape)}")
     last = attention_mask[:, 0, -1, -new:]
     allowed = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
-    padding = ~allowed.expand(batch, -1)
-    return padding if bool(padding.any()) else None
+    return ~allowed.expand(batch, -1)
 
 
 class EvictingLayer(PlacedLayer):
@@ -39,6 +39,10 @@ class EvictingLayer(PlacedLayer):
     With `activate_past_recording()` eviction waits for the next `update`, so `crop` can still remove
     the newest tokens. `get_mask_sizes` reports `(held + q, seen - held)` as DESIGN.md requires.
     A `placement` moves the slots (the policy's per-row state stays on the device).
+
+    Until the model passes a mask, every slot holds a real token and each row's first real position is
+    0: policies get `first_real=None` and work in Python ints. Once a mask came (left padding, maybe),
+    `first_real` [batch] is kept on the device, updated with each forward's tokens, never read back.
     """
 
     is_compileable = False
@@ -58,10 +62,9 @@ class EvictingLayer(PlacedLayer):
         self.is_initialized = False
         self.record_past = False
         self.seen = 0
-        self.first_real: torch.Tensor | None = None  # [batch] first real position per row, -1 if none yet
+        self.first_real: torch.Tensor | None = None  # [batch] first real position per row (-1: none yet), once masked
         self._pending: int | None = None  # fresh tokens of the last forward, while eviction waits
-        self._padded = False  # whether any slot ever held padding (else attention needs no mask)
-        self._first_real_known = False
+        self._padded = False  # whether a mask ever came (else no slot holds padding, attention needs no mask)
         self._awaiting_attention = False
 
     def __repr__(self) -> str:
@@ -92,7 +95,6 @@ class EvictingLayer(PlacedLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.first_real = torch.full((key_states.shape[0],), -1, dtype=torch.int64, device=key_states.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -128,8 +130,7 @@ class EvictingLayer(PlacedLayer):
         padding = padding_of_new(attention_mask, self.store.batch_size, new)
         if padding is not None:
             self.store.mark_padding(padding)
-            self._padded = True
-        self._learn_first_real(new)
+            self._learn_first_real(new)
         held_keys, held_values = self.store.view()
         valid = self.store.positions[:, 0] != PAD if self._padded else None
         out, mass = slot_attention(
@@ -187,7 +188,6 @@ class EvictingLayer(PlacedLayer):
         self._pending = None
         self._awaiting_attention = False
         self._padded = False
-        self._first_real_known = False
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -205,24 +205,31 @@ class EvictingLayer(PlacedLayer):
             self.first_real = self.first_real.index_select(0, indices.to(self.first_real.device))
 
     def _learn_first_real(self, new: int) -> None:
-        if self._first_real_known:
-            return
+        """Each row's first real position, from the fresh tokens of a masked forward (on the device)."""
+        if not self._padded:
+            self._padded = True
+            # Tokens before the first mask were real: those rows start at 0; the others are learned now.
+            start = 0 if self.seen > new else -1
+            self.first_real = torch.full((self.store.batch_size,), start, dtype=torch.int64, device=self.device)
         pos = self.store.positions[:, 0, self.store.length - new :]
         real = pos != PAD
         first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen).min(-1).values, -1)
         self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
-        self._first_real_known = bool((self.first_real >= 0).all())
+
+    def _first_real(self) -> torch.Tensor | None:
+        """What policies get: None while every row is real from position 0."""
+        return self.first_real if self._padded else None
 
     def _evict(self, new: int) -> None:
         self._pending = None
         count = self.policy.over_budget(self.store, new)
         if not count:
             return
-        priority = self.policy.priority(self.store, self.seen, self.first_real)
+        priority = self.policy.priority(self.store, self.seen, self._first_real())
         if new == 1 and count == 1:
             self.store.move_last_into(priority.argmin(dim=-1))
         else:
             # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
             order = priority.sort(dim=-1, descending=True, stable=True).indices
             self.store.keep(order[..., : self.store.length - count])
-        self.policy.after_evict(self.store, self.seen, self.first_real)
+        self.policy.after_evict(self.store, self.seen, self._first_real())

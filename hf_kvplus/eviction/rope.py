@@ -39,7 +39,7 @@ class RotaryShift:
         self.inv_freq = inv_freq.detach().double().cpu()
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.head_dim = head_dim
-        self._last: tuple | None = None  # (shifts, device, cos, sin): every layer of a step asks for the same
+        self._last: tuple | None = None  # (shift, device, cos, sin) of the last int shift
         if self.rotary_dim > head_dim:
             raise UnsupportedModelError(f"rotary dims {self.rotary_dim} exceed head_dim {head_dim}")
 
@@ -75,14 +75,17 @@ class RotaryShift:
             )
         return cls(inv_freq, head_dim)
 
-    def rotate(self, keys: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """`keys` [batch, heads, n, head_dim] moved `shift` positions later (`shift` [batch], any integers).
+    def rotate(self, keys: torch.Tensor, shift: torch.Tensor | int) -> torch.Tensor:
+        """`keys` [batch, heads, n, head_dim] moved `shift` positions later (`shift` [batch], or one int for
+        every row).
 
-        Computed in float64 for the angles and float32 for the product, returned in `keys.dtype`.
+        Computed in float64 for the angles and float32 for the product, returned in `keys.dtype`. A
+        tensor shift stays on the device; an int's cos and sin are kept for the next call (every layer of
+        a step asks for the same).
         """
         if keys.ndim != 4 or keys.shape[-1] != self.head_dim:
             raise ShapeError(f"expected keys [batch, heads, n, {self.head_dim}], got {tuple(keys.shape)}")
-        if shift.shape != keys.shape[:1]:
+        if isinstance(shift, torch.Tensor) and shift.shape != keys.shape[:1]:
             raise ShapeError(f"expected one shift per batch row ({keys.shape[0]}), got shape {tuple(shift.shape)}")
         cos, sin = self._cos_sin(shift, keys.device)
         half = self.rotary_dim // 2
@@ -91,11 +94,17 @@ class RotaryShift:
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
         return rotated.to(keys.dtype)
 
-    def _cos_sin(self, shift: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        shifts = tuple(shift.tolist())
-        if self._last is None or self._last[:2] != (shifts, device):
-            angles = torch.tensor(shifts, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            cos = angles.cos().float().to(device)[:, None, None, :]  # [batch, 1, 1, rotary_dim / 2]
-            sin = angles.sin().float().to(device)[:, None, None, :]
-            self._last = (shifts, device, cos, sin)
+    def _cos_sin(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the shift's angles, `[batch or 1, 1, 1, rotary_dim / 2]` float32 on `device`."""
+        if isinstance(shift, torch.Tensor):
+            angles = shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :]
+            return angles.cos().float()[:, None, None, :], angles.sin().float()[:, None, None, :]
+        if self._last is None or self._last[:2] != (shift, device):
+            angles = shift * self.inv_freq[None, :]
+            self._last = (shift, device, *(t.float().to(device)[:, None, None, :] for t in (angles.cos(), angles.sin())))
         return self._last[2], self._last[3]
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq

@@ -33,28 +33,42 @@ class SinkPolicy(EvictionPolicy):
         self.sink_keys: torch.Tensor | None = None  # [batch, kv_heads, num_sinks, head_dim], unshifted
         self.captured: torch.Tensor | None = None  # [batch] bool: sink_keys holds this row's sinks
 
-    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
+    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> torch.Tensor:
         pos = store.positions
         ranks = pos.float().masked_fill(self._is_sink(pos, first_real), KEEP)
         return padding_and_recent(store, seen, self.window, ranks)
 
-    def after_evict(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> None:
+    def after_evict(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> None:
         if self.rotary is None or not self.num_sinks:
             return
+        if first_real is None:
+            self._shift_unpadded(store, seen)
+        else:
+            self._shift_padded(store, seen, first_real)
+
+    def _shift_unpadded(self, store: SlotStore, seen: int) -> None:
+        """Every slot holds a real token: the sinks are positions 0.. in slots 0.. (compaction keeps
+        position order and sinks are never evicted), and all rows moved by the same count."""
+        shift = seen - store.length  # real tokens evicted
+        if shift <= 0:
+            return
+        batch, heads = store.batch_size, store.pos.shape[1]
+        slots = torch.arange(self.num_sinks, device=store.device).expand(batch, heads, -1)
+        if self.sink_keys is None:  # the first move: copy the sinks before they ever change
+            self.sink_keys = store.read_keys(slots)
+            self.captured = torch.ones(batch, dtype=torch.bool, device=store.device)
+        store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift))
+
+    def _shift_padded(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> None:
+        """Rows differ in where their real tokens start: the same rule per row, on the device."""
         pos = store.positions
         real_held = (pos[:, 0] >= 0).sum(-1)
         shift = (seen - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
         moving = (shift > 0) & (first_real >= 0)
-        if not bool(moving.any()):
-            return
         # Slot of sink i: where pos == first_real + i, the same slot in every head (sinks never move).
         targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)
         slots = (pos[:, 0, None, :] == targets[:, :, None]).int().argmax(-1)
         slots = slots[:, None, :].expand(-1, pos.shape[1], -1)
-        if self.sink_keys is not None and bool(self.captured.all()) and bool(moving.all()):
-            # Steady state: every row's sinks are copied and move; no need to read them back.
-            store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift))
-            return
         held = store.read_keys(slots)
         if self.sink_keys is None:
             self.sink_keys = torch.zeros_like(held)
@@ -63,10 +77,11 @@ class SinkPolicy(EvictionPolicy):
         fresh = moving & ~self.captured
         self.sink_keys = torch.where(fresh[:, None, None, None], held, self.sink_keys)
         self.captured = self.captured | moving
-        shifted = self.rotary.rotate(self.sink_keys, shift.clamp(min=0))
-        store.write_keys(slots, torch.where(moving[:, None, None, None], shifted, held))
+        store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift.clamp(min=0)), rows=moving)
 
-    def _is_sink(self, pos: torch.Tensor, first_real: torch.Tensor) -> torch.Tensor:
+    def _is_sink(self, pos: torch.Tensor, first_real: torch.Tensor | None) -> torch.Tensor:
+        if first_real is None:
+            return pos < self.num_sinks
         start = first_real.clamp(min=0)[:, None, None]
         return (first_real[:, None, None] >= 0) & (pos >= start) & (pos < start + self.num_sinks)
 

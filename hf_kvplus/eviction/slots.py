@@ -151,11 +151,15 @@ class SlotStore:
         names = [name for name in self.fields if name in self.codec.key_fields]
         return self.codec.decode_keys(self._gather(slots, names), self.dtype)
 
-    def write_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim]."""
+    def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
+        in the batch rows where `rows` [batch] (bool) is True (None: all); other rows keep their bits."""
         for name, part in self.codec.encode_keys(keys).items():
             held = self.fields[name]
-            held.scatter_(2, _slot_index(slots, held), part)
+            index = _slot_index(slots, held)
+            if rows is not None:
+                part = torch.where(rows.view(-1, *([1] * (part.ndim - 1))), part, held.gather(2, index))
+            held.scatter_(2, index, part)
 
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the last `padding.shape[1]` slots of each row as padding where `padding` [batch, new] is True."""

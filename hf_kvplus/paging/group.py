@@ -192,3 +192,14 @@ class BlockGroup:
                     copy_block(table[column], fresh)
                 self.pool.decref([table[column]])
                 table[column] = fresh
+
+
+def identical_rows(keys: torch.Tensor) -> list[int]:
+    """For each batch row of `keys`, the first row with the same keys (rows of one prompt: beams, samples).
+
+    Compares values, so the host waits for the device: called on a prompt's first fill only.
+    """
+    sources = []
+    for row in range(keys.shape[0]):
+        sources.append(next(src for src in range(row + 1) if src == row or torch.equal(keys[src], keys[row])))
+    return sources

@@ -49,7 +49,7 @@ class PackedSegment(QuantizedSegment):
     def capacity(self) -> int:
         return 0 if self.buffers is None else self.buffers.k.shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None = None) -> None:
         n = keys.shape[2]
         if self.start >= self.end:
             self.start = self.end = 0

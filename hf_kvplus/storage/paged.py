@@ -8,7 +8,7 @@ from ..attention.dense import decode_mask, dense_attention
 from ..errors import CacheMismatchError
 from ..kernels.paged_attention import paged_decode_attention, paged_store
 from ..memory import MemoryReport
-from ..paging.group import BlockGroup
+from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool
 from .base import KVStorage
 
@@ -54,7 +54,7 @@ class PagedStorage(KVStorage):
         if self.group.tables and keys.shape[0] != self.group.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.group.batch_size} rows")
         new = keys.shape[2]
-        sources = _identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
+        sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
         self.group.reserve(keys.shape[0], self.end + new, sources)
         slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
         paged_store(self.k_pool, self.v_pool, keys, values, slots)
@@ -146,10 +146,3 @@ class PagedStorage(KVStorage):
             batch_size=self.batch_size,
         )
 
-
-def _identical_rows(keys: torch.Tensor) -> list[int]:
-    """For each row, the first row with the same keys (rows of one prompt: beams, samples)."""
-    sources = []
-    for row in range(keys.shape[0]):
-        sources.append(next(src for src in range(row + 1) if src == row or torch.equal(keys[src], keys[row])))
-    return sources

@@ -10,7 +10,6 @@ from ..kernels.quant_attention import quantized_decode_attention
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup
 from ..paging.quant_layer_pool import QuantLayerPool
-from .paged import _identical_rows
 from .quantized import QuantizedSegment
 
 
@@ -34,6 +33,7 @@ class PagedSegment(QuantizedSegment):
 
     #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
     shared_at_rest = True
+    shares_rows = True
 
     def __init__(self, group: BlockGroup, pool: QuantLayerPool):
         self.group = group
@@ -58,7 +58,7 @@ class PagedSegment(QuantizedSegment):
     def batch_size(self) -> int:
         return self.group.batch_size
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None = None) -> None:
         batch, _, n, _ = keys.shape
         bs, group = self.group.block_size, self.group
         if n % bs:
@@ -67,8 +67,7 @@ class PagedSegment(QuantizedSegment):
             raise CacheMismatchError(f"new keys have batch {batch}, the cache holds {group.batch_size} rows")
         self.pool.ensure(keys, values)
         self.dtype = keys.dtype
-        sources = _identical_rows(keys) if not group.tables and batch > 1 else None
-        group.reserve(batch, self.end + n, sources)
+        group.reserve(batch, self.end + n, same_rows if not group.tables else None)
         first = (self.end - group.base) // bs
         ids = [block for table in group.tables for block in table[first : first + n // bs]]  # row-major
         k_blocks, v_blocks = _blocks(keys, bs), _blocks(values, bs)

@@ -10,6 +10,7 @@ from ..attention.dense import decode_mask, dense_attention
 from ..errors import ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import QuantFormat
 from ..memory import MemoryReport
+from ..paging.group import identical_rows
 from .base import KVStorage, Region, part_of, prefixed
 from .dense import DenseStorage
 
@@ -32,9 +33,15 @@ class QuantizedSegment(ABC):
     #: Tokens dropped from the front of the oldest unit still held (units start at -front_offset).
     front_offset: int = 0
 
+    #: Whether rows with the same tokens share storage (a paged segment's blocks): `append` then uses `same_rows`.
+    shares_rows: bool = False
+
     @abstractmethod
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantizes `[batch, kv_heads, n, head_dim]` K/V, `n` a multiple of the group size, after the held tokens."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None = None) -> None:
+        """Quantizes `[batch, kv_heads, n, head_dim]` K/V, `n` a multiple of the group size, after the held tokens.
+
+        `same_rows[row]`: the first row whose appended tokens equal this row's (beams of one prompt), when the
+        caller knows it; a segment that `shares_rows` shares their storage on its first fill."""
 
     @abstractmethod
     def dequantized(self, first: int, last: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +119,9 @@ class QuantizedStorage(KVStorage):
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode: tuple | None = None
         self._dropped = 0  # tokens dropped from the segment's front: decode positions survive eviction
+        self._flushed = 0  # tokens ever quantized into the segment
+        # For a segment that shares rows: which rows of the first forward (the prompt) are equal, and its length.
+        self._prompt: tuple[list[int], int] | None = None
 
     @property
     def shared_at_rest(self) -> bool:
@@ -131,13 +141,18 @@ class QuantizedStorage(KVStorage):
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.fmt.check_head_dim(keys.shape[-1])
+        if self.segment.shares_rows and self.length == 0 and keys.shape[0] > 1:
+            # Read once, at the prompt, so that a decode step that first fills the segment need not compare rows.
+            self._prompt = (identical_rows(keys), keys.shape[2])
         self.recent.append(keys, values)
         self._fresh = (keys, values)
         unit = self.segment.unit
         flush = (self.recent.length - self.window) // unit * unit
         if flush > 0:
             old_k, old_v = self.recent.view(self.recent.length)
-            self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush])
+            in_prompt = self._prompt is not None and self._flushed + flush <= self._prompt[1]
+            self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush], self._prompt[0] if in_prompt else None)
+            self._flushed += flush
             self.recent.drop_front(flush)
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +206,7 @@ class QuantizedStorage(KVStorage):
             self.recent.drop_front(count - from_segment)
 
     def drop_back(self, count: int) -> None:
+        self._prompt = None  # the tokens that follow are no longer the prompt's
         from_recent = min(count, self.recent.length)
         if from_recent:
             self.recent.drop_back(from_recent)
@@ -210,11 +226,15 @@ class QuantizedStorage(KVStorage):
     def index_batch(self, indices: torch.Tensor) -> None:
         self.segment.index_batch(indices)
         self.recent.index_batch(indices)
+        if self._prompt is not None:
+            prompt_of = [self._prompt[0][int(i)] for i in indices]  # rows of one prompt share its first row
+            self._prompt = ([prompt_of.index(p) for p in prompt_of], self._prompt[1])
 
     def reset(self) -> None:
         self.segment.reset()
         self.recent.reset()
         self._fresh = self._decode = None
+        self._flushed, self._prompt = 0, None
 
     def memory(self) -> MemoryReport:
         return self.segment.memory() + self.recent.memory()

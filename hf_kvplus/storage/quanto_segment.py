@@ -47,7 +47,7 @@ class QuantoSegment(QuantizedSegment):
     def batch_size(self) -> int:
         return self.chunks[0][2][0] if self.chunks else 0
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None = None) -> None:
         self._release_dropped()
         if self.chunks and keys.shape[0] != self.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
