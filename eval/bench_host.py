@@ -14,8 +14,8 @@ nothing, so a decode step's time is the host's. Per cache spec:
   Transformers' cache_utils.py), counted with `sys.setprofile` over one decode step;
 - device-to-host syncs per decode step: the ops that force one on a GPU (`aten._local_scalar_dense`,
   which `.item()`, `bool()` and `int()` of a tensor run, `nonzero`, `equal`, `masked_select`,
-  `unique`, `repeat_interleave` without an output size, boolean-mask indexing) counted by a
-  `TorchDispatchMode`, plus `Tensor.tolist()` calls;
+  `unique`, `repeat_interleave` without an output size, boolean-mask indexing, `Tensor.tolist()`),
+  counted by `hf_kvplus.evaluation.host_cost`;
 - graph breaks of one decode step under `torch._dynamo.explain`, with the first reasons.
 
 Writes `host.json`, `host.md` (the table) and `host.png` (time and syncs per cache) into `--out`.
@@ -28,13 +28,13 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=4096)  # fmt: skip
@@ -44,12 +44,6 @@ SPECS = [
     "paged-quantized:int4", "sink:4:252", "sink:4:252:bits=int4", "h2o:256", "snapkv:256", "offloaded",
     "offloaded-quantized:int4", "hf-quantized:quanto:4",
 ]  # fmt: skip
-aten = torch.ops.aten
-SYNC_OPS = {
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten.masked_select.default,
-    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
-}  # fmt: skip
-
 COLUMNS = [
     ("cache", "cache", ""),
     ("step_ms", "host ms/step", ".3f"),
@@ -58,62 +52,6 @@ COLUMNS = [
     ("syncs_per_step", "syncs/step", "d"),
     ("graph_breaks", "graph breaks", ""),
 ]
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts the ops that make the host wait for the device (on a GPU), by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in SYNC_OPS:
-            self.counts[str(func.overloadpacket.__name__)] += 1
-        elif func is aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
-        ):
-            self.counts["index with a bool mask"] += 1
-        return func(*args, **kwargs)
-
-
-def count_syncs(step) -> Counter:
-    counter = SyncCounter()
-    real_tolist = torch.Tensor.tolist
-
-    def tolist(self):
-        counter.counts["tolist"] += 1
-        return real_tolist(self)
-
-    torch.Tensor.tolist = tolist
-    try:
-        with counter:
-            step()
-    finally:
-        torch.Tensor.tolist = real_tolist
-    return counter.counts
-
-
-def cache_code(filename: str) -> bool:
-    return ("hf_kvplus" in filename or "/kernels/" in filename) or filename.endswith("cache_utils.py")
-
-
-def count_calls(step) -> int:
-    """Python function calls made by cache code during `step()`."""
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        if event == "call" and cache_code(frame.f_code.co_filename):
-            calls += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
 
 
 def build_model():
@@ -227,7 +165,7 @@ def main(argv=None) -> None:
     rows = []
     for spec in tqdm(specs, desc="calls, syncs, graph breaks", file=sys.stderr):
         cache, token = prefilled(model, spec, prompt, args.steps)
-        calls = count_calls(lambda cache=cache, token=token: decode(model, cache, token))
+        calls = count_cache_calls(lambda cache=cache, token=token: decode(model, cache, token))
         cache, token = prefilled(model, spec, prompt, args.steps)
         syncs = count_syncs(lambda cache=cache, token=token: decode(model, cache, token))
         breaks, reasons = ("-", []) if args.no_explain else graph_breaks(model, spec, prompt, args.steps)

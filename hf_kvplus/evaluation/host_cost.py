@@ -1,0 +1,84 @@
+"""What a step costs the host: ops that would stall a GPU's queue, and Python calls made by cache code.
+
+A decode step on a GPU is a queue of kernels the host fills; anything that reads a tensor's value back
+(`.item()`, `bool(t)`, `int(t)`, `.tolist()`, `nonzero`, a data-dependent shape) makes the host wait
+for the device. These are counted here by op, with a `TorchDispatchMode`, on any device (on a CPU the
+same ops run, they merely cost nothing), so a test can assert there are none.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+#: Ops whose result the host must read (or whose output shape depends on tensor values).
+SYNC_OPS = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten.masked_select.default,
+    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
+}  # fmt: skip
+
+__all__ = ["SYNC_OPS", "SyncCounter", "count_cache_calls", "count_syncs"]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts, by name, the ops run inside it that make the host wait for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNC_OPS:
+            self.counts[func.overloadpacket.__name__] += 1
+        elif func is aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
+        ):
+            self.counts["index with a bool mask"] += 1
+        return func(*args, **kwargs)
+
+
+def count_syncs(step: Callable[[], object]) -> Counter:
+    """The ops of `step()` that read device values on the host, by name (`tolist` calls included)."""
+    counter = SyncCounter()
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(self):
+        counter.counts["tolist"] += 1
+        return real_tolist(self)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with counter:
+            step()
+    finally:
+        torch.Tensor.tolist = real_tolist
+    return counter.counts
+
+
+def _cache_code(filename: str) -> bool:
+    return "hf_kvplus" in filename or "/kernels/" in filename or filename.endswith("cache_utils.py")
+
+
+def count_cache_calls(step: Callable[[], object]) -> int:
+    """Python function calls made by cache code (hf_kvplus, its kernels, Transformers' cache_utils.py)
+    during `step()`, counted with `sys.setprofile`."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and _cache_code(frame.f_code.co_filename):
+            calls += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(previous)
+    return calls
