@@ -23,6 +23,12 @@ h // (Hq // Hkv)), mask None or bool [B, N] with True = attend. Output [B, Hq, D
 whose keys are all masked outputs zeros. Attention mass [B, Hkv, N] float32: mass[b, j, n] is the sum,
 over the query heads of KV head j's group, of their softmax probability of key n (so each row with an
 unmasked key sums to G = Hq // Hkv); masked keys and fully masked rows get 0.
+
+``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates the whole
+contract above and raises typed errors. False skips all of it (types, shapes, dtypes, devices, mask,
+scale, ``num_splits``, whether Triton can run) and only reads sizes off the shapes: for callers whose
+inputs are valid by construction, e.g. the caches' storages on the decode hot path. Invalid input is
+then undefined behaviour. No path of these functions reads a tensor value on the host.
 """
 
 from __future__ import annotations
@@ -109,7 +115,14 @@ def _check_inputs(q, k, v, scale, mask, num_splits) -> tuple[int, int, int, int,
 
     _check_mask_and_scale(mask, scale, (B, N), "[B, N]", q.device, "q/k/v")
     _check_num_splits(num_splits)
-    return B, Hq, Hkv, Hq // Hkv, N, D, Dv
+    return _dims(q, k, v)
+
+
+def _dims(q, k, v) -> tuple[int, int, int, int, int, int, int]:
+    """(B, Hq, Hkv, G, N, D, Dv) read off the shapes, no checks (``_check_inputs`` validates first)."""
+    B, Hq, D = q.shape
+    _, Hkv, N, _ = k.shape
+    return B, Hq, Hkv, Hq // Hkv, N, D, v.shape[-1]
 
 
 def _check_mask_and_scale(mask, scale, shape: tuple[int, int], layout: str, device, holders: str) -> None:
@@ -134,20 +147,22 @@ def _check_num_splits(num_splits) -> None:
         raise ConfigError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
 
 
-def decode_attention(q, k, v, *, scale, mask=None, num_splits=None) -> torch.Tensor:
+def decode_attention(q, k, v, *, scale, mask=None, num_splits=None, check: bool = True) -> torch.Tensor:
     """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin.
 
     ``num_splits`` only affects the Triton path (None = automatic, see :func:`pick_num_splits`).
+    ``check=False``: the caller guarantees the contract (see the module docstring).
     """
-    if isinstance(q, torch.Tensor) and q.is_cuda:
-        return decode_attention_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits)
-    _check_num_splits(num_splits)
-    return decode_attention_torch(q, k, v, scale=scale, mask=mask)
+    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
+        return decode_attention_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
+    if check:
+        _check_num_splits(num_splits)
+    return decode_attention_torch(q, k, v, scale=scale, mask=mask, check=check)
 
 
-def decode_attention_torch(q, k, v, *, scale, mask=None) -> torch.Tensor:
+def decode_attention_torch(q, k, v, *, scale, mask=None, check: bool = True) -> torch.Tensor:
     """Plain-torch twin: SDPA with the query group of each KV head packed as the query length."""
-    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None)
+    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None) if check else _dims(q, k, v)
     qg = q.reshape(B, Hkv, G, D)
     attn_mask = None if mask is None else mask.view(B, 1, 1, N)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=float(scale))
@@ -158,22 +173,27 @@ def decode_attention_torch(q, k, v, *, scale, mask=None) -> torch.Tensor:
 
 
 def decode_attention_with_mass(
-    q, k, v, *, scale, mask=None, num_splits=None
+    q, k, v, *, scale, mask=None, num_splits=None, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention plus per-key attention mass [B, Hkv, N] float32; dispatches like decode_attention."""
-    if isinstance(q, torch.Tensor) and q.is_cuda:
-        return decode_attention_with_mass_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits)
-    _check_num_splits(num_splits)
-    return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask)
+    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
+        return decode_attention_with_mass_triton(
+            q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check
+        )
+    if check:
+        _check_num_splits(num_splits)
+    return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=check)
 
 
-def decode_attention_with_mass_torch(q, k, v, *, scale, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention_with_mass_torch(
+    q, k, v, *, scale, mask=None, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch twin of :func:`decode_attention_with_mass`: explicit float32 softmax.
 
     SDPA does not hand back its probabilities, so the logits are formed here, with each KV head's
     query group packed as rows ([B, Hkv, G, N]: K is read once per group, never repeated).
     """
-    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None)
+    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None) if check else _dims(q, k, v)
     qg = q.reshape(B, Hkv, G, D).float()
     s = torch.matmul(qg, k.float().transpose(-1, -2)) * float(scale)  # [B, Hkv, G, N]
     if mask is not None:
@@ -400,27 +420,32 @@ def _is_interpreted(fn) -> bool:
     return type(fn).__name__ == "InterpretedFunction"
 
 
-def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None) -> torch.Tensor:
+def decode_attention_triton(q, k, v, *, scale, mask=None, num_splits=None, check: bool = True) -> torch.Tensor:
     """Split-KV flash-decoding in Triton (CUDA tensors, or any tensors under TRITON_INTERPRET=1).
 
     ``num_splits``: keys are cut into that many slices, each handled by its own program per
     (batch row, KV head); None picks it with :func:`pick_num_splits`. It is clamped so that no split
     is empty (at most one split per BLOCK_N tile).
     """
-    (B, Hq, Hkv, G, N, D, Dv), q, k, v = _triton_inputs(q, k, v, scale, mask, num_splits, "decode_attention")
+    (B, Hq, Hkv, G, N, D, Dv), q, k, v = _triton_inputs(
+        q, k, v, scale, mask, num_splits, "decode_attention", check
+    )
     return _split_kv_attention(q, k, v, mask, scale=scale, num_splits=num_splits, n_keys=N)
 
 
-def _triton_inputs(q, k, v, scale, mask, num_splits, name):
-    """Checks the shared contract and that Triton can run; returns the dims and unit-stride q, k, v."""
-    if triton is None:
-        raise KernelUnavailableError(f"{name}_triton needs triton, which is not installed")
-    dims = _check_inputs(q, k, v, scale, mask, num_splits)
-    if not q.is_cuda and not _is_interpreted(_decode_split_kernel):
-        raise KernelUnavailableError(
-            f"{name}_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import; use "
-            f"{name}_torch"
-        )
+def _triton_inputs(q, k, v, scale, mask, num_splits, name, check=True):
+    """Checks the shared contract and that Triton can run (``check``); returns the dims and unit-stride q, k, v."""
+    if not check:
+        dims = _dims(q, k, v)
+    else:
+        if triton is None:
+            raise KernelUnavailableError(f"{name}_triton needs triton, which is not installed")
+        dims = _check_inputs(q, k, v, scale, mask, num_splits)
+        if not q.is_cuda and not _is_interpreted(_decode_split_kernel):
+            raise KernelUnavailableError(
+                f"{name}_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import; "
+                f"use {name}_torch"
+            )
     # The kernel assumes unit stride along the head dim; other strides are passed through.
     return dims, *(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
 
@@ -581,7 +606,7 @@ def _merge_partials(partials, dtype, dv_pad, lse=None) -> torch.Tensor:
 
 
 def decode_attention_with_mass_triton(
-    q, k, v, *, scale, mask=None, num_splits=None
+    q, k, v, *, scale, mask=None, num_splits=None, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_attention_triton` plus per-key attention mass [B, Hkv, N] float32.
 
@@ -590,7 +615,7 @@ def decode_attention_with_mass_triton(
     second pass over K; the group sum is done in torch.
     """
     (B, Hq, Hkv, G, N, D, Dv), q, k, v = _triton_inputs(
-        q, k, v, scale, mask, num_splits, "decode_attention_with_mass"
+        q, k, v, scale, mask, num_splits, "decode_attention_with_mass", check
     )
 
     plan = _plan_splits(q, Hkv, Dv, N, num_splits)

@@ -29,6 +29,13 @@ them. Slots written twice in one call: which value lands is unspecified.
 The Triton paths check shapes, dtypes and devices but not the values inside the block table or the
 slot mapping (that needs a host sync): a block id outside 0..num_blocks-1 in a column that is read
 counts as a masked key there (the twin raises ShapeError), never as an out-of-bounds read.
+
+``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates as above.
+False skips every check (types, shapes, dtypes, devices, ranges, ``num_splits``, whether Triton can
+run) and the twins' host reads of table and slot values: sizes come off the shapes only, and no path
+reads a tensor value on the host. For callers whose inputs are valid by construction (the caches'
+storages); they guarantee that every block id the attention reads is in 0..num_blocks-1 and that
+every slot of a store is in 0..num_blocks*block_size-1 (no -1). Invalid input is undefined behaviour.
 """
 
 from __future__ import annotations
@@ -114,7 +121,13 @@ def _check_pools(k_pool, v_pool) -> tuple[int, int, int, int, int]:
             f"block_size={bs} (pool dim 2) is not supported; expected a power of two in "
             f"{MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}"
         )
-    return nb, hkv, bs, d, dv
+    return _pool_dims(k_pool, v_pool)
+
+
+def _pool_dims(k_pool, v_pool) -> tuple[int, int, int, int, int]:
+    """(num_blocks, Hkv, block_size, D, Dv) read off the shapes, no checks."""
+    nb, hkv, bs, d = k_pool.shape
+    return nb, hkv, bs, d, v_pool.shape[3]
 
 
 def _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits):
@@ -174,6 +187,13 @@ def _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale
 
     _check_mask_and_scale(mask, scale, (B, length), "[B, length]", q.device, "q and the pools")
     _check_num_splits(num_splits)
+    return _attention_dims(q, k_pool, v_pool)
+
+
+def _attention_dims(q, k_pool, v_pool) -> tuple[int, int, int, int, int, int, int, int]:
+    """(B, Hq, Hkv, G, D, Dv, block_size, num_blocks) read off the shapes, no checks."""
+    B, Hq, D = q.shape
+    nb, Hkv, bs, _, Dv = _pool_dims(k_pool, v_pool)
     return B, Hq, Hkv, Hq // Hkv, D, Dv, bs, nb
 
 
@@ -209,6 +229,13 @@ def _check_store_inputs(k_pool, v_pool, keys, values, slot_mapping) -> tuple[int
         raise ShapeError(f"slot_mapping shape must be [B, n] = [{B}, {n}], got {list(slot_mapping.shape)}")
     if slot_mapping.device != k_pool.device:
         raise DeviceError(f"slot_mapping is on {slot_mapping.device}, the pools on {k_pool.device}")
+    return _store_dims(k_pool, keys)
+
+
+def _store_dims(k_pool, keys) -> tuple[int, int, int, int]:
+    """(B, n, block_size, num_blocks) read off the shapes, no checks."""
+    B, _, n, _ = keys.shape
+    nb, _, bs, _ = k_pool.shape
     return B, n, bs, nb
 
 
@@ -232,36 +259,38 @@ def _check_runnable(name: str, device: torch.device) -> None:
 
 
 def paged_decode_attention(
-    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, num_splits=None
+    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, num_splits=None, check: bool = True
 ) -> torch.Tensor:
     """Paged decode attention; CUDA tensors run the Triton kernel, other devices the torch twin.
 
     ``num_splits`` only affects the Triton path (None = automatic, see ``pick_num_splits``).
+    ``check=False``: the caller guarantees the contract (see the module docstring).
     """
-    if isinstance(q, torch.Tensor) and q.is_cuda:
+    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
         return paged_decode_attention_triton(
             q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask,
-            num_splits=num_splits,
+            num_splits=num_splits, check=check,
         )
-    _check_num_splits(num_splits)
+    if check:
+        _check_num_splits(num_splits)
     return paged_decode_attention_torch(
-        q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask
+        q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask, check=check
     )
 
 
 def paged_decode_attention_triton(
-    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, num_splits=None
+    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, num_splits=None, check: bool = True
 ) -> torch.Tensor:
     """Split-KV flash-decoding over the pools (CUDA tensors, or any tensors under TRITON_INTERPRET=1).
 
     ``num_splits``: the ``length`` keys are cut into that many slices (clamped so none is empty);
     None picks it with ``pick_num_splits``.
     """
-    _check_triton("paged_decode_attention_triton")
-    _, _, _, _, _, _, bs, _ = _check_attention_inputs(
-        q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits
-    )
-    _check_runnable("paged_decode_attention_triton", q.device)
+    if check:
+        _check_triton("paged_decode_attention_triton")
+        _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits)
+        _check_runnable("paged_decode_attention_triton", q.device)
+    bs = k_pool.shape[2]
     # The kernel assumes unit stride along the head dim (the pools are copied only if they lack it).
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -273,6 +302,17 @@ def paged_decode_attention_triton(
         q, k_pool, v_pool, mask, scale=scale, num_splits=num_splits, n_keys=length,
         block_table=block_table, start=start, block_size=bs,
     )
+
+
+def _check_block_ids(used, nb, first_col, end_col, start, length) -> None:
+    """The twins' check that the table columns read (``used``) hold block ids 0..nb-1 (reads the table)."""
+    lo_id, hi_id = int(used.min()), int(used.max())
+    if lo_id < 0 or hi_id >= nb:
+        bad = lo_id if lo_id < 0 else hi_id
+        raise ShapeError(
+            f"block_table holds block id {bad} in the columns read ({first_col}..{end_col - 1}, tokens "
+            f"{start}..{start + length - 1}); the pools have {nb} blocks (ids 0..{nb - 1})"
+        )
 
 
 def _gather_chunk(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -291,27 +331,24 @@ def _gather_chunk(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | No
 
 
 def paged_decode_attention_torch(
-    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None
+    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, check: bool = True
 ) -> torch.Tensor:
     """Plain-torch twin: walks the table a chunk of blocks at a time, online softmax in float32.
 
     Each chunk (up to TWIN_CHUNK_TOKENS keys) of all rows and KV heads is gathered with one
     index_select per pool, then q k^T and p v run as batched matmuls over (row, KV head) with the
     query group as the rows. Also checks that the table columns it reads hold block ids of the pool
-    (ShapeError otherwise).
+    (ShapeError otherwise; a host read of the table, skipped with ``check=False``).
     """
-    B, Hq, Hkv, G, D, Dv, bs, nb = _check_attention_inputs(
-        q, k_pool, v_pool, block_table, start, length, scale, mask, None
-    )
+    if check:
+        dims = _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, None)
+    else:
+        dims = _attention_dims(q, k_pool, v_pool)
+    B, Hq, Hkv, G, D, Dv, bs, nb = dims
     first_col, end_col = start // bs, (start + length - 1) // bs + 1
     used = block_table[:, first_col:end_col]
-    lo_id, hi_id = int(used.min()), int(used.max())
-    if lo_id < 0 or hi_id >= nb:
-        bad = lo_id if lo_id < 0 else hi_id
-        raise ShapeError(
-            f"block_table holds block id {bad} in the columns read ({first_col}..{end_col - 1}, tokens "
-            f"{start}..{start + length - 1}); the pools have {nb} blocks (ids 0..{nb - 1})"
-        )
+    if check:
+        _check_block_ids(used, nb, first_col, end_col, start, length)
 
     dev = q.device
     # Scores in the log2 domain, as in the kernel: exp2 is cheaper than exp on CPUs too.
@@ -367,16 +404,29 @@ def paged_decode_attention_torch(
 # ---------------------------------------------------------------------------------------------------
 
 
-def paged_store(k_pool, v_pool, keys, values, slot_mapping) -> None:
-    """Write new K/V into their pool slots in place; CUDA tensors run Triton, others the torch twin."""
-    if isinstance(k_pool, torch.Tensor) and k_pool.is_cuda:
-        paged_store_triton(k_pool, v_pool, keys, values, slot_mapping)
+def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:
+    """Write new K/V into their pool slots in place; CUDA tensors run Triton, others the torch twin.
+
+    ``check=False``: the caller guarantees the contract, every slot in 0..num_blocks*block_size-1
+    (no -1; see the module docstring).
+    """
+    if (not check or isinstance(k_pool, torch.Tensor)) and k_pool.is_cuda:
+        paged_store_triton(k_pool, v_pool, keys, values, slot_mapping, check=check)
     else:
-        paged_store_torch(k_pool, v_pool, keys, values, slot_mapping)
+        paged_store_torch(k_pool, v_pool, keys, values, slot_mapping, check=check)
 
 
-def paged_store_torch(k_pool, v_pool, keys, values, slot_mapping) -> None:
-    """Plain-torch twin of the store: one index_put per pool; rejects slots outside the pool."""
+def paged_store_torch(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:
+    """Plain-torch twin of the store: one index_put per pool; rejects slots outside the pool.
+
+    ``check=False`` reads no slot value: every slot must be in 0..num_blocks*block_size-1 (no -1, which
+    would land in the last block), and the rows are written straight through with no skip.
+    """
+    if not check:
+        B, n, bs, _ = _store_dims(k_pool, keys)
+        if B * n:
+            _store_rows(k_pool, v_pool, keys, values, slot_mapping.reshape(-1), None, B, n, bs)
+        return
     B, n, bs, nb = _check_store_inputs(k_pool, v_pool, keys, values, slot_mapping)
     if B * n == 0:
         return
@@ -392,6 +442,11 @@ def paged_store_torch(k_pool, v_pool, keys, values, slot_mapping) -> None:
         flat = flat[take]
     else:
         take = None
+    _store_rows(k_pool, v_pool, keys, values, flat, take, B, n, bs)
+
+
+def _store_rows(k_pool, v_pool, keys, values, flat, take, B, n, bs) -> None:
+    """Write token rows (index ``take`` of the (b, i) rows, or all) to slots ``flat`` (int64, in the pool)."""
     blocks, offsets = flat // bs, flat % bs
     for pool, src in ((k_pool, keys), (v_pool, values)):
         rows = src.transpose(1, 2).reshape(B * n, src.shape[1], src.shape[3])  # [(b, i), Hkv, dim]
@@ -401,15 +456,18 @@ def paged_store_torch(k_pool, v_pool, keys, values, slot_mapping) -> None:
         pool[blocks, :, offsets] = rows
 
 
-def paged_store_triton(k_pool, v_pool, keys, values, slot_mapping) -> None:
+def paged_store_triton(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:
     """Triton store (CUDA tensors, or any tensors under TRITON_INTERPRET=1): a bit-exact copy.
 
     One program per (tile of STORE_BLOCK_T tokens, batch row, KV head) copies the K and V rows of its
     tokens. Slots outside 0..num_blocks*block_size-1 (-1 = skip) are not written.
     """
-    _check_triton("paged_store_triton")
-    B, n, bs, nb = _check_store_inputs(k_pool, v_pool, keys, values, slot_mapping)
-    _check_runnable("paged_store_triton", k_pool.device)
+    if check:
+        _check_triton("paged_store_triton")
+        B, n, bs, nb = _check_store_inputs(k_pool, v_pool, keys, values, slot_mapping)
+        _check_runnable("paged_store_triton", k_pool.device)
+    else:
+        B, n, bs, nb = _store_dims(k_pool, keys)
     if B * n == 0:
         return
     # Copy raw bits (same element size, any strides): no float conversion, exact for every dtype.

@@ -46,6 +46,13 @@ followed by the residual.
 
 ``num_splits`` (Triton only; None = automatic, see ``decode_attention.pick_num_splits``) cuts the
 quantized segment and the residual each into at most that many slices (never an empty one).
+
+``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates the whole
+contract above. False skips all of it (types, shapes, dtypes, devices, format and range checks,
+``num_splits``, whether Triton can run) and the twin's host read of the block ids it uses: sizes come
+off the shapes only, and no path reads a tensor value on the host. For callers whose inputs are valid
+by construction (the caches' storages), who guarantee every block id read is in 0..num_blocks-1.
+Invalid input is undefined behaviour.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from hf_kvplus.kernels.decode_attention import (
     _merge_partials,
     _plan_splits,
 )
-from hf_kvplus.kernels.paged_attention import _is_int
+from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 
 try:
@@ -246,7 +253,18 @@ def _check_inputs(
 
     _check_mask_and_scale(mask, scale, (B, length + R), "[B, length + R]", dev, "q and the packed K/V")
     _check_num_splits(num_splits)
-    return _Info(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, D=D, Dv=Dv, R=R, T=T, paged=paged, num_blocks=L)
+    return _dims(q, packed, fmt, residual_k, block_table)
+
+
+def _dims(q, packed, fmt, residual_k, block_table) -> _Info:
+    """The sizes of :class:`_Info` read off the shapes, no checks (``_check_inputs`` validates first)."""
+    B, Hq, D = q.shape
+    L, Hkv, T, _ = packed.k.shape
+    R = 0 if residual_k is None else residual_k.shape[2]
+    return _Info(
+        B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, D=D, Dv=packed.v.shape[-1] * fmt.per_byte, R=R, T=T,
+        paged=block_table is not None, num_blocks=L,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,15 +285,19 @@ def quantized_decode_attention(
     mask=None,
     block_table=None,
     num_splits=None,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin."""
+    """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin.
+
+    ``check=False``: the caller guarantees the contract (see the module docstring).
+    """
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table,
+        block_table=block_table, num_splits=num_splits, check=check,
     )  # fmt: skip
-    if isinstance(q, torch.Tensor) and q.is_cuda:
-        return quantized_decode_attention_triton(q, packed, fmt, **kw, num_splits=num_splits)
-    return quantized_decode_attention_torch(q, packed, fmt, **kw, num_splits=num_splits)
+    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
+        return quantized_decode_attention_triton(q, packed, fmt, **kw)
+    return quantized_decode_attention_torch(q, packed, fmt, **kw)
 
 
 def quantized_decode_attention_triton(
@@ -291,18 +313,24 @@ def quantized_decode_attention_triton(
     mask=None,
     block_table=None,
     num_splits=None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Split-KV flash-decoding over the codes in place (CUDA tensors, or any under TRITON_INTERPRET=1)."""
-    if triton is None:
-        raise KernelUnavailableError("quantized_decode_attention_triton needs triton, which is not installed")
-    info = _check_inputs(
-        q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
-    )
-    if not q.is_cuda and not _is_interpreted(_quant_split_kernel):
-        raise KernelUnavailableError(
-            f"quantized_decode_attention_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set "
-            "before import; use quantized_decode_attention_torch"
+    if check:
+        if triton is None:
+            raise KernelUnavailableError(
+                "quantized_decode_attention_triton needs triton, which is not installed"
+            )
+        info = _check_inputs(
+            q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
         )
+        if not q.is_cuda and not _is_interpreted(_quant_split_kernel):
+            raise KernelUnavailableError(
+                f"quantized_decode_attention_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 "
+                "set before import; use quantized_decode_attention_torch"
+            )
+    else:
+        info = _dims(q, packed, fmt, residual_k, block_table)
     if q.stride(-1) != 1:
         q = q.contiguous()
     R, Dv = info.R, info.Dv
@@ -634,31 +662,31 @@ def quantized_decode_attention_torch(
     mask=None,
     block_table=None,
     num_splits=None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Plain-torch twin: dequantizes a chunk at a time, online softmax in float32 across the chunks.
 
-    ``num_splits`` is validated and otherwise ignored (it only shapes the Triton launch).
+    ``num_splits`` is validated (with ``check``) and otherwise ignored (it only shapes the Triton launch).
 
     Each chunk (about TWIN_CHUNK_TOKENS keys of all rows and KV heads) is dequantized with
     ``quant_format.dequantize_keys/values`` (paged: its blocks gathered first), then q k^T and p v run
     as batched matmuls over (row, KV head) with the query group as the rows. Paged: also checks that
-    the table columns it reads hold block ids of the pool (ShapeError otherwise).
+    the table columns it reads hold block ids of the pool (ShapeError otherwise; a host read of the
+    table, skipped with ``check=False``).
     """
-    info = _check_inputs(
-        q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
-    )
-    B, Hq, Hkv, G, D, Dv, R = info.B, info.Hq, info.Hkv, info.G, info.D, info.Dv, info.R
-    if info.paged and length > 0:
-        bs, nb = info.T, info.num_blocks
-        first_col, end_col = start // bs, (start + length - 1) // bs + 1
-        used = block_table[:, first_col:end_col]
-        lo_id, hi_id = int(used.min()), int(used.max())
-        if lo_id < 0 or hi_id >= nb:
-            bad = lo_id if lo_id < 0 else hi_id
-            raise ShapeError(
-                f"block_table holds block id {bad} in the columns read ({first_col}..{end_col - 1}, tokens "
-                f"{start}..{start + length - 1}); the pools have {nb} blocks (ids 0..{nb - 1})"
+    if check:
+        info = _check_inputs(
+            q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+        )
+        if info.paged and length > 0:
+            bs = info.T
+            first_col, end_col = start // bs, (start + length - 1) // bs + 1
+            _check_block_ids(
+                block_table[:, first_col:end_col], info.num_blocks, first_col, end_col, start, length
             )
+    else:
+        info = _dims(q, packed, fmt, residual_k, block_table)
+    B, Hq, Hkv, G, D, Dv, R = info.B, info.Hq, info.Hkv, info.G, info.D, info.Dv, info.R
 
     # Scores in the log2 domain, as in the kernel.
     qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)

@@ -47,6 +47,12 @@ gather). Both run the twin's float32 arithmetic op by op:
 
 Inputs beyond float16's range (possible in bfloat16/float32) give infinite scales or zero points, as
 in the twins; NaN inputs give unspecified codes.
+
+``check`` (keyword, every entry point; the dispatchers pass it on): True (the default) validates the
+contract above. False skips it (``fmt``, x's type, dtype and shape, ``out``'s tensors, whether Triton
+can run): sizes come off x's shape only. For callers whose inputs are valid by construction (the
+caches' storages); invalid input is then undefined behaviour. No path reads a tensor value on the host.
+(The twins are ``quant_format``'s functions, which keep their own few shape checks.)
 """
 
 from __future__ import annotations
@@ -166,14 +172,15 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _dispatch(x, fmt, out, kind: str, triton_fn, twin):
-    if isinstance(x, torch.Tensor) and x.is_cuda:
-        return triton_fn(x, fmt, out=out)
-    _check_fmt(fmt)
+def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
+    if (not check or isinstance(x, torch.Tensor)) and x.is_cuda:
+        return triton_fn(x, fmt, out=out, check=check)
+    if check:
+        _check_fmt(fmt)
     result = twin(x, fmt)
     if out is None:
         return result
-    codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device)
+    codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device) if check else out
     codes.copy_(result[0])
     scale.copy_(result[1])
     if zero is not None:
@@ -181,22 +188,24 @@ def _dispatch(x, fmt, out, kind: str, triton_fn, twin):
     return codes, scale, zero
 
 
-def quantize_keys(x, fmt: QuantFormat, out=None):
+def quantize_keys(x, fmt: QuantFormat, out=None, *, check: bool = True):
     """Keys [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
     The Triton path needs 4-d keys [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
-    results are written into it (see the module doc) and ``out``'s tensors are returned.
+    results are written into it (see the module doc) and ``out``'s tensors are returned. ``check=False``:
+    the caller guarantees the contract (see the module doc).
     """
-    return _dispatch(x, fmt, out, "keys", quantize_keys_triton, quantize_keys_torch)
+    return _dispatch(x, fmt, out, "keys", quantize_keys_triton, quantize_keys_torch, check)
 
 
-def quantize_values(x, fmt: QuantFormat, out=None):
+def quantize_values(x, fmt: QuantFormat, out=None, *, check: bool = True):
     """Values [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
     The Triton path needs 4-d values [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
-    results are written into it (see the module doc) and ``out``'s tensors are returned.
+    results are written into it (see the module doc) and ``out``'s tensors are returned. ``check=False``:
+    the caller guarantees the contract (see the module doc).
     """
-    return _dispatch(x, fmt, out, "values", quantize_values_triton, quantize_values_torch)
+    return _dispatch(x, fmt, out, "values", quantize_values_triton, quantize_values_torch, check)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -416,15 +425,18 @@ if triton is not None:
         tl.store(c_ptrs, packed.to(tl.uint8), mask=t_ok[:, None] & j_ok[None, :])
 
 
-def _prepare(x, fmt, out, kind: str, kernel):
-    if triton is None:
-        raise KernelUnavailableError(f"quantize_{kind}_triton needs triton, which is not installed")
-    shape = _check_inputs(x, fmt, out, kind)
-    if not x.is_cuda and not _is_interpreted(kernel):
-        raise KernelUnavailableError(
-            f"quantize_{kind}_triton needs CUDA tensors (got {x.device}) or TRITON_INTERPRET=1 set before "
-            f"import; use quantize_{kind}"
-        )
+def _prepare(x, fmt, out, kind: str, kernel, check: bool):
+    if not check:
+        shape = tuple(x.shape)
+    else:
+        if triton is None:
+            raise KernelUnavailableError(f"quantize_{kind}_triton needs triton, which is not installed")
+        shape = _check_inputs(x, fmt, out, kind)
+        if not x.is_cuda and not _is_interpreted(kernel):
+            raise KernelUnavailableError(
+                f"quantize_{kind}_triton needs CUDA tensors (got {x.device}) or TRITON_INTERPRET=1 set before "
+                f"import; use quantize_{kind}"
+            )
     if out is None:
         out = _new_out(kind, shape, fmt, x.device)
     codes, scale, zero = out
@@ -437,9 +449,9 @@ def _strides(t) -> tuple[int, int, int, int]:
     return tuple(t.stride())
 
 
-def quantize_keys_triton(x, fmt: QuantFormat, out=None):
+def quantize_keys_triton(x, fmt: QuantFormat, out=None, *, check: bool = True):
     """Keys [B, H, T, D] -> (codes, scale, zero) with the Triton kernel (see the module doc)."""
-    (B, H, T, D), (codes, scale, zero), zero_arg = _prepare(x, fmt, out, "keys", _quant_keys_kernel)
+    (B, H, T, D), (codes, scale, zero), zero_arg = _prepare(x, fmt, out, "keys", _quant_keys_kernel, check)
     if B * H * T == 0:
         return codes, scale, zero
     per = fmt.per_byte
@@ -472,9 +484,11 @@ def quantize_keys_triton(x, fmt: QuantFormat, out=None):
     return codes, scale, zero
 
 
-def quantize_values_triton(x, fmt: QuantFormat, out=None):
+def quantize_values_triton(x, fmt: QuantFormat, out=None, *, check: bool = True):
     """Values [B, H, T, D] -> (codes, scale, zero) with the Triton kernel (see the module doc)."""
-    (B, H, T, D), (codes, scale, zero), zero_arg = _prepare(x, fmt, out, "values", _quant_values_kernel)
+    (B, H, T, D), (codes, scale, zero), zero_arg = _prepare(
+        x, fmt, out, "values", _quant_values_kernel, check
+    )
     if B * H * T == 0:
         return codes, scale, zero
     per = fmt.per_byte

@@ -18,9 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 #: Ops whose result the host must read (or whose output shape depends on tensor values).
 SYNC_OPS = {
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default, aten.masked_select.default,
-    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
+    aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default,
+    aten.equal.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
+    aten.unique_consecutive.default, aten.unique_dim.default, aten.unique_dim_consecutive.default,
+    aten.repeat_interleave.Tensor,
 }  # fmt: skip
+#: Ops that sync when indexed with a bool mask (its count of True decides the shape).
+BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
 __all__ = ["SYNC_OPS", "SyncCounter", "count_cache_calls", "count_syncs"]
 
@@ -36,8 +40,9 @@ class SyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SYNC_OPS:
             self.counts[func.overloadpacket.__name__] += 1
-        elif func is aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])
+        elif func in BOOL_INDEX_OPS and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in (args[1] if len(args) > 1 else [])
         ):
             self.counts["index with a bool mask"] += 1
         return func(*args, **kwargs)
