@@ -162,14 +162,23 @@ def decode_attention(q, k, v, *, scale, mask=None, num_splits=None, check: bool 
 
 def decode_attention_torch(q, k, v, *, scale, mask=None, check: bool = True) -> torch.Tensor:
     """Plain-torch twin: SDPA with the query group of each KV head packed as the query length."""
-    B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None) if check else _dims(q, k, v)
-    qg = q.reshape(B, Hkv, G, D)
-    attn_mask = None if mask is None else mask.view(B, 1, 1, N)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=float(scale))
+    if check:
+        _check_inputs(q, k, v, scale, mask, None)
+    return grouped_sdpa(q, k, v, mask, scale).contiguous()
+
+
+def grouped_sdpa(q, k, v, mask, scale) -> torch.Tensor:
+    """SDPA of q [B, Hq, D] over k/v [B, Hkv, N, D|Dv] with each KV head's query group packed as the
+    query length (K/V read once per group), in the dtype of q/k/v; fully masked rows give zeros.
+    The twins' one-shot path: on a short context the op count is the cost."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    attn_mask = None if mask is None else mask.view(B, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k, v, attn_mask=attn_mask, scale=float(scale))
     if mask is not None:
         # Some SDPA backends/versions give NaN for rows with no key to attend to; the contract is zeros.
         out = out.masked_fill(~mask.any(dim=-1).view(B, 1, 1, 1), 0.0)
-    return out.reshape(B, Hq, Dv).contiguous()
+    return out.reshape(B, Hq, v.shape[-1])
 
 
 def decode_attention_with_mass(

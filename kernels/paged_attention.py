@@ -51,6 +51,7 @@ from hf_kvplus.kernels.decode_attention import (
     _check_num_splits,
     _is_interpreted,
     _split_kv_attention,
+    grouped_sdpa,
 )
 
 try:
@@ -333,7 +334,8 @@ def _gather_chunk(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | No
 def paged_decode_attention_torch(
     q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, check: bool = True
 ) -> torch.Tensor:
-    """Plain-torch twin: walks the table a chunk of blocks at a time, online softmax in float32.
+    """Plain-torch twin: walks the table a chunk of blocks at a time, online softmax in float32 (a
+    single chunk is one float32 SDPA).
 
     Each chunk (up to TWIN_CHUNK_TOKENS keys) of all rows and KV heads is gathered with one
     index_select per pool, then q k^T and p v run as batched matmuls over (row, KV head) with the
@@ -351,18 +353,24 @@ def paged_decode_attention_torch(
         _check_block_ids(used, nb, first_col, end_col, start, length)
 
     dev = q.device
-    # Scores in the log2 domain, as in the kernel: exp2 is cheaper than exp on CPUs too.
-    qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)
-    # Additive mask: 0 where attended, -inf where masked (exp2(-inf - finite max) = 0).
-    bias = None
-    if mask is not None:
-        bias = torch.zeros(B, length, dtype=torch.float32, device=dev).masked_fill_(~mask, float("-inf"))
     used = used.long()
     flat_k, flat_v = k_pool.is_contiguous(), v_pool.is_contiguous()
     if flat_k or flat_v:
         heads = torch.arange(Hkv, device=dev)
         all_rows = used[:, None, :] * Hkv + heads[None, :, None]  # [B, Hkv, used columns]
     cols_per_chunk = max(1, TWIN_CHUNK_TOKENS // bs)
+    if end_col - first_col <= cols_per_chunk:  # one chunk: one float32 SDPA (fewer ops than the online softmax)
+        rows = all_rows.reshape(-1) if flat_k or flat_v else None
+        lo = start - first_col * bs
+        kc = _gather_chunk(k_pool, used, rows if flat_k else None)[:, :, lo : lo + length]
+        vc = _gather_chunk(v_pool, used, rows if flat_v else None)[:, :, lo : lo + length]
+        return grouped_sdpa(q.float(), kc.float(), vc.float(), mask, scale).to(q.dtype)
+    # Scores in the log2 domain, as in the kernel: exp2 is cheaper than exp on CPUs too.
+    qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)
+    # Additive mask: 0 where attended, -inf where masked (exp2(-inf - finite max) = 0).
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(B, length, dtype=torch.float32, device=dev).masked_fill_(~mask, float("-inf"))
     m_run = l_run = acc = None
     for c in range(first_col, end_col, cols_per_chunk):
         c_end = min(c + cols_per_chunk, end_col)

@@ -57,6 +57,8 @@ Invalid input is undefined behaviour.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
@@ -72,6 +74,7 @@ from hf_kvplus.kernels.decode_attention import (
     _launch_split,
     _merge_partials,
     _plan_splits,
+    grouped_sdpa,
 )
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
@@ -664,7 +667,8 @@ def quantized_decode_attention_torch(
     num_splits=None,
     check: bool = True,
 ) -> torch.Tensor:
-    """Plain-torch twin: dequantizes a chunk at a time, online softmax in float32 across the chunks.
+    """Plain-torch twin: dequantizes a chunk at a time, online softmax in float32 across the chunks
+    (keys that fit one chunk, residual included, go through one float32 SDPA).
 
     ``num_splits`` is validated (with ``check``) and otherwise ignored (it only shapes the Triton launch).
 
@@ -688,6 +692,11 @@ def quantized_decode_attention_torch(
         info = _dims(q, packed, fmt, residual_k, block_table)
     B, Hq, Hkv, G, D, Dv, R = info.B, info.Hq, info.Hkv, info.G, info.D, info.Dv, info.R
 
+    chunks = _quant_chunks(packed, fmt, info, start, length, block_table) if length > 0 else iter(())
+    head = list(itertools.islice(chunks, 2))
+    if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2:
+        return _one_shot(q, fmt, info, head[0] if head else None, start, length, residual_k, residual_v, mask, scale)
+
     # Scores in the log2 domain, as in the kernel.
     qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)
     bias = None
@@ -698,16 +707,9 @@ def quantized_decode_attention_torch(
         )
     state = [None, None, None]  # running max, sum, accumulator
 
-    end = start + length
-    if length > 0:
-        for t0, t1, (kc, ks, kz, vc, vs, vz) in _quant_chunks(packed, fmt, info, start, length, block_table):
-            lo, hi = max(start, t0) - t0, min(end, t1) - t0  # the attended keys of the chunk
-            k = dequantize_keys(kc, ks, kz, fmt)[:, :, lo:hi]
-            v = dequantize_values(
-                vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi], fmt
-            )
-            n0 = t0 + lo - start
-            _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + hi - lo])
+    for chunk in itertools.chain(head, chunks):
+        n0, k, v = _dequantized_chunk(chunk, fmt, start, length)
+        _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]])
     for r0 in range(0, R, TWIN_CHUNK_TOKENS):
         r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
         k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()
@@ -717,6 +719,30 @@ def quantized_decode_attention_torch(
     # Every key masked: acc and l are both 0; output zeros instead of 0/0.
     out = acc.div_(torch.where(l_run > 0, l_run, 1.0)[..., None])
     return out.reshape(B, Hq, Dv).to(q.dtype)
+
+
+def _dequantized_chunk(chunk, fmt, start, length):
+    """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys."""
+    t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
+    lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
+    k = dequantize_keys(kc, ks, kz, fmt)[:, :, lo:hi]
+    v = dequantize_values(vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi], fmt)
+    return t0 + lo - start, k, v
+
+
+def _one_shot(q, fmt, info, chunk, start, length, residual_k, residual_v, mask, scale) -> torch.Tensor:
+    """All keys in one chunk: dequantize them, append the residual, one float32 SDPA (a short context's
+    host cost is its op count, about half the online-softmax path's)."""
+    ks, vs = [], []
+    if chunk is not None:
+        _, k, v = _dequantized_chunk(chunk, fmt, start, length)
+        ks.append(k)
+        vs.append(v)
+    if info.R:
+        ks.append(residual_k.float())
+        vs.append(residual_v.float())
+    k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+    return grouped_sdpa(q.float(), k, v, mask, scale).to(q.dtype)
 
 
 def _online_step(state, qg, k, v, bias) -> None:

@@ -27,7 +27,7 @@ def dense_attention(module, query, keys, values, attention_mask, scaling, dropou
     if query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None and kwargs.get("position_bias") is None:
         mask = decode_mask(attention_mask, query.shape[0])
         if mask is not False:
-            out = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=mask)
+            out = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=mask, check=False)
             return out.unsqueeze(1)
     out, _ = sdpa_attention_forward(
         module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs

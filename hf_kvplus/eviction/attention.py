@@ -46,9 +46,11 @@ def slot_attention(
     q = query.shape[2]
     if q == 1:
         if mass_queries:
-            out, mass = decode_attention_with_mass(query[:, :, 0], keys, values, scale=scaling, mask=valid)
+            out, mass = decode_attention_with_mass(
+                query[:, :, 0], keys, values, scale=scaling, mask=valid, check=False
+            )
         else:
-            out, mass = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=valid), None
+            out, mass = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=valid, check=False), None
         return out.unsqueeze(1), mass
     head = q - mass_queries  # the first queries need their output only: SDPA
     parts = [_sdpa_rows(query[:, :, :head], keys, values, valid, scaling, q)] if head else []

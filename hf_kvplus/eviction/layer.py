@@ -131,11 +131,10 @@ class EvictingLayer(PlacedLayer):
         if padding is not None:
             self.store.mark_padding(padding)
             self._learn_first_real(new)
-        held_keys, held_values = self.store.view()
+        # `keys`/`values` are the very tensors `update` returned (the key carries this layer): the slots'
+        # dense view, which marking padding left unchanged; dequantizing it again would double the work.
         valid = self.store.positions[:, 0] != PAD if self._padded else None
-        out, mass = slot_attention(
-            query, held_keys, held_values, valid, scaling, mass_queries=self.policy.mass_queries(new)
-        )
+        out, mass = slot_attention(query, keys, values, valid, scaling, mass_queries=self.policy.mass_queries(new))
         if mass is not None:
             self.policy.observe(self.store, mass, new)
         self._awaiting_attention = False

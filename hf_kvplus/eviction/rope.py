@@ -80,29 +80,43 @@ class RotaryShift:
         every row).
 
         Computed in float64 for the angles and float32 for the product, returned in `keys.dtype`. A
-        tensor shift stays on the device; an int's cos and sin are kept for the next call (every layer of
+        tensor shift stays on the device; an int's factors are kept for the next call (every layer of
         a step asks for the same).
         """
         if keys.ndim != 4 or keys.shape[-1] != self.head_dim:
             raise ShapeError(f"expected keys [batch, heads, n, {self.head_dim}], got {tuple(keys.shape)}")
         if isinstance(shift, torch.Tensor) and shift.shape != keys.shape[:1]:
             raise ShapeError(f"expected one shift per batch row ({keys.shape[0]}), got shape {tuple(shift.shape)}")
-        cos, sin = self._cos_sin(shift, keys.device)
+        return self.rotate_prepared(self.prepare(keys), shift, keys.dtype)
+
+    def prepare(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, their rotate-half partner) in float32: what `rotate_prepared` needs, for keys rotated often."""
         half = self.rotary_dim // 2
         x = keys.float()
         x1, x2, rest = x[..., :half], x[..., half : self.rotary_dim], x[..., self.rotary_dim :]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-        return rotated.to(keys.dtype)
+        return x, torch.cat((-x2, x1, torch.zeros_like(rest)), dim=-1)
 
-    def _cos_sin(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the shift's angles, `[batch or 1, 1, 1, rotary_dim / 2]` float32 on `device`."""
+    def rotate_prepared(self, prepared: tuple[torch.Tensor, torch.Tensor], shift, dtype: torch.dtype) -> torch.Tensor:
+        """`rotate` of keys already `prepare`d: x * cos + partner * sin (three ops per call)."""
+        x, partner = prepared
+        cos, sin = self._factors(shift, x.device)
+        return torch.addcmul(x * cos, partner, sin).to(dtype)
+
+    def _factors(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on
+        `device`: each angle twice (both halves), then 1 and 0 on the channels that do not rotate."""
         if isinstance(shift, torch.Tensor):
-            angles = shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :]
-            return angles.cos().float()[:, None, None, :], angles.sin().float()[:, None, None, :]
+            return self._full(shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :])
         if self._last is None or self._last[:2] != (shift, device):
-            angles = shift * self.inv_freq[None, :]
-            self._last = (shift, device, *(t.float().to(device)[:, None, None, :] for t in (angles.cos(), angles.sin())))
+            cos, sin = self._full(shift * self.inv_freq[None, :])
+            self._last = (shift, device, cos.to(device), sin.to(device))
         return self._last[2], self._last[3]
+
+    def _full(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rest = self.head_dim - self.rotary_dim
+        cos = torch.cat((angles.cos(), angles.cos(), angles.new_ones(angles.shape[0], rest)), dim=-1)
+        sin = torch.cat((angles.sin(), angles.sin(), angles.new_zeros(angles.shape[0], rest)), dim=-1)
+        return cos.float()[:, None, None, :], sin.float()[:, None, None, :]
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         if self.inv_freq.device != device:

@@ -32,6 +32,7 @@ class SinkPolicy(EvictionPolicy):
         self.budget = num_sinks + window
         self.sink_keys: torch.Tensor | None = None  # [batch, kv_heads, num_sinks, head_dim], unshifted
         self.captured: torch.Tensor | None = None  # [batch] bool: sink_keys holds this row's sinks
+        self._prepared: tuple | None = None  # sink_keys as `RotaryShift.prepare` gives them (unpadded rows)
 
     def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> torch.Tensor:
         pos = store.positions
@@ -52,12 +53,12 @@ class SinkPolicy(EvictionPolicy):
         shift = seen - store.length  # real tokens evicted
         if shift <= 0:
             return
-        batch, heads = store.batch_size, store.pos.shape[1]
-        slots = torch.arange(self.num_sinks, device=store.device).expand(batch, heads, -1)
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
-            self.sink_keys = store.read_keys(slots)
-            self.captured = torch.ones(batch, dtype=torch.bool, device=store.device)
-        store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift))
+            self.sink_keys = store.read_leading_keys(self.num_sinks)
+            self.captured = torch.ones(store.batch_size, dtype=torch.bool, device=store.device)
+        if self._prepared is None:
+            self._prepared = self.rotary.prepare(self.sink_keys)
+        store.write_leading_keys(self.rotary.rotate_prepared(self._prepared, shift, self.sink_keys.dtype))
 
     def _shift_padded(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> None:
         """Rows differ in where their real tokens start: the same rule per row, on the device."""
@@ -76,6 +77,7 @@ class SinkPolicy(EvictionPolicy):
         # A row's sinks are copied at its first eviction of a real token, before they ever move.
         fresh = moving & ~self.captured
         self.sink_keys = torch.where(fresh[:, None, None, None], held, self.sink_keys)
+        self._prepared = None
         self.captured = self.captured | moving
         store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift.clamp(min=0)), rows=moving)
 
@@ -90,9 +92,10 @@ class SinkPolicy(EvictionPolicy):
             indices = indices.to(self.sink_keys.device)
             self.sink_keys = self.sink_keys.index_select(0, indices)
             self.captured = self.captured.index_select(0, indices)
+            self._prepared = None
 
     def reset(self) -> None:
-        self.sink_keys = self.captured = None
+        self.sink_keys = self.captured = self._prepared = None
 
     def __repr__(self) -> str:
         where = "original" if self.rotary is None else "cache"

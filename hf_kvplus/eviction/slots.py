@@ -70,7 +70,7 @@ class TokenQuantCodec:
         return self._encode("k", keys)
 
     def _encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        codes, scale, zero = quantize_values(x.contiguous(), self.fmt)
+        codes, scale, zero = quantize_values(x.contiguous(), self.fmt, check=False)
         fields = {name: codes, f"{name}_scale": scale}
         if zero is not None:
             fields[f"{name}_zero"] = zero
@@ -129,9 +129,9 @@ class SlotStore:
         if self.fields:
             self._check_compatible(keys, values)
         encoded = self.codec.encode(keys, values)
-        encoded["pos"] = torch.arange(first_pos, first_pos + new, device=keys.device).expand(*keys.shape[:2], new)
-        encoded["score"] = keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
         if not self.fields:
+            encoded["pos"] = torch.arange(first_pos, first_pos + new, device=keys.device).expand(*keys.shape[:2], new)
+            encoded["score"] = keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
             self.dtype, self.device = keys.dtype, keys.device
             self.head_dims = (keys.shape[1], keys.shape[3], values.shape[3])
             self._allocate(encoded, _grown(new))
@@ -139,17 +139,35 @@ class SlotStore:
             self._resize(_grown(self.length + new))
         for name, part in encoded.items():
             self.fields[name][:, :, self.length : self.length + new] = part
+        if "pos" not in encoded:
+            span = slice(self.length, self.length + new)
+            if new == 1:
+                self.fields["pos"][:, :, span].fill_(first_pos)
+            else:
+                self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
+            self.fields["score"][:, :, span].zero_()
         self.length += new
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
-        used = {name: held[:, :, : self.length] for name, held in self.fields.items()}
+        used = {name: held[:, :, : self.length] for name, held in self.fields.items() if name not in ("pos", "score")}
         return self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """Dense keys of slots `slots` [batch, kv_heads, k]."""
         names = [name for name in self.fields if name in self.codec.key_fields]
         return self.codec.decode_keys(self._gather(slots, names), self.dtype)
+
+    def read_leading_keys(self, count: int) -> torch.Tensor:
+        """Dense keys of slots 0 .. count - 1 of every row and head (a copy: the slots may be overwritten)."""
+        names = [name for name in self.fields if name in self.codec.key_fields]
+        return self.codec.decode_keys({name: self.fields[name][:, :, :count].clone() for name in names}, self.dtype)
+
+    def write_leading_keys(self, keys: torch.Tensor) -> None:
+        """Overwrites the keys of slots 0 .. n - 1 of every row and head with `keys` [batch, kv_heads, n, head_dim]."""
+        n = keys.shape[2]
+        for name, part in self.codec.encode_keys(keys).items():
+            self.fields[name][:, :, :n] = part
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
@@ -184,8 +202,12 @@ class SlotStore:
     def move_last_into(self, slot: torch.Tensor) -> None:
         """The newest slot takes slot `slot` [batch, kv_heads] in place (the evicted one); one slot fewer."""
         last = self.length - 1
+        index = {}  # one index per trailing shape
         for held in self.fields.values():
-            held.scatter_(2, _slot_index(slot[..., None], held), held[:, :, last : last + 1].clone())
+            key = held.shape[3:]
+            if key not in index:
+                index[key] = _slot_index(slot[..., None], held)
+            held.scatter_(2, index[key], held[:, :, last : last + 1].clone())  # torch refuses an aliased source
         self.length = last
 
     def drop_back(self, count: int) -> None:

@@ -62,8 +62,8 @@ class PackedSegment(QuantizedSegment):
             self._compact(self.length + n)
         g, e = self.fmt.group_size, self.end
         b = self.buffers
-        quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g))
-        quantize_values(values, self.fmt, out=_out(b.v[:, :, e : e + n], b.v_scale, b.v_zero, e, e + n))
+        quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g), check=False)
+        quantize_values(values, self.fmt, out=_out(b.v[:, :, e : e + n], b.v_scale, b.v_zero, e, e + n), check=False)
         self._note_written(e, e + n)
         self.end += n
 
@@ -78,10 +78,10 @@ class PackedSegment(QuantizedSegment):
 
     def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
         if count == 0:  # only full-precision tokens in view
-            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask)
+            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask, check=False)
         return quantized_decode_attention(
             query, self.buffers, self.fmt, start=self.start + first, length=count, scale=scale,
-            residual_k=recent_k, residual_v=recent_v, mask=mask,
+            residual_k=recent_k, residual_v=recent_v, mask=mask, check=False,
         )
 
     def drop_front(self, count: int) -> None:

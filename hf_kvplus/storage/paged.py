@@ -57,7 +57,7 @@ class PagedStorage(KVStorage):
         sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
         self.group.reserve(keys.shape[0], self.end + new, sources)
         slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
-        paged_store(self.k_pool, self.v_pool, keys, values, slots)
+        paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
         self.end += new
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ class PagedStorage(KVStorage):
             if mask is not False:
                 out = paged_decode_attention(
                     query[:, :, 0], self.k_pool, self.v_pool, self.group.table_tensor(query.device),
-                    start=self.end - length - self.group.base, length=length, scale=scaling, mask=mask,
+                    start=self.end - length - self.group.base, length=length, scale=scaling, mask=mask, check=False,
                 )
                 return out.unsqueeze(1)
         if self.start == 0 and self.end == query.shape[2] and attention_mask is not None:

@@ -98,10 +98,10 @@ class PagedSegment(QuantizedSegment):
 
     def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
         if count == 0:  # only full-precision tokens in view
-            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask)
+            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask, check=False)
         return quantized_decode_attention(
             query, self.pool.packed, self.fmt, start=self.start + first - self.group.base, length=count, scale=scale,
-            residual_k=recent_k, residual_v=recent_v, mask=mask, block_table=self.group.table_tensor(query.device),
+            residual_k=recent_k, residual_v=recent_v, mask=mask, block_table=self.group.table_tensor(query.device), check=False,
         )
 
     def drop_front(self, count: int) -> None:

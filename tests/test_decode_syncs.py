@@ -1,0 +1,78 @@
+"""No cache makes a decode step wait for the device: it adds no host read of tensor values to the step.
+
+Each cache decodes the same teacher-forced tokens as a DynamicCache, through steps that evict (sink, H2O,
+SnapKV budgets far below the sequence), flush a quantized group (groups and windows of 8), start a new
+paged block (blocks of 8) and fetch offloaded layers (every step), in an unpadded and a left-padded batch.
+Per step, the ops that read device values on the host (`hf_kvplus.evaluation.host_cost`) must be the
+model's own: no more than the same step with DynamicCache makes (Transformers' mask code makes some
+with a padded batch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conformance.models import PAD_TOKEN_ID, get_model
+from conformance.modes import make_prompt
+from hf_kvplus.evaluation.host_cost import count_syncs
+from hf_kvplus.specs import parse_cache_spec
+
+SPECS = [
+    "dense",
+    "dense:max_tokens=64",
+    "paged:block=8",
+    "quantized:int8:group=8:window=8",
+    "quantized:int4:group=8:window=8",
+    "quantized:int2:group=8:window=8",
+    "quantized:fp8:group=8:window=8",
+    "paged-quantized:int4:group=8:window=8:block=8",
+    "sink:2:6",
+    "sink:2:6:bits=int4:group=8",
+    "h2o:8",
+    "snapkv:8:observation=4",
+    "offloaded",
+    "offloaded:disk=tmp",
+    "offloaded-quantized:int4:group=8:window=8",
+]
+PROMPT, STEPS = 10, 20
+
+
+def decode_syncs(model, cache, ids, mask, forced) -> list[int]:
+    """Prefill `ids`, then feed `forced` one token at a time; the host reads of each decode step."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        counts = []
+        for i in range(forced.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = positions[:, -1:] + 1 + i
+            step = dict(input_ids=forced[:, i : i + 1], attention_mask=mask, position_ids=position, past_key_values=cache)
+            counts.append(count_syncs(lambda step=step: model(**step)))
+    return counts
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_steps_add_no_host_reads(spec, padded):
+    model = get_model("llama")
+    ids = make_prompt(PROMPT, batch=2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+        ids = ids.masked_fill(mask == 0, PAD_TOKEN_ID)
+    forced = make_prompt(STEPS, batch=2, seed=5)
+    baseline = decode_syncs(model, DynamicCache(config=model.config), ids, mask, forced)
+    cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + STEPS + 1)
+    got = decode_syncs(model, cache, ids, mask, forced)
+    extra = [(step, dict(c - b)) for step, (c, b) in enumerate(zip(got, baseline, strict=True)) if c - b]
+    assert not extra, f"{spec}: host reads beyond DynamicCache's, by decode step: {extra}"
+    assert cache.get_seq_length() == PROMPT + STEPS
+
+
+def test_the_count_sees_host_reads():
+    """The detector can fail: a step that reads a value back is counted."""
+    t = torch.arange(4)
+    counts = count_syncs(lambda: (bool(t.any()), t.tolist(), t.nonzero(), int(t.max())))
+    assert counts["_local_scalar_dense"] == 2 and counts["tolist"] == 1 and counts["nonzero"] == 1
