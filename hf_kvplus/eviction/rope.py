@@ -114,8 +114,9 @@ class RotaryShift:
 
     def _full(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rest = self.head_dim - self.rotary_dim
-        cos = torch.cat((angles.cos(), angles.cos(), angles.new_ones(angles.shape[0], rest)), dim=-1)
-        sin = torch.cat((angles.sin(), angles.sin(), angles.new_zeros(angles.shape[0], rest)), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        cos = torch.cat((cos, cos, angles.new_ones(angles.shape[0], rest)), dim=-1)
+        sin = torch.cat((sin, sin, angles.new_zeros(angles.shape[0], rest)), dim=-1)
         return cos.float()[:, None, None, :], sin.float()[:, None, None, :]
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:

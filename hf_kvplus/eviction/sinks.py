@@ -54,7 +54,8 @@ class SinkPolicy(EvictionPolicy):
         if shift <= 0:
             return
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
-            self.sink_keys = store.read_leading_keys(self.num_sinks)
+            slots = torch.arange(self.num_sinks, device=store.device).expand(*store.pos.shape[:2], -1)
+            self.sink_keys = store.read_keys(slots)  # a gather: a copy, as the slots are rewritten
             self.captured = torch.ones(store.batch_size, dtype=torch.bool, device=store.device)
         if self._prepared is None:
             self._prepared = self.rotary.prepare(self.sink_keys)

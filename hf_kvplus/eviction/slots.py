@@ -130,22 +130,23 @@ class SlotStore:
             self._check_compatible(keys, values)
         encoded = self.codec.encode(keys, values)
         if not self.fields:
-            encoded["pos"] = torch.arange(first_pos, first_pos + new, device=keys.device).expand(*keys.shape[:2], new)
-            encoded["score"] = keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
             self.dtype, self.device = keys.dtype, keys.device
             self.head_dims = (keys.shape[1], keys.shape[3], values.shape[3])
-            self._allocate(encoded, _grown(new))
+            slot_fields = {
+                "pos": keys.new_empty(keys.shape[:3], dtype=torch.int64),
+                "score": keys.new_empty(keys.shape[:3], dtype=torch.float32),
+            }
+            self._allocate({**encoded, **slot_fields}, _grown(new))
         elif self.length + new > self.capacity:
             self._resize(_grown(self.length + new))
+        span = slice(self.length, self.length + new)
         for name, part in encoded.items():
-            self.fields[name][:, :, self.length : self.length + new] = part
-        if "pos" not in encoded:
-            span = slice(self.length, self.length + new)
-            if new == 1:
-                self.fields["pos"][:, :, span].fill_(first_pos)
-            else:
-                self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
-            self.fields["score"][:, :, span].zero_()
+            self.fields[name][:, :, span] = part
+        if new == 1:  # a decode step: fill in place, no index tensor
+            self.fields["pos"][:, :, span].fill_(first_pos)
+        else:
+            self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
+        self.fields["score"][:, :, span].zero_()
         self.length += new
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +158,6 @@ class SlotStore:
         """Dense keys of slots `slots` [batch, kv_heads, k]."""
         names = [name for name in self.fields if name in self.codec.key_fields]
         return self.codec.decode_keys(self._gather(slots, names), self.dtype)
-
-    def read_leading_keys(self, count: int) -> torch.Tensor:
-        """Dense keys of slots 0 .. count - 1 of every row and head (a copy: the slots may be overwritten)."""
-        names = [name for name in self.fields if name in self.codec.key_fields]
-        return self.codec.decode_keys({name: self.fields[name][:, :, :count].clone() for name in names}, self.dtype)
 
     def write_leading_keys(self, keys: torch.Tensor) -> None:
         """Overwrites the keys of slots 0 .. n - 1 of every row and head with `keys` [batch, kv_heads, n, head_dim]."""

@@ -154,6 +154,8 @@ class QuantizedStorage(KVStorage):
             self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush], self._prompt[0] if in_prompt else None)
             self._flushed += flush
             self.recent.drop_front(flush)
+            if self._prompt is not None and self._flushed >= self._prompt[1]:
+                self._prompt = None  # the whole prompt is quantized: nothing left to share
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         recent = min(last, self.recent.length)
@@ -227,7 +229,7 @@ class QuantizedStorage(KVStorage):
         self.segment.index_batch(indices)
         self.recent.index_batch(indices)
         if self._prompt is not None:
-            prompt_of = [self._prompt[0][int(i)] for i in indices]  # rows of one prompt share its first row
+            prompt_of = [self._prompt[0][i] for i in indices.tolist()]  # rows of one prompt share its first row
             self._prompt = ([prompt_of.index(p) for p in prompt_of], self._prompt[1])
 
     def reset(self) -> None:
