@@ -9,7 +9,6 @@ them from a grow listener.
 
 from __future__ import annotations
 
-import heapq
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -30,6 +29,8 @@ class BlockPool:
 
     The free list is a min-heap, so allocation is deterministic (lowest ids first) and every
     operation is O(log capacity) per id. Every operation that fails raises before changing anything.
+    The heap is sifted in Python (`_heap_push`, `_heap_pop`), not by the C `heapq`, which
+    `torch.compile` cannot trace: a decode step that starts a block stays one graph.
     """
 
     def __init__(self, num_blocks: int | None = None, *, initial: int = 64):
@@ -113,7 +114,7 @@ class BlockPool:
             raise ConfigError(f"allocate needs a block count >= 0, got {n!r}")
         if n > len(self._free):
             self._make_room(n)
-        ids = [heapq.heappop(self._free) for _ in range(n)]
+        ids = [_heap_pop(self._free) for _ in range(n)]
         for i in ids:
             self._refs[i] = 1
         return ids
@@ -143,7 +144,7 @@ class BlockPool:
         for i in ids:
             self._refs[i] -= 1
             if self._refs[i] == 0:
-                heapq.heappush(self._free, i)
+                _heap_push(self._free, i)
                 freed.append(i)
         return freed
 
@@ -192,6 +193,36 @@ class BlockPool:
                 callback(new)
         except BaseException:
             del self._refs[old:]
-            self._free = [i for i in self._free if i < old]
-            heapq.heapify(self._free)
+            self._free = sorted(i for i in self._free if i < old)  # sorted: a heap
             raise
+
+
+def _heap_push(heap: list[int], item: int) -> None:
+    """`heapq.heappush` in Python, traceable by dynamo."""
+    heap.append(item)
+    k = len(heap) - 1
+    while k:
+        parent = (k - 1) // 2
+        if heap[parent] <= item:
+            break
+        heap[k] = heap[parent]
+        k = parent
+    heap[k] = item
+
+
+def _heap_pop(heap: list[int]) -> int:
+    """`heapq.heappop` in Python, traceable by dynamo."""
+    last = heap.pop()
+    if not heap:
+        return last
+    top, size, k = heap[0], len(heap), 0
+    while 2 * k + 1 < size:
+        child = 2 * k + 1
+        if child + 1 < size and heap[child + 1] < heap[child]:
+            child += 1
+        if last <= heap[child]:
+            break
+        heap[k] = heap[child]
+        k = child
+    heap[k] = last
+    return top

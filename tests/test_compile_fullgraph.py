@@ -1,0 +1,61 @@
+"""Every cache's decode step compiles as one graph: `torch.compile(model.forward, fullgraph=True)`.
+
+A graph break inside a cache (an untraceable builtin, a host read of a tensor value) makes
+`fullgraph=True` raise, so each spec decodes greedily through steps that evict, flush a quantized group,
+start a paged block or fetch an offloaded layer, on Llama (full attention) and Gemma 3 (sliding and full
+layers, whose windows free paged blocks while decoding; slow-marked), and must produce the eager
+decode's tokens. The backend is dynamo's "eager": what is tested is the capture, and it keeps the ops
+(and so the logits) of the eager step, which makes token equality exact.
+
+The caches keep their lengths in Python ints, which dynamo specializes, so every step compiles anew
+(the issue's static-shape storages are what removes that); a hit of the recompile limit raises here
+instead of falling back to eager, so every step of the test is a compiled one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.models import get_model
+from conformance.modes import make_prompt
+from hf_kvplus.specs import parse_cache_spec
+
+SPECS = [
+    "dense",
+    "dense:max_tokens=64",
+    "paged:block=8",
+    "quantized:int4:group=8:window=8",
+    "quantized:fp8:group=8:window=8",
+    "paged-quantized:int4:group=8:window=8:block=8",
+    "sink:2:6",
+    "sink:2:6:bits=int4:group=8",
+    "h2o:8",
+    "snapkv:8:observation=4",
+    "offloaded",
+    "offloaded-quantized:int4:group=8:window=8",
+]
+PROMPT, STEPS = 13, 8  # 7 compiled steps, within the recompile limit of 8
+
+
+def greedy(model, cache, ids, forward) -> list[list[int]]:
+    with torch.no_grad():
+        token = model(input_ids=ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tokens = [token]
+        for _ in range(STEPS - 1):
+            token = forward(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            tokens.append(token)
+    return torch.cat(tokens, dim=1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_step_compiles_as_one_graph(spec, arch):
+    torch._dynamo.reset()
+    model = get_model(arch)
+    ids = make_prompt(PROMPT, batch=2)
+    cache_spec = parse_cache_spec(spec)
+    eager = greedy(model, cache_spec.build(model.config), ids, model)
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=STEPS):
+        assert greedy(model, cache_spec.build(model.config), ids, compiled) == eager
