@@ -43,7 +43,7 @@ CUDA_TESTS=(
     tests/test_cuda_paths.py tests/test_cache_dtypes.py tests/test_dense_storage.py tests/test_quantized_storage.py tests/test_layer.py
     tests/test_attention_path.py tests/test_quantized_cache.py tests/test_paged_cache.py
     tests/test_paged_quantized.py tests/test_evicting_cache.py tests/test_eviction_policies.py
-    tests/test_offloaded_stateful.py
+    tests/test_offloaded_stateful.py tests/test_compile_generate.py
 )
 CONFORMANCE_SUBSET="(llama or gemma3) and (greedy or beam or left_padded or assisted or manual)"
 

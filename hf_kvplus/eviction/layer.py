@@ -45,7 +45,6 @@ class EvictingLayer(PlacedLayer):
     `first_real` [batch] is kept on the device, updated with each forward's tokens, never read back.
     """
 
-    is_compileable = False
     is_sliding = False
 
     def __init__(
@@ -73,6 +72,13 @@ class EvictingLayer(PlacedLayer):
     @property
     def is_croppable(self) -> bool:
         return self.policy.is_croppable
+
+    @property
+    def is_compileable(self) -> bool:
+        """A budget fixes the slots' shape once full, and the step's state goes dynamic after one recompile, so
+        `generate()` may compile the forward (as for StaticCache). Offloaded slots move by stream and event
+        outside the graph's view: those layers stay eager."""
+        return isinstance(self.placement, OnDevice)
 
     @property
     def storage(self) -> SlotStore:

@@ -1,0 +1,88 @@
+"""Evicting caches declare `is_compileable`, so `generate()` compiles the decode forward as it does for StaticCache.
+
+Their budget fixes the slots' shape once full, and what changes per step (Python-int lengths) goes
+dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
+forward for every decode step; on CPU it does so only with `CompileConfig._compile_all_devices`. The
+backend records each graph it is handed and runs it as traced (dynamo's capture with the eager ops, so
+tokens must match eager `generate()` exactly); `fullgraph=True` makes any graph break an error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from conformance.models import get_model
+from conformance.modes import make_prompt
+from hf_kvplus import Offloaded, SinkCache
+from hf_kvplus.specs import parse_cache_spec
+
+COMPILEABLE = ["sink:2:6", "sink:2:6:bits=int4:group=8", "h2o:8", "snapkv:8:observation=4"]
+NEW_TOKENS = 24
+GRAPHS: list[torch.fx.GraphModule] = []
+
+
+def recording_backend(gm, example_inputs, **kwargs):
+    GRAPHS.append(gm)
+    return gm.forward
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig(backend=recording_backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True  # generate() compiles on CUDA only, unless told
+    return config
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("spec", COMPILEABLE)
+def test_generate_compiles_the_decode_step_of_evicting_caches(spec, padded):
+    torch._dynamo.reset()
+    GRAPHS.clear()
+    model = get_model("llama")
+    ids = make_prompt(13, batch=2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    cache_spec = parse_cache_spec(spec)
+    with torch.no_grad():
+        eager = model.generate(ids, past_key_values=cache_spec.build(model.config), disable_compile=True, **kwargs)
+        assert not GRAPHS
+        cache = cache_spec.build(model.config)
+        assert cache.is_compileable
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            compiled = model.generate(ids, past_key_values=cache, compile_config=compile_config(), **kwargs)
+    assert torch.equal(compiled, eager)
+    # The decode steps ran compiled, and recompiled at most while the slots filled, not once per step.
+    assert 1 <= len(GRAPHS) <= 3, f"{len(GRAPHS)} graphs for {NEW_TOKENS} tokens"
+
+
+@pytest.mark.parametrize("spec", ["dense", "paged", "quantized:int4", "offloaded"])
+def test_caches_with_growing_shapes_are_not_compileable(spec):
+    """Their shapes grow every step: generate() must keep them eager."""
+    assert not parse_cache_spec(spec).build(get_model("llama").config).is_compileable
+
+
+def test_offloaded_evicting_cache_is_not_compileable():
+    """Offloaded slots move by side stream and event: the graph would not see the transfers."""
+    config = get_model("llama").config
+    assert SinkCache(config, num_sinks=2, window=6).is_compileable
+    assert not SinkCache(config, num_sinks=2, window=6, placement=Offloaded()).is_compileable
+
+
+@pytest.mark.parametrize("spec", ["sink:2:6", "h2o:8"])
+def test_generate_on_cuda_compiles_with_its_default_config(device, spec):
+    """On CUDA, generate() compiles a compileable cache's forward unasked, with inductor and CUDA graphs
+    ("reduce-overhead"): the tokens must be the eager ones."""
+    if device.type != "cuda":
+        pytest.skip("CUDA-only path: run with --device cuda on a machine with a GPU")
+    torch._dynamo.reset()
+    model = get_model("llama")
+    ids = make_prompt(13, batch=2)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    cache_spec = parse_cache_spec(spec)
+    with torch.no_grad():
+        eager = model.generate(ids, past_key_values=cache_spec.build(model.config), disable_compile=True, **kwargs)
+        compiled = model.generate(ids, past_key_values=cache_spec.build(model.config), **kwargs)
+    assert torch.equal(compiled, eager)
