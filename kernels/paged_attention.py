@@ -36,6 +36,9 @@ run) and the twins' host reads of table and slot values: sizes come off the shap
 reads a tensor value on the host. For callers whose inputs are valid by construction (the caches'
 storages); they guarantee that every block id the attention reads is in 0..num_blocks-1 and that
 every slot of a store is in 0..num_blocks*block_size-1 (no -1). Invalid input is undefined behaviour.
+While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
+one custom operator, ``torch.ops.kvplus.paged_decode_attention`` / ``paged_store`` (``kernels/custom_ops.py``),
+which runs the same Triton kernel or twin.
 """
 
 from __future__ import annotations
@@ -267,6 +270,12 @@ def paged_decode_attention(
     ``num_splits`` only affects the Triton path (None = automatic, see ``pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see the module docstring).
     """
+    if torch.compiler.is_compiling() and not check:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        return custom_ops.paged_decode_attention(
+            q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits
+        )
     if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
         return paged_decode_attention_triton(
             q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask,
@@ -418,7 +427,11 @@ def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = Tru
     ``check=False``: the caller guarantees the contract, every slot in 0..num_blocks*block_size-1
     (no -1; see the module docstring).
     """
-    if (not check or isinstance(k_pool, torch.Tensor)) and k_pool.is_cuda:
+    if torch.compiler.is_compiling() and not check:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        custom_ops.paged_store(k_pool, v_pool, keys, values, slot_mapping)
+    elif (not check or isinstance(k_pool, torch.Tensor)) and k_pool.is_cuda:
         paged_store_triton(k_pool, v_pool, keys, values, slot_mapping, check=check)
     else:
         paged_store_torch(k_pool, v_pool, keys, values, slot_mapping, check=check)

@@ -53,6 +53,9 @@ contract above. False skips all of it (types, shapes, dtypes, devices, format an
 off the shapes only, and no path reads a tensor value on the host. For callers whose inputs are valid
 by construction (the caches' storages), who guarantee every block id read is in 0..num_blocks-1.
 Invalid input is undefined behaviour.
+While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
+one custom operator, ``torch.ops.kvplus.quantized_decode_attention`` (``kernels/custom_ops.py``), which
+runs the same Triton kernel or twin.
 """
 
 from __future__ import annotations
@@ -294,6 +297,14 @@ def quantized_decode_attention(
 
     ``check=False``: the caller guarantees the contract (see the module docstring).
     """
+    if torch.compiler.is_compiling() and not check:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        p = packed
+        return custom_ops.quantized_decode_attention(
+            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), start,
+            length, scale, residual_k, residual_v, mask, block_table, num_splits,
+        )  # fmt: skip
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, num_splits=num_splits, check=check,

@@ -53,6 +53,9 @@ contract above. False skips it (``fmt``, x's type, dtype and shape, ``out``'s te
 can run): sizes come off x's shape only. For callers whose inputs are valid by construction (the
 caches' storages); invalid input is then undefined behaviour. No path reads a tensor value on the host.
 (The twins are ``quant_format``'s functions, which keep their own few shape checks.)
+While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes one
+custom operator, ``torch.ops.kvplus.quantize_keys`` / ``quantize_values`` (``kernels/custom_ops.py``),
+writing into ``out`` (or into tensors allocated first), with the same Triton kernel or twin.
 """
 
 from __future__ import annotations
@@ -173,6 +176,13 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 
 
 def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
+    if torch.compiler.is_compiling() and not check:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        codes, scale, zero = _new_out(kind, tuple(x.shape), fmt, x.device) if out is None else out
+        op = custom_ops.quantize_keys if kind == "keys" else custom_ops.quantize_values
+        op(x, *custom_ops.format_args(fmt), codes, scale, zero)
+        return codes, scale, zero
     if (not check or isinstance(x, torch.Tensor)) and x.is_cuda:
         return triton_fn(x, fmt, out=out, check=check)
     if check:

@@ -1,0 +1,237 @@
+"""The kernel entry points as torch custom operators (``torch.ops.kvplus.*``), for compiled graphs.
+
+Why: traced by ``torch.compile``, an entry point would be inlined op by op (the twin's gathers and
+online softmax, with Python control flow on ``start``/``length`` that specializes the graph), or on
+CUDA dynamo would have to trace the Triton launch code and its planning. As a custom operator each
+kernel is one opaque node, with a fake implementation that gives its output shapes without reading
+data: CUDA tensors run the Triton kernel, all others the torch twin, the functions eager calls, always
+with ``check=False`` (inside a graph nothing is validated and no tensor value is read on the host).
+The entry points route here only while tracing (``torch.compiler.is_compiling()``) and with
+``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call).
+
+Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
+``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and
+``int group_size``. Ints are ``SymInt`` (``start`` and ``length`` change every decode step). The
+quantize ops write into given ``codes``, ``scale``, ``zero`` (declared mutated) and return nothing.
+"""
+
+import functools
+
+import torch
+from torch import Tensor
+
+from hf_kvplus.kernels import decode_attention as dense
+from hf_kvplus.kernels import paged_attention as paged
+from hf_kvplus.kernels import quant_attention as quant
+from hf_kvplus.kernels import quant_format
+from hf_kvplus.kernels import quant_pack as pack
+from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
+
+
+def format_args(fmt: QuantFormat) -> tuple[str, int]:
+    """``fmt`` as the ops' ``bits`` and ``group_size``. Traced: dynamo may have made the bit width a
+    symbolic int, of which it cannot trace ``str()``; comparing it to each width specializes it."""
+    return next(str(bits) for bits in BIT_WIDTHS if fmt.bits == bits), fmt.group_size
+
+
+@functools.cache
+def _format(bits: str, group_size: int) -> QuantFormat:
+    """The inverse of :func:`format_args` (run time: plain ints)."""
+    return QuantFormat("fp8" if bits == "fp8" else int(bits), group_size)
+
+
+def _attention_out(q: Tensor, dv) -> Tensor:
+    """The attention output of every kernel: [B, Hq, Dv] in q's dtype, contiguous."""
+    return q.new_empty((q.shape[0], q.shape[1], dv))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense decode attention
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvplus::decode_attention", mutates_args=())
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, num_splits: int | None
+) -> Tensor:
+    return dense.decode_attention_torch(q, k, v, scale=scale, mask=mask, check=False)
+
+
+@decode_attention.register_kernel("cuda")
+def decode_attention_cuda(q, k, v, scale, mask, num_splits):
+    return dense.decode_attention_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=False)
+
+
+@decode_attention.register_fake
+def _(q, k, v, scale, mask, num_splits):
+    return _attention_out(q, v.shape[-1])
+
+
+@torch.library.custom_op("kvplus::decode_attention_with_mass", mutates_args=())
+def decode_attention_with_mass(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None, num_splits: int | None
+) -> tuple[Tensor, Tensor]:
+    return dense.decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=False)
+
+
+@decode_attention_with_mass.register_kernel("cuda")
+def decode_attention_with_mass_cuda(q, k, v, scale, mask, num_splits):
+    return dense.decode_attention_with_mass_triton(
+        q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=False
+    )
+
+
+@decode_attention_with_mass.register_fake
+def _(q, k, v, scale, mask, num_splits):
+    mass = q.new_empty((k.shape[0], k.shape[1], k.shape[2]), dtype=torch.float32)
+    return _attention_out(q, v.shape[-1]), mass
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paged decode attention and store
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvplus::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    start: int,
+    length: int,
+    scale: float,
+    mask: Tensor | None,
+    num_splits: int | None,
+) -> Tensor:
+    return paged.paged_decode_attention_torch(
+        q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask, check=False
+    )
+
+
+@paged_decode_attention.register_kernel("cuda")
+def paged_decode_attention_cuda(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits):
+    return paged.paged_decode_attention_triton(
+        q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask,
+        num_splits=num_splits, check=False,
+    )  # fmt: skip
+
+
+@paged_decode_attention.register_fake
+def _(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits):
+    return _attention_out(q, v_pool.shape[-1])
+
+
+@torch.library.custom_op("kvplus::paged_store", mutates_args=("k_pool", "v_pool"))
+def paged_store(k_pool: Tensor, v_pool: Tensor, keys: Tensor, values: Tensor, slot_mapping: Tensor) -> None:
+    paged.paged_store_torch(k_pool, v_pool, keys, values, slot_mapping, check=False)
+
+
+@paged_store.register_kernel("cuda")
+def paged_store_cuda(k_pool, v_pool, keys, values, slot_mapping):
+    paged.paged_store_triton(k_pool, v_pool, keys, values, slot_mapping, check=False)
+
+
+@paged_store.register_fake
+def _(k_pool, v_pool, keys, values, slot_mapping):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantized decode attention
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvplus::quantized_decode_attention", mutates_args=())
+def quantized_decode_attention(
+    q: Tensor,
+    k: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor | None,
+    v: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor | None,
+    bits: str,
+    group_size: int,
+    start: int,
+    length: int,
+    scale: float,
+    residual_k: Tensor | None,
+    residual_v: Tensor | None,
+    mask: Tensor | None,
+    block_table: Tensor | None,
+    num_splits: int | None,
+) -> Tensor:
+    return quant.quantized_decode_attention_torch(
+        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
+        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table, check=False,
+    )  # fmt: skip
+
+
+@quantized_decode_attention.register_kernel("cuda")
+def quantized_decode_attention_cuda(
+    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
+    mask, block_table, num_splits,
+):  # fmt: skip
+    return quant.quantized_decode_attention_triton(
+        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
+        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table, num_splits=num_splits, check=False,
+    )  # fmt: skip
+
+
+@quantized_decode_attention.register_fake
+def _(
+    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
+    mask, block_table, num_splits,
+):  # fmt: skip
+    # Codes per byte depend on the bit width alone (the group size may be symbolic here).
+    return _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantize and pack (into given tensors)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _quantize_twin(twin, x, bits, group_size, codes, scale, zero) -> None:
+    """The eager dispatcher's CPU path with ``out``: the twin's results copied into the given tensors."""
+    result = twin(x, _format(bits, group_size))
+    for dst, src in zip((codes, scale, zero), result, strict=True):
+        if dst is not None:
+            dst.copy_(src)
+
+
+@torch.library.custom_op("kvplus::quantize_keys", mutates_args=("codes", "scale", "zero"))
+def quantize_keys(
+    x: Tensor, bits: str, group_size: int, codes: Tensor, scale: Tensor, zero: Tensor | None
+) -> None:
+    _quantize_twin(quant_format.quantize_keys, x, bits, group_size, codes, scale, zero)
+
+
+@quantize_keys.register_kernel("cuda")
+def quantize_keys_cuda(x, bits, group_size, codes, scale, zero):
+    pack.quantize_keys_triton(x, _format(bits, group_size), (codes, scale, zero), check=False)
+
+
+@quantize_keys.register_fake
+def _(x, bits, group_size, codes, scale, zero):
+    return None
+
+
+@torch.library.custom_op("kvplus::quantize_values", mutates_args=("codes", "scale", "zero"))
+def quantize_values(
+    x: Tensor, bits: str, group_size: int, codes: Tensor, scale: Tensor, zero: Tensor | None
+) -> None:
+    _quantize_twin(quant_format.quantize_values, x, bits, group_size, codes, scale, zero)
+
+
+@quantize_values.register_kernel("cuda")
+def quantize_values_cuda(x, bits, group_size, codes, scale, zero):
+    pack.quantize_values_triton(x, _format(bits, group_size), (codes, scale, zero), check=False)
+
+
+@quantize_values.register_fake
+def _(x, bits, group_size, codes, scale, zero):
+    return None
