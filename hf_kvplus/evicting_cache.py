@@ -24,6 +24,7 @@ from .eviction.slots import DenseCodec, TokenQuantCodec
 from .eviction.snapkv import SnapKVPolicy
 from .model_spec import LayerSpec
 from .placement.base import Placement
+from .placement.device import OnDevice
 from .quantized_cache import model_format
 from .storage.dense import DenseStorage
 
@@ -35,6 +36,12 @@ class EvictingCache(KVCache):
     groups of `group_size` channels (the quantized caches' defaults); None keeps them at full
     precision. Sliding-window layers keep their own window at full precision either way.
     `placement` (e.g. `Offloaded()`) says where every layer's tokens rest; on the device by default.
+
+    `compileable=True` (SinkCache, H2OCache: their budget holds every decode step's shape once full)
+    declares `is_compileable`, so `generate()` compiles the decode forward as it does StaticCache's:
+    on CUDA by default, on CPU with `CompileConfig._compile_all_devices`. It is opt-in because
+    Transformers then builds a full decode mask every step, even where no row is padded, which sends
+    an eager step down the padded path: about a quarter more ops per layer.
     """
 
     #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
@@ -49,7 +56,13 @@ class EvictingCache(KVCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         placement: Placement | None = None,
+        compileable: bool = False,
     ):
+        if compileable and not isinstance(placement or OnDevice(), OnDevice):
+            raise ConfigError(
+                f"compileable=True needs the slots on the device; {placement!r} moves them by side stream and "
+                "event, which a compiled graph would not see"
+            )
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
             raise UnsupportedModelError(
@@ -57,8 +70,15 @@ class EvictingCache(KVCache):
                 f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
             )
         self._policy = policy
+        self._compileable = compileable
         self._codec = DenseCodec() if bits is None else TokenQuantCodec(model_format(config, bits, group_size))
         super().__init__(config, storage=lambda spec: DenseStorage(), placement=placement)
+        if compileable and not self.is_compileable:
+            eager = [i for i, layer in enumerate(self.layers) if not layer.is_compileable]
+            raise UnsupportedModelError(
+                f"compileable=True: layers {eager} of this model are sliding-window layers, which hf_kvplus keeps "
+                "in growing buffers that generate() cannot compile"
+            )
 
     def activate_past_recording(self) -> None:
         if not self.rollback:
@@ -70,7 +90,7 @@ class EvictingCache(KVCache):
 
     def _build_layer(self, spec, storage, retention, placement):
         if spec.kind == "full":
-            return EvictingLayer(spec, self._policy(spec), self._codec, placement)
+            return EvictingLayer(spec, self._policy(spec), self._codec, placement, compileable=self._compileable)
         return super()._build_layer(spec, storage, retention, placement)
 
 
@@ -95,12 +115,16 @@ class SinkCache(EvictingCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         placement: Placement | None = None,
+        compileable: bool = False,
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
         rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
         SinkPolicy(num_sinks, window, rotary)  # refuse bad sizes before building layers
-        super().__init__(config, lambda spec: SinkPolicy(num_sinks, window, rotary), bits=bits, group_size=group_size, placement=placement)
+        super().__init__(
+            config, lambda spec: SinkPolicy(num_sinks, window, rotary), bits=bits, group_size=group_size,
+            placement=placement, compileable=compileable,
+        )
 
 
 class H2OCache(EvictingCache):
@@ -122,10 +146,14 @@ class H2OCache(EvictingCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         placement: Placement | None = None,
+        compileable: bool = False,
     ):
         recent = budget // 2 if recent is None else recent
         HeavyHitterPolicy(budget, recent)
-        super().__init__(config, lambda spec: HeavyHitterPolicy(budget, recent), bits=bits, group_size=group_size, placement=placement)
+        super().__init__(
+            config, lambda spec: HeavyHitterPolicy(budget, recent), bits=bits, group_size=group_size,
+            placement=placement, compileable=compileable,
+        )
 
 
 class SnapKVCache(EvictingCache):

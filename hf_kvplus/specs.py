@@ -15,7 +15,8 @@
                             `group=N`, `window=N`, `block=N`, `blocks=N` may follow
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
                             every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage
-- `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget)
+- `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget);
+                            sink and h2o take `compile=on`: generate() may compile them (`compileable=True`)
 - `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
                             `pooling=avg|max`)
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
@@ -232,8 +233,8 @@ def _validate(spec: CacheSpec) -> None:
 
 #: Evicting cache specs: positional arguments and the integer and text options each accepts.
 EVICTING_OPTIONS = {
-    "sink": (("num_sinks", "window"), set(), {"positions": ("cache", "original")}),
-    "h2o": (("budget",), {"recent"}, {}),
+    "sink": (("num_sinks", "window"), set(), {"positions": ("cache", "original"), "compile": ("on", "off")}),
+    "h2o": (("budget",), {"recent"}, {"compile": ("on", "off")}),
     "snapkv": (("budget",), {"observation", "kernel"}, {"pooling": ("avg", "max")}),
 }
 
@@ -286,12 +287,13 @@ def _storage(kwargs) -> dict:
 
 def _sink(config, args, kwargs, max_length):
     return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"),
-                     **_storage(kwargs))
+                     compileable=kwargs.get("compile") == "on", **_storage(kwargs))
 
 
 def _h2o(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
-    return H2OCache(config, budget=int(args[0]), recent=recent, **_storage(kwargs))
+    return H2OCache(config, budget=int(args[0]), recent=recent, compileable=kwargs.get("compile") == "on",
+                    **_storage(kwargs))
 
 
 def _snapkv(config, args, kwargs, max_length):

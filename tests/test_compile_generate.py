@@ -1,4 +1,5 @@
-"""Evicting caches declare `is_compileable`, so `generate()` compiles the decode forward as it does for StaticCache.
+"""SinkCache and H2OCache built with `compileable=True` declare `is_compileable`, so `generate()` compiles the
+decode forward as it does for StaticCache.
 
 Their budget fixes the slots' shape once full, and what changes per step (Python-int lengths) goes
 dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
@@ -15,10 +16,11 @@ from transformers import CompileConfig
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import Offloaded, SinkCache
+from hf_kvplus import H2OCache, Offloaded, SinkCache
+from hf_kvplus.errors import ConfigError, UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
-COMPILEABLE = ["sink:2:6", "sink:2:6:bits=int4:group=8", "h2o:8", "snapkv:8:observation=4"]
+COMPILEABLE = ["sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
 NEW_TOKENS = 24
 GRAPHS: list[torch.fx.GraphModule] = []
 
@@ -58,20 +60,23 @@ def test_generate_compiles_the_decode_step_of_evicting_caches(spec, padded):
     assert 1 <= len(GRAPHS) <= 3, f"{len(GRAPHS)} graphs for {NEW_TOKENS} tokens"
 
 
-@pytest.mark.parametrize("spec", ["dense", "paged", "quantized:int4", "offloaded"])
-def test_caches_with_growing_shapes_are_not_compileable(spec):
-    """Their shapes grow every step: generate() must keep them eager."""
+@pytest.mark.parametrize("spec", ["dense", "paged", "quantized:int4", "offloaded", "snapkv:8:observation=4", "sink:2:6", "h2o:8"])
+def test_other_caches_are_not_compileable(spec):
+    """Growing shapes (dense, paged, quantized, offloaded, SnapKV's decode appends) stay eager, and so do
+    SinkCache and H2OCache unless asked: a compileable cache's eager steps get a full mask every step."""
     assert not parse_cache_spec(spec).build(get_model("llama").config).is_compileable
 
 
-def test_offloaded_evicting_cache_is_not_compileable():
-    """Offloaded slots move by side stream and event: the graph would not see the transfers."""
-    config = get_model("llama").config
-    assert SinkCache(config, num_sinks=2, window=6).is_compileable
-    assert not SinkCache(config, num_sinks=2, window=6, placement=Offloaded()).is_compileable
+def test_compileable_is_refused_where_it_cannot_hold():
+    with pytest.raises(ConfigError, match="slots on the device"):
+        SinkCache(get_model("llama").config, num_sinks=2, window=6, placement=Offloaded(), compileable=True)
+    with pytest.raises(UnsupportedModelError, match=r"layers \[0, 1, 3\] .* sliding-window"):
+        H2OCache(get_model("gemma3").config, budget=8, compileable=True)
+    with pytest.raises(ConfigError, match="compile"):
+        parse_cache_spec("sink:2:6:compile=yes")
 
 
-@pytest.mark.parametrize("spec", ["sink:2:6", "h2o:8"])
+@pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on"])
 def test_generate_on_cuda_compiles_with_its_default_config(device, spec):
     """On CUDA, generate() compiles a compileable cache's forward unasked, with inductor and CUDA graphs
     ("reduce-overhead"): the tokens must be the eager ones."""

@@ -53,8 +53,10 @@ class EvictingLayer(PlacedLayer):
         policy: EvictionPolicy,
         codec: DenseCodec | TokenQuantCodec | None = None,
         placement: Placement | None = None,
+        compileable: bool = False,
     ):
         self.spec = spec
+        self.compileable = compileable
         self.policy = policy
         self.store = SlotStore(codec)
         self.placement = placement or OnDevice()
@@ -75,10 +77,9 @@ class EvictingLayer(PlacedLayer):
 
     @property
     def is_compileable(self) -> bool:
-        """A budget fixes the slots' shape once full, and the step's state goes dynamic after one recompile, so
-        `generate()` may compile the forward (as for StaticCache). Offloaded slots move by stream and event
-        outside the graph's view: those layers stay eager."""
-        return isinstance(self.placement, OnDevice)
+        """Declared by the cache (`compileable=True`, see `EvictingCache`): a budget fixes the slots' shape
+        once full, and the step's Python ints go dynamic after one recompile."""
+        return self.compileable
 
     @property
     def storage(self) -> SlotStore:
