@@ -58,7 +58,7 @@ class EvictingCache(KVCache):
         placement: Placement | None = None,
         compileable: bool = False,
     ):
-        if compileable and not isinstance(placement or OnDevice(), OnDevice):
+        if compileable and placement is not None and not isinstance(placement, OnDevice):
             raise ConfigError(
                 f"compileable=True needs the slots on the device; {placement!r} moves them by side stream and "
                 "event, which a compiled graph would not see"

@@ -56,7 +56,9 @@ class EvictingLayer(PlacedLayer):
         compileable: bool = False,
     ):
         self.spec = spec
-        self.compileable = compileable
+        # Declared by the cache (`compileable=True`, see `EvictingCache`): a budget fixes the slots' shape
+        # once full, and the step's Python ints go dynamic after one recompile.
+        self.is_compileable = compileable
         self.policy = policy
         self.store = SlotStore(codec)
         self.placement = placement or OnDevice()
@@ -74,12 +76,6 @@ class EvictingLayer(PlacedLayer):
     @property
     def is_croppable(self) -> bool:
         return self.policy.is_croppable
-
-    @property
-    def is_compileable(self) -> bool:
-        """Declared by the cache (`compileable=True`, see `EvictingCache`): a budget fixes the slots' shape
-        once full, and the step's Python ints go dynamic after one recompile."""
-        return self.compileable
 
     @property
     def storage(self) -> SlotStore:
