@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .attention.route import KV_READ_ATTR, KV_SOURCE_ATTR, attend
 from .errors import CacheMismatchError, ShapeError, UnsupportedOperationError
 from .memory import MemoryReport
 from .model_spec import LayerSpec
 from .placement.base import Placement
 from .retention.base import Retention
 from .storage.base import KVStorage
-
-#: Attribute set on the key tensor `update` returns: the attention function finds the layer through it.
-KV_SOURCE_ATTR = "_kvplus_layer"
+from .storage.reads import DenseRead
 
 
 class PlacedLayer(CacheLayerMixin):
@@ -106,19 +105,24 @@ class KVLayer(PlacedLayer):
         self.placement.acquire(self.storage)
         self.storage.append(key_states, value_states)
         self.seen += new
-        keys, values = self.storage.attention_inputs(visible + new, new)
+        read = self.storage.read(visible + new, new)
+        keys = read.keys
         setattr(keys, KV_SOURCE_ATTR, self)
+        if type(read) is not DenseRead:
+            setattr(keys, KV_READ_ATTR, read)
         if not self.record_past:
             self._evict()
-        return keys, values
+        return keys, read.values
 
     def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        """Attention over what `update` returned, read from the storage in place."""
+        """Attention over what `update` returned: the storage's read, through `attention.route`."""
         if getattr(module, "layer_idx", self.spec.index) != self.spec.index:
             raise CacheMismatchError(
                 f"attention layer {module.layer_idx} received the keys of cache layer {self.spec.index}"
             )
-        return self.storage.attend(module, query, keys, values, attention_mask, scaling, **kwargs)
+        if attention_mask is not None and self.seen == query.shape[2]:
+            self.storage.note_prompt_mask(attention_mask)
+        return attend(getattr(keys, KV_READ_ATTR, None) or DenseRead(keys, values), module, query, attention_mask, scaling, **kwargs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         visible = self.retention.visible(self.storage.length)

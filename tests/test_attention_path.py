@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conformance.models import ARCHITECTURES, PAD_TOKEN_ID, build_model, make_config
 from hf_kvplus import ATTN_IMPLEMENTATION, DenseCache, KVLayer
-from hf_kvplus.attention.dense import decode_mask, dense_attention
+from hf_kvplus.attention.route import decode_mask, dense_attention
 
 
 @pytest.fixture

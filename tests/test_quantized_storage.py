@@ -6,10 +6,12 @@ import torch
 from kernel_checks import reference
 
 from hf_kvplus import ConfigError
+from hf_kvplus.attention.route import attend
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.storage.packed_segment import PackedSegment
 from hf_kvplus.storage.quantized import QuantizedStorage
 from hf_kvplus.storage.quanto_segment import QuantoSegment
+from hf_kvplus.storage.reads import PackedRead
 
 FORMATS = [8, 4, 2, "fp8"]
 SEGMENTS = {"kvplus": PackedSegment, "quanto": QuantoSegment}
@@ -109,11 +111,12 @@ def test_decode_reads_the_segment_in_place_and_matches_attention_over_the_view(s
     s = storage(4, group=4, window=4)
     s.append(*kv(2, 30))
     s.append(*kv(2, 1))
-    keys, values = s.attention_inputs(20, 1)
-    assert keys.shape == (2, 2, 20, 16) and keys.stride(-1) == 0, "decode must not build a dense copy"
+    read = s.read(20, 1)
+    assert isinstance(read, PackedRead) and read.length + read.recent_k.shape[2] == 20
+    assert read.keys.shape == (2, 2, 20, 16) and read.keys.stride(-1) == 0, "decode must not build a dense copy"
     dense_k, dense_v = s.view(20)
     q = torch.randn(2, 4, 1, 16)
-    out = s.attend(None, q, keys, values, None, 0.25)
+    out = attend(read, None, q, None, 0.25)
     ref = reference(q[:, :, 0], dense_k, dense_v, 0.25)
     assert ((out[:, 0].double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -124,12 +127,14 @@ def test_decode_survives_eviction_between_update_and_attention(seed):
     s.append(*kv(1, 30))
     s.append(*kv(1, 1))
     dense_k, dense_v = s.view(24)
-    keys, values = s.attention_inputs(24, 1)
+    read = s.read(24, 1)
     s.drop_front(s.length - 23)
     q = torch.randn(1, 2, 1, 16)
-    out = s.attend(None, q, keys, values, None, 0.25)
+    out = attend(read, None, q, None, 0.25)
     ref = reference(q[:, :, 0], dense_k, dense_v, 0.25)
     assert ((out[:, 0].double() - ref).norm() / ref.norm()).item() < 1e-5
+    gathered_k, gathered_v = read.dense()  # what a call the kernel cannot serve attends to
+    assert torch.equal(gathered_k, dense_k) and torch.equal(gathered_v, dense_v)
 
 
 def test_prefill_attends_to_the_fresh_chunk_at_full_precision(seed):
@@ -137,7 +142,7 @@ def test_prefill_attends_to_the_fresh_chunk_at_full_precision(seed):
     s.append(*kv(1, 10))
     k, v = kv(1, 12)
     s.append(k, v)  # most of this chunk is quantized at once
-    got_k, got_v = s.attention_inputs(22, 12)
+    got_k, got_v = s.read(22, 12)
     assert torch.equal(got_k[:, :, -12:], k) and torch.equal(got_v[:, :, -12:], v)
     assert torch.equal(got_k[:, :, :10], s.view(22)[0][:, :, :10])
 

@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..layer import KV_SOURCE_ATTR
+from .route import KV_SOURCE_ATTR
 
 #: The name of the explicit attention implementation: `from_pretrained(..., attn_implementation="kvplus")`.
 ATTN_IMPLEMENTATION = "kvplus"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.route import KV_SOURCE_ATTR
+from ..attention.slots import slot_attention
 from ..errors import CacheMismatchError, ShapeError, UnsupportedModelError, UnsupportedOperationError
-from ..layer import KV_SOURCE_ATTR, PlacedLayer, check_states, row_indices
+from ..layer import PlacedLayer, check_states, row_indices
 from ..model_spec import LayerSpec
 from ..placement.base import Placement
 from ..placement.device import OnDevice
-from .attention import slot_attention
 from .policy import EvictionPolicy
 from .slots import PAD, DenseCodec, SlotStore, TokenQuantCodec
 

@@ -8,6 +8,7 @@ import torch
 
 from ..errors import UnsupportedOperationError
 from ..memory import MemoryReport
+from .reads import DenseRead, Read
 
 #: A region written in place: `(dim, lo, hi)`, the slice `lo:hi` along dimension `dim`.
 Region = tuple[int, int, int]
@@ -16,9 +17,10 @@ Region = tuple[int, int, int]
 class KVStorage(ABC):
     """The bytes of one layer's K/V for every batch row, in sequence order.
 
-    A storage only holds tokens; which tokens stay is the retention's choice and where the bytes live
-    is the placement's. Every storage can hand out dense views (`view`) for the dense attention path
-    and attends over itself in place (`attend`) for the fused path.
+    A storage only holds tokens; which tokens stay is the retention's choice, where the bytes live is
+    the placement's, and which kernel reads them is `attention.route`'s. A storage is passive: it hands
+    out dense views (`view`) and describes what attention reads (`read`: its dense tensors, or the
+    pools or codes a decode kernel reads in place).
     """
 
     #: Tokens held per batch row.
@@ -34,11 +36,13 @@ class KVStorage(ABC):
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last `last` tokens held, as `[batch, kv_heads, last, head_dim]` keys and values."""
 
-    def attention_inputs(self, last: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `update` hands to attention for `new` fresh tokens: by default the dense `view(last)`.
+    def read(self, last: int, new: int) -> Read:
+        """What `new` fresh queries attend to, the `last` newest tokens held (`storage.reads`); by default
+        the dense `view(last)`. Called as `update` returns, before the retention drops anything."""
+        return DenseRead(*self.view(last))
 
-        A storage that attends in place may return placeholders here (`attend` then ignores them)."""
-        return self.view(last)
+    def note_prompt_mask(self, attention_mask: torch.Tensor) -> None:  # noqa: B027 - an optional hook
+        """Sees the model's mask of the first forward (left padding a storage may free)."""
 
     @abstractmethod
     def drop_front(self, count: int) -> None:
@@ -75,22 +79,6 @@ class KVStorage(ABC):
         written back whole, so a storage may name nothing and stay correct.
         """
         return {}
-
-    @abstractmethod
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float,
-        **kwargs,
-    ) -> torch.Tensor:
-        """Attention of `query` over the tokens `update` just returned (`keys`, `values`).
-
-        Returns `[batch, q_len, q_heads, head_dim]`, the layout Transformers' attention functions return.
-        """
 
 
 def widened(written: tuple[int, int] | None, lo: int, hi: int) -> tuple[int, int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.dense import dense_attention
 from ..errors import CacheMismatchError, CapacityError
 from ..memory import MemoryReport
 from .base import KVStorage, Region, widened
@@ -120,9 +119,6 @@ class DenseStorage(KVStorage):
     def take_written(self) -> dict[str, Region]:
         written, self._written = self._written or (0, 0), None
         return {} if self.keys is None else {"keys": (2, *written), "values": (2, *written)}
-
-    def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         batch, heads, _, dim = keys.shape

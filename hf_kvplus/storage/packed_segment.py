@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError
-from ..kernels.decode_attention import decode_attention
-from ..kernels.quant_attention import quantized_decode_attention
 from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment
+from .reads import DenseRead, Read, quantized_read
 
 _NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 
@@ -76,13 +75,10 @@ class PackedSegment(QuantizedSegment):
         v = dequantize_values(b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z), self.fmt, dtype)
         return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
 
-    def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
+    def read(self, first, count, recent_k, recent_v, dense) -> Read:
         if count == 0:  # only full-precision tokens in view
-            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask, check=False)
-        return quantized_decode_attention(
-            query, self.buffers, self.fmt, start=self.start + first, length=count, scale=scale,
-            residual_k=recent_k, residual_v=recent_v, mask=mask, check=False,
-        )
+            return DenseRead(recent_k, recent_v)
+        return quantized_read(self.buffers, self.fmt, self.start + first, count, recent_k, recent_v, None, dense)
 
     def drop_front(self, count: int) -> None:
         self.start += count  # the next append compacts (or empties) the buffers

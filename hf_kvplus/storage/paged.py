@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from ..attention.dense import decode_mask, dense_attention
 from ..errors import CacheMismatchError
-from ..kernels.paged_attention import paged_decode_attention, paged_store
+from ..kernels.paged_attention import paged_store
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool
 from .base import KVStorage
+from .reads import DenseRead, PagedRead, Read, placeholders
 
 
 class PagedStorage(KVStorage):
@@ -75,33 +77,20 @@ class PagedStorage(KVStorage):
 
         return gather(self.k_pool), gather(self.v_pool)
 
-    def attention_inputs(self, last: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, last: int, new: int) -> Read:
         if not (self.fused and new == 1):
-            return self.view(last)
-        # Decode reads the blocks in place; attention gets shape-correct NaN placeholders (never
-        # read on the fused path, loud if some other attention function computes with them).
-        shape = (self.batch_size, self.pool.num_kv_heads, last, self.pool.head_dim)
-        nan = torch.full((), float("nan"), dtype=self.k_pool.dtype, device=self.k_pool.device)
-        return nan.expand(shape), nan.expand(shape)
+            return DenseRead(*self.view(last))
+        pool = self.pool
+        return PagedRead(
+            *placeholders(self.k_pool, self.batch_size, pool.num_kv_heads, last, pool.head_dim, pool.head_dim),
+            self.k_pool, self.v_pool, self.group.table_tensor(self.k_pool.device), self.end - last - self.group.base,
+            last, partial(self.view, last),
+        )  # fmt: skip
 
-    def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        length = keys.shape[2]
-        if query.shape[2] == 1 and not kwargs.get("dropout") and kwargs.get("softcap") is None:
-            mask = decode_mask(attention_mask, query.shape[0])
-            if mask is not False:
-                out = paged_decode_attention(
-                    query[:, :, 0], self.k_pool, self.v_pool, self.group.table_tensor(query.device),
-                    start=self.end - length - self.group.base, length=length, scale=scaling, mask=mask, check=False,
-                )
-                return out.unsqueeze(1)
-        if self.start == 0 and self.end == query.shape[2] and attention_mask is not None:
-            self._note_padding(attention_mask)
-        if keys.stride(-1) == 0:  # a placeholder: this call cannot take the fused path, gather
-            keys, values = self.view(length)
-        return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
-
-    def _note_padding(self, attention_mask: torch.Tensor) -> None:
+    def note_prompt_mask(self, attention_mask: torch.Tensor) -> None:
         """Left padding of the first prefill: key columns no query attends to, from the start of each row."""
+        if self.start != 0:  # the retention already dropped part of the prompt: nothing to learn
+            return
         if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[0] != self.batch_size:
             return
         attended = attention_mask[:, 0].any(dim=1)  # [batch, kv]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError, ShapeError
-from ..kernels.decode_attention import decode_attention
-from ..kernels.quant_attention import quantized_decode_attention
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup
 from ..paging.quant_layer_pool import QuantLayerPool
 from .quantized import QuantizedSegment
+from .reads import DenseRead, Read, quantized_read
 
 
 class PagedSegment(QuantizedSegment):
@@ -96,13 +95,13 @@ class PagedSegment(QuantizedSegment):
         skip = lo - c0 * bs
         return k[:, :, skip : skip + hi - lo], v[:, :, skip : skip + hi - lo]
 
-    def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
+    def read(self, first, count, recent_k, recent_v, dense) -> Read:
         if count == 0:  # only full-precision tokens in view
-            return decode_attention(query, recent_k, recent_v, scale=scale, mask=mask, check=False)
-        return quantized_decode_attention(
-            query, self.pool.packed, self.fmt, start=self.start + first - self.group.base, length=count, scale=scale,
-            residual_k=recent_k, residual_v=recent_v, mask=mask, block_table=self.group.table_tensor(query.device), check=False,
-        )
+            return DenseRead(recent_k, recent_v)
+        return quantized_read(
+            self.pool.packed, self.fmt, self.start + first - self.group.base, count, recent_k, recent_v,
+            self.group.table_tensor(recent_k.device), dense,
+        )  # fmt: skip
 
     def drop_front(self, count: int) -> None:
         # Lazy: the layers of this step still attend to these tokens; the group frees whole blocks no layer needs

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import partial
 
 import torch
 
-from ..attention.dense import decode_mask, dense_attention
 from ..errors import ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import QuantFormat
 from ..memory import MemoryReport
 from ..paging.group import identical_rows
 from .base import KVStorage, Region, part_of, prefixed
 from .dense import DenseStorage
+from .reads import DenseRead, Gather, Read
 
 #: Full-precision recent tokens kept by default (KIVI's residual length).
 DEFAULT_WINDOW = 128
@@ -49,8 +50,9 @@ class QuantizedSegment(ABC):
 
     @abstractmethod
     def drop_front(self, count: int) -> None:
-        """Forgets the `count` oldest tokens. Lazily: until the next append, `attend` and `dequantized` still
-        read them at negative positions (the layers of a step attend after their retention dropped tokens)."""
+        """Forgets the `count` oldest tokens. Lazily: until the next append, a `read` taken before still reads
+        them, and `dequantized` reads them at negative positions (the layers of a step attend after their
+        retention dropped tokens)."""
 
     @abstractmethod
     def truncate(self, keep: int) -> None:
@@ -66,9 +68,9 @@ class QuantizedSegment(ABC):
         return token - (token + self.front_offset) % self.unit
 
     @abstractmethod
-    def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
-        """Decode attention of `query` `[batch, q_heads, head_dim]` over held tokens `first .. first + count - 1`
-        followed by the full-precision `recent_k`/`recent_v`; `mask` None or bool `[batch, count + recent]`."""
+    def read(self, first: int, count: int, recent_k: torch.Tensor, recent_v: torch.Tensor, dense: Gather) -> Read:
+        """What a decode query reads (`storage.reads`): held tokens `first .. first + count - 1`, then the
+        full-precision `recent_k`/`recent_v`; `dense` gathers the same tokens."""
 
     @abstractmethod
     def index_batch(self, indices: torch.Tensor) -> None: ...
@@ -98,7 +100,7 @@ class QuantizedStorage(KVStorage):
     New tokens land in a full-precision `DenseStorage`; once it holds `window + group_size` tokens or
     more, its oldest whole groups are quantized into the segment (once: a group is never re-quantized),
     so at least `window` recent tokens are always exact. Decode attends over the segment in place
-    (`QuantizedSegment.attend`: the fused dequantizing kernel) plus the window; prefill attends with SDPA
+    (the segment's `read`: codes for the fused dequantizing kernel) plus the window; prefill attends with SDPA
     over the dequantized past and the fresh chunk at full precision.
 
     Rolling back into the quantized tokens (`drop_back`, assisted decoding with a small window) moves the
@@ -117,8 +119,6 @@ class QuantizedStorage(KVStorage):
         self.fused = fused
         self.recent = DenseStorage()
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decode: tuple | None = None
-        self._dropped = 0  # tokens dropped from the segment's front: decode positions survive eviction
         self._flushed = 0  # tokens ever quantized into the segment
         # For a segment that shares rows: which rows of the first forward (the prompt) are equal, and its length.
         self._prompt: tuple[list[int], int] | None = None
@@ -166,44 +166,27 @@ class QuantizedStorage(KVStorage):
         old_k, old_v = self.segment.dequantized(n - (last - recent), n, k.dtype)
         return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
 
-    def attention_inputs(self, last: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, last: int, new: int) -> Read:
         fresh, self._fresh = self._fresh, None
         if self.fused and new == 1:
-            # Decode reads the segment in place: remember what this step attends to (eviction may drop
-            # tokens before attention runs) and hand attention shape-correct NaN placeholders.
+            # Decode reads the segment in place (a segment's dropped tokens stay readable until its next append).
             recent = min(last, self.recent.length)
             rk, rv = self.recent.view(recent)
-            n = self.segment.length
-            self._decode = (n - (last - recent) + self._dropped, last - recent, rk, rv)
-            nan = torch.full((), float("nan"), dtype=rk.dtype, device=rk.device)
-            return nan.expand(*rk.shape[:2], last, rk.shape[3]), nan.expand(*rv.shape[:2], last, rv.shape[3])
+            count = last - recent
+            return self.segment.read(self.segment.length - count, count, rk, rv, partial(self.view, last))
         if fresh is None or new <= self.recent.length:
-            return self.view(last)
+            return DenseRead(*self.view(last))
         # Part of the fresh chunk is already quantized: attend to the chunk at full precision anyway
         # (`view` concatenated a dequantized part, so its result is ours to overwrite).
         k, v = self.view(last)
         k[:, :, last - new :] = fresh[0]
         v[:, :, last - new :] = fresh[1]
-        return k, v
-
-    def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        decode, self._decode = self._decode, None
-        if decode is not None and query.shape[2] == 1 and not kwargs.get("dropout") and kwargs.get("softcap") is None:
-            mask = decode_mask(attention_mask, query.shape[0])
-            if mask is not False:
-                first, count, rk, rv = decode
-                first -= self._dropped  # < 0 if eviction dropped attended tokens (still held until the next append)
-                out = self.segment.attend(query[:, :, 0], first, count, rk, rv, mask, scaling)
-                return out.unsqueeze(1)
-        if keys.stride(-1) == 0:  # placeholders, but this call cannot take the fused path
-            keys, values = self.view(keys.shape[2])
-        return dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs)
+        return DenseRead(k, v)
 
     def drop_front(self, count: int) -> None:
         from_segment = min(count, self.segment.length)
         if from_segment:
             self.segment.drop_front(from_segment)
-            self._dropped += from_segment
         if count > from_segment:
             self.recent.drop_front(count - from_segment)
 
@@ -235,7 +218,7 @@ class QuantizedStorage(KVStorage):
     def reset(self) -> None:
         self.segment.reset()
         self.recent.reset()
-        self._fresh = self._decode = None
+        self._fresh = None
         self._flushed, self._prompt = 0, None
 
     def memory(self) -> MemoryReport:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError, ConfigError
-from ..kernels.decode_attention import decode_attention
 from ..kernels.quant_format import QuantFormat
 from ..memory import MemoryReport, tensor_bytes
 from .quantized import QuantizedSegment
+from .reads import DenseRead, Read
 
 
 def _quanto():
@@ -91,12 +91,8 @@ class QuantoSegment(QuantizedSegment):
             offset += n
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
-    def attend(self, query, first, count, recent_k, recent_v, mask, scale) -> torch.Tensor:
-        keys, values = recent_k, recent_v
-        if count:
-            old_k, old_v = self.dequantized(first, first + count, recent_k.dtype)
-            keys, values = torch.cat([old_k, recent_k], dim=2), torch.cat([old_v, recent_v], dim=2)
-        return decode_attention(query, keys, values, scale=scale, mask=mask, check=False)
+    def read(self, first, count, recent_k, recent_v, dense) -> Read:
+        return DenseRead(*dense())  # quanto's codes have no kernel here: dequantize
 
     def drop_front(self, count: int) -> None:
         self.front += count  # whole chunks are released at the next append
