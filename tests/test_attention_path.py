@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conformance.models import ARCHITECTURES, PAD_TOKEN_ID, build_model, make_config
 from hf_kvplus import ATTN_IMPLEMENTATION, DenseCache, KVLayer
-from hf_kvplus.attention.route import decode_mask, dense_attention
+from hf_kvplus.attention.route import attend, decode_mask, dense_attention
+from hf_kvplus.storage.reads import DenseRead, PackedRead, PagedRead
 
 
 @pytest.fixture
@@ -131,3 +132,67 @@ def test_masks_the_decode_kernel_cannot_take_go_to_sdpa():
     out = dense_attention(module, query, keys, values, float_mask, dim**-0.5)
     want = reference(query[:, :, 0], keys, values, dim**-0.5, bool_mask)[:, None]
     assert ((out.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def _paged_and_packed_reads(keys, values):
+    """The same tokens as a `PagedRead` and a `PackedRead` (int8, exact enough), both gathering `keys`/`values`."""
+    from hf_kvplus.kernels.quant_format import QuantFormat
+    from hf_kvplus.storage.packed_segment import PackedSegment
+    from hf_kvplus.storage.quantized import QuantizedStorage
+
+    batch, kv_heads, n, dim = keys.shape
+    block = 4
+    blocks = -(-n // block)
+    k_pool = torch.zeros(batch * blocks, kv_heads, block, dim)
+    v_pool = torch.zeros_like(k_pool)
+    table = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+    for b in range(batch):
+        for t in range(n):
+            k_pool[table[b, t // block], :, t % block] = keys[b, :, t]
+            v_pool[table[b, t // block], :, t % block] = values[b, :, t]
+    ph = torch.full((), float("nan")).expand(keys.shape)
+    paged = PagedRead(ph, ph, k_pool, v_pool, table, 0, n, lambda: (keys, values))
+    storage = QuantizedStorage(PackedSegment(QuantFormat(8, 4)), window=4)
+    storage.append(keys[:, :, :-1], values[:, :, :-1])
+    storage.append(keys[:, :, -1:], values[:, :, -1:])
+    packed = storage.read(n, 1)
+    assert isinstance(packed, PackedRead)
+    return paged, packed
+
+
+@pytest.mark.parametrize("kind", ["dense", "paged", "packed"])
+@pytest.mark.parametrize("extra", ["position_bias", "softcap", "s_aux", "dropout"])
+def test_every_read_takes_sdpa_for_what_the_kernels_do_not_implement(monkeypatch, kind, extra):
+    """One guard for every read: a call with a position bias, softcapping, sinks or dropout never reaches a
+    decode kernel (they would silently ignore it); it gathers the read and goes to Transformers' SDPA."""
+    from hf_kvplus.attention import route
+
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 9, 8
+    keys, values = torch.randn(batch, kv_heads, n, dim), torch.randn(batch, kv_heads, n, dim)
+    paged, packed = _paged_and_packed_reads(keys, values)
+    read = {"dense": DenseRead(keys, values), "paged": paged, "packed": packed}[kind]
+    query = torch.randn(batch, heads, 1, dim)
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    module.training = False
+    value = {"position_bias": torch.randn(batch, heads, 1, n), "softcap": 30.0, "s_aux": torch.zeros(heads), "dropout": 0.1}[extra]
+    seen = []
+    monkeypatch.setattr(route, "sdpa_attention_forward", lambda *a, **kw: (seen.append(a[2].shape) or torch.zeros(batch, 1, heads, dim), None))
+    for name in ("decode_attention", "paged_decode_attention", "quantized_decode_attention"):
+        monkeypatch.setattr(route, name, lambda *a, **kw: pytest.fail(f"a decode kernel was called with {extra}"))
+    route.attend(read, module, query, None, dim**-0.5, **{extra: value})
+    assert seen == [(batch, kv_heads, n, dim)]
+
+
+@pytest.mark.parametrize("kind", ["paged", "packed"])
+def test_in_place_reads_decode_like_the_dense_read(kind):
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 9, 8
+    keys, values = torch.randn(batch, kv_heads, n, dim), torch.randn(batch, kv_heads, n, dim)
+    paged, packed = _paged_and_packed_reads(keys, values)
+    read = paged if kind == "paged" else packed
+    query = torch.randn(batch, heads, 1, dim)
+    mask = torch.ones(batch, 1, 1, n, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    got = attend(read, None, query, mask, dim**-0.5)
+    want = reference(query[:, :, 0], keys, values, dim**-0.5, mask[:, 0, 0])[:, None]
+    assert ((got.double() - want).norm() / want.norm()).item() < (1e-6 if kind == "paged" else 2e-2)
