@@ -211,3 +211,60 @@ def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload()
     # float32 K/V of 16 channels -> 8 bytes of int4 codes + one float16 scale and zero per token and tensor.
     assert sizes[4].payload_bytes * 64 == sizes[None].payload_bytes * 8
     assert sizes[4].total_bytes < 0.3 * sizes[None].total_bytes
+
+
+def _held_by_position(layer):
+    """Layer keys/values of row 0, head 0, keyed by position (slot order is the cache's business)."""
+    keys, values = layer.keys, layer.values
+    store = layer.store
+    live = [i for i in range(store.length) if i != store.hole]
+    positions = store.pos[0, 0, live].tolist()
+    return {p: (keys[0, 0, j].clone(), values[0, 0, j].clone()) for j, p in enumerate(positions)}
+
+
+@pytest.mark.parametrize("positions", ["cache", "original"])
+def test_sink_ring_evicts_by_bookkeeping_and_matches_ranked_eviction(monkeypatch, positions, seed):
+    """StreamingLLM's victim is known in Python ints, so a decode step refills the freed slot and moves
+    nothing; the tokens held, their keys and the logits are those of eviction by priority and argmin,
+    across wraps of the ring, a multi-token forward in between (which settles the hole), and reads of
+    `keys`/`memory()` between steps."""
+    from hf_kvplus.eviction.sinks import SinkPolicy
+
+    model = get_model("llama")
+    ids = make_prompt(40, batch=2)
+
+    def run(ring: bool):
+        if not ring:
+            monkeypatch.setattr(SinkPolicy, "victim", lambda self, store, first_real: None)
+        cache = SinkCache(model.config, num_sinks=2, window=5, positions=positions)
+        logits, versions, views = [], [], []
+        with torch.no_grad():
+            model(ids[:, :9], past_key_values=cache)
+            for t in range(9, 40):
+                if t == 25:  # a chunk of three: the hole settles, the ring starts again after compaction
+                    logits.append(model(ids[:, t : t + 3], past_key_values=cache).logits[:, -1])
+                    continue
+                if 25 < t < 28:
+                    continue
+                logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+                if t < 25:
+                    versions.append(cache.layers[0].store.version)
+                if t % 7 == 0:
+                    views.append(_held_by_position(cache.layers[0]))
+                    assert cache.layers[0].memory().tokens_held == 7
+        monkeypatch.undo()
+        return cache, torch.stack(logits), versions, views
+
+    ring, ring_logits, ring_versions, ring_views = run(True)
+    ranked, ranked_logits, ranked_versions, ranked_views = run(False)
+    torch.testing.assert_close(ring_logits, ranked_logits, atol=1e-5, rtol=1e-5)
+    ring_views.append(_held_by_position(ring.layers[0]))
+    ranked_views.append(_held_by_position(ranked.layers[0]))
+    for got, want in zip(ring_views, ranked_views, strict=True):
+        assert sorted(got) == sorted(want)
+        for p in want:
+            torch.testing.assert_close(got[p], want[p], atol=1e-6, rtol=1e-6)
+    # Ranked eviction moves a slot every step; the ring moves none. (After the chunk the model passed a
+    # mask, so the layer tracks padding on the device and ranks again: correct, only slower.)
+    assert len(set(ranked_versions)) == len(ranked_versions)
+    assert len(set(ring_versions)) == 1

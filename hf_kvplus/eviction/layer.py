@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..attention.route import KV_SOURCE_ATTR
 from ..attention.slots import slot_attention
 from ..errors import CacheMismatchError, ShapeError, UnsupportedModelError, UnsupportedOperationError
 from ..layer import PlacedLayer, check_states, row_indices
+from ..memory import MemoryReport
 from ..model_spec import LayerSpec
 from ..placement.base import Placement
 from ..placement.device import OnDevice
@@ -92,10 +95,17 @@ class EvictingLayer(PlacedLayer):
         return self._held()[1]
 
     def _held(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self.store.length:
+        if not self.store.held:
             return None, None
         with self.placement.using(self.store):
-            return self.store.view()
+            keys, values = self.store.view()
+        if self.store.hole is not None:  # a copy without the freed slot (the slots stay as they are)
+            live = torch.tensor([i for i in range(self.store.length) if i != self.store.hole], device=keys.device)
+            keys, values = keys.index_select(2, live), values.index_select(2, live)
+        return keys, values
+
+    def memory(self) -> MemoryReport:
+        return dataclasses.replace(super().memory(), tokens_held=self.store.held)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -149,7 +159,7 @@ class EvictingLayer(PlacedLayer):
         return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        held = self.store.length
+        held = self.store.held
         if self._pending is not None:
             held -= self.policy.over_budget(self.store, self._pending)
         return held + query_length, self.seen - held
@@ -214,7 +224,8 @@ class EvictingLayer(PlacedLayer):
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
             start = 0 if self.seen > new else -1
             self.first_real = torch.full((self.store.batch_size,), start, dtype=torch.int64, device=self.device)
-        pos = self.store.positions[:, 0, self.store.length - new :]
+        lo, hi = self.store.fresh
+        pos = self.store.pos[:, 0, lo:hi]
         real = pos != PAD
         first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen).min(-1).values, -1)
         self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
@@ -227,6 +238,11 @@ class EvictingLayer(PlacedLayer):
         self._pending = None
         count = self.policy.over_budget(self.store, new)
         if not count:
+            return
+        slot = None if self.record_past or new != 1 or count != 1 else self.policy.victim(self.store, self._first_real())
+        if slot is not None:  # known without looking at the device: evicted by bookkeeping only
+            self.store.free(slot)
+            self.policy.after_evict(self.store, self.seen, self._first_real())
             return
         priority = self.policy.priority(self.store, self.seen, self._first_real())
         if new == 1 and count == 1:

@@ -36,6 +36,11 @@ class EvictionPolicy(ABC):
         """Slots to evict after attending `new` fresh tokens (the default: back down to the budget)."""
         return max(0, store.length - self.budget)
 
+    def victim(self, store: SlotStore, first_real: torch.Tensor | None) -> int | None:
+        """The one slot to evict after a one-token step, as a Python int, when the policy knows it without
+        looking at the device (it is then the same slot in every row and head); None: rank by `priority`."""
+        return None
+
     @abstractmethod
     def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
         """`[batch, kv_heads, slots]` float: higher stays. `first_real` [batch]: first real position per row."""

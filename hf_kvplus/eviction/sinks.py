@@ -33,6 +33,23 @@ class SinkPolicy(EvictionPolicy):
         self.sink_keys: torch.Tensor | None = None  # [batch, kv_heads, num_sinks, head_dim], unshifted
         self.captured: torch.Tensor | None = None  # [batch] bool: sink_keys holds this row's sinks
         self._prepared: tuple | None = None  # sink_keys as `RotaryShift.prepare` gives them (unpadded rows)
+        self._ring: tuple[int, int] | None = None  # the last victim's slot and the store's layout version then
+
+    def victim(self, store: SlotStore, first_real: torch.Tensor | None) -> int | None:
+        """The oldest window token's slot, while every row is real from position 0 (sinks in slots 0..)
+        and the slot layout is known: in position order, or a ring of `window + 1` slots after the sinks
+        that the last victim's slot, refilled by the newest token, walks around."""
+        if first_real is not None or store.length != self.budget + 1:
+            self._ring = None
+            return None
+        if store.in_order:
+            slot = self.num_sinks
+        elif self._ring is not None and self._ring[1] == store.version:
+            slot = self.num_sinks + (self._ring[0] - self.num_sinks + 1) % (self.window + 1)
+        else:
+            return None
+        self._ring = (slot, store.version)
+        return slot
 
     def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> torch.Tensor:
         pos = store.positions
@@ -50,7 +67,7 @@ class SinkPolicy(EvictionPolicy):
     def _shift_unpadded(self, store: SlotStore, seen: int) -> None:
         """Every slot holds a real token: the sinks are positions 0.. in slots 0.. (compaction keeps
         position order and sinks are never evicted), and all rows moved by the same count."""
-        shift = seen - store.length  # real tokens evicted
+        shift = seen - store.held  # real tokens evicted
         if shift <= 0:
             return
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
@@ -96,7 +113,7 @@ class SinkPolicy(EvictionPolicy):
             self._prepared = None
 
     def reset(self) -> None:
-        self.sink_keys = self.captured = self._prepared = None
+        self.sink_keys = self.captured = self._prepared = self._ring = None
 
     def __repr__(self) -> str:
         where = "original" if self.rotary is None else "cache"

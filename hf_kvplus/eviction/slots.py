@@ -91,13 +91,23 @@ class TokenQuantCodec:
 
 
 class SlotStore:
-    """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, `score`); `length` used."""
+    """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, `score`); `length` used.
+
+    A policy that knows, in Python ints, which slot it evicts (StreamingLLM's oldest window token in a
+    known slot layout) evicts by bookkeeping only: `free(slot)` leaves that slot's bytes in place as
+    the `hole`, and the next one-token `append` writes over it, so a decode step moves no slot. Any
+    other operation first `settle`s the hole (the last slot moves into it).
+    """
 
     def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None):
         self.codec = codec or DenseCodec()
         self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
         self.dtype: torch.dtype | None = None
+        self.hole: int | None = None  # a freed slot, still counted in `length` until refilled or settled
+        self.fresh = (0, 0)  # the slots `lo:hi` the last append wrote
+        self.in_order = True  # slots hold increasing positions (appends at the end since the last compaction)
+        self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
 
     @property
     def pos(self) -> torch.Tensor:
@@ -116,6 +126,11 @@ class SlotStore:
         return self.pos.shape[2] if self.fields else 0
 
     @property
+    def held(self) -> int:
+        """Tokens held: the slots in use less a freed one."""
+        return self.length - (self.hole is not None)
+
+    @property
     def positions(self) -> torch.Tensor:
         return self.pos[:, :, : self.length]
 
@@ -128,6 +143,11 @@ class SlotStore:
         new = keys.shape[2]
         if self.fields:
             self._check_compatible(keys, values)
+        if self.hole is not None:
+            if new == 1:
+                self._refill(keys, values, first_pos)
+                return
+            self.settle()
         encoded = self.codec.encode(keys, values)
         if not self.fields:
             self.dtype, self.device = keys.dtype, keys.device
@@ -147,7 +167,37 @@ class SlotStore:
         else:
             self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
         self.fields["score"][:, :, span].zero_()
+        self.fresh = (self.length, self.length + new)
         self.length += new
+
+    def _refill(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
+        """Writes one token into the hole."""
+        slot = self.hole
+        span = slice(slot, slot + 1)
+        for name, part in self.codec.encode(keys, values).items():
+            self.fields[name][:, :, span] = part
+        self.fields["pos"][:, :, span].fill_(pos)
+        self.fields["score"][:, :, span].zero_()
+        self.fresh = (slot, slot + 1)
+        self.hole = None
+        self.in_order = False
+
+    def free(self, slot: int) -> None:
+        """Evicts the token in `slot` (a Python int, the same in every row and head) by bookkeeping only."""
+        self.hole = slot
+
+    def settle(self) -> None:
+        """Closes the hole: the last slot moves into it."""
+        if self.hole is None:
+            return
+        slot, last = self.hole, self.length - 1
+        if slot != last:
+            for held in self.fields.values():
+                held[:, :, slot] = held[:, :, last]
+        self.hole = None
+        self.length = last
+        self.in_order = False
+        self.version += 1
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
@@ -176,9 +226,8 @@ class SlotStore:
             held.scatter_(2, index, part)
 
     def mark_padding(self, padding: torch.Tensor) -> None:
-        """Marks the last `padding.shape[1]` slots of each row as padding where `padding` [batch, new] is True."""
-        new = padding.shape[1]
-        tail = self.pos[:, :, self.length - new : self.length]
+        """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
+        tail = self.pos[:, :, self.fresh[0] : self.fresh[1]]
         tail.masked_fill_(padding[:, None, :].to(tail.device), PAD)
 
     def keep(self, slots: torch.Tensor) -> None:
@@ -187,6 +236,7 @@ class SlotStore:
         The buffers are re-sized to what the kept slots need, so what a layer holds at rest after a
         compaction depends on its budget only, not on how long the prompt was.
         """
+        self.settle()
         slots = slots.gather(2, self.pos.gather(2, slots).argsort(dim=2, stable=True))
         kept = self._gather(slots)
         self.length = slots.shape[2]
@@ -194,9 +244,12 @@ class SlotStore:
             self._allocate(kept, _grown(self.length))
         for name, part in kept.items():
             self.fields[name][:, :, : self.length] = part
+        self.in_order = True
+        self.version += 1
 
     def move_last_into(self, slot: torch.Tensor) -> None:
         """The newest slot takes slot `slot` [batch, kv_heads] in place (the evicted one); one slot fewer."""
+        self.settle()
         last = self.length - 1
         index = {}  # one index per trailing shape
         for held in self.fields.values():
@@ -205,9 +258,13 @@ class SlotStore:
                 index[key] = _slot_index(slot[..., None], held)
             held.scatter_(2, index[key], held[:, :, last : last + 1].clone())  # torch refuses an aliased source
         self.length = last
+        self.in_order = False
+        self.version += 1
 
     def drop_back(self, count: int) -> None:
+        self.settle()
         self.length -= count
+        self.version += 1
 
     def index_batch(self, indices: torch.Tensor) -> None:
         if self.fields:
@@ -217,6 +274,10 @@ class SlotStore:
     def reset(self) -> None:
         self.fields = {}
         self.length = 0
+        self.hole = None
+        self.fresh = (0, 0)
+        self.in_order = True
+        self.version += 1
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot tensors by name: what an offloading placement moves."""
@@ -236,8 +297,8 @@ class SlotStore:
         payload = sum(per_slot[name] for name in self.codec.payload)
         metadata = sum(per_slot.values()) - payload
         return MemoryReport(
-            payload_bytes=payload * self.length,
-            reserved_bytes=payload * (self.capacity - self.length),
+            payload_bytes=payload * self.held,
+            reserved_bytes=payload * (self.capacity - self.held),
             metadata_bytes=metadata * self.capacity,
             batch_size=self.batch_size,
         )
