@@ -143,12 +143,14 @@ class SlotStore:
         new = keys.shape[2]
         if self.fields:
             self._check_compatible(keys, values)
+        encoded = self.codec.encode(keys, values)
         if self.hole is not None:
-            if new == 1:
-                self._refill(keys, values, first_pos)
+            if new == 1:  # the freed slot takes the token
+                self._write(self.hole, encoded, 1, first_pos)
+                self.hole = None
+                self.in_order = False
                 return
             self.settle()
-        encoded = self.codec.encode(keys, values)
         if not self.fields:
             self.dtype, self.device = keys.dtype, keys.device
             self.head_dims = (keys.shape[1], keys.shape[3], values.shape[3])
@@ -159,7 +161,12 @@ class SlotStore:
             self._allocate({**encoded, **slot_fields}, _grown(new))
         elif self.length + new > self.capacity:
             self._resize(_grown(self.length + new))
-        span = slice(self.length, self.length + new)
+        self._write(self.length, encoded, new, first_pos)
+        self.length += new
+
+    def _write(self, lo: int, encoded: dict[str, torch.Tensor], new: int, first_pos: int) -> None:
+        """Writes `new` encoded tokens at logical positions `first_pos ..` into slots `lo ..`, scores zeroed."""
+        span = slice(lo, lo + new)
         for name, part in encoded.items():
             self.fields[name][:, :, span] = part
         if new == 1:  # a decode step: fill in place, no index tensor
@@ -167,20 +174,7 @@ class SlotStore:
         else:
             self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
         self.fields["score"][:, :, span].zero_()
-        self.fresh = (self.length, self.length + new)
-        self.length += new
-
-    def _refill(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
-        """Writes one token into the hole."""
-        slot = self.hole
-        span = slice(slot, slot + 1)
-        for name, part in self.codec.encode(keys, values).items():
-            self.fields[name][:, :, span] = part
-        self.fields["pos"][:, :, span].fill_(pos)
-        self.fields["score"][:, :, span].zero_()
-        self.fresh = (slot, slot + 1)
-        self.hole = None
-        self.in_order = False
+        self.fresh = (lo, lo + new)
 
     def free(self, slot: int) -> None:
         """Evicts the token in `slot` (a Python int, the same in every row and head) by bookkeeping only."""
