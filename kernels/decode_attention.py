@@ -214,16 +214,18 @@ def decode_attention_with_mass_torch(
     query group packed as rows ([B, Hkv, G, N]: K is read once per group, never repeated).
     """
     B, Hq, Hkv, G, N, D, Dv = _check_inputs(q, k, v, scale, mask, None) if check else _dims(q, k, v)
-    qg = q.reshape(B, Hkv, G, D).float()
-    s = torch.matmul(qg, k.float().transpose(-1, -2)) * float(scale)  # [B, Hkv, G, N]
+    # (row, KV head) pairs as one batch of bmm; K/V of any strides whose first two dims merge (a slot
+    # store's prefix) are viewed, not copied.
+    qg = q.float().reshape(B * Hkv, G, D)
+    s = torch.bmm(qg, k.float().reshape(B * Hkv, N, D).transpose(1, 2)).mul_(float(scale))  # [B*Hkv, G, N]
     if mask is not None:
-        s = s.masked_fill(~mask.view(B, 1, 1, N), float("-inf"))
+        s = s.view(B, Hkv * G, N).masked_fill_(~mask.view(B, 1, N), float("-inf"))
     p = torch.softmax(s, dim=-1)
     if mask is not None:
         # Softmax over a row of -inf is NaN; the contract is zeros (output and mass).
-        p = p.masked_fill(~mask.any(dim=-1).view(B, 1, 1, 1), 0.0)
-    out = torch.matmul(p, v.float()).to(q.dtype).reshape(B, Hq, Dv).contiguous()
-    return out, p.sum(dim=2)
+        p = p.masked_fill(~mask.any(dim=-1).view(B, 1, 1), 0.0)
+    out = torch.bmm(p.view(B * Hkv, G, N), v.float().reshape(B * Hkv, N, Dv))
+    return out.view(B, Hq, Dv).to(q.dtype), p.view(B, Hkv, G, N).sum(dim=2)
 
 
 def _block_n(d_pad: int, dv_pad: int, element_size: int) -> int:

@@ -736,9 +736,10 @@ def _dequantized_chunk(chunk, fmt, start, length):
     """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys."""
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
-    k = dequantize_keys(kc, ks, kz, fmt)[:, :, lo:hi]
-    v = dequantize_values(vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi], fmt)
-    return t0 + lo - start, k, v
+    k = dequantize_keys(kc, ks, kz, fmt)
+    if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
+        k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]
+    return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt)
 
 
 def _one_shot(q, fmt, info, chunk, start, length, residual_k, residual_v, mask, scale) -> torch.Tensor:

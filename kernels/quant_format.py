@@ -157,8 +157,10 @@ def unpack_codes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     per = fmt.per_byte
     if per == 1:
         return packed
-    mask = fmt.qmax
-    return torch.cat([(packed >> (i * fmt.code_bits)) & mask for i in range(per)], dim=-1)
+    bits, mask = fmt.code_bits, fmt.qmax
+    # The lowest code needs no shift and the highest no mask (fewer ops: a decode step's host cost).
+    middle = [(packed >> (i * bits)) & mask for i in range(1, per - 1)]
+    return torch.cat([packed & mask, *middle, packed >> ((per - 1) * bits)], dim=-1)
 
 
 def _params_int(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +185,11 @@ def _encode_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: QuantFormat) -> torch.Tensor:
+    # float32 codes times float16 scales promote to float32, exactly: a code has at most 8 significant
+    # bits and a float16 scale 11, so every product and `zero + code * scale` rounds once, as the kernels do.
     if fmt.is_float:
-        return codes.view(torch.float8_e4m3fn).float() * scale.float()
-    return zero.float() + codes.float() * scale.float()
+        return codes.view(torch.float8_e4m3fn).float() * scale
+    return torch.addcmul(zero, codes.float(), scale)
 
 
 def quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

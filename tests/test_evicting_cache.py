@@ -50,7 +50,9 @@ def test_shift_equals_rotation_from_scratch_at_the_new_position(rope, seed):
         return apply_rotary_pos_emb(raw, raw, cos / embedding.attention_scaling, sin / embedding.attention_scaling)[1]
 
     moved = RotaryShift.from_config(config).rotate(rotated(start), shift)
-    torch.testing.assert_close(moved, rotated(start + shift[:, None]), atol=2e-5, rtol=1e-5)
+    # Two float32 rotations against one, at angles up to 194 radians: over 300 seeds the worst excess over
+    # rtol was 2.3e-5 (yarn), so 2e-5 failed about one run in a hundred.
+    torch.testing.assert_close(moved, rotated(start + shift[:, None]), atol=5e-5, rtol=1e-5)
 
 
 def test_partial_rotary_leaves_the_other_channels_alone(seed):
@@ -217,7 +219,8 @@ def _held_by_position(layer):
     """Layer keys/values of row 0, head 0, keyed by position (slot order is the cache's business)."""
     keys, values = layer.keys, layer.values
     store = layer.store
-    live = [i for i in range(store.length) if i != store.hole]
+    hole = store.hole if store.hole is None or isinstance(store.hole, int) else int(store.hole[0, 0, 0])
+    live = [i for i in range(store.length) if i != hole]
     positions = store.pos[0, 0, live].tolist()
     return {p: (keys[0, 0, j].clone(), values[0, 0, j].clone()) for j, p in enumerate(positions)}
 
@@ -264,7 +267,8 @@ def test_sink_ring_evicts_by_bookkeeping_and_matches_ranked_eviction(monkeypatch
         assert sorted(got) == sorted(want)
         for p in want:
             torch.testing.assert_close(got[p], want[p], atol=1e-6, rtol=1e-6)
-    # Ranked eviction moves a slot every step; the ring moves none. (After the chunk the model passed a
-    # mask, so the layer tracks padding on the device and ranks again: correct, only slower.)
+    # Ranked eviction frees a slot chosen on the device every step; the ring follows its layout in Python
+    # ints and never gives it up. (After the chunk the model passed a mask, so the layer tracks padding
+    # on the device and ranks again: correct, only slower.)
     assert len(set(ranked_versions)) == len(ranked_versions)
     assert len(set(ring_versions)) == 1

@@ -171,13 +171,23 @@ def test_sinks_are_each_rows_first_real_tokens_in_a_left_padded_batch(seed):
             assert kept_positions(cache)[b] == [expected] * KV_HEADS, f"row {b} after {seen} tokens"
 
 
-def test_h2o_decode_step_replaces_the_evicted_slot_in_place(seed):
+def test_h2o_decode_step_writes_the_new_token_into_the_evicted_slot(seed):
+    """A decode step frees the lowest-ranked slot of each head (chosen on the device) and the next one
+    writes its token there: one slot beyond the budget, no slot moved, no buffer reallocated."""
     cache = H2OCache(config(), budget=8, recent=2)
     q, k, v = qkv(1, 8)
     forward(cache, q, k, v)
     store = cache.layers[0].store
     buffer, capacity = store.fields["keys"].data_ptr(), store.capacity
-    for _ in range(20):
-        forward(cache, *qkv(1, 1))
-        assert store.length == 8
+    for step in range(20):
+        hole = store.hole
+        q, k, v = qkv(1, 1)
+        forward(cache, q, k, v)
+        assert (store.held, store.length) == (8, 9)
+        assert store.hole.shape == (1, KV_HEADS, 1)
+        if step:  # the freed slot of each head took this step's key and value and position
+            slots = hole[..., None].expand(-1, -1, 1, DIM)
+            assert torch.equal(store.fields["keys"].gather(2, slots), k)
+            assert torch.equal(store.fields["values"].gather(2, slots), v)
+            assert (store.pos.gather(2, hole) == 8 + step).all()
     assert (store.fields["keys"].data_ptr(), store.capacity) == (buffer, capacity)

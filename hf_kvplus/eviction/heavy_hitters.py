@@ -30,7 +30,7 @@ class HeavyHitterPolicy(EvictionPolicy):
         store.scores.add_(mass)
 
     def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
-        return padding_and_recent(store, seen, self.recent, store.scores.clone())
+        return padding_and_recent(store, seen, self.recent, store.scores, first_real)
 
     def __repr__(self) -> str:
         return f"HeavyHitterPolicy(budget={self.budget}, recent={self.recent})"

@@ -98,11 +98,7 @@ class EvictingLayer(PlacedLayer):
         if not self.store.held:
             return None, None
         with self.placement.using(self.store):
-            keys, values = self.store.view()
-        if self.store.hole is not None:  # a copy without the freed slot (the slots stay as they are)
-            live = torch.tensor([i for i in range(self.store.length) if i != self.store.hole], device=keys.device)
-            keys, values = keys.index_select(2, live), values.index_select(2, live)
-        return keys, values
+            return self.store.held_view()
 
     def memory(self) -> MemoryReport:
         return dataclasses.replace(super().memory(), tokens_held=self.store.held)
@@ -224,8 +220,7 @@ class EvictingLayer(PlacedLayer):
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
             start = 0 if self.seen > new else -1
             self.first_real = torch.full((self.store.batch_size,), start, dtype=torch.int64, device=self.device)
-        lo, hi = self.store.fresh
-        pos = self.store.pos[:, 0, lo:hi]
+        pos = self.store.fresh_positions()[:, 0]
         real = pos != PAD
         first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen).min(-1).values, -1)
         self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
@@ -236,6 +231,7 @@ class EvictingLayer(PlacedLayer):
 
     def _evict(self, new: int) -> None:
         self._pending = None
+        self.store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
         count = self.policy.over_budget(self.store, new)
         if not count:
             return
@@ -246,7 +242,7 @@ class EvictingLayer(PlacedLayer):
             return
         priority = self.policy.priority(self.store, self.seen, self._first_real())
         if new == 1 and count == 1:
-            self.store.move_last_into(priority.argmin(dim=-1))
+            self.store.free(priority.argmin(dim=-1))  # the next one-token append refills it
         else:
             # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
             order = priority.sort(dim=-1, descending=True, stable=True).indices

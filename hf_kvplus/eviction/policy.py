@@ -55,8 +55,11 @@ class EvictionPolicy(ABC):
         """Forgets per-sequence state."""
 
 
-def padding_and_recent(store: SlotStore, seen: int, recent: int, ranks: torch.Tensor) -> torch.Tensor:
-    """`ranks` with padding slots set to DROP and the `recent` newest positions to KEEP."""
+def padding_and_recent(
+    store: SlotStore, seen: int, recent: int, ranks: torch.Tensor, first_real: torch.Tensor | None
+) -> torch.Tensor:
+    """A copy of `ranks` with the `recent` newest positions set to KEEP and padding slots (there are none
+    while `first_real` is None) to DROP."""
     pos = store.positions
-    ranks = ranks.masked_fill(pos >= seen - recent, KEEP) if recent else ranks
-    return ranks.masked_fill(pos == PAD, DROP)
+    ranks = ranks.masked_fill(pos >= seen - recent, KEEP) if recent else ranks.clone()
+    return ranks if first_real is None else ranks.masked_fill(pos == PAD, DROP)

@@ -54,7 +54,7 @@ class SinkPolicy(EvictionPolicy):
     def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> torch.Tensor:
         pos = store.positions
         ranks = pos.float().masked_fill(self._is_sink(pos, first_real), KEEP)
-        return padding_and_recent(store, seen, self.window, ranks)
+        return padding_and_recent(store, seen, self.window, ranks, first_real)
 
     def after_evict(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> None:
         if self.rotary is None or not self.num_sinks:

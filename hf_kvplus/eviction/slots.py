@@ -29,6 +29,18 @@ def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return slots.view(*slots.shape, *([1] * (held.ndim - 3))).expand(*slots.shape, *held.shape[3:])
 
 
+def _scatter_all(fields: dict[str, torch.Tensor], slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
+    """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k]; one index per
+    trailing shape (a decode step's ops are its host cost)."""
+    index = {}
+    for name, part in parts.items():
+        held = fields[name]
+        shape = held.shape[3:]
+        if shape not in index:
+            index[shape] = _slot_index(slots, held)
+        held.scatter_(2, index[shape], part)
+
+
 class DenseCodec:
     """Keys and values as they come."""
 
@@ -93,10 +105,11 @@ class TokenQuantCodec:
 class SlotStore:
     """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, `score`); `length` used.
 
-    A policy that knows, in Python ints, which slot it evicts (StreamingLLM's oldest window token in a
-    known slot layout) evicts by bookkeeping only: `free(slot)` leaves that slot's bytes in place as
-    the `hole`, and the next one-token `append` writes over it, so a decode step moves no slot. Any
-    other operation first `settle`s the hole (the last slot moves into it).
+    A decode step evicts one slot per row and head without moving any: `free(slot)` leaves it in
+    place as the `hole`, and the next one-token `append` writes the new token over it. The hole is a
+    Python int when the policy knows the slot without looking at the device (StreamingLLM's oldest
+    window token in a known layout), else a `[batch, kv_heads, 1]` tensor (H2O's lowest score) that
+    the append scatters into. Any other operation first `settle`s the hole (the last slot moves into it).
     """
 
     def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None):
@@ -104,10 +117,14 @@ class SlotStore:
         self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
         self.dtype: torch.dtype | None = None
-        self.hole: int | None = None  # a freed slot, still counted in `length` until refilled or settled
-        self.fresh = (0, 0)  # the slots `lo:hi` the last append wrote
+        # A freed slot, still counted in `length` until refilled or settled: the same in every row and head
+        # (a Python int) or a [batch, kv_heads, 1] tensor.
+        self.hole: int | torch.Tensor | None = None
+        # The slots the last append wrote: `(lo, hi)`, or a [batch, kv_heads, 1] tensor after a tensor hole's refill.
+        self.fresh: tuple[int, int] | torch.Tensor = (0, 0)
         self.in_order = True  # slots hold increasing positions (appends at the end since the last compaction)
         self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
+        self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
 
     @property
     def pos(self) -> torch.Tensor:
@@ -132,11 +149,20 @@ class SlotStore:
 
     @property
     def positions(self) -> torch.Tensor:
-        return self.pos[:, :, : self.length]
+        return self.used()["pos"]
 
     @property
     def scores(self) -> torch.Tensor:
-        return self.score[:, :, : self.length]
+        return self.used()["score"]
+
+    def used(self) -> dict[str, torch.Tensor]:
+        """Every field cut to the used slots: views, made again only when the length or the buffers change
+        (every slice is host work in a decode step)."""
+        cut = self._used
+        if cut is None or cut[0] != self.length or cut[1] is not self.fields:
+            views = {name: held[:, :, : self.length] for name, held in self.fields.items()}
+            cut = self._used = (self.length, self.fields, views)
+        return cut[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
         """Writes `new` tokens at logical positions `first_pos ..` into slots `length ..`."""
@@ -146,9 +172,7 @@ class SlotStore:
         encoded = self.codec.encode(keys, values)
         if self.hole is not None:
             if new == 1:  # the freed slot takes the token
-                self._write(self.hole, encoded, 1, first_pos)
-                self.hole = None
-                self.in_order = False
+                self._refill(encoded, first_pos)
                 return
             self.settle()
         if not self.fields:
@@ -176,18 +200,38 @@ class SlotStore:
         self.fields["score"][:, :, span].zero_()
         self.fresh = (lo, lo + new)
 
-    def free(self, slot: int) -> None:
-        """Evicts the token in `slot` (a Python int, the same in every row and head) by bookkeeping only."""
-        self.hole = slot
+    def _refill(self, encoded: dict[str, torch.Tensor], first_pos: int) -> None:
+        """The hole takes the one token of this append."""
+        hole, self.hole = self.hole, None
+        self.in_order = False
+        if isinstance(hole, int):
+            self._write(hole, encoded, 1, first_pos)
+            return
+        _scatter_all(self.fields, hole, {**encoded, "pos": first_pos, "score": 0.0})
+        self.fresh = hole
+
+    def free(self, slot: int | torch.Tensor) -> None:
+        """Evicts the token in `slot` by bookkeeping only: a Python int (the same slot in every row and
+        head) or a `[batch, kv_heads]` tensor of slots. The slot stays counted in `length` as the hole."""
+        if isinstance(slot, int):
+            self.hole = slot
+            return
+        self.hole = slot[..., None]
+        self.pos.scatter_(2, self.hole, PAD)  # reads as no token until refilled (`after_evict` counts them)
+        self.version += 1  # no layout a policy could follow in Python ints
 
     def settle(self) -> None:
         """Closes the hole: the last slot moves into it."""
         if self.hole is None:
             return
         slot, last = self.hole, self.length - 1
-        if slot != last:
-            for held in self.fields.values():
-                held[:, :, slot] = held[:, :, last]
+        if isinstance(slot, int):
+            if slot != last:
+                for held in self.fields.values():
+                    held[:, :, slot] = held[:, :, last]
+        else:  # torch refuses a source that aliases the target: the last slot is copied first
+            lasts = {name: held[:, :, last : last + 1].clone() for name, held in self.fields.items()}
+            _scatter_all(self.fields, slot, lasts)
         self.hole = None
         self.length = last
         self.in_order = False
@@ -195,8 +239,23 @@ class SlotStore:
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
-        used = {name: held[:, :, : self.length] for name, held in self.fields.items() if name not in ("pos", "score")}
+        used = self.used()
         return self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
+
+    def held_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values of the held tokens: `view` less the hole (a copy then; slots stay put)."""
+        keys, values = self.view()
+        if self.hole is None:
+            return keys, values
+        live = torch.arange(self.length - 1, device=keys.device)
+        slots = (live + (live >= self.hole)).expand(*keys.shape[:2], -1)
+        return keys.gather(2, _slot_index(slots, keys)), values.gather(2, _slot_index(slots, values))
+
+    def fresh_positions(self) -> torch.Tensor:
+        """`[batch, kv_heads, new]` positions of the slots the last append wrote."""
+        if isinstance(self.fresh, tuple):
+            return self.pos[:, :, self.fresh[0] : self.fresh[1]]
+        return self.pos.gather(2, self.fresh)
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """Dense keys of slots `slots` [batch, kv_heads, k]."""
@@ -221,8 +280,11 @@ class SlotStore:
 
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
-        tail = self.pos[:, :, self.fresh[0] : self.fresh[1]]
-        tail.masked_fill_(padding[:, None, :].to(tail.device), PAD)
+        padding = padding[:, None, :].to(self.device)
+        if isinstance(self.fresh, tuple):
+            self.pos[:, :, self.fresh[0] : self.fresh[1]].masked_fill_(padding, PAD)
+        else:
+            self.pos.scatter_(2, self.fresh, self.fresh_positions().masked_fill(padding, PAD))
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keeps slots `slots` [batch, kv_heads, kept] of each row and head, in position order, at the front.
@@ -241,20 +303,6 @@ class SlotStore:
         self.in_order = True
         self.version += 1
 
-    def move_last_into(self, slot: torch.Tensor) -> None:
-        """The newest slot takes slot `slot` [batch, kv_heads] in place (the evicted one); one slot fewer."""
-        self.settle()
-        last = self.length - 1
-        index = {}  # one index per trailing shape
-        for held in self.fields.values():
-            key = held.shape[3:]
-            if key not in index:
-                index[key] = _slot_index(slot[..., None], held)
-            held.scatter_(2, index[key], held[:, :, last : last + 1].clone())  # torch refuses an aliased source
-        self.length = last
-        self.in_order = False
-        self.version += 1
-
     def drop_back(self, count: int) -> None:
         self.settle()
         self.length -= count
@@ -264,6 +312,10 @@ class SlotStore:
         if self.fields:
             indices = indices.to(self.device)
             self.fields = {name: held.index_select(0, indices) for name, held in self.fields.items()}
+            if isinstance(self.hole, torch.Tensor):
+                self.hole = self.hole.index_select(0, indices)
+            if isinstance(self.fresh, torch.Tensor):
+                self.fresh = self.fresh.index_select(0, indices)
 
     def reset(self) -> None:
         self.fields = {}

@@ -53,7 +53,7 @@ class SnapKVPolicy(EvictionPolicy):
         return max(0, store.length - self.budget) if new > 1 else 0
 
     def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
-        return padding_and_recent(store, seen, self.observation, store.scores.clone())
+        return padding_and_recent(store, seen, self.observation, store.scores, first_real)
 
     def __repr__(self) -> str:
         return (
