@@ -146,9 +146,9 @@ def pack_codes(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if per == 1:
         return codes.to(torch.uint8)
     parts = codes.to(torch.uint8).unflatten(-1, (per, -1))  # [..., per, P]: part i = channels i*P..
-    packed = torch.zeros_like(parts[..., 0, :])
-    for i in range(per):
-        packed |= parts[..., i, :] << (i * fmt.code_bits)
+    packed = parts[..., 0, :]
+    for i in range(1, per):  # out of place: the first part is a view of `codes`
+        packed = packed | (parts[..., i, :] << (i * fmt.code_bits))
     return packed
 
 

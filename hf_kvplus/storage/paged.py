@@ -18,8 +18,8 @@ from .reads import DenseRead, PagedRead, Read, placeholders
 class PagedStorage(KVStorage):
     """One layer of a cache: its `LayerPool` tensors, filled through its group's block tables.
 
-    New tokens are written through a slot mapping (`paged_store`), never by concatenation; a decode
-    step attends over the blocks in place (`paged_decode_attention`), so nothing gathers the sequence
+    New tokens are written through a slot mapping (`paged_store`; a decode step's one token by two
+    index_put into its rows' blocks), never by concatenation; a decode step attends over the blocks in place (`paged_decode_attention`), so nothing gathers the sequence
     into a contiguous copy. Prefill and chunked prefill gather the visible past once and attend with
     SDPA. With `fused=False` (a model on eager or another attention function) `update` returns
     gathered dense K/V on every step instead.
@@ -58,8 +58,15 @@ class PagedStorage(KVStorage):
         new = keys.shape[2]
         sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
         self.group.reserve(keys.shape[0], self.end + new, sources)
-        slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
-        paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
+        if new == 1:  # a decode step: each row's block of the token, at one offset (a Python int) in all of them
+            token, bs = self.end - self.group.base, self.group.block_size
+            column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
+            blocks = self.group.table_tensor(keys.device)[:, column]
+            self.k_pool[blocks, :, offset] = keys[:, :, 0]
+            self.v_pool[blocks, :, offset] = values[:, :, 0]
+        else:
+            slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
+            paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
         self.end += new
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
