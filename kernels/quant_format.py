@@ -28,7 +28,7 @@ quantize-and-pack kernels, bit-identical to these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,29 +63,22 @@ class QuantFormat:
 
     bits: int | str
     group_size: int
+    # Derived once (plain attributes: the decode path reads them several times per layer and step).
+    is_float: bool = field(init=False, repr=False, compare=False)
+    code_bits: int = field(init=False, repr=False, compare=False)
+    per_byte: int = field(init=False, repr=False, compare=False)  # codes per byte
+    qmax: int = field(init=False, repr=False, compare=False)  # the largest integer code
 
     def __post_init__(self):
         if self.bits not in BIT_WIDTHS or isinstance(self.bits, bool):
             raise ConfigError(f"bits must be one of 8, 4, 2 or 'fp8', got {self.bits!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ConfigError(f"group_size must be a positive int, got {self.group_size!r}")
-
-    @property
-    def is_float(self) -> bool:
-        return self.bits == "fp8"
-
-    @property
-    def code_bits(self) -> int:
-        return 8 if self.is_float else self.bits
-
-    @property
-    def per_byte(self) -> int:
-        """Codes per byte."""
-        return 8 // self.code_bits
-
-    @property
-    def qmax(self) -> int:
-        return 2**self.code_bits - 1
+        is_float = self.bits == "fp8"
+        code_bits = 8 if is_float else self.bits
+        for name, value in (("is_float", is_float), ("code_bits", code_bits), ("per_byte", 8 // code_bits),
+                            ("qmax", 2**code_bits - 1)):  # fmt: skip
+            object.__setattr__(self, name, value)
 
     def packed_dim(self, head_dim: int) -> int:
         return head_dim // self.per_byte
