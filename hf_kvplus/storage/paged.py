@@ -19,8 +19,8 @@ class PagedStorage(KVStorage):
     """One layer of a cache: its `LayerPool` tensors, filled through its group's block tables.
 
     New tokens are written through a slot mapping (`paged_store`; a decode step's one token by two
-    index_put into its rows' blocks), never by concatenation; a decode step attends over the blocks in place (`paged_decode_attention`), so nothing gathers the sequence
-    into a contiguous copy. Prefill and chunked prefill gather the visible past once and attend with
+    index_put into its rows' blocks), never by concatenation; a decode step attends over the blocks
+    in place (`paged_decode_attention`), so nothing gathers the sequence into a contiguous copy. Prefill and chunked prefill gather the visible past once and attend with
     SDPA. With `fused=False` (a model on eager or another attention function) `update` returns
     gathered dense K/V on every step instead.
     """
