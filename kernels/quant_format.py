@@ -178,8 +178,8 @@ def _encode_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: QuantFormat) -> torch.Tensor:
-    # float32 codes times float16 scales promote to float32, exactly: a code has at most 8 significant
-    # bits and a float16 scale 11, so every product and `zero + code * scale` rounds once, as the kernels do.
+    # float32 codes times float16 scales promote to float32. A code has at most 8 significant bits and a
+    # float16 scale 11, so the product is exact and `zero + code * scale` rounds once, FMA or not.
     if fmt.is_float:
         return codes.view(torch.float8_e4m3fn).float() * scale
     return torch.addcmul(zero, codes.float(), scale)
