@@ -22,6 +22,7 @@ from .errors import (
     UnsupportedOperationError,
 )
 from .evicting_cache import EvictingCache, H2OCache, SinkCache, SnapKVCache
+from .eviction import EvictionPolicy
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -31,7 +32,7 @@ from .paging import BlockPool, PagedPool, PrefixStore
 from .placement import Offloaded, OnDevice, Placement, TierBytes
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
-from .storage import DenseStorage, KVStorage, QuantizedStorage
+from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "DeviceError",
     "DiskTierError",
     "EvictingCache",
+    "EvictionPolicy",
     "FetchError",
     "H2OCache",
     "KVCache",
@@ -74,6 +76,7 @@ __all__ = [
     "ShapeError",
     "SinkCache",
     "SlidingWindow",
+    "SlotStore",
     "SnapKVCache",
     "TierBytes",
     "UnsupportedModelError",

@@ -13,24 +13,24 @@ from collections.abc import Callable
 from transformers import PreTrainedConfig
 
 from .attention.dispatch import FUSED_ATTENTION
-from .cache import KVCache
+from .cache import KVCache, model_retention
 from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
 from .eviction.heavy_hitters import HeavyHitterPolicy
-from .eviction.layer import EvictingLayer
 from .eviction.policy import EvictionPolicy
 from .eviction.rope import RotaryShift
 from .eviction.sinks import POSITIONS, SinkPolicy
-from .eviction.slots import DenseCodec, TokenQuantCodec
 from .eviction.snapkv import SnapKVPolicy
-from .model_spec import LayerSpec
+from .formats import resolve_format
+from .layer import KVLayer
+from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .placement.device import OnDevice
-from .quantized_cache import model_format
 from .storage.dense import DenseStorage
+from .storage.slots import DenseCodec, SlotStore, TokenQuantCodec
 
 
 class EvictingCache(KVCache):
-    """A cache whose full-attention layers are `EvictingLayer`s with a policy built by `policy(spec)`.
+    """A cache whose full-attention layers hold `SlotStore`s under a scored retention built by `policy(spec)`.
 
     `bits` (8, 4, 2 or "fp8") holds the kept tokens of the evicting layers quantized per token over
     groups of `group_size` channels (the quantized caches' defaults); None keeps them at full
@@ -69,10 +69,18 @@ class EvictingCache(KVCache):
                 f"{type(self).__name__} attends through hf_kvplus's attention, but the model uses "
                 f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
             )
-        self._policy = policy
         self._compileable = compileable
-        self._codec = DenseCodec() if bits is None else TokenQuantCodec(model_format(config, bits, group_size))
-        super().__init__(config, storage=lambda spec: DenseStorage(), placement=placement)
+        fmt = resolve_format(ModelSpec.from_config(config), bits, group_size)
+
+        def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
+            if spec.kind != "full":
+                return DenseStorage()
+            return SlotStore(DenseCodec() if fmt is None else TokenQuantCodec(fmt))
+
+        def retention(spec: LayerSpec) -> EvictionPolicy:
+            return policy(spec) if spec.kind == "full" else model_retention(spec)
+
+        super().__init__(config, storage=storage, retention=retention, placement=placement)
         if compileable and not self.is_compileable:
             eager = [i for i, layer in enumerate(self.layers) if not layer.is_compileable]
             raise UnsupportedModelError(
@@ -89,9 +97,9 @@ class EvictingCache(KVCache):
         super().activate_past_recording()
 
     def _build_layer(self, spec, storage, retention, placement):
-        if spec.kind == "full":
-            return EvictingLayer(spec, self._policy(spec), self._codec, placement, compileable=self._compileable)
-        return super()._build_layer(spec, storage, retention, placement)
+        # Only the slots have a fixed shape once full; sliding layers keep their window in growing buffers.
+        compileable = self._compileable and spec.kind == "full"
+        return KVLayer(spec, storage(spec), retention(spec), placement, compileable=compileable)
 
 
 class SinkCache(EvictingCache):

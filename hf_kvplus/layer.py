@@ -6,7 +6,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .attention.route import KV_READ_ATTR, KV_SOURCE_ATTR, attend
-from .errors import CacheMismatchError, ShapeError, UnsupportedOperationError
+from .errors import CacheMismatchError, ShapeError, UnsupportedModelError, UnsupportedOperationError
 from .memory import MemoryReport
 from .model_spec import LayerSpec
 from .placement.base import Placement
@@ -15,54 +15,41 @@ from .storage.base import KVStorage
 from .storage.reads import DenseRead
 
 
-class PlacedLayer(CacheLayerMixin):
-    """What every hf_kvplus cache layer does alike around its `storage` (the object the `placement` moves)
-    and its count of tokens `seen`: Transformers' offload/prefetch hooks and the memory report."""
+class KVLayer(CacheLayerMixin):
+    """The one `CacheLayerMixin` of every hf_kvplus cache: storage x retention x placement.
 
-    storage: KVStorage
-    placement: Placement
-    seen: int
-
-    def offload(self) -> None:
-        self.placement.release(self.storage)
-
-    def prefetch(self) -> None:
-        self.placement.prefetch(self.storage)
-
-    def memory(self) -> MemoryReport:
-        """Bytes at rest of this layer, with the tokens it holds and has seen."""
-        report = self.storage.memory()
-        return MemoryReport(
-            payload_bytes=report.payload_bytes,
-            reserved_bytes=report.reserved_bytes,
-            metadata_bytes=report.metadata_bytes,
-            tokens_held=self.storage.length,
-            tokens_seen=self.seen,
-            batch_size=report.batch_size,
-        )
-
-
-class KVLayer(PlacedLayer):
-    """A `CacheLayerMixin` that composes storage x retention x placement.
-
-    `get_seq_length()` counts the tokens seen; `update` returns the visible held tokens plus the new
-    ones and only then lets the retention drop tokens, and `get_mask_sizes` describes exactly that
+    `get_seq_length()` counts the tokens seen; `update` returns what the storage's read describes (the
+    visible held tokens plus the new ones) and `get_mask_sizes` describes exactly that
     (`kv_length = visible + q`, `kv_offset = seen - visible`), which is what sdpa, eager and padded
     batches need to line the mask up with the keys.
+
+    An ordered retention (keep all, a window) drops tokens as soon as `update` has built its return
+    value. A scored one (sinks, H2O, SnapKV, over a `SlotStore`) evicts after `attend`: the storage
+    notes which fresh tokens the model's mask says are padding, the attention reports the mass each
+    slot received and the retention scores them. With `activate_past_recording()` eviction waits (for
+    `crop`, or for a scored layer's next `update`), so assisted decoding can roll back.
+
+    `compileable` is the cache's declaration that every decode step has the same shapes once the layer is
+    full (a budget of slots), so `generate()` may compile it as it compiles StaticCache.
     """
 
     is_compileable = False
 
-    def __init__(self, spec: LayerSpec, storage: KVStorage, retention: Retention, placement: Placement):
+    def __init__(
+        self, spec: LayerSpec, storage: KVStorage, retention: Retention, placement: Placement, compileable: bool = False
+    ):
         # `CacheLayerMixin.__init__` only sets `keys`/`values`, which are views of the storage here.
         self.spec = spec
         self.storage = storage
         self.retention = retention
         self.placement = placement
+        self.is_compileable = compileable
         self.is_sliding = spec.kind != "full"
         self.is_initialized = False
         self.record_past = False
         self.seen = 0
+        self._pending: int | None = None  # a scored layer's fresh tokens of the last forward, while eviction waits
+        self._awaiting_attention = False  # a scored layer's update was not yet followed by its attention
 
     def __repr__(self) -> str:
         return (
@@ -85,10 +72,29 @@ class KVLayer(PlacedLayer):
         return self._held()[1]
 
     def _held(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self.storage.length:
+        held = self.storage.held
+        if not held:
             return None, None
         with self.placement.using(self.storage):
-            return self.storage.view(self.storage.length)
+            return self.storage.view(held)
+
+    def offload(self) -> None:
+        self.placement.release(self.storage)
+
+    def prefetch(self) -> None:
+        self.placement.prefetch(self.storage)
+
+    def memory(self) -> MemoryReport:
+        """Bytes at rest of this layer, with the tokens it holds and has seen."""
+        report = self.storage.memory()
+        return MemoryReport(
+            payload_bytes=report.payload_bytes,
+            reserved_bytes=report.reserved_bytes,
+            metadata_bytes=report.metadata_bytes,
+            tokens_held=self.storage.held,
+            tokens_seen=self.seen,
+            batch_size=report.batch_size,
+        )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_states(self.spec, key_states, value_states)
@@ -100,9 +106,17 @@ class KVLayer(PlacedLayer):
             self.lazy_initialization(key_states, value_states)
         else:
             check_states(self.spec, key_states, value_states)
+        if self._awaiting_attention:
+            raise UnsupportedModelError(
+                f"layer {self.spec.index}: the last forward's attention did not go through hf_kvplus, so this "
+                "evicting cache could neither mask its slots nor score them; load the model with "
+                "attn_implementation='sdpa' (the default) or 'kvplus'"
+            )
         new = key_states.shape[2]
-        visible = self.retention.visible(self.storage.length)
         self.placement.acquire(self.storage)
+        if self._pending is not None:
+            self._evict(self._pending)
+        visible = self.retention.visible(self.storage.length)
         self.storage.append(key_states, value_states)
         self.seen += new
         read = self.storage.read(visible + new, new)
@@ -110,22 +124,41 @@ class KVLayer(PlacedLayer):
         setattr(keys, KV_SOURCE_ATTR, self)
         if type(read) is not DenseRead:
             setattr(keys, KV_READ_ATTR, read)
-        if not self.record_past:
-            self._evict()
+        if self.retention.scored:
+            self._awaiting_attention = True
+        elif not self.record_past:
+            self._evict(new)
         return keys, read.values
 
     def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        """Attention over what `update` returned: the storage's read, through `attention.route`."""
+        """Attention over what `update` returned (the storage's read, through `attention.route`); then a
+        scored retention takes the attention mass and evicts (or, while recording the past, waits)."""
         if getattr(module, "layer_idx", self.spec.index) != self.spec.index:
             raise CacheMismatchError(
                 f"attention layer {module.layer_idx} received the keys of cache layer {self.spec.index}"
             )
-        if attention_mask is not None and self.seen == query.shape[2]:
-            self.storage.note_prompt_mask(attention_mask)
-        return attend(getattr(keys, KV_READ_ATTR, None) or DenseRead(keys, values), module, query, attention_mask, scaling, **kwargs)
+        new = query.shape[2]
+        if attention_mask is not None:
+            self.storage.note_mask(attention_mask, new)
+        read = getattr(keys, KV_READ_ATTR, None) or DenseRead(keys, values)
+        if not self.retention.scored:
+            return attend(read, module, query, attention_mask, scaling, **kwargs)[0]
+        mass_queries = self.retention.mass_queries(new)
+        out, mass = attend(read, module, query, attention_mask, scaling, mass_queries=mass_queries, **kwargs)
+        if mass is not None:
+            self.retention.observe(self.storage, mass, new)
+        self._awaiting_attention = False
+        if self.record_past:
+            self._pending = new
+        else:
+            self._evict(new)
+        return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        visible = self.retention.visible(self.storage.length)
+        held = self.storage.held
+        if self._pending is not None:
+            held -= self.retention.excess(self.storage.length, self._pending)
+        visible = self.retention.visible(held)
         return visible + query_length, self.seen - visible
 
     def get_seq_length(self) -> int:
@@ -135,7 +168,12 @@ class KVLayer(PlacedLayer):
         return self.retention.max_length()
 
     def activate_past_recording(self) -> None:
-        """Keeps evicted tokens until the next `crop`, so assisted decoding can roll back."""
+        """Keeps evicted tokens until the next `crop` (or scored update), so assisted decoding can roll back."""
+        if not self.retention.is_croppable:
+            raise UnsupportedOperationError(
+                f"{self.retention!r} cannot roll tokens back (its scores already count the rejected queries); "
+                "assisted decoding needs a croppable cache such as SinkCache"
+            )
         self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -143,40 +181,58 @@ class KVLayer(PlacedLayer):
         remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.seen - tokens_to_remove)
         if remove > self.seen:
             raise UnsupportedOperationError(f"cannot crop {remove} tokens from a layer that has seen {self.seen}")
-        needed_after = self.retention.visible(self.seen - remove)
-        if self.storage.length - remove < needed_after:
-            raise UnsupportedOperationError(
-                f"layer {self.spec.index} holds {self.storage.length} tokens; removing {remove} would leave "
-                f"{self.storage.length - remove} but the next step needs {needed_after} "
-                "(call activate_past_recording() before steps that may be rolled back)"
-            )
+        if self.retention.scored:  # only the last forward's tokens, which eviction has not touched yet
+            fresh = self._pending or 0
+            if remove > fresh:
+                raise UnsupportedOperationError(
+                    f"layer {self.spec.index} can remove at most the {fresh} tokens of its last forward, asked "
+                    f"for {remove} (call activate_past_recording() first so eviction waits for crop)"
+                )
+        else:
+            needed_after = self.retention.visible(self.seen - remove)
+            if self.storage.length - remove < needed_after:
+                raise UnsupportedOperationError(
+                    f"layer {self.spec.index} holds {self.storage.length} tokens; removing {remove} would leave "
+                    f"{self.storage.length - remove} but the next step needs {needed_after} "
+                    "(call activate_past_recording() before steps that may be rolled back)"
+                )
         with self.placement.using(self.storage):
             if remove:
                 self.storage.drop_back(remove)
                 self.seen -= remove
-            self._evict()
+            if self.retention.scored:
+                self._pending = fresh - remove
+            else:
+                self._evict(0)
+
+    def attached(self, tokens: int) -> None:
+        """The empty storage was given `tokens` tokens from elsewhere (a stored prefix): they count as seen."""
+        self.seen = tokens
 
     def reset(self) -> None:
         self.storage.reset()
         self.placement.forget(self.storage)
+        self.retention.reset()
         self.seen = 0
+        self._pending = None
+        self._awaiting_attention = False
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        with self.placement.using(self.storage):
-            self.storage.index_batch(beam_idx)
+        self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self.storage.batch_size).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = row_indices(indices)
         with self.placement.using(self.storage):
-            self.storage.index_batch(row_indices(indices))
+            self.storage.index_batch(indices)
+        self.retention.index_batch(indices)
 
-    def _evict(self) -> None:
-        excess = self.retention.excess(self.storage.length)
-        if excess:
-            self.storage.drop_front(excess)
+    def _evict(self, new: int) -> None:
+        self._pending = None
+        self.retention.evict(self.storage, new, refill=not self.record_past)
 
 
 def row_indices(indices) -> torch.Tensor:

@@ -16,9 +16,9 @@ from hf_kvplus import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
-from hf_kvplus.eviction import RotaryShift, SlotStore
-from hf_kvplus.eviction.slots import TokenQuantCodec
+from hf_kvplus.eviction import RotaryShift
 from hf_kvplus.kernels.quant_format import QuantFormat
+from hf_kvplus.storage.slots import SlotStore, TokenQuantCodec
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -81,15 +81,15 @@ def test_sink_keys_equal_keys_rotated_from_scratch_at_their_cache_position(seed)
     evicted = 30 - (num_sinks + window)
     cos, sin = model.model.rotary_emb(raw, torch.arange(num_sinks)[None] + evicted)
     expected = apply_rotary_pos_emb(raw, raw, cos, sin)[1]
-    store = cache.layers[0].store
+    store = cache.layers[0].storage
     slots = [store.positions[0, 0].tolist().index(i) for i in range(num_sinks)]
-    torch.testing.assert_close(store.view()[0][:, :, slots], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(store.slots()[0][:, :, slots], expected, atol=1e-5, rtol=1e-5)
     # The window keys keep their original rotation: their distance to the query is already right.
     dense = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=dense)
     newest = store.positions[0, 0].tolist().index(29)
-    torch.testing.assert_close(store.view()[0][:, :, newest], dense.layers[0].keys[:, :, 29], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(store.slots()[0][:, :, newest], dense.layers[0].keys[:, :, 29], atol=1e-5, rtol=1e-5)
 
 
 EVICTING = {
@@ -153,6 +153,8 @@ def test_snapkv_memory_is_bounded_in_the_prompt_length():
         (lambda c: SnapKVCache(c, budget=32, observation=32), r"budget \(32\) must exceed the observation window \(32\)"),
         (lambda c: SnapKVCache(c, kernel_size=4), "positive odd number, got 4"),
         (lambda c: SnapKVCache(c, pooling="median"), "pooling must be one of"),
+        (lambda c: SinkCache(c, group_size=8), "group_size=8 needs bits"),
+        (lambda c: H2OCache(c, bits=3), "bits must be 8, 4, 2 or 'fp8'"),
     ],
 )
 def test_bad_budgets_are_refused_at_construction(build, match):
@@ -187,8 +189,8 @@ def test_assisted_decoding_is_refused_before_it_starts(cls, extra):
 def test_quantized_slots_stay_within_the_format_bound(bits, group, seed):
     store = SlotStore(TokenQuantCodec(QuantFormat(bits, group)))
     keys, values = torch.randn(2, 3, 40, 32) * 3, torch.randn(2, 3, 40, 32)
-    store.append(keys, values, 0)
-    for name, got, want in zip("kv", store.view(), (keys, values), strict=True):
+    store.append(keys, values)
+    for name, got, want in zip("kv", store.slots(), (keys, values), strict=True):
         groups = want.unflatten(-1, (32 // group, group))
         if bits == "fp8":  # e4m3: 3 mantissa bits, relative error at most 2^-4, plus the scale's rounding
             bound = groups.abs() * 2**-4 + groups.abs().amax(-1, keepdim=True) / 448 * 2**-9
@@ -203,7 +205,7 @@ def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload()
     model = get_model("llama")
     sizes = {}
     for bits in (None, 4):
-        cache = SinkCache(model.config, num_sinks=2, window=30, bits=bits, group_size=16)
+        cache = SinkCache(model.config, num_sinks=2, window=30, bits=bits, group_size=None if bits is None else 16)
         with torch.no_grad():
             model(make_prompt(60), past_key_values=cache)
             for t in range(10):
@@ -218,7 +220,7 @@ def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload()
 def _held_by_position(layer):
     """Layer keys/values of row 0, head 0, keyed by position (slot order is the cache's business)."""
     keys, values = layer.keys, layer.values
-    store = layer.store
+    store = layer.storage
     hole = store.hole if store.hole is None or isinstance(store.hole, int) else int(store.hole[0, 0, 0])
     live = [i for i in range(store.length) if i != hole]
     positions = store.pos[0, 0, live].tolist()
@@ -238,7 +240,7 @@ def test_sink_ring_evicts_by_bookkeeping_and_matches_ranked_eviction(monkeypatch
 
     def run(ring: bool):
         if not ring:
-            monkeypatch.setattr(SinkPolicy, "victim", lambda self, store, first_real: None)
+            monkeypatch.setattr(SinkPolicy, "victim", lambda self, store: None)
         cache = SinkCache(model.config, num_sinks=2, window=5, positions=positions)
         logits, versions, views = [], [], []
         with torch.no_grad():
@@ -251,7 +253,7 @@ def test_sink_ring_evicts_by_bookkeeping_and_matches_ranked_eviction(monkeypatch
                     continue
                 logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
                 if t < 25:
-                    versions.append(cache.layers[0].store.version)
+                    versions.append(cache.layers[0].storage.version)
                 if t % 7 == 0:
                     views.append(_held_by_position(cache.layers[0]))
                     assert cache.layers[0].memory().tokens_held == 7

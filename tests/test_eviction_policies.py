@@ -39,7 +39,7 @@ def forward(cache, q, k, v, mask=None):
 
 def kept_positions(cache):
     """Sorted kept positions per (row, KV head), padding slots left out."""
-    pos = cache.layers[0].store.positions
+    pos = cache.layers[0].storage.positions
     return [[sorted(p for p in pos[b, h].tolist() if p >= 0) for h in range(pos.shape[1])] for b in range(pos.shape[0])]
 
 
@@ -160,7 +160,7 @@ def test_sinks_are_each_rows_first_real_tokens_in_a_left_padded_batch(seed):
     forward(cache, q, k, v, padding_mask(pads, prompt, 0))
     seen = prompt
     for _ in range(10):
-        held = cache.layers[0].store.length
+        held = cache.layers[0].storage.length
         q, k, v = qkv(3, 1)
         # Decode steps: the model's mask covers the kept slots (padding first) and the new token.
         forward(cache, q, k, v, torch.ones(3, 1, 1, held + 1, dtype=torch.bool))
@@ -177,7 +177,7 @@ def test_h2o_decode_step_writes_the_new_token_into_the_evicted_slot(seed):
     cache = H2OCache(config(), budget=8, recent=2)
     q, k, v = qkv(1, 8)
     forward(cache, q, k, v)
-    store = cache.layers[0].store
+    store = cache.layers[0].storage
     buffer, capacity = store.fields["keys"].data_ptr(), store.capacity
     for step in range(20):
         hole = store.hole

@@ -118,3 +118,26 @@ def test_reset_forgets_everything():
     layer.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 5, DIM))
     layer.reset()
     assert layer.get_seq_length() == 0 and layer.keys is None and layer.memory().total_bytes == 0
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_slots_serve_an_ordered_retention_like_dense_storage(window):
+    """Slot storage is a `KVStorage`: under keep-all or a window it attends like dense storage (the layer's one
+    route: update, the storage's read, `attention.route`), and drops the oldest tokens when the window says so."""
+    from conformance.models import get_model
+
+    from hf_kvplus import KVCache, SlotStore
+
+    model = get_model("llama")
+    retention = (lambda spec: KeepAll()) if window is None else (lambda spec: SlidingWindow(window))
+    caches = [KVCache(model.config, storage=lambda spec: make(), retention=retention) for make in (DenseStorage, SlotStore)]
+    ids = torch.randint(3, 120, (2, 13), generator=torch.Generator().manual_seed(5))
+    logits = [[model(ids[:, :9], past_key_values=cache).logits[:, -1]] for cache in caches]
+    for t in range(9, 13):
+        for cache, out in zip(caches, logits, strict=True):
+            out.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    for got, want in zip(logits[1], logits[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    dense, slots = caches[0].layers[0], caches[1].layers[0]
+    assert slots.storage.held == dense.storage.length == (13 if window is None else window - 1)
+    torch.testing.assert_close(slots.keys, dense.keys)

@@ -116,7 +116,7 @@ def test_decode_reads_the_segment_in_place_and_matches_attention_over_the_view(s
     assert read.keys.shape == (2, 2, 20, 16) and read.keys.stride(-1) == 0, "decode must not build a dense copy"
     dense_k, dense_v = s.view(20)
     q = torch.randn(2, 4, 1, 16)
-    out = attend(read, None, q, None, 0.25)
+    out, _ = attend(read, None, q, None, 0.25)
     ref = reference(q[:, :, 0], dense_k, dense_v, 0.25)
     assert ((out[:, 0].double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -130,7 +130,7 @@ def test_decode_survives_eviction_between_update_and_attention(seed):
     read = s.read(24, 1)
     s.drop_front(s.length - 23)
     q = torch.randn(1, 2, 1, 16)
-    out = attend(read, None, q, None, 0.25)
+    out, _ = attend(read, None, q, None, 0.25)
     ref = reference(q[:, :, 0], dense_k, dense_v, 0.25)
     assert ((out[:, 0].double() - ref).norm() / ref.norm()).item() < 1e-5
     gathered_k, gathered_v = read.dense()  # what a call the kernel cannot serve attends to

@@ -89,7 +89,7 @@ def test_evicting_specs_build_their_cache(text, cls, policy):
                          vocab_size=32, intermediate_size=32)
     cache = parse_cache_spec(text).build(config)
     assert type(cache).__name__ == cls
-    assert repr(cache.layers[0].policy) == policy
+    assert repr(cache.layers[0].retention) == policy
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""The one place that picks the kernel for what a storage describes (`storage.reads`); evicting layers'
-slots, whose attention also reports the mass each key received, go through `attention.slots`.
+"""The one place that picks the kernel for what a storage describes (`storage.reads`). Slots (a scored
+retention's storage), whose attention also reports the mass each key received, go to `attention.slots`.
 
 A decode step (one query per row) whose mask the kernels can express goes to the decode kernel that
 reads the storage in place: dense, paged or quantized (Triton on CUDA, its torch twin elsewhere).
@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..errors import UnsupportedModelError
 from ..kernels.decode_attention import decode_attention
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.quant_attention import quantized_decode_attention
-from ..storage.reads import DenseRead, PagedRead, Read
+from ..storage.reads import DenseRead, PagedRead, Read, SlotRead
+from .slots import slot_attention
 
 #: Attributes of the key tensor a hf_kvplus layer's `update` returns: the layer that attends over it, and
 #: (when it is not the dense keys themselves) the `storage.reads` description of what that layer reads.
@@ -46,8 +48,18 @@ def kernel_mask(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs
     return decode_mask(attention_mask, query.shape[0])
 
 
-def attend(read: Read, module, query, attention_mask, scaling, **kwargs) -> torch.Tensor:
-    """`[batch, q_len, q_heads, head_dim]` attention of `query` `[batch, q_heads, q_len, head_dim]` over `read`."""
+def attend(
+    read: Read, module, query, attention_mask, scaling, mass_queries: int = 0, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[batch, q_len, q_heads, head_dim]` attention of `query` `[batch, q_heads, q_len, head_dim]` over `read`,
+    and for slots, the attention mass `[batch, kv_heads, slots]` of the last `mass_queries` queries (else None).
+
+    Slots are masked by what they hold, not by the model's mask (which their layer has already noted)."""
+    if type(read) is SlotRead:
+        for name in ("softcap", "s_aux"):
+            if kwargs.get(name) is not None:
+                raise UnsupportedModelError(f"evicting caches do not support attention with {name}")
+        return slot_attention(query, read.keys, read.values, read.valid(), scaling, mass_queries=mass_queries)
     mask = kernel_mask(query, attention_mask, kwargs)
     if mask is not False:
         q = query[:, :, 0]
@@ -63,13 +75,13 @@ def attend(read: Read, module, query, attention_mask, scaling, **kwargs) -> torc
                 q, read.packed, read.fmt, start=read.start, length=read.length, scale=scaling,
                 residual_k=read.recent_k, residual_v=read.recent_v, mask=mask, block_table=read.block_table, check=False,
             )  # fmt: skip
-        return out.unsqueeze(1)
+        return out.unsqueeze(1), None
     keys, values = (read.keys, read.values) if type(read) is DenseRead else read.dense()
     out, _ = sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
-    return out
+    return out, None
 
 
 def dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
     """`attend` over dense `keys`/`values` `[batch, kv_heads, n, head_dim]`."""
-    return attend(DenseRead(keys, values), module, query, attention_mask, scaling, **kwargs)
+    return attend(DenseRead(keys, values), module, query, attention_mask, scaling, **kwargs)[0]
 

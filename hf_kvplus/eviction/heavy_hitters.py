@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..storage.slots import SlotStore
 from .policy import EvictionPolicy, padding_and_recent
-from .slots import SlotStore
 
 
 class HeavyHitterPolicy(EvictionPolicy):
@@ -29,8 +29,8 @@ class HeavyHitterPolicy(EvictionPolicy):
     def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:
         store.scores.add_(mass)
 
-    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
-        return padding_and_recent(store, seen, self.recent, store.scores, first_real)
+    def score(self, store: SlotStore) -> torch.Tensor:
+        return padding_and_recent(store, self.recent, store.scores)
 
     def __repr__(self) -> str:
         return f"HeavyHitterPolicy(budget={self.budget}, recent={self.recent})"

@@ -1,29 +1,32 @@
-"""Eviction policies: which slots of a layer survive once it holds more than its budget."""
+"""Eviction policies: the scored retentions, which rank a layer's slots once it holds more than its budget."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 
-from .slots import PAD, SlotStore
+from ..retention.base import Retention
+from ..storage.slots import PAD, SlotStore
 
-#: Priority of slots that must stay (sinks, the recent window) and of padding slots, which go first.
+#: Score of slots that must stay (sinks, the recent window) and of padding slots, which go first.
 KEEP = float("inf")
 DROP = float("-inf")
 
 
-class EvictionPolicy(ABC):
-    """Ranks a layer's slots per (batch row, KV head); the layer keeps the `budget` highest.
+class EvictionPolicy(Retention):
+    """A scored retention: ranks a layer's slots per (batch row, KV head) with `score()`; the layer keeps
+    the `budget` highest, evicting after attention has reported the mass each slot received.
 
     Padding slots always rank lowest, and ties keep the lowest slot index first, so every head of a
     row evicts padding at the same slots and a row's padding mask stays one `[batch, slots]` tensor.
+    A policy reads the slots' positions, scores, `seen` count and rows' `first_real` off the store.
     """
 
+    scored = True
+    is_croppable = False
     #: Slots kept per row and head once the layer is over budget.
     budget: int
-    #: Whether `crop` may roll back tokens (assisted decoding); the policy's state must allow it.
-    is_croppable: bool = False
 
     def mass_queries(self, new: int) -> int:
         """How many of the last `new` queries must report the attention mass they give (0: none)."""
@@ -32,34 +35,46 @@ class EvictionPolicy(ABC):
     def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:  # noqa: B027 - an optional hook
         """Takes the attention mass `[batch, kv_heads, slots]` of the latest forward."""
 
-    def over_budget(self, store: SlotStore, new: int) -> int:
+    def excess(self, held: int, new: int) -> int:
         """Slots to evict after attending `new` fresh tokens (the default: back down to the budget)."""
-        return max(0, store.length - self.budget)
+        return max(0, held - self.budget)
 
-    def victim(self, store: SlotStore, first_real: torch.Tensor | None) -> int | None:
+    def victim(self, store: SlotStore) -> int | None:
         """The one slot to evict after a one-token step, as a Python int, when the policy knows it without
-        looking at the device (it is then the same slot in every row and head); None: rank by `priority`."""
+        looking at the device (it is then the same slot in every row and head); None: rank by `score`."""
         return None
 
     @abstractmethod
-    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
-        """`[batch, kv_heads, slots]` float: higher stays. `first_real` [batch]: first real position per row."""
+    def score(self, store: SlotStore) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` float: higher stays."""
 
-    def after_evict(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> None:  # noqa: B027 - an optional hook
+    def after_evict(self, store: SlotStore) -> None:  # noqa: B027 - an optional hook
         """Hook run after every eviction (sinks re-rotate here)."""
 
-    def index_batch(self, indices: torch.Tensor) -> None:  # noqa: B027 - an optional hook
-        """Reorders per-row policy state with the cache's rows."""
+    def evict(self, store: SlotStore, new: int, refill: bool) -> None:
+        """Evicts down to the budget. After a one-token step whose next append refills, the one victim per row
+        and head is freed where it lies (`SlotStore.free`), by a Python int when `victim` knows it; otherwise
+        the highest scores are kept."""
+        store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
+        count = self.excess(store.length, new)
+        if not count:
+            return
+        one = refill and new == 1 and count == 1
+        slot = self.victim(store) if one else None
+        if slot is not None:  # known without looking at the device: evicted by bookkeeping only
+            store.free(slot)
+        elif one:
+            store.free(self.score(store).argmin(dim=-1))  # the next one-token append refills it
+        else:
+            # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
+            order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
+            store.keep(order[..., : store.length - count])
+        self.after_evict(store)
 
-    def reset(self) -> None:  # noqa: B027 - an optional hook
-        """Forgets per-sequence state."""
 
-
-def padding_and_recent(
-    store: SlotStore, seen: int, recent: int, ranks: torch.Tensor, first_real: torch.Tensor | None
-) -> torch.Tensor:
+def padding_and_recent(store: SlotStore, recent: int, ranks: torch.Tensor) -> torch.Tensor:
     """A copy of `ranks` with the `recent` newest positions set to KEEP and padding slots (there are none
-    while `first_real` is None) to DROP."""
+    while the store's `first_real` is None) to DROP."""
     pos = store.positions
-    ranks = ranks.masked_fill(pos >= seen - recent, KEEP) if recent else ranks.clone()
-    return ranks if first_real is None else ranks.masked_fill(pos == PAD, DROP)
+    ranks = ranks.masked_fill(pos >= store.seen - recent, KEEP) if recent else ranks.clone()
+    return ranks if store.first_real is None else ranks.masked_fill(pos == PAD, DROP)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..storage.slots import SlotStore
 from .policy import KEEP, EvictionPolicy, padding_and_recent
 from .rope import RotaryShift
-from .slots import SlotStore
 
 POSITIONS = ("cache", "original")
 
@@ -35,11 +35,11 @@ class SinkPolicy(EvictionPolicy):
         self._prepared: tuple | None = None  # sink_keys as `RotaryShift.prepare` gives them (unpadded rows)
         self._ring: tuple[int, int] | None = None  # the last victim's slot and the store's layout version then
 
-    def victim(self, store: SlotStore, first_real: torch.Tensor | None) -> int | None:
+    def victim(self, store: SlotStore) -> int | None:
         """The oldest window token's slot, while every row is real from position 0 (sinks in slots 0..)
         and the slot layout is known: in position order, or a ring of `window + 1` slots after the sinks
         that the last victim's slot, refilled by the newest token, walks around."""
-        if first_real is not None or store.length != self.budget + 1:
+        if store.first_real is not None or store.length != self.budget + 1:
             self._ring = None
             return None
         if store.in_order:
@@ -51,23 +51,23 @@ class SinkPolicy(EvictionPolicy):
         self._ring = (slot, store.version)
         return slot
 
-    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> torch.Tensor:
+    def score(self, store: SlotStore) -> torch.Tensor:
         pos = store.positions
-        ranks = pos.float().masked_fill(self._is_sink(pos, first_real), KEEP)
-        return padding_and_recent(store, seen, self.window, ranks, first_real)
+        ranks = pos.float().masked_fill(self._is_sink(pos, store.first_real), KEEP)
+        return padding_and_recent(store, self.window, ranks)
 
-    def after_evict(self, store: SlotStore, seen: int, first_real: torch.Tensor | None) -> None:
+    def after_evict(self, store: SlotStore) -> None:
         if self.rotary is None or not self.num_sinks:
             return
-        if first_real is None:
-            self._shift_unpadded(store, seen)
+        if store.first_real is None:
+            self._shift_unpadded(store)
         else:
-            self._shift_padded(store, seen, first_real)
+            self._shift_padded(store, store.first_real)
 
-    def _shift_unpadded(self, store: SlotStore, seen: int) -> None:
+    def _shift_unpadded(self, store: SlotStore) -> None:
         """Every slot holds a real token: the sinks are positions 0.. in slots 0.. (compaction keeps
         position order and sinks are never evicted), and all rows moved by the same count."""
-        shift = seen - store.held  # real tokens evicted
+        shift = store.seen - store.held  # real tokens evicted
         if shift <= 0:
             return
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
@@ -78,11 +78,11 @@ class SinkPolicy(EvictionPolicy):
             self._prepared = self.rotary.prepare(self.sink_keys)
         store.write_leading_keys(self.rotary.rotate_prepared(self._prepared, shift, self.sink_keys.dtype))
 
-    def _shift_padded(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> None:
+    def _shift_padded(self, store: SlotStore, first_real: torch.Tensor) -> None:
         """Rows differ in where their real tokens start: the same rule per row, on the device."""
         pos = store.positions
         real_held = (pos[:, 0] >= 0).sum(-1)
-        shift = (seen - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
+        shift = (store.seen - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
         moving = (shift > 0) & (first_real >= 0)
         # Slot of sink i: where pos == first_real + i, the same slot in every head (sinks never move).
         targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..storage.slots import PAD, SlotStore
 from .policy import EvictionPolicy, padding_and_recent
-from .slots import PAD, SlotStore
 
 POOLING = ("avg", "max")
 
@@ -49,11 +49,11 @@ class SnapKVPolicy(EvictionPolicy):
             pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
         store.scores.copy_(pooled.view(batch, heads, slots))
 
-    def over_budget(self, store: SlotStore, new: int) -> int:
-        return max(0, store.length - self.budget) if new > 1 else 0
+    def excess(self, held: int, new: int) -> int:
+        return max(0, held - self.budget) if new > 1 else 0
 
-    def priority(self, store: SlotStore, seen: int, first_real: torch.Tensor) -> torch.Tensor:
-        return padding_and_recent(store, seen, self.observation, store.scores, first_real)
+    def score(self, store: SlotStore) -> torch.Tensor:
+        return padding_and_recent(store, self.observation, store.scores)
 
     def __repr__(self) -> str:
         return (

@@ -6,10 +6,7 @@ from .base import Retention
 class KeepAll(Retention):
     """Every token seen stays and is visible."""
 
-    def visible(self, held: int) -> int:
-        return held
-
-    def excess(self, held: int) -> int:
+    def excess(self, held: int, new: int) -> int:
         return 0
 
     def __repr__(self) -> str:

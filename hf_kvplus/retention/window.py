@@ -19,7 +19,7 @@ class SlidingWindow(Retention):
     def visible(self, held: int) -> int:
         return min(held, self.window - 1)
 
-    def excess(self, held: int) -> int:
+    def excess(self, held: int, new: int) -> int:
         return max(0, held - (self.window - 1))
 
     def max_length(self) -> int:

@@ -3,5 +3,6 @@
 from .base import KVStorage
 from .dense import DenseStorage
 from .quantized import QuantizedSegment, QuantizedStorage
+from .slots import SlotStore
 
-__all__ = ["KVStorage", "DenseStorage", "QuantizedSegment", "QuantizedStorage"]
+__all__ = ["KVStorage", "DenseStorage", "QuantizedSegment", "QuantizedStorage", "SlotStore"]

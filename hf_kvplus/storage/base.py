@@ -41,8 +41,13 @@ class KVStorage(ABC):
         the dense `view(last)`. Called as `update` returns, before the retention drops anything."""
         return DenseRead(*self.view(last))
 
-    def note_prompt_mask(self, attention_mask: torch.Tensor) -> None:  # noqa: B027 - an optional hook
-        """Sees the model's mask of the first forward (left padding a storage may free)."""
+    @property
+    def held(self) -> int:
+        """Tokens held per batch row (`length`, less any slot freed but not yet reused)."""
+        return self.length
+
+    def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:  # noqa: B027 - an optional hook
+        """Sees the model's 4-d mask of a forward of `new` tokens, before attention (which of them are padding)."""
 
     @abstractmethod
     def drop_front(self, count: int) -> None:

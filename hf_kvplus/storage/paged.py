@@ -94,9 +94,9 @@ class PagedStorage(KVStorage):
             last, partial(self.view, last),
         )  # fmt: skip
 
-    def note_prompt_mask(self, attention_mask: torch.Tensor) -> None:
+    def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
         """Left padding of the first prefill: key columns no query attends to, from the start of each row."""
-        if self.start != 0:  # the retention already dropped part of the prompt: nothing to learn
+        if self.start != 0 or self.end != new:  # not a first prefill, or part of it already dropped
             return
         if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[0] != self.batch_size:
             return

@@ -5,7 +5,8 @@ moment `update` returns (the retention may drop tokens right after; a read still
 storage's read is its keys and values. Paged and quantized storages are read in place by a decode
 kernel, so their reads name the pools or codes, and hand attention shape-correct NaN placeholders as
 keys and values (never read on the kernel path, loud if some other attention function computes with
-them); `dense()` gathers the tokens for a call that cannot take the kernel.
+them); `dense()` gathers the tokens for a call that cannot take the kernel. Slots (evicting layers) are
+read as dense tensors in no sequence order, masked by what each slot holds.
 """
 
 from __future__ import annotations
@@ -57,7 +58,17 @@ class PackedRead(NamedTuple):
     dense: Gather
 
 
-Read = DenseRead | PagedRead | PackedRead
+class SlotRead(NamedTuple):
+    """Per-head slots of a `SlotStore` as dense `[batch, kv_heads, slots, head_dim]` keys and values, in no
+    sequence order (the fresh tokens in the last slots, or a refilled hole); `valid()` gives the `[batch, slots]`
+    mask of slots holding real tokens (None: all do), known once attention has seen the model's mask."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: Callable[[], torch.Tensor | None]
+
+
+Read = DenseRead | PagedRead | PackedRead | SlotRead
 
 
 def placeholders(

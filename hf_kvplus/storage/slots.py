@@ -1,4 +1,4 @@
-"""Slot storage for evicting layers: every (batch row, KV head) keeps its own set of tokens.
+"""Slot storage for scored retentions: every (batch row, KV head) keeps its own set of tokens.
 
 Evicting caches keep different tokens per KV head (H2O, SnapKV), so tokens live in slots: slot j of
 row b, head h holds one token's key and value, its logical position (`pos`, -1 for a padding slot)
@@ -14,14 +14,30 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, ShapeError
 from ..kernels.quant_format import QuantFormat, dequantize_values
 from ..kernels.quant_pack import quantize_values
 from ..memory import MemoryReport
-from ..storage.dense import _grown
+from .base import KVStorage
+from .dense import _grown
+from .reads import SlotRead
 
 #: `pos` of a slot holding a padding token.
 PAD = -1
+
+
+def padding_of_new(attention_mask: torch.Tensor, batch: int, new: int) -> torch.Tensor:
+    """`[batch, new]` True where a fresh token is padding, read off the model's 4-d mask.
+
+    The mask's last `new` columns are the fresh tokens (`get_mask_sizes` says so); the last query of a
+    left-padded row is real and sees every real key, so the keys it may not see are padding. Whether
+    any is padding stays on the device (asking would stall it).
+    """
+    if attention_mask.ndim != 4:
+        raise ShapeError(f"expected a 4-d attention mask, got shape {tuple(attention_mask.shape)}")
+    last = attention_mask[:, 0, -1, -new:]
+    allowed = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    return ~allowed.expand(batch, -1)
 
 
 def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -102,20 +118,28 @@ class TokenQuantCodec:
         return f"TokenQuantCodec({self.fmt})"
 
 
-class SlotStore:
+class SlotStore(KVStorage):
     """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, `score`); `length` used.
 
-    A decode step evicts one slot per row and head without moving any: `free(slot)` leaves it in
-    place as the `hole`, and the next one-token `append` writes the new token over it. The hole is a
-    Python int when the policy knows the slot without looking at the device (StreamingLLM's oldest
-    window token in a known layout), else a `[batch, kv_heads, 1]` tensor (H2O's lowest score) that
-    the append scatters into. Any other operation first `settle`s the hole (the last slot moves into it).
+    A `KVStorage` whose tokens are not in sequence order: a scored retention (`eviction`) picks the
+    slots to keep. A decode step evicts one slot per row and head without moving any: `free(slot)`
+    leaves it in place as the `hole`, and the next one-token `append` writes the new token over it.
+    The hole is a Python int when the policy knows the slot without looking at the device
+    (StreamingLLM's oldest window token in a known layout), else a `[batch, kv_heads, 1]` tensor (H2O's
+    lowest score) that the append scatters into. Any other operation first `settle`s the hole (the
+    last slot moves into it).
+
+    Until the model passes a mask, every slot holds a real token and each row's first real position
+    is 0 (`first_real` is None, policies work in Python ints). Once a mask came (left padding, maybe),
+    padding slots get `pos` PAD and `first_real` [batch] is kept on the device, updated with each
+    forward's tokens, never read back.
     """
 
     def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None):
         self.codec = codec or DenseCodec()
         self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
+        self.seen = 0  # tokens appended (the next token's logical position), less those dropped from the back
         self.dtype: torch.dtype | None = None
         # A freed slot, still counted in `length` until refilled or settled: the same in every row and head
         # (a Python int) or a [batch, kv_heads, 1] tensor.
@@ -124,6 +148,7 @@ class SlotStore:
         self.fresh: tuple[int, int] | torch.Tensor = (0, 0)
         self.in_order = True  # slots hold increasing positions (appends at the end since the last compaction)
         self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
+        self.first_real: torch.Tensor | None = None  # [batch] first real position per row (-1: none yet), once masked
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
 
     @property
@@ -164,9 +189,10 @@ class SlotStore:
             cut = self._used = (self.length, self.fields, views)
         return cut[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
-        """Writes `new` tokens at logical positions `first_pos ..` into slots `length ..`."""
-        new = keys.shape[2]
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes `new` tokens at the next logical positions into slots `length ..` (or the hole)."""
+        new, first_pos = keys.shape[2], self.seen
+        self.seen += new
         if self.fields:
             self._check_compatible(keys, values)
         encoded = self.codec.encode(keys, values)
@@ -237,14 +263,39 @@ class SlotStore:
         self.in_order = False
         self.version += 1
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
         used = self.used()
         return self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
 
+    def read(self, last: int, new: int) -> SlotRead:
+        """Every used slot (slots are not in sequence order: attention masks them by what they hold)."""
+        return SlotRead(*self.slots(), self.valid)
+
+    def valid(self) -> torch.Tensor | None:
+        """`[batch, slots]` True where a slot holds a real token; None while no mask ever came (all do)."""
+        return self.positions[:, 0] != PAD if self.first_real is not None else None
+
+    def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
+        """Marks the fresh tokens that the model's mask says are padding, and learns each row's first real
+        position from them (on the device)."""
+        self.mark_padding(padding_of_new(attention_mask, self.batch_size, new))
+        if self.first_real is None:
+            # Tokens before the first mask were real: those rows start at 0; the others are learned now.
+            start = 0 if self.seen > new else -1
+            self.first_real = torch.full((self.batch_size,), start, dtype=torch.int64, device=self.device)
+        pos = self.fresh_positions()[:, 0]
+        real = pos != PAD
+        first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen).min(-1).values, -1)
+        self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
+
+    def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values of the held tokens (`last` is all of them: slots have no sequence order)."""
+        return self.held_view()
+
     def held_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense keys and values of the held tokens: `view` less the hole (a copy then; slots stay put)."""
-        keys, values = self.view()
+        """Dense keys and values of the held tokens: `slots` less the hole (a copy then; slots stay put)."""
+        keys, values = self.slots()
         if self.hole is None:
             return keys, values
         live = torch.arange(self.length - 1, device=keys.device)
@@ -286,26 +337,35 @@ class SlotStore:
         else:
             self.pos.scatter_(2, self.fresh, self.fresh_positions().masked_fill(padding, PAD))
 
-    def keep(self, slots: torch.Tensor) -> None:
+    def keep(self, slots: torch.Tensor, reallocate: bool = False) -> None:
         """Keeps slots `slots` [batch, kv_heads, kept] of each row and head, in position order, at the front.
 
-        The buffers are re-sized to what the kept slots need, so what a layer holds at rest after a
-        compaction depends on its budget only, not on how long the prompt was.
+        The buffers are re-sized to what the kept slots need (new ones with `reallocate`), so what a layer
+        holds at rest after a compaction depends on its budget only, not on how long the prompt was.
         """
         self.settle()
         slots = slots.gather(2, self.pos.gather(2, slots).argsort(dim=2, stable=True))
         kept = self._gather(slots)
         self.length = slots.shape[2]
-        if self.capacity != _grown(self.length):
+        if reallocate or self.capacity != _grown(self.length):
             self._allocate(kept, _grown(self.length))
         for name, part in kept.items():
             self.fields[name][:, :, : self.length] = part
         self.in_order = True
         self.version += 1
 
+    def drop_front(self, count: int) -> None:
+        """Forgets the `count` tokens of lowest position (padding first), into new buffers: an ordered retention
+        drops right after `update`, and the read it returned still names the old slots."""
+        self.settle()
+        order = self.positions.argsort(dim=-1, descending=True, stable=True)
+        self.keep(order[..., : self.held - count], reallocate=True)
+
     def drop_back(self, count: int) -> None:
+        """Forgets the `count` newest tokens: those of the last append, which still sit in the last slots."""
         self.settle()
         self.length -= count
+        self.seen -= count
         self.version += 1
 
     def index_batch(self, indices: torch.Tensor) -> None:
@@ -316,10 +376,13 @@ class SlotStore:
                 self.hole = self.hole.index_select(0, indices)
             if isinstance(self.fresh, torch.Tensor):
                 self.fresh = self.fresh.index_select(0, indices)
+        if self.first_real is not None:
+            self.first_real = self.first_real.index_select(0, indices.to(self.first_real.device))
 
     def reset(self) -> None:
         self.fields = {}
-        self.length = 0
+        self.length = self.seen = 0
+        self.first_real = None
         self.hole = None
         self.fresh = (0, 0)
         self.in_order = True
