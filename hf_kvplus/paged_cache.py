@@ -10,13 +10,14 @@ from transformers import PreTrainedConfig
 
 from .attention.dispatch import takes_fused_path
 from .cache import KVCache
-from .errors import CapacityError, ConfigError, UnsupportedOperationError
-from .layer import KVLayer, row_indices
+from .errors import ConfigError, UnsupportedOperationError
+from .formats import resolve_format
+from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
 from .paging.block_pool import BlockPool
 from .paging.group import BlockGroup
-from .paging.paged_pool import PagedPool, group_key, resolve_format
+from .paging.paged_pool import PagedPool, group_key
 from .placement.base import Placement
 from .storage.paged import PagedStorage
 from .storage.paged_segment import PagedSegment
@@ -120,47 +121,11 @@ class PagedCache(KVCache):
             return QuantizedStorage(segment, window=window, fused=fused)
 
         super().__init__(config, storage=storage, placement=placement)
-        self._first_kv_layer = next(i for i, layer in enumerate(self.layers) if isinstance(layer, KVLayer))
         weakref.finalize(self, _release, list(self.groups.values()))
 
     @property
     def block_size(self) -> int:
         return self.pool.block_size
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self.format is not None and layer_idx == self._first_kv_layer:
-            # A new forward: every layer has attended the last one, so blocks of tokens that windows dropped
-            # then can go (a quantized layer allocates only when a block fills, so its group may not trim for
-            # many steps otherwise).
-            for group in self.groups.values():
-                group.trim()
-        try:
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        except CapacityError:
-            if self.format is not None:
-                # The quantized storage took the new tokens into its full-precision window before the block
-                # they filled could not be allocated: give them back, so the layer stays as it was.
-                self.layers[layer_idx].storage.recent.drop_back(key_states.shape[2])
-            raise
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_batch([int(i) for i in beam_idx])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = max(layer.storage.batch_size for layer in self.layers if isinstance(layer, KVLayer))
-        self._index_batch([row for row in range(batch) for _ in range(repeats)])
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._index_batch([int(i) for i in row_indices(indices)])
-
-    def _index_batch(self, rows: list[int]) -> None:
-        for group in self.groups.values():  # once per group: the layers of a group share its tables
-            group.index_batch(rows)
-        if self.format is not None:  # and every layer's full-precision window
-            indices = torch.tensor(rows, dtype=torch.long)
-            for layer in self.layers:
-                if isinstance(layer, KVLayer):
-                    layer.storage.recent.index_batch(indices)
 
     def reuse_prefix(self, input_ids) -> int:
         """Attaches the stored blocks of the longest stored prefix of `input_ids` (one prompt) to this
@@ -176,14 +141,10 @@ class PagedCache(KVCache):
         blocks = store.lookup(ids[: max(0, len(ids) - keep)], self.namespace)
         reused = len(blocks) * self.block_size
         if reused:
-            group = self.groups["full"]
-            group.tables, group.reserved = [blocks], reused
-            group._table_tensor = None
+            self.groups["full"].attach(blocks)
             for layer in self.layers:
                 if isinstance(layer, KVLayer):
-                    layer.seen = reused
-                    target = layer.storage if self.format is None else layer.storage.segment
-                    target.end = reused
+                    layer.attached(reused)
         return reused
 
     def store_prefix(self, input_ids) -> int:

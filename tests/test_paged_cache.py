@@ -7,7 +7,14 @@ import torch
 from transformers import DynamicCache
 
 from conformance.models import PAD_TOKEN_ID, build_model
-from hf_kvplus import CapacityError, ConfigError, PagedCache, PagedPool, UnsupportedOperationError
+from hf_kvplus import (
+    CacheMismatchError,
+    CapacityError,
+    ConfigError,
+    PagedCache,
+    PagedPool,
+    UnsupportedOperationError,
+)
 
 
 def prompt(n, seed=0, batch=1):
@@ -188,3 +195,27 @@ def test_bad_construction_is_refused():
         PagedCache(config=config, num_blocks=0)
     with pytest.raises(ConfigError, match="namespace must be a str"):
         PagedCache(config=config, namespace=3)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_row_operation_reaches_every_layer_and_moves_the_shared_tables_once(bits):
+    """Transformers reorders layer by layer; the block group applies each operation once for all its layers."""
+    model = build_model("llama")
+    kwargs = {} if bits is None else {"bits": bits, "group_size": 8, "window": 8}
+    cache = PagedCache(config=model.config, block_size=8, **kwargs)
+    model(prompt(27, seed=3, batch=3), past_key_values=cache)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    order = torch.tensor([2, 0, 2])
+    cache.reorder_cache(order)
+    for layer, (keys, values) in zip(cache.layers, before, strict=True):
+        assert layer.storage.batch_size == 3
+        torch.testing.assert_close(layer.keys, keys[order], rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, values[order], rtol=0, atol=0)
+    cache.batch_repeat_interleave(2)
+    for layer, (keys, _) in zip(cache.layers, before, strict=True):
+        torch.testing.assert_close(layer.keys, keys[order.repeat_interleave(2)], rtol=0, atol=0)
+    # One layer reordered twice while the others did not follow: the next of them is refused.
+    cache.layers[0].reorder_cache(torch.arange(6))
+    cache.layers[0].reorder_cache(torch.arange(6))
+    with pytest.raises(CacheMismatchError, match="member 1 .* 2 operations ahead"):
+        cache.layers[1].reorder_cache(torch.arange(6))

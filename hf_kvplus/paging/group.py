@@ -8,7 +8,9 @@ every layer of the group, as in vLLM.
 State that every layer owns (how far it has written, the oldest token it still needs) lives in its
 storage; the group derives what to allocate and what to free from them, so per-layer calls
 (`append`, `drop_front`, `drop_back`) need no coordination. Batch-row operations (beam reorder,
-selection, fan-out) change the shared tables and are called once per group by the cache.
+selection, fan-out) reach the group once per layer, as Transformers calls them: the first member
+to bring one applies it to the shared tables, the others find it applied (the group is the one
+block manager of its layers, so the cache needs no override of its own).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import CacheMismatchError
 from .block_pool import BlockPool
 
 
@@ -39,17 +42,22 @@ class BlockGroup:
         self._copy_block: list[Callable[[int, int], None]] = []
         self._zero_block: list[Callable[[int], None]] = []
         self._pads: list[int] | None = None  # left padding seen by the first prefill, released at the next step
+        self._ops = 0  # batch-row operations applied to the tables
+        self._member_ops: list[int] = []  # how many of them each member has brought
+        self._batch_before = 0  # rows before the last operation, as members that have not brought it still see
 
     @property
     def batch_size(self) -> int:
         return len(self.tables)
 
-    def join(self, storage, copy_block: Callable[[int, int], None], zero_block: Callable[[int], None]) -> None:
-        """Adds a layer's storage; `copy_block(src, dst)` copies one block of its tensors (copy-on-write),
-        `zero_block(id)` clears one."""
+    def join(self, storage, copy_block: Callable[[int, int], None], zero_block: Callable[[int], None]) -> int:
+        """Adds a layer's storage and returns its member number; `copy_block(src, dst)` copies one block of its
+        tensors (copy-on-write), `zero_block(id)` clears one."""
         self.members.append(storage)
+        self._member_ops.append(self._ops)
         self._copy_block.append(copy_block)
         self._zero_block.append(zero_block)
+        return len(self.members) - 1
 
     def note_padding(self, pads: list[int]) -> None:
         """Records each row's count of left-padding tokens, seen by the first prefill's mask.
@@ -91,6 +99,14 @@ class BlockGroup:
                 table.extend(ids[row * new_per_row : (row + 1) * new_per_row])
         self.reserved = end
         self._table_tensor = None
+
+    def attach(self, blocks: list[int]) -> None:
+        """Starts the empty group's one row with `blocks` (a stored prefix, referenced for this group): every
+        member then holds their tokens."""
+        self.tables, self.reserved = [list(blocks)], len(blocks) * self.block_size
+        self._table_tensor = None
+        for member in self.members:
+            member.attached(self.reserved)
 
     def _fill_shared(self, end: int, sources: list[int]) -> None:
         unique = sorted(set(sources))
@@ -141,8 +157,26 @@ class BlockGroup:
         if len(self.tables[0]) != columns:
             self._table_tensor = None
 
-    def index_batch(self, indices: list[int]) -> None:
-        """New rows are old rows `indices` (repeats allowed): tables are copied, blocks shared, not copied."""
+    def rows_of(self, member: int) -> int:
+        """Batch rows as member `member` sees them: before a batch-row operation other members already applied."""
+        return self.batch_size if self._member_ops[member] == self._ops else self._batch_before
+
+    def index_batch(self, member: int, indices: torch.Tensor) -> None:
+        """Member `member`'s layer keeps batch rows `indices` (repeats allowed). The first member to bring an
+        operation applies it: tables are copied, blocks shared, not copied. Each member brings each one once."""
+        behind = self._ops - self._member_ops[member]
+        if behind == 0:
+            self._batch_before = self.batch_size
+            self._apply(indices.tolist())
+            self._ops += 1
+        elif behind != 1:
+            raise CacheMismatchError(
+                f"a batch-row operation reached layer member {member} of a block group whose other layers are "
+                f"{behind} operations ahead: call it on every layer, in turn"
+            )
+        self._member_ops[member] = self._ops
+
+    def _apply(self, indices: list[int]) -> None:
         if not self.tables:
             return
         new_tables = [list(self.tables[i]) for i in indices]

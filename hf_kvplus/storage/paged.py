@@ -33,7 +33,7 @@ class PagedStorage(KVStorage):
         self.pool = pool
         self.fused = fused
         self.start = self.end = 0  # logical tokens held: start..end-1
-        group.join(self, pool.copy_block, pool.zero_block)
+        self.member = group.join(self, pool.copy_block, pool.zero_block)
 
     @property
     def k_pool(self) -> torch.Tensor | None:
@@ -49,7 +49,7 @@ class PagedStorage(KVStorage):
 
     @property
     def batch_size(self) -> int:
-        return self.group.batch_size
+        return self.group.rows_of(self.member)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.pool.ensure(keys, values)
@@ -104,6 +104,10 @@ class PagedStorage(KVStorage):
         pads = torch.where(attended.any(dim=1), attended.int().argmax(dim=1), attended.shape[1])
         self.group.note_padding(pads.tolist())
 
+    def attached(self, tokens: int) -> None:
+        """The group's tables now start with `tokens` tokens of stored blocks: this layer holds them."""
+        self.end = tokens
+
     def drop_front(self, count: int) -> None:
         # The blocks are freed at the group's next allocation (or trim): the layers of this step still
         # attend to tokens the retention drops as soon as it has built `update`'s return value.
@@ -115,7 +119,7 @@ class PagedStorage(KVStorage):
         self.group.trim()
 
     def index_batch(self, indices: torch.Tensor) -> None:
-        self.group.index_batch([int(i) for i in indices])
+        self.group.index_batch(self.member, indices)
 
     def reset(self) -> None:
         self.start = self.end = 0

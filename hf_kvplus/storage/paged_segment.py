@@ -39,7 +39,7 @@ class PagedSegment(QuantizedSegment):
         self.pool = pool
         self.fmt = pool.fmt
         self.start = self.end = 0  # logical tokens held: start..end-1 (BlockGroup.trim reads them)
-        group.join(self, pool.copy_block, pool.zero_block)
+        self.member = group.join(self, pool.copy_block, pool.zero_block)
 
     @property
     def unit(self) -> int:
@@ -55,7 +55,7 @@ class PagedSegment(QuantizedSegment):
 
     @property
     def batch_size(self) -> int:
-        return self.group.batch_size
+        return self.group.rows_of(self.member)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None = None) -> None:
         batch, _, n, _ = keys.shape
@@ -76,6 +76,10 @@ class PagedSegment(QuantizedSegment):
             ids, k_blocks, v_blocks = [ids[i] for i in unique], k_blocks[index], v_blocks[index]
         self.pool.write(torch.tensor(ids, dtype=torch.long, device=keys.device), k_blocks, v_blocks)
         self.end += n
+
+    def begin_update(self) -> None:
+        if self.member == 0:  # the group's first layer: the last forward has passed every layer of the group
+            self.group.trim()
 
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
         dtype = dtype or self.dtype
@@ -103,6 +107,10 @@ class PagedSegment(QuantizedSegment):
             self.group.table_tensor(recent_k.device), dense,
         )  # fmt: skip
 
+    def attached(self, tokens: int) -> None:
+        """The group's tables now start with `tokens` tokens of stored blocks: this layer holds them."""
+        self.end = tokens
+
     def drop_front(self, count: int) -> None:
         # Lazy: the layers of this step still attend to these tokens; the group frees whole blocks no layer needs
         # at its next trim (the next allocation, the cache's next step, a report).
@@ -113,7 +121,7 @@ class PagedSegment(QuantizedSegment):
         self.group.trim()
 
     def index_batch(self, indices: torch.Tensor) -> None:
-        self.group.index_batch([int(i) for i in indices])
+        self.group.index_batch(self.member, indices)
 
     def reset(self) -> None:
         self.start = self.end = 0

@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from ..errors import ConfigError, UnsupportedOperationError
+from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import QuantFormat
 from ..memory import MemoryReport
 from ..paging.group import identical_rows
@@ -43,6 +43,10 @@ class QuantizedSegment(ABC):
 
         `same_rows[row]`: the first row whose appended tokens equal this row's (beams of one prompt), when the
         caller knows it; a segment that `shares_rows` shares their storage on its first fill."""
+
+    def begin_update(self) -> None:  # noqa: B027 - an optional hook
+        """Called as each forward reaches this layer, before it appends: every layer has attended the last one,
+        so a segment may free what earlier forwards dropped (a paged segment's group trims)."""
 
     @abstractmethod
     def dequantized(self, first: int, last: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +148,7 @@ class QuantizedStorage(KVStorage):
         if self.segment.shares_rows and self.length == 0 and keys.shape[0] > 1:
             # Read once, at the prompt, so that a decode step that first fills the segment need not compare rows.
             self._prompt = (identical_rows(keys), keys.shape[2])
+        self.segment.begin_update()
         self.recent.append(keys, values)
         self._fresh = (keys, values)
         unit = self.segment.unit
@@ -151,7 +156,11 @@ class QuantizedStorage(KVStorage):
         if flush > 0:
             old_k, old_v = self.recent.view(self.recent.length)
             in_prompt = self._prompt is not None and self._flushed + flush <= self._prompt[1]
-            self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush], self._prompt[0] if in_prompt else None)
+            try:
+                self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush], self._prompt[0] if in_prompt else None)
+            except CapacityError:  # no block for the group the new tokens filled: the storage stays as it was
+                self.recent.drop_back(keys.shape[2])
+                raise
             self._flushed += flush
             self.recent.drop_front(flush)
             if self._prompt is not None and self._flushed >= self._prompt[1]:
