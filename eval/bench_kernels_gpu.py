@@ -138,10 +138,10 @@ class Case:
         return fn, nbytes(k_pool, v_pool, table), lambda out: rel_err(out, reference(q, k, v, scale))
 
     def _quantized(self, kind):
+        from hf_kvplus.formats import DEFAULT_GROUP, parse_bits
         from hf_kvplus.kernels.quant_attention import quantized_decode_attention_triton
         from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
         from hf_kvplus.kernels.quant_pack import quantize_keys, quantize_values
-        from hf_kvplus.quantized_cache import DEFAULT_GROUP, parse_bits
 
         bits = parse_bits(kind)
         fmt = QuantFormat(bits, DEFAULT_GROUP[bits])

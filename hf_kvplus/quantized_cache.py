@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from transformers import PreTrainedConfig
@@ -10,38 +9,12 @@ from transformers import PreTrainedConfig
 from .attention.dispatch import takes_fused_path
 from .cache import KVCache
 from .errors import ConfigError
-from .kernels.quant_format import BIT_WIDTHS, QuantFormat
+from .formats import resolve_format
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
 
-#: Default group size per format: the largest that keeps int8 under 0.56, int4 under 0.32 and int2 under
-#: 0.19 of float16's bytes per token (codes plus float16 scales and zero points).
-DEFAULT_GROUP = {8: 64, 4: 32, 2: 32, "fp8": 32}
 BACKENDS = ("kvplus", "quanto")
-
-
-def parse_bits(bits) -> int | str:
-    """8, 4, 2 or "fp8"; also accepts "int8"/"int4"/"int2" and "8"/"4"/"2"."""
-    given = bits
-    if isinstance(bits, str):
-        text = bits.strip().lower().removeprefix("int")
-        bits = int(text) if text.isdigit() else text
-    if isinstance(bits, bool) or bits not in BIT_WIDTHS:
-        raise ConfigError(f"bits must be 8, 4, 2 or 'fp8' (int8/int4/int2/fp8), got {given!r}")
-    return bits
-
-
-def model_format(config: PreTrainedConfig, bits: int | str, group_size: int | None) -> QuantFormat:
-    """The `QuantFormat` for every layer of `config`: default group (gcd with the head dims) and checked."""
-    bits = parse_bits(bits)
-    head_dims = sorted({spec.head_dim for spec in ModelSpec.from_config(config).layers if spec.holds_kv})
-    if group_size is None:
-        group_size = math.gcd(DEFAULT_GROUP[bits], *head_dims)
-    fmt = QuantFormat(bits, group_size)
-    for head_dim in head_dims:
-        fmt.check_head_dim(head_dim)
-    return fmt
 
 
 def quantized_storage(
@@ -59,7 +32,7 @@ def quantized_storage(
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    fmt = model_format(config, bits, group_size)
+    fmt = resolve_format(ModelSpec.from_config(config), bits, group_size)
     fused = takes_fused_path(config)
 
     def segment() -> QuantizedSegment:

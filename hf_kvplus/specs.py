@@ -40,9 +40,10 @@ from transformers import QuantizedCache as HFQuantizedCache
 from .cache import DenseCache
 from .errors import ConfigError
 from .evicting_cache import H2OCache, SinkCache, SnapKVCache
+from .formats import parse_bits
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
-from .quantized_cache import BACKENDS, QuantizedCache, parse_bits
+from .quantized_cache import BACKENDS, QuantizedCache
 from .storage.quantized import DEFAULT_WINDOW
 
 #: Builds a cache: (config, positional args, keyword args, max_length needed by the run or None).

@@ -71,10 +71,10 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import KernelInterface
 
 from hf_kvplus.errors import ConfigError
+from hf_kvplus.formats import DEFAULT_GROUP
 from hf_kvplus.kernels import decode_attention, paged_attention, quant_attention, quant_pack
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
 from hf_kvplus.paging import DEFAULT_BLOCK_SIZE
-from hf_kvplus.quantized_cache import DEFAULT_GROUP
 
 __all__ = [
     "ARCHS", "MAX_SHARED", "Row", "Spec", "covering", "format_table", "main", "parse_arch", "run", "specializations",

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers import PreTrainedConfig
 
 from ..errors import CacheMismatchError, ConfigError
+from ..formats import resolve_format
 from ..kernels.quant_format import QuantFormat
 from ..model_spec import LayerSpec, ModelSpec
 from .block_pool import BlockPool
@@ -26,25 +25,6 @@ GROWABLE_INITIAL_BLOCKS = 8
 def group_key(spec: LayerSpec) -> str:
     """Layers holding the same tokens share blocks: all full layers, the sliding layers of one window."""
     return "full" if spec.kind == "full" else f"{spec.kind}:{spec.window}"
-
-
-def resolve_format(spec: ModelSpec, bits: int | str | None, group_size: int | None) -> QuantFormat | None:
-    """The quantized format of `bits`/`group_size` for a model (None when `bits` is None), checked against every
-    head_dim; the default group is `QuantizedCache`'s: the format's default, reduced to divide every head_dim."""
-    if bits is None:
-        if group_size is not None:
-            raise ConfigError(f"group_size={group_size!r} needs bits (8, 4, 2 or 'fp8'): full-precision blocks have no groups")
-        return None
-    from ..quantized_cache import DEFAULT_GROUP, parse_bits  # the quantized cache's own defaults
-
-    bits = parse_bits(bits)
-    head_dims = sorted({layer.head_dim for layer in spec.layers if layer.holds_kv})
-    if group_size is None:
-        group_size = math.gcd(DEFAULT_GROUP[bits], *head_dims)
-    fmt = QuantFormat(bits, group_size)
-    for head_dim in head_dims:
-        fmt.check_head_dim(head_dim)
-    return fmt
 
 
 class PagedPool:

@@ -36,8 +36,8 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..formats import DEFAULT_GROUP
 from ..kernels.quant_format import QuantFormat
-from ..quantized_cache import DEFAULT_GROUP
 from ..storage.quantized import DEFAULT_WINDOW
 
 #: Bytes of one scale or zero point (fp16).
