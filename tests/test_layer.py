@@ -125,12 +125,11 @@ def test_slots_serve_an_ordered_retention_like_dense_storage(window):
     """Slot storage is a `KVStorage`: under keep-all or a window it attends like dense storage (the layer's one
     route: update, the storage's read, `attention.route`), and drops the oldest tokens when the window says so."""
     from conformance.models import get_model
-
     from hf_kvplus import KVCache, SlotStore
 
     model = get_model("llama")
     retention = (lambda spec: KeepAll()) if window is None else (lambda spec: SlidingWindow(window))
-    caches = [KVCache(model.config, storage=lambda spec: make(), retention=retention) for make in (DenseStorage, SlotStore)]
+    caches = [KVCache(model.config, storage=lambda spec, make=make: make(), retention=retention) for make in (DenseStorage, SlotStore)]
     ids = torch.randint(3, 120, (2, 13), generator=torch.Generator().manual_seed(5))
     logits = [[model(ids[:, :9], past_key_values=cache).logits[:, -1]] for cache in caches]
     for t in range(9, 13):

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..errors import UnsupportedOperationError
+from ..errors import CacheMismatchError, UnsupportedOperationError
 from ..memory import MemoryReport
 from .reads import DenseRead, Read
 
@@ -100,3 +100,18 @@ def part_of(prefix: str, tensors: dict) -> dict:
     """The entries of `tensors` named `prefix.name`, by `name`."""
     cut = len(prefix) + 1
     return {name[cut:]: t for name, t in tensors.items() if name.startswith(prefix + ".")}
+
+
+def check_fits(
+    keys: torch.Tensor, values: torch.Tensor, layout: tuple[int, int, int, int], dtype: torch.dtype, device
+) -> None:
+    """Refuses new keys/values that do not fit a storage holding `layout` = (batch, kv_heads, key head_dim, value
+    head_dim) K/V of `dtype` on `device`: the shapes and the place are fixed by the first append."""
+    batch, heads, key_dim, value_dim = layout
+    if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != layout:
+        raise CacheMismatchError(
+            f"new keys/values of shape {tuple(keys.shape)}/{tuple(values.shape)} do not fit the cache's "
+            f"[batch={batch}, kv_heads={heads}, head_dim={key_dim}, value head_dim={value_dim}] layout"
+        )
+    if keys.dtype != dtype or keys.device != device:
+        raise CacheMismatchError(f"new keys are {keys.dtype} on {keys.device}, the cache holds {dtype} on {device}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheMismatchError, CapacityError
+from ..errors import CapacityError
 from ..memory import MemoryReport
-from .base import KVStorage, Region, widened
+from .base import KVStorage, Region, check_fits, widened
 
 #: Capacity is allocated in multiples of this many tokens.
 GRANULE = 64
@@ -126,18 +126,9 @@ class DenseStorage(KVStorage):
         self.values = values.new_empty(batch, heads, capacity, values.shape[-1])
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        held, new = self.keys, keys
-        if (new.shape[0], new.shape[1], new.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]) or (
-            values.shape[-1] != self.values.shape[-1]
-        ):
-            raise CacheMismatchError(
-                f"new keys/values of shape {tuple(new.shape)}/{tuple(values.shape)} do not fit the cache's "
-                f"[batch={held.shape[0]}, kv_heads={held.shape[1]}, head_dim={held.shape[3]}] layout"
-            )
-        if new.dtype != held.dtype or new.device != held.device:
-            raise CacheMismatchError(
-                f"new keys are {new.dtype} on {new.device}, the cache holds {held.dtype} on {held.device}"
-            )
+        held = self.keys
+        layout = (held.shape[0], held.shape[1], held.shape[3], self.values.shape[3])
+        check_fits(keys, values, layout, held.dtype, held.device)
 
     def _make_room(self, new: int) -> None:
         needed = self.length + new

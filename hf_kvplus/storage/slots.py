@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheMismatchError, ShapeError
+from ..errors import ShapeError
 from ..kernels.quant_format import QuantFormat, dequantize_values
 from ..kernels.quant_pack import quantize_values
 from ..memory import MemoryReport
-from .base import KVStorage
+from .base import KVStorage, check_fits
 from .dense import _grown
 from .reads import SlotRead
 
@@ -428,13 +428,4 @@ class SlotStore(KVStorage):
             self.fields[name][:, :, : self.length] = held[:, :, : self.length]
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        batch, (heads, key_dim, value_dim) = self.batch_size, self.head_dims
-        if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (batch, heads, key_dim, value_dim):
-            raise CacheMismatchError(
-                f"new keys/values of shape {tuple(keys.shape)}/{tuple(values.shape)} do not fit the cache's "
-                f"[batch={batch}, kv_heads={heads}, head_dim={key_dim}] layout"
-            )
-        if keys.dtype != self.dtype or keys.device != self.device:
-            raise CacheMismatchError(
-                f"new keys are {keys.dtype} on {keys.device}, the cache holds {self.dtype} on {self.device}"
-            )
+        check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
