@@ -127,7 +127,7 @@ class KVLayer(CacheLayerMixin):
         if self.retention.scored:
             self._awaiting_attention = True
         elif not self.record_past:
-            self._evict(new)
+            self.retention.evict(self.storage, new, refill=True)
         return keys, read.values
 
     def attend(self, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
