@@ -325,8 +325,25 @@ def _check_block_ids(used, nb, first_col, end_col, start, length) -> None:
         )
 
 
+def _head_rows(block_table: torch.Tensor, first_col: int, end_col: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `block * Hkv + head` of table columns first_col..end_col-1 in the pools seen as
+    [num_blocks * Hkv, block_size * dim]: [B, Hkv, columns] int64, and flattened (the gather index of
+    contiguous pools). Kept on the table tensor until it or the columns change: a paged cache rebuilds its
+    table tensor whenever a block is added, so a decode step otherwise rebuilds the same index (6 ops)."""
+    # An inference tensor has no version counter to tell an in-place change: its index is not kept.
+    key = None if block_table.is_inference() else (first_col, end_col, hkv, block_table._version)
+    cached = getattr(block_table, "_kvplus_head_rows", None)
+    if key is not None and cached is not None and cached[0] == key:
+        return cached[1]
+    used = block_table[:, first_col:end_col].long()
+    rows = used[:, None, :] * hkv + torch.arange(hkv, device=used.device)[None, :, None]
+    if key is not None:
+        block_table._kvplus_head_rows = (key, (rows, rows.reshape(-1)))
+    return rows, rows.reshape(-1)
+
+
 def _gather_chunk(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """Blocks ``ids`` (int64 [B, c]) of every head as one [B, Hkv, c * block_size, dim] tensor.
+    """Blocks ``ids`` (integer [B, c]) of every head as one [B, Hkv, c * block_size, dim] tensor.
 
     ``rows`` (contiguous pools only): the same blocks as rows of the pool seen as
     [num_blocks * Hkv, block_size * dim], row (block, head) = block * Hkv + head, in (b, head, column)
@@ -336,7 +353,7 @@ def _gather_chunk(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | No
     B, c = ids.shape
     if rows is not None:
         return pool.view(nb * hkv, bs * dim).index_select(0, rows).view(B, hkv, c * bs, dim)
-    picked = pool.index_select(0, ids.reshape(-1)).view(B, c, hkv, bs, dim)
+    picked = pool.index_select(0, ids.reshape(-1).long()).view(B, c, hkv, bs, dim)
     return picked.transpose(1, 2).reshape(B, hkv, c * bs, dim)
 
 
@@ -362,17 +379,14 @@ def paged_decode_attention_torch(
         _check_block_ids(used, nb, first_col, end_col, start, length)
 
     dev = q.device
-    used = used.long()
     flat_k, flat_v = k_pool.is_contiguous(), v_pool.is_contiguous()
     if flat_k or flat_v:
-        heads = torch.arange(Hkv, device=dev)
-        all_rows = used[:, None, :] * Hkv + heads[None, :, None]  # [B, Hkv, used columns]
+        all_rows, flat_rows = _head_rows(block_table, first_col, end_col, Hkv)
     cols_per_chunk = max(1, TWIN_CHUNK_TOKENS // bs)
     if end_col - first_col <= cols_per_chunk:  # one chunk: one float32 SDPA (fewer ops than the online softmax)
-        rows = all_rows.reshape(-1) if flat_k or flat_v else None
         lo = start - first_col * bs
-        kc = _gather_chunk(k_pool, used, rows if flat_k else None)[:, :, lo : lo + length]
-        vc = _gather_chunk(v_pool, used, rows if flat_v else None)[:, :, lo : lo + length]
+        kc = _gather_chunk(k_pool, used, flat_rows if flat_k else None)[:, :, lo : lo + length]
+        vc = _gather_chunk(v_pool, used, flat_rows if flat_v else None)[:, :, lo : lo + length]
         return grouped_sdpa(q.float(), kc.float(), vc.float(), mask, scale).to(q.dtype)
     # Scores in the log2 domain, as in the kernel: exp2 is cheaper than exp on CPUs too.
     qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)

@@ -216,6 +216,26 @@ def test_torch_twin_matches_reference(seed, dtype, G, D, Dv, bs, start, length):
     check(out, q, Dv, paged_reference(q, lay, 0.1), seed, f"G={G}, bs={bs}, no mask")
 
 
+def test_torch_twin_reads_a_table_changed_in_place(seed):
+    # The twin keeps its gather index on the table tensor between calls (a decode step reuses it); a table
+    # whose entries change in place (another cache's copy-on-write, a caller's own table) must be read anew.
+    B, Hkv, G, D, bs, start, length = 2, 2, 2, 64, 8, 3, 40
+    lay = Layout(B, Hkv, D, D, bs, start, length, torch.float32, share=0)
+    q = torch.randn(B, Hkv * G, D)
+    out = paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1)
+    check(out, q, D, paged_reference(q, lay, 0.1), seed, "first call")
+    lay.table[[0, 1]] = lay.table[[1, 0]].clone()  # the rows swap their blocks
+    out = paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1)
+    check(out, q, D, paged_reference(q, lay, 0.1), seed, "after the rows swapped blocks in place")
+    with torch.inference_mode():  # an inference tensor has no version counter: read anew every call
+        table = lay.table.clone()
+        paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, table, **lay.kwargs(), scale=0.1)
+        table[[0, 1]] = table[[1, 0]].clone()
+        out = paged_decode_attention_torch(q, lay.k_pool, lay.v_pool, table, **lay.kwargs(), scale=0.1)
+    lay.table = table
+    check(out, q, D, paged_reference(q, lay, 0.1), seed, "an inference table changed in place")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_twin_small_chunks(seed, monkeypatch, dtype):
     # Chunks of two blocks: rows whose first chunks are all padding, a window-like random mask, a
