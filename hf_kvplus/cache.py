@@ -7,7 +7,7 @@ from collections.abc import Callable
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
-from .errors import CacheMismatchError, UnsupportedModelError
+from .errors import CacheMismatchError, ConfigError, UnsupportedModelError
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -30,6 +30,21 @@ def model_retention(spec: LayerSpec) -> Retention:
     return KeepAll() if spec.kind == "full" else SlidingWindow(spec.window)
 
 
+def check_compileable(model_spec: ModelSpec, placement: Placement) -> None:
+    """Refuses `compileable=True` where a decode step's shapes or places cannot stay fixed."""
+    if placement.moves:
+        raise ConfigError(
+            f"compileable=True needs the K/V on the device; {placement!r} moves them by side stream and event, "
+            "which a compiled graph would not see"
+        )
+    sliding = [spec.index for spec in model_spec.layers if spec.holds_kv and spec.kind != "full"]
+    if sliding:
+        raise UnsupportedModelError(
+            f"compileable=True: layers {sliding} of this model are sliding-window layers, which hf_kvplus keeps "
+            "in growing buffers that generate() cannot compile"
+        )
+
+
 class KVCache(Cache):
     """A `transformers.Cache` whose layers are chosen per layer as storage x retention x placement.
 
@@ -49,9 +64,13 @@ class KVCache(Cache):
         storage: Callable[[LayerSpec], KVStorage],
         retention: Callable[[LayerSpec], Retention] = model_retention,
         placement: Placement | None = None,
+        compileable: bool = False,
     ):
         self.model_spec = ModelSpec.from_config(config)
         placement = placement or OnDevice()
+        if compileable:
+            check_compileable(self.model_spec, placement)
+        self._compileable = compileable
         shared = [spec.index for spec in self.model_spec.layers if not spec.holds_kv]
         if shared and DummyLayer is None:
             raise UnsupportedModelError(
@@ -72,8 +91,8 @@ class KVCache(Cache):
                 placement.register(self.layers[i].storage)
 
     def _build_layer(self, spec: LayerSpec, storage, retention, placement: Placement):
-        """The cache layer of one attention layer (subclasses serve some layers with another layer type)."""
-        return KVLayer(spec, storage(spec), retention(spec), placement)
+        """The cache layer of one attention layer."""
+        return KVLayer(spec, storage(spec), retention(spec), placement, compileable=self._compileable)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
@@ -128,9 +147,26 @@ class DenseCache(KVCache):
     their window. `max_tokens` fixes each layer's capacity (allocated once; exceeding it raises
     `CapacityError`); by default layers grow as needed.
 
+    `compileable=True` (with `max_tokens`, on a model whose layers are all full attention) reads the whole
+    buffer at every step, as Transformers' StaticCache does, and declares `is_compileable`: `generate()`
+    then compiles the decode forward (on CUDA by default, on CPU with `CompileConfig._compile_all_devices`).
+    Eager steps then attend over all `max_tokens` positions, so it is opt-in.
+
     >>> cache = DenseCache(config=model.config)
     >>> model.generate(**inputs, past_key_values=cache)
     """
 
-    def __init__(self, config: PreTrainedConfig, *, max_tokens: int | None = None, placement: Placement | None = None):
-        super().__init__(config, storage=lambda spec: DenseStorage(max_tokens=max_tokens), placement=placement)
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        max_tokens: int | None = None,
+        placement: Placement | None = None,
+        compileable: bool = False,
+    ):
+        if compileable and max_tokens is None:
+            raise ConfigError("DenseCache(compileable=True) needs max_tokens: every decode step reads that many positions")
+        super().__init__(
+            config, storage=lambda spec: DenseStorage(max_tokens=max_tokens, static=compileable), placement=placement,
+            compileable=compileable,
+        )  # fmt: skip

@@ -21,10 +21,8 @@ from .eviction.rope import RotaryShift
 from .eviction.sinks import POSITIONS, SinkPolicy
 from .eviction.snapkv import SnapKVPolicy
 from .formats import resolve_format
-from .layer import KVLayer
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
-from .placement.device import OnDevice
 from .storage.dense import DenseStorage
 from .storage.slots import DenseCodec, SlotStore, TokenQuantCodec
 
@@ -58,18 +56,12 @@ class EvictingCache(KVCache):
         placement: Placement | None = None,
         compileable: bool = False,
     ):
-        if compileable and placement is not None and not isinstance(placement, OnDevice):
-            raise ConfigError(
-                f"compileable=True needs the slots on the device; {placement!r} moves them by side stream and "
-                "event, which a compiled graph would not see"
-            )
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
             raise UnsupportedModelError(
                 f"{type(self).__name__} attends through hf_kvplus's attention, but the model uses "
                 f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
             )
-        self._compileable = compileable
         fmt = resolve_format(ModelSpec.from_config(config), bits, group_size)
 
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
@@ -80,13 +72,7 @@ class EvictingCache(KVCache):
         def retention(spec: LayerSpec) -> EvictionPolicy:
             return policy(spec) if spec.kind == "full" else model_retention(spec)
 
-        super().__init__(config, storage=storage, retention=retention, placement=placement)
-        if compileable and not self.is_compileable:
-            eager = [i for i, layer in enumerate(self.layers) if not layer.is_compileable]
-            raise UnsupportedModelError(
-                f"compileable=True: layers {eager} of this model are sliding-window layers, which hf_kvplus keeps "
-                "in growing buffers that generate() cannot compile"
-            )
+        super().__init__(config, storage=storage, retention=retention, placement=placement, compileable=compileable)
 
     def activate_past_recording(self) -> None:
         if not self.rollback:
@@ -95,11 +81,6 @@ class EvictingCache(KVCache):
                 "assisted and prompt-lookup decoding need a croppable cache such as SinkCache"
             )
         super().activate_past_recording()
-
-    def _build_layer(self, spec, storage, retention, placement):
-        # Only the slots have a fixed shape once full; sliding layers keep their window in growing buffers.
-        compileable = self._compileable and spec.kind == "full"
-        return KVLayer(spec, storage(spec), retention(spec), placement, compileable=compileable)
 
 
 class SinkCache(EvictingCache):

@@ -155,6 +155,8 @@ class KVLayer(CacheLayerMixin):
         return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.storage.static_length is not None:  # every position of the buffer, as StaticCache
+            return self.storage.static_length, 0
         held = self.storage.held
         if self._pending is not None:
             held -= self.retention.excess(self.storage.length, self._pending)
@@ -165,7 +167,8 @@ class KVLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
-        return self.retention.max_length()
+        static = self.storage.static_length
+        return self.retention.max_length() if static is None else static
 
     def activate_past_recording(self) -> None:
         """Keeps evicted tokens until the next `crop` (or scored update), so assisted decoding can roll back."""

@@ -7,7 +7,9 @@
 - `hf-quantized:quanto:4`   Transformers' QuantizedCache with optimum-quanto at 4 (or 2) bits;
                             `residual=N` (default 128) and `group=N` (default 64) may follow
 - `hf-quantized:hqq:4`      the same with HQQ (needs the hqq package)
-- `dense`                   hf_kvplus DenseCache (`dense:max_tokens=N` fixes its capacity)
+- `dense`                   hf_kvplus DenseCache (`dense:max_tokens=N` fixes its capacity; with `compile=on` it
+                            reads all N positions every step, as StaticCache, and generate() may compile it;
+                            N defaults to the run's length then)
 - `paged`                   hf_kvplus PagedCache (`paged:block=16:blocks=N`: block size, a fixed pool)
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
                             128 full-precision tokens) and `backend=quanto` may follow
@@ -174,9 +176,11 @@ def _validate(spec: CacheSpec) -> None:
         if spec.args:
             _int(spec.text, "max_cache_len", spec.args[0])
     elif name == "dense":
-        _check_arity(spec, 0, {"max_tokens"})
+        _check_arity(spec, 0, {"max_tokens", "compile"})
         if "max_tokens" in spec.kwargs:
             _int(spec.text, "max_tokens", spec.kwargs["max_tokens"])
+        if spec.kwargs.get("compile", "off") not in ("on", "off"):
+            raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "paged":
         _check_arity(spec, 0, {"block", "blocks"})
         for key in ("block", "blocks"):
@@ -303,6 +307,17 @@ def _snapkv(config, args, kwargs, max_length):
     return SnapKVCache(config, budget=int(args[0]), **options, **_storage(kwargs))
 
 
+def _dense(config, args, kwargs, max_length):
+    compileable = kwargs.get("compile") == "on"
+    if "max_tokens" in kwargs:
+        max_tokens = int(kwargs["max_tokens"])
+    elif compileable and max_length is not None:  # sized for the run, as `static`
+        max_tokens = max_length
+    else:
+        max_tokens = None
+    return DenseCache(config=config, max_tokens=max_tokens, compileable=compileable)
+
+
 def _static(config, args, kwargs, max_length):
     if args:
         length = int(args[0])
@@ -356,7 +371,7 @@ for _kind in (
     ),
     CacheKind(
         "dense",
-        lambda c, a, k, n: DenseCache(config=c, max_tokens=int(k["max_tokens"]) if "max_tokens" in k else None),
+        _dense,
         "hf_kvplus DenseCache: full precision, appended in place",
         True,
         False,

@@ -25,6 +25,7 @@ from hf_kvplus.specs import parse_cache_spec
 SPECS = [
     "dense",
     "dense:max_tokens=64",
+    "dense:max_tokens=64:compile=on",
     "paged:block=8",
     "quantized:int4:group=8:window=8",
     "paged-quantized:int4:group=8:window=8:block=8",

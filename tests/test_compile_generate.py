@@ -1,8 +1,8 @@
-"""SinkCache and H2OCache built with `compileable=True` declare `is_compileable`, so `generate()` compiles the
-decode forward as it does for StaticCache.
+"""SinkCache, H2OCache and DenseCache(max_tokens=N) built with `compileable=True` declare `is_compileable`, so
+`generate()` compiles the decode forward as it does for StaticCache.
 
-Their budget fixes the slots' shape once full, and what changes per step (Python-int lengths) goes
-dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
+The evicting caches' budget fixes the slots' shape once full; the static dense storage reads all N positions
+every step. What changes per step (Python-int lengths) goes dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
 forward for every decode step; on CPU it does so only with `CompileConfig._compile_all_devices`. The
 backend records each graph it is handed and runs it as traced (dynamo's capture with the eager ops, so
 tokens must match eager `generate()` exactly); `fullgraph=True` makes any graph break an error.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, DynamicCache
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import H2OCache, Offloaded, SinkCache
+from hf_kvplus import DenseCache, H2OCache, Offloaded, SinkCache
 from hf_kvplus.errors import ConfigError, UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
-COMPILEABLE = ["sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
+COMPILEABLE = ["dense:max_tokens=64:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
 NEW_TOKENS = 24
 GRAPHS: list[torch.fx.GraphModule] = []
 
@@ -38,7 +38,7 @@ def compile_config() -> CompileConfig:
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 @pytest.mark.parametrize("spec", COMPILEABLE)
-def test_generate_compiles_the_decode_step_of_evicting_caches(spec, padded):
+def test_generate_compiles_the_decode_step_of_compileable_caches(spec, padded):
     torch._dynamo.reset()
     GRAPHS.clear()
     model = get_model("llama")
@@ -68,12 +68,38 @@ def test_other_caches_are_not_compileable(spec):
 
 
 def test_compileable_is_refused_where_it_cannot_hold():
-    with pytest.raises(ConfigError, match="slots on the device"):
+    with pytest.raises(ConfigError, match="K/V on the device"):
         SinkCache(get_model("llama").config, num_sinks=2, window=6, placement=Offloaded(), compileable=True)
     with pytest.raises(UnsupportedModelError, match=r"layers \[0, 1, 3\] .* sliding-window"):
         H2OCache(get_model("gemma3").config, budget=8, compileable=True)
     with pytest.raises(ConfigError, match="compile"):
         parse_cache_spec("sink:2:6:compile=yes")
+    with pytest.raises(ConfigError, match="needs max_tokens"):
+        DenseCache(get_model("llama").config, compileable=True)
+    with pytest.raises(UnsupportedModelError, match=r"layers \[0, 1, 3\] .* sliding-window"):
+        DenseCache(get_model("gemma3").config, max_tokens=64, compileable=True)
+    with pytest.raises(ConfigError, match="compile must be one of"):
+        parse_cache_spec("dense:max_tokens=64:compile=yes")
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_a_static_dense_cache_is_lossless_and_reads_its_whole_buffer(padded):
+    """Eager, the static dense cache gives DynamicCache's tokens, with every read and mask spanning max_tokens."""
+    model = get_model("llama")
+    ids = make_prompt(13, batch=2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, disable_compile=True)
+    cache = DenseCache(model.config, max_tokens=40, compileable=True)
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
+        got = model.generate(ids, past_key_values=cache, **kwargs)
+    assert torch.equal(got, want)
+    layer = cache.layers[0]
+    assert layer.get_mask_sizes(1) == (40, 0) and layer.get_max_length() == 40 and layer.get_seq_length() == 24
+    keys, _ = layer.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16))
+    assert keys.shape[2] == 40
 
 
 @pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on"])

@@ -27,6 +27,9 @@ class KVStorage(ABC):
     length: int = 0
     #: Batch rows held (0 before the first append).
     batch_size: int = 0
+    #: Tokens every read spans, when fixed (a buffer of that many positions that the model's mask cuts down):
+    #: the layer's mask sizes and a compiled decode's shapes then never change. None: reads span what is held.
+    static_length: int | None = None
 
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

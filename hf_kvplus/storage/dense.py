@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 from ..memory import MemoryReport
 from .base import KVStorage, Region, check_fits, widened
+from .reads import DenseRead
 
 #: Capacity is allocated in multiples of this many tokens.
 GRANULE = 64
@@ -32,11 +33,16 @@ class DenseStorage(KVStorage):
     not copies.
 
     `max_tokens` fixes the capacity: the buffers are allocated once and appending past it raises
-    `CapacityError`, leaving the storage as it was.
+    `CapacityError`, leaving the storage as it was. `static=True` (with `max_tokens`, as Transformers'
+    StaticCache) reads the whole buffer every time, token t at position t, unwritten positions zero and
+    masked by the model: every decode step has the same shapes, so a compiled decode never recompiles.
     """
 
-    def __init__(self, max_tokens: int | None = None):
+    def __init__(self, max_tokens: int | None = None, static: bool = False):
+        if static and max_tokens is None:
+            raise ConfigError("a static dense storage needs max_tokens: it reads that many positions every step")
         self.max_tokens = max_tokens
+        self.static_length = max_tokens if static else None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.start = self.end = 0
@@ -71,7 +77,16 @@ class DenseStorage(KVStorage):
         first = self.end - last
         return self.keys[:, :, first : self.end], self.values[:, :, first : self.end]
 
+    def read(self, last: int, new: int) -> DenseRead:
+        if self.static_length is not None:
+            return DenseRead(self.keys, self.values)
+        return DenseRead(*self.view(last))
+
     def drop_front(self, count: int) -> None:
+        if self.static_length is not None:
+            raise UnsupportedOperationError(
+                f"a static dense storage keeps token t at position t; it cannot drop its {count} oldest tokens"
+            )
         self.start += count
         if self.start == self.end:
             self.start = self.end = 0
@@ -122,8 +137,10 @@ class DenseStorage(KVStorage):
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         batch, heads, _, dim = keys.shape
-        self.keys = keys.new_empty(batch, heads, capacity, dim)
-        self.values = values.new_empty(batch, heads, capacity, values.shape[-1])
+        # A static storage's unwritten positions are read (and masked): they must hold finite numbers.
+        static = self.static_length is not None
+        self.keys = (keys.new_zeros if static else keys.new_empty)(batch, heads, capacity, dim)
+        self.values = (values.new_zeros if static else values.new_empty)(batch, heads, capacity, values.shape[-1])
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         held = self.keys
