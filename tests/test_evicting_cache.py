@@ -274,3 +274,15 @@ def test_sink_ring_evicts_by_bookkeeping_and_matches_ranked_eviction(monkeypatch
     # on the device and ranks again: correct, only slower.)
     assert len(set(ranked_versions)) == len(ranked_versions)
     assert len(set(ring_versions)) == 1
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2, "fp8"])
+def test_token_codec_quantizes_keys_and_values_together_as_apart(bits):
+    """One call for a token's key and value (a decode step's ops) gives the codes of two separate calls."""
+    codec = TokenQuantCodec(QuantFormat(bits, 8))
+    keys, values = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 5, 16) * 4
+    together = codec.encode(keys, values)
+    apart = {**codec.encode_keys(keys), **codec._encode("v", values)}
+    assert list(together) == list(apart)
+    for name, part in apart.items():
+        assert torch.equal(together[name], part), name

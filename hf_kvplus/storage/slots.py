@@ -92,7 +92,17 @@ class TokenQuantCodec:
         self.key_fields = ("k", "k_scale", "k_zero")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {**self._encode("k", keys), **self._encode("v", values)}
+        """Both quantized by one call when they have the same shape (tokens stand alone, so the codes are those
+        of two calls; a decode step's ops are its host cost), then split."""
+        if keys.shape != values.shape:
+            return {**self._encode("k", keys), **self._encode("v", values)}
+        n = keys.shape[2]
+        both = self._encode("kv", torch.cat([keys, values], dim=2))  # fields kv, kv_scale, kv_zero: [.., 2n, ..]
+        return {
+            name + field[2:]: part[:, :, :n] if name == "k" else part[:, :, n:]
+            for name in ("k", "v")
+            for field, part in both.items()
+        }
 
     def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         return self._encode("k", keys)
