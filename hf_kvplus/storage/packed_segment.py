@@ -10,7 +10,7 @@ from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment
-from .reads import DenseRead, Read, quantized_read
+from .reads import Read, quantized_read
 
 _NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 
@@ -76,8 +76,6 @@ class PackedSegment(QuantizedSegment):
         return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
-        if count == 0:  # only full-precision tokens in view
-            return DenseRead(recent_k, recent_v)
         return quantized_read(self.buffers, self.fmt, self.start + first, count, recent_k, recent_v, None, dense)
 
     def drop_front(self, count: int) -> None:

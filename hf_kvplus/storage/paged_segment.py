@@ -9,7 +9,7 @@ from ..memory import MemoryReport
 from ..paging.group import BlockGroup
 from ..paging.quant_layer_pool import QuantLayerPool
 from .quantized import QuantizedSegment
-from .reads import DenseRead, Read, quantized_read
+from .reads import Read, quantized_read
 
 
 class PagedSegment(QuantizedSegment):
@@ -100,8 +100,6 @@ class PagedSegment(QuantizedSegment):
         return k[:, :, skip : skip + hi - lo], v[:, :, skip : skip + hi - lo]
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
-        if count == 0:  # only full-precision tokens in view
-            return DenseRead(recent_k, recent_v)
         return quantized_read(
             self.pool.packed, self.fmt, self.start + first - self.group.base, count, recent_k, recent_v,
             self.group.table_tensor(recent_k.device), dense,

@@ -73,8 +73,8 @@ class QuantizedSegment(ABC):
 
     @abstractmethod
     def read(self, first: int, count: int, recent_k: torch.Tensor, recent_v: torch.Tensor, dense: Gather) -> Read:
-        """What a decode query reads (`storage.reads`): held tokens `first .. first + count - 1`, then the
-        full-precision `recent_k`/`recent_v`; `dense` gathers the same tokens."""
+        """What a decode query reads (`storage.reads`): held tokens `first .. first + count - 1` (count > 0), then
+        the full-precision `recent_k`/`recent_v`; `dense` gathers the same tokens."""
 
     @abstractmethod
     def index_batch(self, indices: torch.Tensor) -> None: ...
@@ -182,6 +182,8 @@ class QuantizedStorage(KVStorage):
             recent = min(last, self.recent.length)
             rk, rv = self.recent.view(recent)
             count = last - recent
+            if count == 0:  # only full-precision tokens in view
+                return DenseRead(rk, rv)
             return self.segment.read(self.segment.length - count, count, rk, rv, partial(self.view, last))
         if fresh is None or new <= self.recent.length:
             return DenseRead(*self.view(last))
