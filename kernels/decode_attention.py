@@ -29,9 +29,10 @@ contract above and raises typed errors. False skips all of it (types, shapes, dt
 scale, ``num_splits``, whether Triton can run) and only reads sizes off the shapes: for callers whose
 inputs are valid by construction, e.g. the caches' storages on the decode hot path. Invalid input is
 then undefined behaviour. No path of these functions reads a tensor value on the host.
-While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
-one custom operator, ``torch.ops.kvplus.decode_attention`` / ``decode_attention_with_mass``
-(``kernels/custom_ops.py``), which runs the same Triton kernel or twin.
+While ``torch.compile`` (or ``torch.export``) traces CUDA tensors, a dispatcher called with
+``check=False`` becomes one custom operator, ``torch.ops.kvplus.decode_attention`` /
+``decode_attention_with_mass`` (``kernels/custom_ops.py``), which runs the same Triton kernel. Other
+devices trace the twin inline: it is straight-line torch, which the compiler fuses with its neighbours.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def decode_attention(q, k, v, *, scale, mask=None, num_splits=None, check: bool 
     ``num_splits`` only affects the Triton path (None = automatic, see :func:`pick_num_splits`).
     ``check=False``: the caller guarantees the contract (see the module docstring).
     """
-    if torch.compiler.is_compiling() and not check:
+    if torch.compiler.is_compiling() and not check and q.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
         return custom_ops.decode_attention(q, k, v, scale, mask, num_splits)
@@ -192,7 +193,7 @@ def decode_attention_with_mass(
     q, k, v, *, scale, mask=None, num_splits=None, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention plus per-key attention mass [B, Hkv, N] float32; dispatches like decode_attention."""
-    if torch.compiler.is_compiling() and not check:
+    if torch.compiler.is_compiling() and not check and q.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
         return custom_ops.decode_attention_with_mass(q, k, v, scale, mask, num_splits)

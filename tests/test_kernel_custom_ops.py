@@ -4,7 +4,8 @@
    no aliasing), the fake implementation against the real one (shapes, dtypes, strides), autograd
    registration, and aot dispatch with dynamic shapes.
 2. Every entry point called with ``check=False`` inside ``torch.compile(..., fullgraph=True)`` becomes
-   exactly one ``kvplus`` node of the captured graph (and none of its twin's ops), and the compiled
+   exactly one ``kvplus`` node of the captured graph (and none of its twin's ops), except dense decode
+   attention off CUDA, whose straight-line twin is traced inline (no ``kvplus`` node); the compiled
    call gives eager's results bit for bit, in-place writes included (pools, ``out`` views and the
    buffers around them). With ``backend="aot_eager"`` the mutations go through functionalization: a
    store followed by attention over the stored tokens, and quantize-and-pack into buffer slices.
@@ -198,8 +199,19 @@ def test_compiled_dense(seed, entry, case):
         (q, k, v), kw = dense_case(*DENSE[case])
         return q, k, v, kw["mask"]
 
-    # getitem: the with-mass op returns a tuple, which the graph takes apart.
-    check_compiled(seed, fn, make, getattr(KV, entry.__name__).default, allowed={operator.getitem})
+    if make()[0].is_cuda:
+        # getitem: the with-mass op returns a tuple, which the graph takes apart.
+        check_compiled(seed, fn, make, getattr(KV, entry.__name__).default, allowed={operator.getitem})
+        return
+    # Elsewhere the twin is traced inline (straight-line torch the compiler fuses with its neighbours).
+    eager_in, compiled_in = twice(seed, make)
+    want = fn(*eager_in)
+    compiled, recorder = compile_recorded(fn)
+    got = compiled(*compiled_in)
+    calls = recorder.calls()
+    assert len(recorder.graphs) == 1, f"{len(recorder.graphs)} graphs"
+    assert not [c for c in calls if str(c).startswith("kvplus.")], f"a kvplus op off CUDA: {calls}"
+    assert_same(got, want, seed, f"compiled {entry.__name__}")
 
 
 @pytest.mark.parametrize("case", PAGED)
@@ -341,15 +353,21 @@ def test_aot_eager_quantize_into_buffer_slices(seed, case):
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
 def test_export_keeps_the_op(seed, strict):
     # Non-strict export runs the Python code on fake tensors (no dynamo): the routing still applies.
-    class Attend(torch.nn.Module):
-        def forward(self, q, k, v, mask):
-            return decode_attention(q, k, v, scale=0.125, mask=mask, check=False)
+    # Paged attention: its op is kept on every device (dense attention keeps it on CUDA only).
+    (q, k_pool, v_pool, table), kw = paged_case(*PAGED["f32-mask"][:-1])
 
-    (q, k, v), kw = dense_case(*DENSE["f16-mask"])
-    program = torch.export.export(Attend(), (q, k, v, kw["mask"]), strict=strict)
+    class Attend(torch.nn.Module):
+        def forward(self, q, k_pool, v_pool, table, mask):
+            return paged_decode_attention(
+                q, k_pool, v_pool, table, start=kw["start"], length=kw["length"], scale=kw["scale"], mask=mask,
+                check=False,
+            )  # fmt: skip
+
+    args = (q, k_pool, v_pool, table, kw["mask"])
+    program = torch.export.export(Attend(), args, strict=strict)
     calls = [n.target for n in program.graph.nodes if n.op == "call_function"]
-    assert calls == [KV.decode_attention.default], calls
-    assert_same(program.module()(q, k, v, kw["mask"]), Attend()(q, k, v, kw["mask"]), seed, "exported")
+    assert calls == [KV.paged_decode_attention.default], calls
+    assert_same(program.module()(*args), Attend()(*args), seed, "exported")
 
 
 # ---------------------------------------------------------------------------------------------------
