@@ -41,20 +41,27 @@ def padding_of_new(attention_mask: torch.Tensor, batch: int, new: int) -> torch.
 
 
 def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """`slots` [batch, kv_heads, k] broadcast over the trailing dims of a per-slot tensor, for gather/scatter."""
+    """`slots` [batch, kv_heads, k] broadcast over the trailing dims of a per-slot tensor, for gather."""
     return slots.view(*slots.shape, *([1] * (held.ndim - 3))).expand(*slots.shape, *held.shape[3:])
 
 
-def _scatter_all(fields: dict[str, torch.Tensor], slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
-    """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k]; one index per
-    trailing shape (a decode step's ops are its host cost)."""
-    index = {}
+def _write_slots(fields: dict[str, torch.Tensor], slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
+    """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k].
+
+    Written by `index_copy_` / `index_fill_` on each field viewed as one row per slot: a compiled graph
+    updates those in place, where a `scatter_` along the slots would copy the whole buffer every step.
+    """
+    batch, heads, k = slots.shape
+    capacity = next(iter(fields.values())).shape[2]
+    first = torch.arange(0, batch * heads * capacity, capacity, device=slots.device).view(batch, heads, 1)
+    flat = (slots + first).view(-1)
     for name, part in parts.items():
         held = fields[name]
-        shape = held.shape[3:]
-        if shape not in index:
-            index[shape] = _slot_index(slots, held)
-        held.scatter_(2, index[shape], part)
+        rows = held.view(-1, *held.shape[3:])
+        if isinstance(part, torch.Tensor):
+            rows.index_copy_(0, flat, part.reshape(-1, *held.shape[3:]))
+        else:
+            rows.index_fill_(0, flat, part)
 
 
 class DenseCodec:
@@ -243,7 +250,7 @@ class SlotStore(KVStorage):
         if isinstance(hole, int):
             self._write(hole, encoded, 1, first_pos)
             return
-        _scatter_all(self.fields, hole, {**encoded, "pos": first_pos, "score": 0.0})
+        _write_slots(self.fields, hole, {**encoded, "pos": first_pos, "score": 0.0})
         self.fresh = hole
 
     def free(self, slot: int | torch.Tensor) -> None:
@@ -253,7 +260,7 @@ class SlotStore(KVStorage):
             self.hole = slot
             return
         self.hole = slot[..., None]
-        self.pos.scatter_(2, self.hole, PAD)  # reads as no token until refilled (`after_evict` counts them)
+        _write_slots(self.fields, self.hole, {"pos": PAD})  # reads as no token until refilled (`after_evict` counts them)
         self.version += 1  # no layout a policy could follow in Python ints
 
     def settle(self) -> None:
@@ -267,7 +274,7 @@ class SlotStore(KVStorage):
                     held[:, :, slot] = held[:, :, last]
         else:  # torch refuses a source that aliases the target: the last slot is copied first
             lasts = {name: held[:, :, last : last + 1].clone() for name, held in self.fields.items()}
-            _scatter_all(self.fields, slot, lasts)
+            _write_slots(self.fields, slot, lasts)
         self.hole = None
         self.length = last
         self.in_order = False
@@ -332,12 +339,11 @@ class SlotStore(KVStorage):
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
         in the batch rows where `rows` [batch] (bool) is True (None: all); other rows keep their bits."""
-        for name, part in self.codec.encode_keys(keys).items():
-            held = self.fields[name]
-            index = _slot_index(slots, held)
-            if rows is not None:
-                part = torch.where(rows.view(-1, *([1] * (part.ndim - 1))), part, held.gather(2, index))
-            held.scatter_(2, index, part)
+        parts = self.codec.encode_keys(keys)
+        if rows is not None:
+            kept = self._gather(slots, parts)
+            parts = {name: torch.where(rows.view(-1, *[1] * (p.ndim - 1)), p, kept[name]) for name, p in parts.items()}
+        _write_slots(self.fields, slots, parts)
 
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
@@ -345,7 +351,7 @@ class SlotStore(KVStorage):
         if isinstance(self.fresh, tuple):
             self.pos[:, :, self.fresh[0] : self.fresh[1]].masked_fill_(padding, PAD)
         else:
-            self.pos.scatter_(2, self.fresh, self.fresh_positions().masked_fill(padding, PAD))
+            _write_slots(self.fields, self.fresh, {"pos": self.fresh_positions().masked_fill(padding, PAD)})
 
     def keep(self, slots: torch.Tensor, reallocate: bool = False) -> None:
         """Keeps slots `slots` [batch, kv_heads, kept] of each row and head, in position order, at the front.
