@@ -652,6 +652,9 @@ def _quant_chunks(packed, fmt, info, start, length, block_table):
         for g0 in range(start // G, -(-end // G), step):
             g1 = min(g0 + step, -(-end // G))
             t0, t1 = g0 * G, g1 * G
+            if t0 == 0 and t1 == info.T:  # the buffers are the chunk (a storage's read cut them to it)
+                yield t0, t1, [packed.k, packed.k_scale, packed.k_zero, packed.v, packed.v_scale, packed.v_zero]
+                continue
             parts = [
                 packed.k[:, :, t0:t1],
                 packed.k_scale[:, :, g0:g1],

@@ -146,14 +146,28 @@ def pack_codes(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """Packed bytes ``[..., P]`` to uint8 codes ``[..., P * per]``, channels in order."""
+    """Packed bytes ``[..., P]`` to uint8 codes ``[..., P * per]``, channels in order.
+
+    One shift by ``[per, 1]`` amounts and one mask, whatever ``per`` (two ops: a decode step's host cost)."""
     per = fmt.per_byte
     if per == 1:
         return packed
-    bits, mask = fmt.code_bits, fmt.qmax
-    # The lowest code needs no shift and the highest no mask (fewer ops: a decode step's host cost).
-    middle = [(packed >> (i * bits)) & mask for i in range(1, per - 1)]
-    return torch.cat([packed & mask, *middle, packed >> ((per - 1) * bits)], dim=-1)
+    parts = (packed.unsqueeze(-2) >> _shifts(per, fmt.code_bits, packed.device)) & fmt.qmax  # [..., per, P]
+    return parts.flatten(-2)
+
+
+_SHIFTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _shifts(per: int, bits: int, device: torch.device) -> torch.Tensor:
+    """uint8 ``[per, 1]``: the shift of each code in a byte, made once per device (eagerly)."""
+    key = (per, bits, device)
+    shifts = _SHIFTS.get(key)
+    if shifts is None:
+        shifts = torch.arange(0, per * bits, bits, dtype=torch.uint8, device=device).view(per, 1)
+        if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
+            _SHIFTS[key] = shifts
+    return shifts
 
 
 def _params_int(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ class PackedSegment(QuantizedSegment):
         self.start = self.end = 0
         self.granule = fmt.group_size * -(-64 // fmt.group_size)
         self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
+        self._cut: tuple | None = None  # ((first, end) token span, buffers, their views): see `_groups`
 
     @property
     def length(self) -> int:
@@ -67,16 +68,32 @@ class PackedSegment(QuantizedSegment):
         self.end += n
 
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
-        dtype = dtype or self.dtype
-        g, b = self.fmt.group_size, self.buffers
         lo, hi = self.start + first, self.start + last
-        a, z = lo // g * g, -(-hi // g) * g
-        k = dequantize_keys(b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], _rows(b.k_zero, a // g, z // g), self.fmt, dtype)
-        v = dequantize_values(b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z), self.fmt, dtype)
+        a, b = self._groups(lo, hi)
+        k = dequantize_keys(b.k, b.k_scale, b.k_zero, self.fmt, dtype or self.dtype)
+        v = dequantize_values(b.v, b.v_scale, b.v_zero, self.fmt, dtype or self.dtype)
         return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
-        return quantized_read(self.buffers, self.fmt, self.start + first, count, recent_k, recent_v, None, dense)
+        lo = self.start + first
+        a, groups = self._groups(lo, lo + count)
+        return quantized_read(groups, self.fmt, lo - a, count, recent_k, recent_v, None, dense)
+
+    def _groups(self, lo: int, hi: int) -> tuple[int, PackedKV]:
+        """The whole groups holding tokens `lo .. hi - 1` as views of the buffers, and the first one's token;
+        the views are made again only when the span or the buffers change (every slice is host work in a
+        decode step, and the span moves once a group)."""
+        g = self.fmt.group_size
+        a, z = lo // g * g, -(-hi // g) * g
+        cut = self._cut
+        if cut is None or cut[0] != (a, z) or cut[1] is not self.buffers:
+            b = self.buffers
+            views = PackedKV(
+                b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], _rows(b.k_zero, a // g, z // g),
+                b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z),
+            )  # fmt: skip
+            cut = self._cut = ((a, z), b, views)
+        return a, cut[2]
 
     def drop_front(self, count: int) -> None:
         self.start += count  # the next append compacts (or empties) the buffers

@@ -75,8 +75,16 @@ def placeholders(
     like: torch.Tensor, batch: int, kv_heads: int, last: int, key_dim: int, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shape-correct NaN keys and values of `like`'s dtype and device, with no memory of their own."""
-    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
+    key = (like.dtype, like.device)
+    nan = _NAN.get(key)
+    if nan is None:  # one scalar per dtype and device, made eagerly: a decode step's ops are its host cost
+        nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
+        if not torch.compiler.is_compiling():  # (a traced one is not a tensor to keep)
+            _NAN[key] = nan
     return nan.expand(batch, kv_heads, last, key_dim), nan.expand(batch, kv_heads, last, value_dim)
+
+
+_NAN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def quantized_read(
