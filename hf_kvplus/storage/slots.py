@@ -45,25 +45,6 @@ def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return slots.view(*slots.shape, *([1] * (held.ndim - 3))).expand(*slots.shape, *held.shape[3:])
 
 
-def _write_slots(fields: dict[str, torch.Tensor], slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
-    """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k].
-
-    Written by `index_copy_` / `index_fill_` on each field viewed as one row per slot: a compiled graph
-    updates those in place, where a `scatter_` along the slots would copy the whole buffer every step.
-    """
-    batch, heads, k = slots.shape
-    capacity = next(iter(fields.values())).shape[2]
-    first = torch.arange(0, batch * heads * capacity, capacity, device=slots.device).view(batch, heads, 1)
-    flat = (slots + first).view(-1)
-    for name, part in parts.items():
-        held = fields[name]
-        rows = held.view(-1, *held.shape[3:])
-        if isinstance(part, torch.Tensor):
-            rows.index_copy_(0, flat, part.reshape(-1, *held.shape[3:]))
-        else:
-            rows.index_fill_(0, flat, part)
-
-
 class DenseCodec:
     """Keys and values as they come."""
 
@@ -167,6 +148,7 @@ class SlotStore(KVStorage):
         self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
         self.first_real: torch.Tensor | None = None  # [batch] first real position per row (-1: none yet), once masked
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
+        self._rows: tuple | None = None  # (fields, each (row, head)'s first slot number, fields one row per slot)
 
     @property
     def pos(self) -> torch.Tensor:
@@ -250,7 +232,7 @@ class SlotStore(KVStorage):
         if isinstance(hole, int):
             self._write(hole, encoded, 1, first_pos)
             return
-        _write_slots(self.fields, hole, {**encoded, "pos": first_pos, "score": 0.0})
+        self._write_slots(hole, {**encoded, "pos": first_pos, "score": 0.0})
         self.fresh = hole
 
     def free(self, slot: int | torch.Tensor) -> None:
@@ -260,7 +242,7 @@ class SlotStore(KVStorage):
             self.hole = slot
             return
         self.hole = slot[..., None]
-        _write_slots(self.fields, self.hole, {"pos": PAD})  # reads as no token until refilled (`after_evict` counts them)
+        self._write_slots(self.hole, {"pos": PAD})  # reads as no token until refilled (`after_evict` counts them)
         self.version += 1  # no layout a policy could follow in Python ints
 
     def settle(self) -> None:
@@ -274,7 +256,7 @@ class SlotStore(KVStorage):
                     held[:, :, slot] = held[:, :, last]
         else:  # torch refuses a source that aliases the target: the last slot is copied first
             lasts = {name: held[:, :, last : last + 1].clone() for name, held in self.fields.items()}
-            _write_slots(self.fields, slot, lasts)
+            self._write_slots(slot, lasts)
         self.hole = None
         self.length = last
         self.in_order = False
@@ -343,7 +325,7 @@ class SlotStore(KVStorage):
         if rows is not None:
             kept = self._gather(slots, parts)
             parts = {name: torch.where(rows.view(-1, *[1] * (p.ndim - 1)), p, kept[name]) for name, p in parts.items()}
-        _write_slots(self.fields, slots, parts)
+        self._write_slots(slots, parts)
 
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
@@ -351,7 +333,7 @@ class SlotStore(KVStorage):
         if isinstance(self.fresh, tuple):
             self.pos[:, :, self.fresh[0] : self.fresh[1]].masked_fill_(padding, PAD)
         else:
-            _write_slots(self.fields, self.fresh, {"pos": self.fresh_positions().masked_fill(padding, PAD)})
+            self._write_slots(self.fresh, {"pos": self.fresh_positions().masked_fill(padding, PAD)})
 
     def keep(self, slots: torch.Tensor, reallocate: bool = False) -> None:
         """Keeps slots `slots` [batch, kv_heads, kept] of each row and head, in position order, at the front.
@@ -427,6 +409,25 @@ class SlotStore(KVStorage):
             metadata_bytes=metadata * self.capacity,
             batch_size=self.batch_size,
         )
+
+    def _write_slots(self, slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
+        """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k].
+
+        Written by `index_copy_` / `index_fill_` on each field viewed as one row per slot: a compiled graph
+        updates those in place, where a `scatter_` along the slots copies the whole buffer every step.
+        """
+        cache = self._rows
+        if cache is None or cache[0] is not self.fields:  # made again only when the buffers change
+            batch, heads, capacity = self.pos.shape
+            first = torch.arange(0, batch * heads * capacity, capacity, device=self.device).view(batch, heads, 1)
+            cache = self._rows = (self.fields, first, {n: t.view(-1, *t.shape[3:]) for n, t in self.fields.items()})
+        _, first, rows = cache
+        flat = (slots + first).view(-1)
+        for name, part in parts.items():
+            if isinstance(part, torch.Tensor):
+                rows[name].index_copy_(0, flat, part.reshape(-1, *rows[name].shape[1:]))
+            else:
+                rows[name].index_fill_(0, flat, part)
 
     def _gather(self, slots: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         names = self.fields if names is None else names
