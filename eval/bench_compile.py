@@ -9,10 +9,12 @@ DenseCache / SinkCache / H2OCache built with `compile=on`; the dense one sized l
 calls the compiled forward. This times that, per context length, on the tiny 8-layer Llama of
 `bench_host.py`:
 
-- decode ms per token: the difference between a `generate()` of `--new` N2 and of N1 tokens after the
-  same prompt, divided by N2 - N1 (prefill and compilation cancel; both runs follow a warm-up that
-  compiles every shape), median over `--repeats` runs; each cache is compiled and timed on its own, after
-  `torch._dynamo.reset()` (one process, one cache, as users run it);
+- decode ms per token: inside one `generate()` of `--new` N2 tokens, the time from token N1 to token N2
+  (stamped by a stopping criterion that never stops) divided by N2 - N1, so neither the prefill nor its
+  run-to-run noise enters (a difference of two generate() calls did: at 8K the prefill's noise came to
+  several ms per token); after a warm-up that compiles every shape, median over `--repeats` runs; each
+  cache is compiled and timed on its own, after `torch._dynamo.reset()` (one process, one cache, as users
+  run it);
 - its ratio to StaticCache compiled the same way (`max_cache_len` = prompt + N2, so it attends over the
   whole buffer, masked, as StaticCache does);
 - DynamicCache and a SinkCache without `compile=on`, which generate() runs eagerly, as references.
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 from bench_host import TINY, build_model
 from tqdm import tqdm
-from transformers import CompileConfig
+from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 SPECS = ["static", "dynamic", "dense:compile=on", "sink:4:1020", "sink:4:1020:compile=on", "h2o:1024:compile=on"]
 COLUMNS = [
@@ -44,14 +46,27 @@ COLUMNS = [
 ]
 
 
-def generate_seconds(model, spec, prompt, new, max_length, config) -> float:
+class StepClock(StoppingCriteria):
+    """Never stops generation; stamps the time each new token is done (after a device sync on CUDA)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        if input_ids.is_cuda:
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def decode_seconds(model, spec, prompt, new: tuple[int, int], max_length, config) -> float:
+    """Seconds per token from token N1 to token N2 of one `generate()`: the prefill is outside the span."""
+    n1, n2 = new
     cache = spec.build(model.config, max_length=max_length)
-    start = time.perf_counter()
-    model.generate(prompt, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   compile_config=config, pad_token_id=0)  # fmt: skip
-    if prompt.is_cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    clock = StepClock()
+    model.generate(prompt, past_key_values=cache, max_new_tokens=n2, min_new_tokens=n2, do_sample=False,
+                   compile_config=config, pad_token_id=0, stopping_criteria=StoppingCriteriaList([clock]))  # fmt: skip
+    return (clock.stamps[n2 - 1] - clock.stamps[n1 - 1]) / (n2 - n1)
 
 
 def markdown(result: dict) -> str:
@@ -63,7 +78,7 @@ def markdown(result: dict) -> str:
         "",
         f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['device']}, "
         f"backend {a['backend']}, mode {a['mode']}, {a['threads']} thread(s); decode time from generate() of "
-        f"{a['new'][1]} minus {a['new'][0]} tokens, median of {a['repeats']}; {result['machine']}, {result['date']}",
+        f"tokens {a['new'][0]} to {a['new'][1]} of one call, median of {a['repeats']}; {result['machine']}, {result['date']}",
         "",
         "```",
         format_table(result["rows"], COLUMNS),
@@ -129,11 +144,9 @@ def main(argv=None) -> None:
             # compiled forward share its automatic-dynamic state, and inductor (torch 2.13, CPU) then generated
             # code naming an unbound size symbol for H2O's graph after SinkCache's (NameError at run time).
             torch._dynamo.reset()
-            generate_seconds(model, spec, prompt, n2, context + n2, config)  # compiles every shape of the run
+            decode_seconds(model, spec, prompt, (n1, n2), context + n2, config)  # compiles every shape of the run
             for _ in range(args.repeats):
-                long = generate_seconds(model, spec, prompt, n2, context + n2, config)
-                short = generate_seconds(model, spec, prompt, n1, context + n2, config)
-                times[spec.text].append((long - short) / (n2 - n1))
+                times[spec.text].append(decode_seconds(model, spec, prompt, (n1, n2), context + n2, config))
         for spec in specs:
             compiled = spec.build(model.config, max_length=context + n2).is_compileable
             rows.append({"context": context, "cache": spec.text, "compiled": "yes" if compiled else "no (eager)",
