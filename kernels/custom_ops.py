@@ -9,8 +9,8 @@ with ``check=False`` (inside a graph nothing is validated and no tensor value is
 The entry points route here only while tracing (``torch.compiler.is_compiling()``) and with
 ``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call). Dense
 decode attention routes here with CUDA tensors only: elsewhere its twin is straight-line torch (one
-SDPA, or the with-mass softmax), which a compiled graph fuses with the ops around it (an opaque op cost
-a compiled SinkCache decode at 1K tokens 1.68x StaticCache's time on CPU; inline, 1.49x).
+SDPA, or the with-mass softmax), which a compiled graph fuses with the ops around it (the figures:
+BENCHMARKS.md, compiled decode, stop 25).
 
 Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and
