@@ -8,9 +8,10 @@ data: CUDA tensors run the Triton kernel, all others the torch twin, the functio
 with ``check=False`` (inside a graph nothing is validated and no tensor value is read on the host).
 The entry points route here only while tracing (``torch.compiler.is_compiling()``) and with
 ``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call). Dense
-decode attention routes here with CUDA tensors only: elsewhere its twin is straight-line torch (one
-SDPA, or the with-mass softmax), which a compiled graph fuses with the ops around it (the figures:
-BENCHMARKS.md, compiled decode, stop 25).
+and paged decode attention route here with CUDA tensors only: elsewhere their twins are traced inline
+(one SDPA, the with-mass softmax, a gather then SDPA), which a compiled graph fuses with the ops around
+them, at the price of specializing on the paged twin's chunking (the figures: BENCHMARKS.md, compiled
+decode, stops 25 and 26).
 
 Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and

@@ -38,7 +38,7 @@ storages); they guarantee that every block id the attention reads is in 0..num_b
 every slot of a store is in 0..num_blocks*block_size-1 (no -1). Invalid input is undefined behaviour.
 While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
 one custom operator, ``torch.ops.kvplus.paged_decode_attention`` / ``paged_store`` (``kernels/custom_ops.py``),
-which runs the same Triton kernel or twin.
+which runs the same Triton kernel or twin; attention off CUDA is the twin traced inline instead.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def paged_decode_attention(
     ``num_splits`` only affects the Triton path (None = automatic, see ``pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see the module docstring).
     """
-    if torch.compiler.is_compiling() and not check:
+    if torch.compiler.is_compiling() and not check and q.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
         return custom_ops.paged_decode_attention(
@@ -330,10 +330,12 @@ def _head_rows(block_table: torch.Tensor, first_col: int, end_col: int, hkv: int
     [num_blocks * Hkv, block_size * dim]: [B, Hkv, columns] int64, and flattened (the gather index of
     contiguous pools). Kept on the table tensor until it or the columns change: a paged cache rebuilds its
     table tensor whenever a block is added, so a decode step otherwise rebuilds the same index (6 ops)."""
-    # An inference tensor has no version counter to tell an in-place change: its index is not kept.
-    key = None if block_table.is_inference() else (first_col, end_col, hkv, block_table._version)
-    cached = getattr(block_table, "_kvplus_head_rows", None)
-    if key is not None and cached is not None and cached[0] == key:
+    # An inference tensor has no version counter to tell an in-place change: its index is not kept. Nor is
+    # it while compiling: a graph computes it once per call anyway, and cannot keep it on a tensor.
+    keep = not (torch.compiler.is_compiling() or block_table.is_inference())
+    key = (first_col, end_col, hkv, block_table._version) if keep else None
+    cached = getattr(block_table, "_kvplus_head_rows", None) if keep else None
+    if cached is not None and cached[0] == key:
         return cached[1]
     used = block_table[:, first_col:end_col].long()
     rows = used[:, None, :] * hkv + torch.arange(hkv, device=used.device)[None, :, None]
