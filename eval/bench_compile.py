@@ -5,7 +5,8 @@
     python eval/bench_compile.py --out DIR --device cuda --mode reduce-overhead   # GPU: CUDA graphs
 
 `generate()` compiles the decode forward of a cache that declares `is_compileable` (StaticCache, and
-DenseCache / SinkCache / H2OCache built with `compile=on`; the dense one sized like StaticCache): the mask is built outside the graph, and each decode step
+DenseCache / PagedCache / SinkCache / H2OCache built with `compile=on`; the dense and paged ones sized like
+StaticCache): the mask is built outside the graph, and each decode step
 calls the compiled forward. This times that, per context length, on the tiny 8-layer Llama of
 `bench_host.py`:
 
@@ -36,7 +37,7 @@ from bench_host import TINY, build_model
 from tqdm import tqdm
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
-SPECS = ["static", "dynamic", "dense:compile=on", "sink:4:1020", "sink:4:1020:compile=on", "h2o:1024:compile=on"]
+SPECS = ["static", "dynamic", "dense:compile=on", "paged:compile=on", "sink:4:1020", "sink:4:1020:compile=on", "h2o:1024:compile=on"]
 COLUMNS = [
     ("context", "context", "d"),
     ("cache", "cache", ""),

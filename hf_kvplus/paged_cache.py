@@ -60,6 +60,15 @@ class PagedCache(KVCache):
 
     >>> cache = PagedCache(config=model.config, bits=4, window=128)       # int4 blocks, 128 exact recent tokens
 
+    `max_tokens` (full precision) reserves each row's blocks for that many tokens at the first fill, so the
+    tables never grow and a decode step allocates nothing; more raises `CapacityError`. Beams and samples still
+    share the prompt's full blocks; a batch-row operation gives each row its own copy of the blocks it writes
+    next. With `compileable=True` (and `max_tokens`, on a model whose layers are all full attention) every step
+    reads all `max_tokens` positions, as StaticCache, and the cache declares `is_compileable`: `generate()`
+    compiles the decode forward as it does StaticCache's.
+
+    >>> cache = PagedCache(config=model.config, max_tokens=4096, compileable=True)
+
     A released cache gives its blocks back to the pool (the prefix store keeps the ones it holds).
     """
 
@@ -76,7 +85,13 @@ class PagedCache(KVCache):
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
         placement: Placement | None = None,
+        max_tokens: int | None = None,
+        compileable: bool = False,
     ):
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if compileable and max_tokens is None:
+            raise ConfigError("PagedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
         if not isinstance(namespace, str):
             raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
         self.namespace = namespace
@@ -108,19 +123,26 @@ class PagedCache(KVCache):
                     f"(group_size={self.format.group_size} tokens)"
                 )
             self.window = window
+        if max_tokens is not None and self.format is not None:
+            raise ConfigError(
+                f"max_tokens applies to full-precision blocks; a quantized PagedCache ({self.format}) fills its blocks "
+                "from a full-precision window, so it cannot reserve them ahead"
+            )
+        self.max_tokens = max_tokens
         self.groups: dict[str, BlockGroup] = {}
         fused = takes_fused_path(config)
 
         def storage(spec: LayerSpec) -> PagedStorage | QuantizedStorage:
             key = group_key(spec)
-            if key not in self.groups:
-                self.groups[key] = BlockGroup(self.pool.blocks[key], self.pool.block_size)
+            if key not in self.groups:  # sliding layers' windows bound their tables: only full layers reserve ahead
+                fixed = max_tokens if key == "full" else None
+                self.groups[key] = BlockGroup(self.pool.blocks[key], self.pool.block_size, fixed_tokens=fixed)
             if self.format is None:
-                return PagedStorage(self.groups[key], self.pool.layers[spec.index], fused=fused)
+                return PagedStorage(self.groups[key], self.pool.layers[spec.index], fused=fused, static=compileable)
             segment = PagedSegment(self.groups[key], self.pool.layers[spec.index])
             return QuantizedStorage(segment, window=window, fused=fused)
 
-        super().__init__(config, storage=storage, placement=placement)
+        super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         weakref.finalize(self, _release, list(self.groups.values()))
 
     @property

@@ -10,7 +10,9 @@
 - `dense`                   hf_kvplus DenseCache (`dense:max_tokens=N` fixes its capacity; with `compile=on` it
                             reads all N positions every step, as StaticCache, and generate() may compile it;
                             N defaults to the run's length then)
-- `paged`                   hf_kvplus PagedCache (`paged:block=16:blocks=N`: block size, a fixed pool)
+- `paged`                   hf_kvplus PagedCache (`paged:block=16:blocks=N`: block size, a fixed pool;
+                            `max_tokens=N` reserves N tokens per row at the first fill, and `compile=on` reads
+                            them all every step, as `dense` does, N defaulting to the run's length)
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
                             128 full-precision tokens) and `backend=quanto` may follow
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
@@ -175,17 +177,13 @@ def _validate(spec: CacheSpec) -> None:
         _check_arity(spec, 1, set())
         if spec.args:
             _int(spec.text, "max_cache_len", spec.args[0])
-    elif name == "dense":
-        _check_arity(spec, 0, {"max_tokens", "compile"})
-        if "max_tokens" in spec.kwargs:
-            _int(spec.text, "max_tokens", spec.kwargs["max_tokens"])
+    elif name in ("dense", "paged"):
+        keys = {"max_tokens"} | ({"block", "blocks"} if name == "paged" else set())
+        _check_arity(spec, 0, keys | {"compile"})
+        for key in keys & set(spec.kwargs):
+            _int(spec.text, key, spec.kwargs[key])
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
-    elif name == "paged":
-        _check_arity(spec, 0, {"block", "blocks"})
-        for key in ("block", "blocks"):
-            if key in spec.kwargs:
-                _int(spec.text, key, spec.kwargs[key])
     elif name == "quantized":
         _check_arity(spec, 1, {"group", "window", "backend"})
         if len(spec.args) != 1:
@@ -307,15 +305,27 @@ def _snapkv(config, args, kwargs, max_length):
     return SnapKVCache(config, budget=int(args[0]), **options, **_storage(kwargs))
 
 
-def _dense(config, args, kwargs, max_length):
+def _static_options(kwargs, max_length) -> dict:
+    """`max_tokens` and `compileable` of a dense or paged spec: with `compile=on`, sized for the run (as `static`)."""
     compileable = kwargs.get("compile") == "on"
     if "max_tokens" in kwargs:
         max_tokens = int(kwargs["max_tokens"])
-    elif compileable and max_length is not None:  # sized for the run, as `static`
+    elif compileable and max_length is not None:
         max_tokens = max_length
     else:
         max_tokens = None
-    return DenseCache(config=config, max_tokens=max_tokens, compileable=compileable)
+    return {"max_tokens": max_tokens, "compileable": compileable}
+
+
+def _dense(config, args, kwargs, max_length):
+    return DenseCache(config=config, **_static_options(kwargs, max_length))
+
+
+def _paged(config, args, kwargs, max_length):
+    return PagedCache(
+        config=config, block_size=int(kwargs.get("block", 16)),
+        num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None, **_static_options(kwargs, max_length),
+    )  # fmt: skip
 
 
 def _static(config, args, kwargs, max_length):
@@ -378,9 +388,7 @@ for _kind in (
     ),
     CacheKind(
         "paged",
-        lambda c, a, k, n: PagedCache(
-            config=c, block_size=int(k.get("block", 16)), num_blocks=int(k["blocks"]) if "blocks" in k else None
-        ),
+        _paged,
         "hf_kvplus PagedCache: blocks with tables, shared copy-on-write",
         True,
         False,

@@ -1,8 +1,8 @@
-"""SinkCache, H2OCache and DenseCache(max_tokens=N) built with `compileable=True` declare `is_compileable`, so
-`generate()` compiles the decode forward as it does for StaticCache.
+"""SinkCache, H2OCache, DenseCache(max_tokens=N) and PagedCache(max_tokens=N) built with `compileable=True` declare
+`is_compileable`, so `generate()` compiles the decode forward as it does for StaticCache.
 
-The evicting caches' budget fixes the slots' shape once full; the static dense storage reads all N positions
-every step. What changes per step (Python-int lengths) goes dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
+The evicting caches' budget fixes the slots' shape once full; the static dense and paged storages read all N
+positions every step (the paged one through block tables reserved at the first fill). What changes per step (Python-int lengths) goes dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
 forward for every decode step; on CPU it does so only with `CompileConfig._compile_all_devices`. The
 backend records each graph it is handed and runs it as traced (dynamo's capture with the eager ops, so
 tokens must match eager `generate()` exactly); `fullgraph=True` makes any graph break an error.
@@ -16,11 +16,11 @@ from transformers import CompileConfig, DynamicCache
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import DenseCache, H2OCache, Offloaded, SinkCache
+from hf_kvplus import DenseCache, H2OCache, Offloaded, PagedCache, SinkCache
 from hf_kvplus.errors import ConfigError, UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
-COMPILEABLE = ["dense:max_tokens=64:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
+COMPILEABLE = ["dense:max_tokens=64:compile=on", "paged:max_tokens=64:block=8:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
 NEW_TOKENS = 24
 GRAPHS: list[torch.fx.GraphModule] = []
 
@@ -60,6 +60,27 @@ def test_generate_compiles_the_decode_step_of_compileable_caches(spec, padded):
     assert 1 <= len(GRAPHS) <= 3, f"{len(GRAPHS)} graphs for {NEW_TOKENS} tokens"
 
 
+def test_a_compiled_static_paged_cache_serves_samples_that_share_their_prompt():
+    """Three samples per prompt share the prompt's full blocks and own the rest of their reserved tables: the
+    compiled steps write there in place, and the tokens are DynamicCache's under the same seed."""
+    torch._dynamo.reset()
+    GRAPHS.clear()
+    model = get_model("llama")
+    ids = make_prompt(13, batch=2)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=5, num_return_sequences=3, pad_token_id=0)
+    cache = PagedCache(model.config, block_size=8, max_tokens=40, compileable=True)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        want = model.generate(ids, past_key_values=DynamicCache(), disable_compile=True, **kwargs)
+        torch.manual_seed(0)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            got = model.generate(ids, past_key_values=cache, compile_config=compile_config(), **kwargs)
+    assert torch.equal(got, want)
+    assert 1 <= len(GRAPHS) <= 3
+    tables = cache.groups["full"].tables
+    assert tables[0][0] == tables[1][0] == tables[2][0] != tables[3][0]  # block 0 of each prompt, stored once
+
+
 @pytest.mark.parametrize("spec", ["dense", "paged", "quantized:int4", "offloaded", "snapkv:8:observation=4", "sink:2:6", "h2o:8"])
 def test_other_caches_are_not_compileable(spec):
     """Growing shapes (dense, paged, quantized, offloaded, SnapKV's decode appends) stay eager, and so do
@@ -80,6 +101,10 @@ def test_compileable_is_refused_where_it_cannot_hold():
         DenseCache(get_model("gemma3").config, max_tokens=64, compileable=True)
     with pytest.raises(ConfigError, match="compile must be one of"):
         parse_cache_spec("dense:max_tokens=64:compile=yes")
+    with pytest.raises(UnsupportedModelError, match=r"layers \[0, 1, 3\] .* sliding-window"):
+        PagedCache(get_model("gemma3").config, max_tokens=64, compileable=True)
+    with pytest.raises(ConfigError, match="K/V on the device"):
+        PagedCache(get_model("llama").config, max_tokens=64, placement=Offloaded(), compileable=True)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])

@@ -24,6 +24,8 @@ SPECS = [
     "dense:max_tokens=64",
     "dense:max_tokens=64:compile=on",
     "paged:block=8",
+    "paged:block=8:max_tokens=64",
+    "paged:block=8:max_tokens=64:compile=on",
     "quantized:int8:group=8:window=8",
     "quantized:int4:group=8:window=8",
     "quantized:int2:group=8:window=8",

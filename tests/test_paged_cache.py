@@ -90,6 +90,60 @@ def test_a_full_pool_raises_with_numbers_and_the_cache_stays_consistent():
     assert blocks.num_free == 4
 
 
+def test_reserved_tables_take_their_blocks_at_the_first_fill_and_count_them_as_headroom():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8, max_tokens=40)
+    blocks = cache.block_pools()["full"]
+    with torch.no_grad():
+        model(prompt(13, batch=2), past_key_values=cache)
+        assert blocks.num_used == 10  # 2 rows x 5 columns of 8, taken at once
+        for token in range(27):  # up to 40 tokens: no more blocks, a table that never changes width
+            model(torch.tensor([[3 + token], [4 + token]]), past_key_values=cache)
+            assert blocks.num_used == 10 and cache.groups["full"].table_tensor(torch.device("cpu")).shape == (2, 5)
+        with pytest.raises(CapacityError, match="41 tokens per row do not fit in the cache's max_tokens=40"):
+            model(torch.tensor([[3], [4]]), past_key_values=cache)
+    assert cache.get_seq_length() == 40
+
+
+def test_reserved_tables_report_the_blocks_ahead_as_reserved():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8, max_tokens=64, num_blocks=32)
+    with torch.no_grad():
+        model(prompt(20, batch=2), past_key_values=cache)
+    layers = len(cache.layers)
+    block = cache.layers[0].storage.pool.block_bytes
+    report = cache.memory_report()
+    # 3 written columns and 5 ahead per row; the free blocks of the cache's own pool are headroom too
+    assert report.payload_bytes == layers * 2 * 3 * block
+    assert report.reserved_bytes == layers * (2 * 5 + 32 - 16) * block
+
+
+def test_a_pool_too_small_for_the_reservation_raises_and_takes_nothing():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8, max_tokens=64, num_blocks=12)
+    with torch.no_grad(), pytest.raises(CapacityError, match="needs 16 blocks, 12 free of 12"):
+        model(prompt(20, batch=2), past_key_values=cache)
+    blocks = cache.block_pools()["full"]
+    assert blocks.num_free == 12 and not cache.groups["full"].tables
+    blocks.check()
+
+
+def test_rows_of_one_prompt_share_the_prompt_but_own_the_blocks_they_write_next():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8, max_tokens=32)
+    with torch.no_grad():
+        model(prompt(20).repeat(3, 1), past_key_values=cache)  # three rows of one prompt
+    tables = cache.groups["full"].tables
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the two full blocks, stored once
+    ahead = [block for table in tables for block in table[2:]]  # the partial block and the one after it
+    assert len(set(ahead)) == len(ahead) == 6
+    cache.reorder_cache(torch.tensor([1, 1, 0]))  # row 1 twice: its blocks ahead are copied for one of them
+    tables = cache.groups["full"].tables
+    ahead = [block for table in tables for block in table[2:]]
+    assert len(set(ahead)) == 6 and cache.block_pools()["full"].num_used == 2 + 6
+    cache.block_pools()["full"].check()
+
+
 def test_sliding_layers_free_blocks_that_left_the_window():
     model = build_model("mistral")  # every layer slides over 8 tokens
     cache = PagedCache(config=model.config, block_size=8)
@@ -195,6 +249,12 @@ def test_bad_construction_is_refused():
         PagedCache(config=config, num_blocks=0)
     with pytest.raises(ConfigError, match="namespace must be a str"):
         PagedCache(config=config, namespace=3)
+    with pytest.raises(ConfigError, match="max_tokens must be an int >= 1, got 0"):
+        PagedCache(config=config, max_tokens=0)
+    with pytest.raises(ConfigError, match="needs max_tokens"):
+        PagedCache(config=config, compileable=True)
+    with pytest.raises(ConfigError, match="max_tokens applies to full-precision blocks"):
+        PagedCache(config=config, bits=4, max_tokens=64)
 
 
 @pytest.mark.parametrize("bits", [None, 4])

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, CapacityError
 from .block_pool import BlockPool
 
 
@@ -29,18 +29,25 @@ class BlockGroup:
     Logical token t of row b (counted from the first token the cache saw) lives in block
     `tables[b][(t - base) // block_size]` at offset `(t - base) % block_size`; `base` moves forward by
     whole blocks as windows drop their oldest tokens.
+
+    With `fixed_tokens`, every row's table spans that many tokens from the first fill on, so the tables'
+    width never changes and a decode step allocates nothing (what a compiled decode needs). The blocks past
+    the written tokens are each row's own (unshared after a batch-row operation), so a step writes into them
+    without copy-on-write; writing past `fixed_tokens` raises `CapacityError`. (Slots not yet written hold
+    finite numbers, zeros or older tokens: the pool's tensors start at zero.)
     """
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, fixed_tokens: int | None = None):
         self.pool = pool
         self.block_size = block_size
+        self.fixed_tokens = fixed_tokens
         self.tables: list[list[int]] = []
         self.base = 0  # logical index of the first token of table column 0
         self.reserved = 0  # slots exist for logical tokens < reserved, in every row
         self.members: list = []  # the storages of the group's layers
         self._table_tensor: torch.Tensor | None = None
-        self._copy_block: list[Callable[[int, int], None]] = []
-        self._zero_block: list[Callable[[int], None]] = []
+        self._copy_blocks: list[Callable[[list[int], list[int]], None]] = []
+        self._zero_blocks: list[Callable[[list[int]], None]] = []
         self._pads: list[int] | None = None  # left padding seen by the first prefill, released at the next step
         self._ops = 0  # batch-row operations applied to the tables
         self._member_ops: list[int] = []  # how many of them each member has brought
@@ -50,13 +57,15 @@ class BlockGroup:
     def batch_size(self) -> int:
         return len(self.tables)
 
-    def join(self, storage, copy_block: Callable[[int, int], None], zero_block: Callable[[int], None]) -> int:
-        """Adds a layer's storage and returns its member number; `copy_block(src, dst)` copies one block of its
-        tensors (copy-on-write), `zero_block(id)` clears one."""
+    def join(
+        self, storage, copy_blocks: Callable[[list[int], list[int]], None], zero_blocks: Callable[[list[int]], None]
+    ) -> int:
+        """Adds a layer's storage and returns its member number; `copy_blocks(sources, targets)` copies blocks of
+        its tensors (copy-on-write), `zero_blocks(ids)` clears some."""
         self.members.append(storage)
         self._member_ops.append(self._ops)
-        self._copy_block.append(copy_block)
-        self._zero_block.append(zero_block)
+        self._copy_blocks.append(copy_blocks)
+        self._zero_blocks.append(zero_blocks)
         return len(self.members) - 1
 
     def note_padding(self, pads: list[int]) -> None:
@@ -75,22 +84,33 @@ class BlockGroup:
         partly filled last block that other rows share (after a beam reorder or a fan-out), the row
         gets its own copy of it (copy-on-write); full blocks stay shared. On the first fill,
         `sources[row]` names an earlier row with the same tokens (beams and samples of one prompt):
-        such a row shares that row's blocks instead of getting its own.
+        such a row shares that row's blocks instead of getting its own. A fixed group reserves its
+        `fixed_tokens` at the first fill.
         """
         if self.tables and end <= self.reserved:
             return  # a later layer of this step: the first one allocated (and trimmed)
+        if self.fixed_tokens is not None and end > self.fixed_tokens:
+            raise CapacityError(f"{end} tokens per row do not fit in the cache's max_tokens={self.fixed_tokens}")
         self.trim()
-        if not self.tables:
+        first_fill = not self.tables
+        if first_fill:
             if sources is not None and any(src != row for row, src in enumerate(sources)):
                 self._fill_shared(end, sources)
-                return
-            self.tables = [[] for _ in range(batch)]
+            else:
+                self.tables = [[] for _ in range(batch)]
+        try:
+            self._extend(max(end, self.fixed_tokens or 0))
+        except CapacityError:
+            if first_fill:
+                self.reset()  # all or nothing: a failed first fill leaves no blocks taken
+            raise
+
+    def _extend(self, end: int) -> None:
         if end <= self.reserved:
             return
         bs = self.block_size
         if (self.reserved - self.base) % bs:
-            column = (self.reserved - self.base) // bs
-            self._unshare(column)
+            self._unshare([(self.reserved - self.base) // bs])
         needed_columns = -(-(end - self.base) // bs)
         new_per_row = needed_columns - len(self.tables[0])
         if new_per_row > 0:
@@ -150,10 +170,11 @@ class BlockGroup:
         while self.base + bs <= first and self.tables[0]:
             self._free_column(0)
             self.base += bs
+        last = max(last, self.fixed_tokens or 0)
         keep = -(-(last - self.base) // bs)
         while len(self.tables[0]) > keep:
             self._free_column(len(self.tables[0]) - 1)
-        self.reserved = last
+        self.reserved = min(last, self.base + len(self.tables[0]) * bs)
         if len(self.tables[0]) != columns:
             self._table_tensor = None
 
@@ -186,6 +207,9 @@ class BlockGroup:
             self.pool.decref(table)
         self.tables = new_tables
         self._table_tensor = None
+        if self.fixed_tokens is not None:  # the blocks ahead are written without a reserve: each row's own now
+            written = max(member.end for member in self.members)
+            self._unshare(range((written - self.base) // self.block_size, len(self.tables[0])))
 
     def reset(self) -> None:
         for table in self.tables:
@@ -207,25 +231,35 @@ class BlockGroup:
             for column in range(min(columns, len(table))):
                 if shared is None:
                     (shared,) = self.pool.allocate(1)
-                    for zero_block in self._zero_block:
-                        zero_block(shared)
+                    self._clear([shared])
                 else:
                     self.pool.incref([shared])
                 self.pool.decref([table[column]])
                 table[column] = shared
         self._table_tensor = None
 
+    def _clear(self, ids: list[int]) -> None:
+        for zero_blocks in self._zero_blocks:
+            zero_blocks(ids)
+
     def _free_column(self, column: int) -> None:
         self.pool.decref([table.pop(column) for table in self.tables])
 
-    def _unshare(self, column: int) -> None:
-        for table in self.tables:
-            if column < len(table) and self.pool.refcount(table[column]) > 1:
-                (fresh,) = self.pool.allocate(1)
-                for copy_block in self._copy_block:
-                    copy_block(table[column], fresh)
-                self.pool.decref([table[column]])
-                table[column] = fresh
+    def _unshare(self, columns) -> None:
+        """Gives each row its own copy of its blocks in `columns` that other rows (or the prefix store) share."""
+        sources, targets = [], []
+        for column in columns:
+            for table in self.tables:
+                if column < len(table) and self.pool.refcount(table[column]) > 1:
+                    (fresh,) = self.pool.allocate(1)
+                    sources.append(table[column])
+                    targets.append(fresh)
+                    self.pool.decref([table[column]])
+                    table[column] = fresh
+        if targets:
+            for copy_blocks in self._copy_blocks:
+                copy_blocks(sources, targets)
+            self._table_tensor = None
 
 
 def identical_rows(keys: torch.Tensor) -> list[int]:

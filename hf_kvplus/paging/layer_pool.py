@@ -26,8 +26,8 @@ class LayerPool:
         """Allocates the tensors like `keys`/`values`, or checks that they match what is held."""
         if self.k is None:
             shape = (self.blocks.capacity, self.num_kv_heads, self.block_size)
-            self.k = keys.new_empty(*shape, self.head_dim)
-            self.v = values.new_empty(*shape, values.shape[-1])
+            self.k = keys.new_zeros(*shape, self.head_dim)  # zeros: a static read sees unwritten slots (masked)
+            self.v = values.new_zeros(*shape, values.shape[-1])
         elif keys.dtype != self.k.dtype or keys.device != self.k.device:
             raise CacheMismatchError(
                 f"new keys are {keys.dtype} on {keys.device}, the pool holds {self.k.dtype} on {self.k.device}"
@@ -45,21 +45,29 @@ class LayerPool:
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.k, self.v = tensors.get("k"), tensors.get("v")
 
-    def copy_block(self, source: int, target: int) -> None:
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Block `targets[i]` becomes a copy of block `sources[i]` (one indexed copy per tensor)."""
         if self.k is not None:
-            self.k[target] = self.k[source]
-            self.v[target] = self.v[source]
+            src, dst = block_index(sources, self.k.device), block_index(targets, self.k.device)
+            self.k[dst] = self.k[src]
+            self.v[dst] = self.v[src]
 
-    def zero_block(self, block: int) -> None:
+    def zero_blocks(self, blocks: list[int]) -> None:
         if self.k is not None:
-            self.k[block].zero_()
-            self.v[block].zero_()
+            ids = block_index(blocks, self.k.device)
+            self.k[ids] = 0
+            self.v[ids] = 0
 
     def _grow(self, capacity: int) -> None:
         if self.k is None:
             return
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_empty(capacity, *old.shape[1:])
+            new = old.new_zeros(capacity, *old.shape[1:])
             new[: old.shape[0]] = old
             setattr(self, name, new)
+
+
+def block_index(blocks: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids as an index tensor (one host-to-device copy, no sync)."""
+    return torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)

@@ -8,6 +8,7 @@ from ..errors import CacheMismatchError, ConfigError
 from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from ..kernels.quant_pack import quantize_keys, quantize_values
 from .block_pool import BlockPool
+from .layer_pool import block_index
 
 #: The six pool tensors, in `PackedKV` order (zeros are None for fp8).
 NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
@@ -114,18 +115,19 @@ class QuantLayerPool:
         for name in NAMES:
             setattr(self, name, tensors.get(name))
 
-    def copy_block(self, source: int, target: int) -> None:
-        for name in NAMES:
-            t = getattr(self, name)
-            if t is not None:
-                t[target] = t[source]
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Block `targets[i]` becomes a copy of block `sources[i]` (one indexed copy per tensor)."""
+        if self.k is not None:
+            src, dst = block_index(sources, self.k.device), block_index(targets, self.k.device)
+            for t in self.tensors().values():
+                t[dst] = t[src]
 
-    def zero_block(self, block: int) -> None:
-        """Codes and parameters zero: the block dequantizes to zeros (padding that the mask hides)."""
-        for name in NAMES:
-            t = getattr(self, name)
-            if t is not None:
-                t[block].zero_()
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Codes and parameters zero: the blocks dequantize to zeros (padding that the mask hides)."""
+        if self.k is not None:
+            ids = block_index(blocks, self.k.device)
+            for t in self.tensors().values():
+                t[ids] = 0
 
     # ---------------------------------------------------------- internals
     def _allocate(self, capacity: int, device: torch.device, v_dim: int) -> None:

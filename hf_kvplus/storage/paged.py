@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, ConfigError
 from ..kernels.paged_attention import paged_store
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup, identical_rows
@@ -23,17 +23,24 @@ class PagedStorage(KVStorage):
     in place (`paged_decode_attention`), so nothing gathers the sequence into a contiguous copy. Prefill and chunked prefill gather the visible past once and attend with
     SDPA. With `fused=False` (a model on eager or another attention function) `update` returns
     gathered dense K/V on every step instead.
+
+    `static=True` (a group with `fixed_tokens`: every row's table reserved to that length at the first fill)
+    reads all `fixed_tokens` positions every step, as StaticCache does, the model's mask hiding those not yet
+    written: a decode step's shapes and block table never change, so a compiled decode never recompiles.
     """
 
     #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
     shared_at_rest = True
 
-    def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True):
+    def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True, static: bool = False):
+        if static and group.fixed_tokens is None:
+            raise ConfigError("a static paged storage needs a block group of fixed_tokens: it reads that many every step")
         self.group = group
         self.pool = pool
         self.fused = fused
+        self.static_length = group.fixed_tokens if static else None
         self.start = self.end = 0  # logical tokens held: start..end-1
-        self.member = group.join(self, pool.copy_block, pool.zero_block)
+        self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
     @property
     def k_pool(self) -> torch.Tensor | None:
@@ -58,12 +65,19 @@ class PagedStorage(KVStorage):
         new = keys.shape[2]
         sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
         self.group.reserve(keys.shape[0], self.end + new, sources)
-        if new == 1:  # a decode step: each row's block of the token, at one offset (a Python int) in all of them
+        if new == 1:  # a decode step: each row's block of the token, at one offset in all of them
             token, bs = self.end - self.group.base, self.group.block_size
-            column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
-            blocks = self.group.table_tensor(keys.device)[:, column]
-            self.k_pool[blocks, :, offset] = keys[:, :, 0]
-            self.v_pool[blocks, :, offset] = values[:, :, 0]
+            table = self.group.table_tensor(keys.device)
+            if self.static_length is None:  # Python ints: the fewest ops
+                column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
+                blocks = table[:, column]
+                self.k_pool[blocks, :, offset] = keys[:, :, 0]
+                self.v_pool[blocks, :, offset] = values[:, :, 0]
+            else:  # `[1]` tensors: a compiled step does not specialize on the offset
+                token = torch.arange(token, token + 1, device=keys.device)
+                blocks, offset = table[:, token // bs], token % bs  # [batch, 1], [1]
+                self.k_pool[blocks, :, offset] = keys.transpose(1, 2)
+                self.v_pool[blocks, :, offset] = values.transpose(1, 2)
         else:
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
@@ -71,9 +85,13 @@ class PagedStorage(KVStorage):
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers the last `last` tokens into dense `[batch, kv_heads, last, head_dim]` tensors."""
-        first = self.end - last
+        return self._gather(self.end - last, self.end)
+
+    def _gather(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logical tokens `first .. end - 1` as dense `[batch, kv_heads, end - first, head_dim]` tensors."""
+        last = end - first
         bs, base = self.group.block_size, self.group.base
-        columns = torch.arange((first - base) // bs, -(-(self.end - base) // bs), device=self.k_pool.device)
+        columns = torch.arange((first - base) // bs, -(-(end - base) // bs), device=self.k_pool.device)
         blocks = self.group.table_tensor(self.k_pool.device).long()[:, columns]
         skip = (first - base) % bs
 
@@ -85,13 +103,15 @@ class PagedStorage(KVStorage):
         return gather(self.k_pool), gather(self.v_pool)
 
     def read(self, last: int, new: int) -> Read:
+        first = self.end - last if self.static_length is None else 0  # static: the whole table (base is 0)
+        end = first + (last if self.static_length is None else self.static_length)
         if not (self.fused and new == 1):
-            return DenseRead(*self.view(last))
+            return DenseRead(*self._gather(first, end))
         pool = self.pool
         return PagedRead(
-            *placeholders(self.k_pool, self.batch_size, pool.num_kv_heads, last, pool.head_dim, pool.head_dim),
-            self.k_pool, self.v_pool, self.group.table_tensor(self.k_pool.device), self.end - last - self.group.base,
-            last, partial(self.view, last),
+            *placeholders(self.k_pool, self.batch_size, pool.num_kv_heads, end - first, pool.head_dim, pool.head_dim),
+            self.k_pool, self.v_pool, self.group.table_tensor(self.k_pool.device), first - self.group.base,
+            end - first, partial(self._gather, first, end),
         )  # fmt: skip
 
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
@@ -135,13 +155,15 @@ class PagedStorage(KVStorage):
     def memory(self) -> MemoryReport:
         if self.k_pool is None:
             return MemoryReport()
-        block = self.pool.block_bytes
-        used = self.group.blocks_in_use()
-        first_member = self.group.members[0] is self
-        table = self.group.table_tensor(self.k_pool.device)
+        block, group = self.pool.block_bytes, self.group
+        ahead = 0  # blocks a fixed group reserved past the written tokens (each row's own)
+        if group.fixed_tokens is not None and group.tables:
+            ahead = len(group.tables) * (len(group.tables[0]) - -(-(self.end - group.base) // group.block_size))
+        first_member = group.members[0] is self
+        table = group.table_tensor(self.k_pool.device)
         return MemoryReport(
-            payload_bytes=used * block,
-            reserved_bytes=0,
+            payload_bytes=(group.blocks_in_use() - ahead) * block,
+            reserved_bytes=ahead * block,
             metadata_bytes=table.numel() * table.element_size() if first_member else 0,
             batch_size=self.batch_size,
         )

@@ -39,7 +39,7 @@ class PagedSegment(QuantizedSegment):
         self.pool = pool
         self.fmt = pool.fmt
         self.start = self.end = 0  # logical tokens held: start..end-1 (BlockGroup.trim reads them)
-        self.member = group.join(self, pool.copy_block, pool.zero_block)
+        self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
     @property
     def unit(self) -> int:

@@ -102,6 +102,15 @@ def _paged_cache(model: PreTrainedModel, **kwargs) -> Cache:
     return PagedCache(config=model.config, **kwargs)
 
 
+def _paged_static_cache(model: PreTrainedModel) -> Cache:
+    """PagedCache(max_tokens=64) reading all 64 positions every step (`compileable=True`) where the model's layers
+    are all full attention; on models with sliding layers, which that refuses, the reserved tables alone."""
+    from hf_kvplus.model_spec import ModelSpec
+
+    full = all(spec.kind == "full" for spec in ModelSpec.from_config(model.config).layers if spec.holds_kv)
+    return _paged_cache(model, block_size=8, max_tokens=64, compileable=full)
+
+
 def _quantized_cache(model: PreTrainedModel, **kwargs) -> Cache:
     from hf_kvplus import QuantizedCache
 
@@ -156,6 +165,18 @@ CASES: list[CacheCase] = [
         name="paged-fixed",
         make=lambda model: _paged_cache(model, block_size=16, num_blocks=64),
         note="hf_kvplus.PagedCache, default block size, a fixed pool of 64 blocks per layer group",
+    ),
+    CacheCase(
+        name="paged-reserved",
+        make=lambda model: _paged_cache(model, block_size=8, max_tokens=64),
+        note="hf_kvplus.PagedCache(max_tokens=64): every row's blocks reserved at the first fill; batch-row "
+        "operations unshare the blocks ahead",
+    ),
+    CacheCase(
+        name="paged-static",
+        make=_paged_static_cache,
+        note="hf_kvplus.PagedCache(max_tokens=64, compileable=True): all 64 positions read every step, masked by "
+        "the model (reserved tables alone on models with sliding layers)",
     ),
     CacheCase(
         name="quantized-int8",
