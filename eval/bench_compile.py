@@ -3,10 +3,11 @@
     python eval/bench_compile.py --out eval/results/compile_cpu
     python eval/bench_compile.py --out /tmp/c --contexts 256 --new 8 16 --repeats 1 --backend eager   # quick look
     python eval/bench_compile.py --out DIR --device cuda --mode reduce-overhead   # GPU: CUDA graphs
+    python eval/bench_compile.py --out DIR --gpu-pass [--dry-run]   # the GPU pass's step (see below)
 
 `generate()` compiles the decode forward of a cache that declares `is_compileable` (StaticCache, and
-DenseCache / PagedCache / SinkCache / H2OCache built with `compile=on`; the dense and paged ones sized like
-StaticCache): the mask is built outside the graph, and each decode step
+DenseCache / PagedCache / QuantizedCache / SinkCache / H2OCache built with `compile=on`; the dense, paged and
+quantized ones sized like StaticCache): the mask is built outside the graph, and each decode step
 calls the compiled forward. This times that, per context length, on the tiny 8-layer Llama of
 `bench_host.py`:
 
@@ -20,12 +21,19 @@ calls the compiled forward. This times that, per context length, on the tiny 8-l
   whole buffer, masked, as StaticCache does);
 - DynamicCache and a SinkCache without `compile=on`, which generate() runs eagerly, as references.
 
+`--model llama-8b` builds Llama 3.1 8B's shape with random bfloat16 weights (`--layers` of them; the ratios
+are per-layer work, so fewer layers keep a GPU call short). `--batch` runs each context at those batch
+sizes, every row a distinct prompt. `--gpu-pass` is the GPU pass's `compile` step (`scripts/gpu_pass.sh`):
+the 8B shape on CUDA with CUDA graphs (`reduce-overhead`), 4K and 32K tokens, batch 1 and 8, StaticCache
+against every static cache here; with `--dry-run` the same code at tiny sizes on the CPU (eager backend).
+
 Writes `compile.json`, `compile.md` and `compile.png` into `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -34,12 +42,34 @@ from pathlib import Path
 
 import torch
 from bench_host import TINY, build_model
+from gpu_common import LLAMA_31_8B
 from tqdm import tqdm
-from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    CompileConfig,
+    LlamaConfig,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
-SPECS = ["static", "dynamic", "dense:compile=on", "paged:compile=on", "sink:4:1020", "sink:4:1020:compile=on", "h2o:1024:compile=on"]
+#: The GPU pass's step: every static cache against StaticCache, the evicting ones at an eighth of 32K.
+GPU_PASS = dict(
+    model="llama-8b", layers=4, device="cuda", mode="reduce-overhead", contexts=[4096, 32768], batch=[1, 8],
+    new=[8, 40], repeats=1,
+    specs=["static", "dense:compile=on", "paged:compile=on", "quantized:int4:compile=on", "sink:4:4092:compile=on",
+           "h2o:4096:compile=on"],
+)  # fmt: skip
+#: The same at tiny sizes on the CPU (a check of the script, not a measurement).
+DRY_RUN = dict(device="cpu", backend="eager", mode=None, contexts=[48], new=[4, 10])
+#: A tiny stand-in for the 8B shape in dry runs.
+TINY_8B = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+SPECS = [
+    "static", "dynamic", "dense:compile=on", "paged:compile=on", "quantized:int4:compile=on", "sink:4:1020",
+    "sink:4:1020:compile=on", "h2o:1024:compile=on",
+]  # fmt: skip
 COLUMNS = [
     ("context", "context", "d"),
+    ("batch", "batch", "d"),
     ("cache", "cache", ""),
     ("compiled", "compiled", ""),
     ("decode_ms", "decode ms/token", ".3f"),
@@ -74,10 +104,14 @@ def markdown(result: dict) -> str:
     from hf_kvplus.evaluation.report import format_table
 
     a = result["args"]
+    if a["model"] == "llama-8b":
+        model = f"Llama-3.1-8B-shaped ({a['layers']} layers), random weights, {a['dtype']}"
+    else:
+        model = f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32"
     return "\n".join([
-        "## Compiled decode against StaticCache",
+        "## Compiled decode against StaticCache" + (" (dry run: tiny sizes on the CPU)" if a["dry_run"] else ""),
         "",
-        f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['device']}, "
+        f"{model}, {a['device']}, "
         f"backend {a['backend']}, mode {a['mode']}, {a['threads']} thread(s); decode time from generate() of "
         f"tokens {a['new'][0]} to {a['new'][1]} of one call, median of {a['repeats']}; {result['machine']}, {result['date']}",
         "",
@@ -94,15 +128,17 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({r["context"] for r in rows})
+    groups = sorted({(r["context"], r["batch"]) for r in rows})
     caches = list(dict.fromkeys(r["cache"] for r in rows))
     figure, axis = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(caches)
     for i, cache in enumerate(caches):
-        ratios = [next(r["vs_static"] for r in rows if r["cache"] == cache and r["context"] == c) for c in contexts]
-        axis.bar([k + i * width for k in range(len(contexts))], ratios, width, label=cache)
+        ratios = [next(r["vs_static"] for r in rows if r["cache"] == cache and (r["context"], r["batch"]) == g)
+                  for g in groups]  # fmt: skip
+        axis.bar([k + i * width for k in range(len(groups))], ratios, width, label=cache)
     axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_xticks([k + 0.4 - width / 2 for k in range(len(contexts))], [f"{c} tokens" for c in contexts])
+    labels = [f"{c} tokens" + (f", batch {b}" if len({g[1] for g in groups}) > 1 else "") for c, b in groups]
+    axis.set_xticks([k + 0.4 - width / 2 for k in range(len(groups))], labels)
     axis.set_ylabel("decode time per token, x StaticCache compiled")
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -110,21 +146,47 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-@torch.no_grad()
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for compile.json, compile.md and compile.png")
     parser.add_argument("--specs", nargs="+", default=SPECS, help="cache specs; static must be among them")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192], help="prompt lengths")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (distinct prompts per row)")
     parser.add_argument("--new", type=int, nargs=2, default=[8, 72], metavar=("N1", "N2"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--mode", default=None, help="torch.compile mode (reduce-overhead: CUDA graphs)")
+    parser.add_argument("--model", choices=["tiny", "llama-8b"], default="tiny")
+    parser.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
+    parser.add_argument("--gpu-pass", action="store_true", help="the GPU pass's step (its sizes and specs)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks the script")
     args = parser.parse_args(argv)
+    if args.gpu_pass:
+        vars(args).update(GPU_PASS)
+    if args.dry_run:
+        vars(args).update(DRY_RUN)
     if "static" not in args.specs:
         parser.error("the specs must include static, the baseline")
+    args.dtype = "bfloat16" if args.model == "llama-8b" and not args.dry_run else "float32"
+    return args
+
+
+def model_for(args):
+    if args.model == "tiny":
+        return build_model().to(args.device)
+    shape = {**LLAMA_31_8B, "num_hidden_layers": args.layers, **(TINY_8B if args.dry_run else {})}
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="sdpa")  # fmt: skip
+    return model.eval()
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # one graph set per context length and cache
     from hf_kvplus.evaluation.report import stamp
@@ -132,31 +194,38 @@ def main(argv=None) -> None:
 
     config = CompileConfig(backend=args.backend, mode=args.mode, fullgraph=True)
     config._compile_all_devices = True  # generate() compiles on CUDA only, unless told
-    model = build_model().to(args.device)
+    model = model_for(args)
     specs = [parse_cache_spec(s) for s in args.specs]
     n1, n2 = args.new
     rows = []
     for context in args.contexts:
-        prompt = torch.randint(0, TINY["vocab_size"], (1, context), generator=torch.Generator().manual_seed(context))
-        prompt = prompt.to(args.device)
-        times = {spec.text: [] for spec in specs}
-        for spec in tqdm(specs, desc=f"{context} tokens", file=sys.stderr):
-            # Each cache compiles alone, as in a process that uses one cache: graphs of several caches under one
-            # compiled forward share its automatic-dynamic state, and inductor (torch 2.13, CPU) then generated
-            # code naming an unbound size symbol for H2O's graph after SinkCache's (NameError at run time).
-            torch._dynamo.reset()
-            decode_seconds(model, spec, prompt, (n1, n2), context + n2, config)  # compiles every shape of the run
-            for _ in range(args.repeats):
-                times[spec.text].append(decode_seconds(model, spec, prompt, (n1, n2), context + n2, config))
-        for spec in specs:
-            compiled = spec.build(model.config, max_length=context + n2).is_compileable
-            rows.append({"context": context, "cache": spec.text, "compiled": "yes" if compiled else "no (eager)",
-                         "decode_ms": statistics.median(times[spec.text]) * 1e3})  # fmt: skip
-        base = next(r["decode_ms"] for r in rows if r["context"] == context and r["cache"] == "static")
-        for row in rows:
-            if row["context"] == context:
+        for batch in args.batch:
+            generator = torch.Generator().manual_seed(context * 100 + batch)
+            prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator).to(args.device)
+            times = {spec.text: [] for spec in specs}
+            for spec in tqdm(specs, desc=f"{context} tokens, batch {batch}", file=sys.stderr):
+                # Each cache compiles alone, as in a process that uses one cache: graphs of several caches under one
+                # compiled forward share its automatic-dynamic state, and inductor (torch 2.13, CPU) then generated
+                # code naming an unbound size symbol for H2O's graph after SinkCache's (NameError at run time).
+                torch._dynamo.reset()
+                gc.collect()
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                decode_seconds(model, spec, prompt, (n1, n2), context + n2, config)  # compiles every shape of the run
+                for _ in range(args.repeats):
+                    times[spec.text].append(decode_seconds(model, spec, prompt, (n1, n2), context + n2, config))
+            group = []
+            for spec in specs:
+                compiled = spec.build(model.config, max_length=context + n2).is_compileable
+                group.append({"context": context, "batch": batch, "cache": spec.text,
+                              "compiled": "yes" if compiled else "no (eager)",
+                              "decode_ms": statistics.median(times[spec.text]) * 1e3})  # fmt: skip
+            base = next(r["decode_ms"] for r in group if r["cache"] == "static")
+            for row in group:
                 row["vs_static"] = row["decode_ms"] / base
-    result = {**stamp(), "args": {**{k: str(v) for k, v in vars(args).items()}, "new": args.new}, "rows": rows}
+            rows += group
+    result = {**stamp(), "args": {**{k: str(v) for k, v in vars(args).items()}, "new": args.new,
+                                  "dry_run": args.dry_run}, "rows": rows}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compile.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -22,6 +22,7 @@ STEP_FILES = {  # step -> the result files it writes (json stems)
     "e2e-b1": ["e2e_b1"],
     "e2e-b8": ["e2e_b8"],
     "offload": ["offload"],
+    "compile": ["compile"],
 }
 TIMED_OUT = (124, 137)
 

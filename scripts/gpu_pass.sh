@@ -5,12 +5,14 @@
 #   bash scripts/gpu_pass.sh [--dry-run] [--out DIR] [STEP...]
 #
 # Steps (default: all, in this order; time limit of each in seconds on a GPU):
-#   env 60 | tests 330 | aot 180 | kernels 240 | e2e-b1 210 | e2e-b8 270 | offload 210   (25 minutes in all)
-# The device tool runs one command for at most 10 minutes, so on a lent GPU run it in three calls
+#   env 60 | tests 330 | aot 180 | kernels 240 | e2e-b1 210 | e2e-b8 270 | offload 210 | compile 480
+#   (33 minutes in all)
+# The device tool runs one command for at most 10 minutes, so on a lent GPU run it in four calls
 # (each call's results come back in $OUT; merge them here with eval/gpu_pass_report.py):
 #   bash scripts/gpu_pass.sh env tests aot
 #   bash scripts/gpu_pass.sh kernels e2e-b1
 #   bash scripts/gpu_pass.sh e2e-b8 offload
+#   bash scripts/gpu_pass.sh compile
 # Results: DIR/gpu_pass.json, DIR/gpu_pass.md, each step's log and files (DIR defaults to gpu-pass/);
 # where $OUT is set (the device tool), those two files, the tests' log and a tarball of DIR go there.
 # --dry-run runs every step on the CPU at tiny sizes (CI does, so the pass cannot rot between GPUs).
@@ -31,7 +33,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests aot kernels e2e-b1 e2e-b8 offload)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests aot kernels e2e-b1 e2e-b8 offload compile)
 mkdir -p "$DIR"
 export PYTHONUNBUFFERED=1
 
@@ -122,7 +124,8 @@ for step in "${STEPS[@]}"; do
         e2e-b1) run_step e2e-b1 210 "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 1 $DRY ;;
         e2e-b8) run_step e2e-b8 270 "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 8 $DRY ;;
         offload) run_step offload 210 "$PY" eval/bench_offload_gpu.py --out "$DIR" --batch 1 4 $DRY ;;
-        *) echo "unknown step: $step (steps: env tests aot kernels e2e-b1 e2e-b8 offload)" >&2; exit 2 ;;
+        compile) run_step compile 480 "$PY" eval/bench_compile.py --out "$DIR" --gpu-pass $DRY ;;
+        *) echo "unknown step: $step (steps: env tests aot kernels e2e-b1 e2e-b8 offload compile)" >&2; exit 2 ;;
     esac
 done
 

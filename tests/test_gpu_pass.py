@@ -16,7 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "eval" / "gpu_pass_report.py"
-STEPS = ["env", "tests", "aot", "kernels", "e2e-b1", "e2e-b8", "offload"]
+STEPS = ["env", "tests", "aot", "kernels", "e2e-b1", "e2e-b8", "offload", "compile"]
+#: What the compile step must compare (issue 14): every cache that declares is_compileable, and StaticCache.
+GPU_PASS_COMPILE_SPECS = {
+    "static", "dense:compile=on", "paged:compile=on", "quantized:int4:compile=on", "sink:4:4092:compile=on",
+    "h2o:4096:compile=on",
+}
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="1" skipped="1" tests="4">
@@ -108,7 +113,11 @@ def test_dry_run_of_the_whole_pass_on_the_cpu(tmp_path):
         lossless = [r for r in rows if r["lossless"]]
         assert lossless and all(r["same_tokens"] for r in lossless), [(r["cache"], r.get("same_tokens")) for r in rows]
     assert {row["cache"] for row in merged["offload"]["rows"]} >= {"OffloadedCache dense", "OffloadedCache int4"}
+    compiled = merged["compile"]["rows"]
+    assert {(r["batch"], r["cache"]) for r in compiled} == {(b, c) for b in (1, 8) for c in GPU_PASS_COMPILE_SPECS}
+    assert all(r["compiled"] == "yes" and r["decode_ms"] > 0 for r in compiled), compiled
     md = (out / "gpu_pass.md").read_text()
     for section in ("## Environment", "## Tests on CUDA", "## Kernels compiled ahead of time",
-                    "## Decode-attention kernels", "## End to end", "## Offloaded KV caches"):
+                    "## Decode-attention kernels", "## End to end", "## Offloaded KV caches",
+                    "## Compiled decode against StaticCache"):
         assert section in md
