@@ -32,7 +32,7 @@ from .paging import BlockPool, PagedPool, PrefixStore
 from .placement import Offloaded, OnDevice, Placement, TierBytes
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
-from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore
+from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore, StaticQuantizedStorage
 
 __version__ = "0.1.0"
 
@@ -71,6 +71,7 @@ __all__ = [
     "Placement",
     "QuantizedCache",
     "QuantizedStorage",
+    "StaticQuantizedStorage",
     "RDataError",
     "Retention",
     "ShapeError",

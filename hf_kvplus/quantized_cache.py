@@ -13,6 +13,7 @@ from .formats import resolve_format
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
+from .storage.static_quantized import StaticQuantizedStorage
 
 BACKENDS = ("kvplus", "quanto")
 
@@ -24,16 +25,22 @@ def quantized_storage(
     group_size: int | None = None,
     window: int = DEFAULT_WINDOW,
     backend: str = "kvplus",
-) -> Callable[[LayerSpec], QuantizedStorage]:
+    max_tokens: int | None = None,
+) -> Callable[[LayerSpec], QuantizedStorage | StaticQuantizedStorage]:
     """A `KVCache` storage factory holding K/V quantized: combine it with any retention.
 
     Checks everything at construction: the bit width, the backend, that the group size divides every
-    layer's head_dim, and that the full-precision window holds at least one group.
+    layer's head_dim, and that the full-precision window holds at least one group. With `max_tokens`, full
+    layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if max_tokens is not None and backend != "kvplus":
+        raise ConfigError(f"max_tokens needs backend='kvplus' (its static storage packs codes itself), got {backend!r}")
     fmt = resolve_format(ModelSpec.from_config(config), bits, group_size)
     fused = takes_fused_path(config)
+    if max_tokens is not None:
+        StaticQuantizedStorage(fmt, window, max_tokens)  # bad sizes fail here, not at a forward
 
     def segment() -> QuantizedSegment:
         if backend == "quanto":
@@ -45,7 +52,13 @@ def quantized_storage(
         return PackedSegment(fmt)
 
     QuantizedStorage(segment(), window=window)  # a bad window or a missing backend fails here, not at a forward
-    return lambda spec: QuantizedStorage(segment(), window=window, fused=fused)
+
+    def storage(spec: LayerSpec) -> QuantizedStorage | StaticQuantizedStorage:
+        if max_tokens is not None and spec.kind == "full":
+            return StaticQuantizedStorage(fmt, window, max_tokens, fused=fused)
+        return QuantizedStorage(segment(), window=window, fused=fused)
+
+    return storage
 
 
 class QuantizedCache(KVCache):
@@ -62,6 +75,12 @@ class QuantizedCache(KVCache):
 
     Lossy: see README for the measured perplexity cost of each format and its bytes per token.
 
+    `max_tokens` fixes the capacity of full-attention layers (`StaticQuantizedStorage`: codes for that many
+    positions and a full-precision ring of `window + 2 * group_size` tokens, allocated at the first fill; more
+    raises `CapacityError`). The same tokens are quantized in the same groups as without it, and every step reads
+    all positions, masked. With it, `compileable=True` (a model whose layers are all full attention) declares
+    `is_compileable`: `generate()` compiles the decode forward as it does StaticCache's.
+
     >>> cache = QuantizedCache(config=model.config, bits=4)
     >>> model.generate(**inputs, past_key_values=cache)
     """
@@ -75,9 +94,17 @@ class QuantizedCache(KVCache):
         window: int = DEFAULT_WINDOW,
         backend: str = "kvplus",
         placement: Placement | None = None,
+        max_tokens: int | None = None,
+        compileable: bool = False,
     ):
-        storage = quantized_storage(config, bits=bits, group_size=group_size, window=window, backend=backend)
-        super().__init__(config, storage=storage, placement=placement)
+        if compileable and max_tokens is None:
+            raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
+        if max_tokens is not None and placement is not None and placement.moves:
+            raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
+        storage = quantized_storage(
+            config, bits=bits, group_size=group_size, window=window, backend=backend, max_tokens=max_tokens
+        )
+        super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         first = next(layer.storage for layer in self.layers if hasattr(layer, "storage"))
         self.format, self.window, self.backend = first.fmt, window, backend
 
@@ -89,10 +116,9 @@ class QuantizedCache(KVCache):
             storage = getattr(layer, "storage", None)
             if storage is None:
                 continue
-            segment = storage.segment
-            report = segment.memory()
+            report, length = storage.quantized_part()
             quantized_bytes += report.payload_bytes + report.metadata_bytes
-            held = segment.length * segment.batch_size
+            held = length * report.batch_size
             tokens = max(tokens, held)
             fp16_bytes += held * 2 * 2 * layer.spec.num_kv_heads * layer.spec.head_dim
         return {

@@ -14,7 +14,8 @@
                             `max_tokens=N` reserves N tokens per row at the first fill, and `compile=on` reads
                             them all every step, as `dense` does, N defaulting to the run's length)
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
-                            128 full-precision tokens) and `backend=quanto` may follow
+                            128 full-precision tokens) and `backend=quanto` may follow; `max_tokens=N` and
+                            `compile=on` as for `paged`
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` may follow
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
@@ -185,15 +186,17 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
-        _check_arity(spec, 1, {"group", "window", "backend"})
+        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile"})
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
-        for key in ("group", "window"):
+        for key in ("group", "window", "max_tokens"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
         if spec.kwargs.get("backend", "kvplus") not in BACKENDS:
             raise ConfigError(f"cache spec {spec.text!r}: backend must be one of {BACKENDS}")
+        if spec.kwargs.get("compile", "off") not in ("on", "off"):
+            raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "paged-quantized":
         _check_arity(spec, 1, {"group", "window", "block", "blocks"})
         if len(spec.args) != 1:
@@ -345,6 +348,7 @@ def _quantized(config, args, kwargs, max_length):
         group_size=int(kwargs["group"]) if "group" in kwargs else None,
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         backend=kwargs.get("backend", "kvplus"),
+        **_static_options(kwargs, max_length),
     )
 
 

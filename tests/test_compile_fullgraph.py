@@ -30,6 +30,7 @@ SPECS = [
     "paged:block=8",
     "paged:block=8:max_tokens=64",
     "paged:block=8:max_tokens=64:compile=on",
+    "quantized:int4:group=8:window=8:max_tokens=64:compile=on",
     "quantized:int4:group=8:window=8",
     "paged-quantized:int4:group=8:window=8:block=8",
     "sink:2:6",

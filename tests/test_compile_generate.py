@@ -20,7 +20,7 @@ from hf_kvplus import DenseCache, H2OCache, Offloaded, PagedCache, SinkCache
 from hf_kvplus.errors import ConfigError, UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
-COMPILEABLE = ["dense:max_tokens=64:compile=on", "paged:max_tokens=64:block=8:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
+COMPILEABLE = ["dense:max_tokens=64:compile=on", "paged:max_tokens=64:block=8:compile=on", "quantized:int4:group=8:window=8:max_tokens=64:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
 NEW_TOKENS = 24
 GRAPHS: list[torch.fx.GraphModule] = []
 
@@ -127,7 +127,7 @@ def test_a_static_dense_cache_is_lossless_and_reads_its_whole_buffer(padded):
     assert keys.shape[2] == 40
 
 
-@pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on"])
+@pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on", "paged:max_tokens=64:block=8:compile=on"])
 def test_generate_on_cuda_compiles_with_its_default_config(device, spec):
     """On CUDA, generate() compiles a compileable cache's forward unasked, with inductor and CUDA graphs
     ("reduce-overhead"): the tokens must be the eager ones."""

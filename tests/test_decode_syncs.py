@@ -26,6 +26,7 @@ SPECS = [
     "paged:block=8",
     "paged:block=8:max_tokens=64",
     "paged:block=8:max_tokens=64:compile=on",
+    "quantized:int4:group=8:window=8:max_tokens=64:compile=on",
     "quantized:int8:group=8:window=8",
     "quantized:int4:group=8:window=8",
     "quantized:int2:group=8:window=8",

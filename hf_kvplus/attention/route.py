@@ -71,6 +71,8 @@ def attend(
                 scale=scaling, mask=mask, check=False,
             )  # fmt: skip
         else:
+            if read.mask is not None:
+                mask = read.mask(mask)
             out = quantized_decode_attention(
                 q, read.packed, read.fmt, start=read.start, length=read.length, scale=scaling,
                 residual_k=read.recent_k, residual_v=read.recent_v, mask=mask, block_table=read.block_table, check=False,

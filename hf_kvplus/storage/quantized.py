@@ -235,6 +235,10 @@ class QuantizedStorage(KVStorage):
     def memory(self) -> MemoryReport:
         return self.segment.memory() + self.recent.memory()
 
+    def quantized_part(self) -> tuple[MemoryReport, int]:
+        """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row."""
+        return self.segment.memory(), self.segment.length
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return prefixed("segment", self.segment.tensors()) | prefixed("recent", self.recent.tensors())
 

@@ -56,6 +56,9 @@ class PackedRead(NamedTuple):
     recent_v: torch.Tensor
     block_table: torch.Tensor | None
     dense: Gather
+    #: The storage's own decode mask `[batch, length + recent]` from the model's `[batch, kv]` one (or None), for a
+    #: layout the model's mask does not line up with (a static storage's ring); None: the model's mask as it is.
+    mask: Callable[[torch.Tensor | None], torch.Tensor] | None = None
 
 
 class SlotRead(NamedTuple):

@@ -102,13 +102,17 @@ def _paged_cache(model: PreTrainedModel, **kwargs) -> Cache:
     return PagedCache(config=model.config, **kwargs)
 
 
+def _all_full(model: PreTrainedModel) -> bool:
+    """Whether every KV layer of the model is full attention (what `compileable=True` serves)."""
+    from hf_kvplus.model_spec import ModelSpec
+
+    return all(spec.kind == "full" for spec in ModelSpec.from_config(model.config).layers if spec.holds_kv)
+
+
 def _paged_static_cache(model: PreTrainedModel) -> Cache:
     """PagedCache(max_tokens=64) reading all 64 positions every step (`compileable=True`) where the model's layers
     are all full attention; on models with sliding layers, which that refuses, the reserved tables alone."""
-    from hf_kvplus.model_spec import ModelSpec
-
-    full = all(spec.kind == "full" for spec in ModelSpec.from_config(model.config).layers if spec.holds_kv)
-    return _paged_cache(model, block_size=8, max_tokens=64, compileable=full)
+    return _paged_cache(model, block_size=8, max_tokens=64, compileable=_all_full(model))
 
 
 def _quantized_cache(model: PreTrainedModel, **kwargs) -> Cache:
@@ -192,6 +196,13 @@ CASES: list[CacheCase] = [
         name="quantized-int4",
         make=lambda model: _quantized_cache(model, bits=4),
         lossless=False, logits_atol=2.0, logits_rtol=0.0, min_token_agreement=0.0, note=_QUANTIZED_NOTE,
+    ),
+    CacheCase(
+        name="quantized-int4-static",
+        make=lambda model: _quantized_cache(model, bits=4, max_tokens=64, compileable=_all_full(model)),
+        lossless=False, logits_atol=2.0, logits_rtol=0.0, min_token_agreement=0.0,
+        note=_QUANTIZED_NOTE + "; max_tokens=64: static codes and a ring window on full layers (compileable where "
+        "all layers are full)",
     ),
     CacheCase(
         name="quantized-int4-quanto",

@@ -1,0 +1,274 @@
+"""Static quantized storage: KIVI codes for a fixed number of positions and a full-precision ring window,
+read whole at every step so that a compiled decode never changes shape."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..errors import CacheMismatchError, CapacityError, ConfigError, UnsupportedOperationError
+from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from ..kernels.quant_pack import quantize_keys, quantize_values
+from ..memory import MemoryReport
+from .base import KVStorage
+from .reads import DenseRead, PackedRead, Read, placeholders
+
+_NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
+
+
+class StaticQuantizedStorage(KVStorage):
+    """Token t's codes at position t of buffers for `max_tokens` positions; the newest tokens also in a ring.
+
+    The format is `QuantizedStorage`'s (keys per channel over groups of tokens, values per token), and so is
+    what is quantized when: once `n` tokens are held, the groups before `frontier(n) = (n - window) // G * G`
+    are quantized, the rest are exact. Exact tokens live in a ring of `window + 2G` slots (token p in slot
+    p % ring), which also keeps the last quantized group's tokens. A decode step writes its token into the
+    ring and quantizes the newest group that has left the window, from the ring, at a position computed on the
+    device: a step that completes a group and one that does not run the same ops (re-quantizing a group
+    gives the same codes), so one compiled graph serves every step.
+
+    Attention reads all positions every step: codes `0 .. max_tokens - 1` then the ring, with a mask of its own
+    (codes before the frontier, ring slots holding a token at or past it) combined with the model's (padding).
+    `static_length` is codes plus ring, the length the model's mask is built for; prefill reads the same
+    length densely, its tokens at their positions (the fresh ones exact) and the ring's part empty, so the
+    model's causal mask is right as it is.
+    """
+
+    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, fused: bool = True):
+        g = fmt.group_size
+        if isinstance(window, bool) or not isinstance(window, int) or window < g:
+            raise ConfigError(
+                f"the full-precision window ({window!r} tokens) must be an int of at least one group ({g} tokens)"
+            )
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        self.fmt, self.window, self.max_tokens, self.fused = fmt, window, max_tokens, fused
+        self.positions = -(-max_tokens // g) * g  # code positions: whole groups
+        self.ring = window + 2 * g
+        self.static_length = self.positions + self.ring
+        self.end = 0  # tokens held (token p at code position p)
+        self.buffers: PackedKV | None = None
+        self.ring_k: torch.Tensor | None = None
+        self.ring_v: torch.Tensor | None = None
+        self._aranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # positions, ring, group
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last chunk, attended exact (KIVI)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        return self.end
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.ring_k is None else self.ring_k.shape[0]
+
+    def frontier(self, held: int) -> int:
+        """Tokens quantized once `held` tokens are held (whole groups; at least `window` stay exact)."""
+        g = self.fmt.group_size
+        return max(0, (held - self.window) // g * g)
+
+    # ------------------------------------------------------------------ writes
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        new = keys.shape[2]
+        if self.ring_k is None:
+            self.fmt.check_head_dim(keys.shape[-1])
+            self._allocate(keys, values)
+        elif keys.shape[0] != self.batch_size:
+            raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
+        if self.end + new > self.max_tokens:
+            raise CapacityError(f"{self.end + new} tokens per row do not fit in the cache's max_tokens={self.max_tokens}")
+        if new == 1:
+            self._decode_write(keys, values)
+        else:
+            self._chunk_write(keys, values)
+        self.end += new
+
+    def _decode_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One token: into the ring, then the newest group out of the window quantized, all at tensor positions."""
+        g, ring = self.fmt.group_size, self.ring
+        _, _, group = self._aranges
+        token = torch.arange(self.end, self.end + 1, device=keys.device)
+        slot = token % ring
+        self.ring_k.index_copy_(2, slot, keys)
+        self.ring_v.index_copy_(2, slot, values)
+        # Before the first group leaves the window this re-quantizes group 0 from whatever the ring holds: those
+        # codes are masked (the frontier is 0) and written again, exactly, once the group is whole.
+        index = ((token + 1 - self.window) // g - 1).clamp_(min=0)
+        tokens = index * g + group
+        self._quantize(self.ring_k.index_select(2, tokens % ring), self.ring_v.index_select(2, tokens % ring),
+                       tokens, index)  # fmt: skip
+
+    def _chunk_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Prefill or a chunk (eager): the groups it completes quantized from the ring and the chunk, which then
+        leaves its last `ring` tokens in the ring."""
+        g, new, ring = self.fmt.group_size, keys.shape[2], self.ring
+        first, end = self.end, self.end + new
+        lo = max(0, self.frontier(first) - g)  # the last group quantized may be completed by this chunk
+        hi = self.frontier(end)
+        if hi > lo:
+            old = torch.arange(lo, first, device=keys.device) % ring
+            source_k = torch.cat([self.ring_k.index_select(2, old), keys], dim=2)[:, :, : hi - lo]
+            source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : hi - lo]
+            tokens = torch.arange(lo, hi, device=keys.device)
+            self._quantize(source_k, source_v, tokens, tokens[::g] // g)
+        self._fresh = (keys, values)
+        kept = min(new, ring)
+        slots = torch.arange(end - kept, end, device=keys.device) % ring
+        self.ring_k.index_copy_(2, slots, keys[:, :, new - kept :])
+        self.ring_v.index_copy_(2, slots, values[:, :, new - kept :])
+
+    def _quantize(self, keys, values, tokens: torch.Tensor, groups: torch.Tensor) -> None:
+        """Quantizes whole groups of exact tokens into code positions `tokens` (key groups `groups`)."""
+        b = self.buffers
+        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.fmt, check=False)
+        v, v_scale, v_zero = quantize_values(values.contiguous(), self.fmt, check=False)
+        b.k.index_copy_(2, tokens, k)
+        b.k_scale.index_copy_(2, groups, k_scale)
+        b.v.index_copy_(2, tokens, v)
+        b.v_scale.index_copy_(2, tokens, v_scale)
+        if b.k_zero is not None:
+            b.k_zero.index_copy_(2, groups, k_zero)
+            b.v_zero.index_copy_(2, tokens, v_zero)
+
+    # ------------------------------------------------------------------ reads
+    def read(self, last: int, new: int) -> Read:
+        if not (self.fused and new == 1):
+            return DenseRead(*self._dense(new))
+        batch, heads, _, dim = self.ring_k.shape
+        keys, values = placeholders(self.ring_k, batch, heads, self.static_length, dim, self.ring_v.shape[-1])
+        return PackedRead(
+            keys, values, self.buffers, self.fmt, 0, self.positions, self.ring_k, self.ring_v, None,
+            partial(self._dense, new), mask=self._mask,
+        )  # fmt: skip
+
+    def _mask(self, model_mask: torch.Tensor | None) -> torch.Tensor:
+        """The decode kernel's `[batch, positions + ring]` mask: codes before the frontier, ring slots holding a
+        token at or past it, each where the model's mask (causal, padding) allows that token."""
+        positions, slots, _ = self._aranges
+        g, ring = self.fmt.group_size, self.ring
+        token = torch.arange(self.end - 1, self.end, device=positions.device)  # the query's position
+        frontier = ((token + 1 - self.window) // g * g).clamp_(min=0)
+        held = token - (token - slots) % ring  # the token in each ring slot (negative: none yet)
+        coded, exact = positions < frontier, (held >= frontier) & (held >= 0)
+        if model_mask is None:
+            return torch.cat([coded, exact]).expand(self.batch_size, -1)
+        allowed = model_mask.gather(1, held.clamp(min=0).expand(model_mask.shape[0], -1))
+        return torch.cat([model_mask[:, : self.positions] & coded, allowed & exact], dim=1)
+
+    def _dense(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All `static_length` positions densely: tokens at their positions (codes dequantized before the
+        frontier, exact after it, the `new` fresh ones exact), zeros elsewhere and in the ring's part."""
+        keys = self.ring_k.new_zeros(*self.ring_k.shape[:2], self.static_length, self.ring_k.shape[-1])
+        values = self.ring_v.new_zeros(*self.ring_v.shape[:2], self.static_length, self.ring_v.shape[-1])
+        k, v = self.view(self.end)
+        keys[:, :, : self.end] = k
+        values[:, :, : self.end] = v
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and new > 1:
+            keys[:, :, self.end - new : self.end] = fresh[0]
+            values[:, :, self.end - new : self.end] = fresh[1]
+        return keys, values
+
+    def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first, frontier = self.end - last, self.frontier(self.end)
+        parts = []
+        if first < frontier:
+            parts.append(self._dequantized(first, frontier))
+        exact_from = max(first, frontier)
+        slots = torch.arange(exact_from, self.end, device=self.ring_k.device) % self.ring
+        parts.append((self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([parts[0][0], parts[1][0]], dim=2), torch.cat([parts[0][1], parts[1][1]], dim=2)
+
+    def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, b, dtype = self.fmt.group_size, self.buffers, self.ring_k.dtype
+        a, z = lo // g * g, -(-hi // g) * g
+        zero_k = None if b.k_zero is None else b.k_zero[:, :, a // g : z // g]
+        zero_v = None if b.v_zero is None else b.v_zero[:, :, a:z]
+        k = dequantize_keys(b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], zero_k, self.fmt, dtype)
+        v = dequantize_values(b.v[:, :, a:z], b.v_scale[:, :, a:z], zero_v, self.fmt, dtype)
+        return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
+
+    # ------------------------------------------------------------------ edits
+    def drop_front(self, count: int) -> None:
+        raise UnsupportedOperationError(
+            f"a static quantized storage keeps token t at position t; it cannot drop its {count} oldest tokens"
+        )
+
+    def drop_back(self, count: int) -> None:
+        """Rolls back `count` tokens. Where the frontier moves back, the tokens the ring must hold again (the
+        last quantized group and those past it) return to it dequantized; they are quantized again later."""
+        end = self.end - count
+        g = self.fmt.group_size
+        lo, hi = max(0, self.frontier(end) - g), max(0, self.frontier(self.end) - g)
+        if hi > lo:
+            k, v = self._dequantized(lo, hi)
+            slots = torch.arange(lo, hi, device=k.device) % self.ring
+            self.ring_k.index_copy_(2, slots, k)
+            self.ring_v.index_copy_(2, slots, v)
+        self.end = end
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        if self.ring_k is None:
+            return
+        indices = indices.to(self.ring_k.device)
+        self.ring_k, self.ring_v = self.ring_k.index_select(0, indices), self.ring_v.index_select(0, indices)
+        b = self.buffers
+        self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in _NAMES})
+
+    def reset(self) -> None:
+        self.buffers = self.ring_k = self.ring_v = self._aranges = self._fresh = None
+        self.end = 0
+
+    # ------------------------------------------------------------------ bytes
+    def memory(self) -> MemoryReport:
+        if self.ring_k is None:
+            return MemoryReport()
+        coded, quantized = self.quantized_part()
+        exact = self.end - self.frontier(self.end)
+        ring = self.ring_k[:, :, :exact].numel() + self.ring_v[:, :, :exact].numel()
+        payload = coded.payload_bytes + ring * self.ring_k.element_size()
+        allocated = sum(t.numel() * t.element_size() for t in (*self.tensors().values(),))
+        return MemoryReport(
+            payload_bytes=payload, metadata_bytes=coded.metadata_bytes,
+            reserved_bytes=allocated - payload - coded.metadata_bytes, batch_size=self.batch_size,
+        )  # fmt: skip
+
+    def quantized_part(self) -> tuple[MemoryReport, int]:
+        """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row."""
+        if self.buffers is None:
+            return MemoryReport(), 0
+        b, g, n = self.buffers, self.fmt.group_size, self.frontier(self.end)
+        codes = (b.k[:, :, :n].numel() + b.v[:, :, :n].numel()) * b.k.element_size()
+        params = sum(t[:, :, : n // g].numel() * 2 for t in (b.k_scale, b.k_zero) if t is not None)
+        params += sum(t[:, :, :n].numel() * 2 for t in (b.v_scale, b.v_zero) if t is not None)
+        return MemoryReport(payload_bytes=codes, metadata_bytes=params, batch_size=self.batch_size), n
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.ring_k is None:
+            return {}
+        codes = {name: t for name in _NAMES if (t := getattr(self.buffers, name)) is not None}
+        return {**codes, "ring_k": self.ring_k, "ring_v": self.ring_v}
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        fmt, g, n = self.fmt, self.fmt.group_size, self.positions
+        batch, heads, _, dim = keys.shape
+        v_dim, device = values.shape[-1], keys.device
+
+        def f16(*shape):
+            return torch.zeros(batch, heads, *shape, dtype=torch.float16, device=device)
+
+        # Zeros: positions not yet written are read (and masked) by every step; they must hold finite numbers.
+        self.buffers = PackedKV(
+            k=torch.zeros(batch, heads, n, fmt.packed_dim(dim), dtype=torch.uint8, device=device),
+            k_scale=f16(n // g, dim), k_zero=None if fmt.is_float else f16(n // g, dim),
+            v=torch.zeros(batch, heads, n, fmt.packed_dim(v_dim), dtype=torch.uint8, device=device),
+            v_scale=f16(n, v_dim // g), v_zero=None if fmt.is_float else f16(n, v_dim // g),
+        )  # fmt: skip
+        self.ring_k = keys.new_zeros(batch, heads, self.ring, dim)
+        self.ring_v = values.new_zeros(batch, heads, self.ring, v_dim)
+        self._aranges = (
+            torch.arange(n, device=device), torch.arange(self.ring, device=device), torch.arange(g, device=device)
+        )
