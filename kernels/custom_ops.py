@@ -7,11 +7,12 @@ kernel is one opaque node, with a fake implementation that gives its output shap
 data: CUDA tensors run the Triton kernel, all others the torch twin, the functions eager calls, always
 with ``check=False`` (inside a graph nothing is validated and no tensor value is read on the host).
 The entry points route here only while tracing (``torch.compiler.is_compiling()``) and with
-``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call). Dense
-and paged decode attention route here with CUDA tensors only: elsewhere their twins are traced inline
-(one SDPA, the with-mass softmax, a gather then SDPA), which a compiled graph fuses with the ops around
-them, at the price of specializing on the paged twin's chunking (the figures: BENCHMARKS.md, compiled
-decode, stops 25 and 26).
+``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call). Every
+entry point but the paged store routes here with CUDA tensors only: elsewhere its twin is traced inline
+(SDPA, the with-mass softmax, a gather of blocks, chunked dequantization, quantize-and-pack), which a
+compiled graph fuses with the ops around it, at the price of specializing on the twins' chunking (on CPU
+a static int4 QuantizedCache went from 4.88x to 1.36x of StaticCache's compiled decode at 1K; the
+figures: BENCHMARKS.md, compiled decode, stops 25 and 26).
 
 Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and

@@ -55,7 +55,7 @@ by construction (the caches' storages), who guarantee every block id read is in 
 Invalid input is undefined behaviour.
 While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
 one custom operator, ``torch.ops.kvplus.quantized_decode_attention`` (``kernels/custom_ops.py``), which
-runs the same Triton kernel or twin.
+runs the same Triton kernel; off CUDA the twin is traced inline instead.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def quantized_decode_attention(
 
     ``check=False``: the caller guarantees the contract (see the module docstring).
     """
-    if torch.compiler.is_compiling() and not check:
+    if torch.compiler.is_compiling() and not check and q.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
         p = packed

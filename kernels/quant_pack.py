@@ -55,7 +55,8 @@ caches' storages); invalid input is then undefined behaviour. No path reads a te
 (The twins are ``quant_format``'s functions, which keep their own few shape checks.)
 While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes one
 custom operator, ``torch.ops.kvplus.quantize_keys`` / ``quantize_values`` (``kernels/custom_ops.py``),
-writing into ``out`` (or into tensors allocated first), with the same Triton kernel or twin.
+writing into ``out`` (or into tensors allocated first), with the same Triton kernel; off CUDA the twin is
+traced inline instead.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 
 
 def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
-    if torch.compiler.is_compiling() and not check:
+    if torch.compiler.is_compiling() and not check and x.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
         codes, scale, zero = _new_out(kind, tuple(x.shape), fmt, x.device) if out is None else out

@@ -4,8 +4,8 @@
    no aliasing), the fake implementation against the real one (shapes, dtypes, strides), autograd
    registration, and aot dispatch with dynamic shapes.
 2. Every entry point called with ``check=False`` inside ``torch.compile(..., fullgraph=True)`` becomes
-   exactly one ``kvplus`` node of the captured graph (and none of its twin's ops), except dense and paged
-   decode attention off CUDA, whose twins are traced inline (no ``kvplus`` node); the compiled
+   exactly one ``kvplus`` node of the captured graph (and none of its twin's ops) on CUDA; off CUDA every
+   entry point but the paged store is traced inline as its twin (no ``kvplus`` node); the compiled
    call gives eager's results bit for bit, in-place writes included (pools, ``out`` views and the
    buffers around them). With ``backend="aot_eager"`` the mutations go through functionalization: a
    store followed by attention over the stored tokens, and quantize-and-pack into buffer slices.
@@ -207,8 +207,8 @@ def test_compiled_dense(seed, entry, case):
 
 
 def check_inlined(seed, fn, make):
-    """Off CUDA an attention twin is traced inline (torch the compiler fuses with its neighbours): one graph, no
-    ``kvplus`` node, eager's results bit for bit."""
+    """Off CUDA an entry point's twin is traced inline (torch the compiler fuses with its neighbours): one graph,
+    no ``kvplus`` node, eager's results and in-place writes bit for bit. Returns the inputs, as `check_compiled`."""
     eager_in, compiled_in = twice(seed, make)
     want = fn(*eager_in)
     compiled, recorder = compile_recorded(fn)
@@ -217,6 +217,9 @@ def check_inlined(seed, fn, make):
     assert len(recorder.graphs) == 1, f"{len(recorder.graphs)} graphs"
     assert not [c for c in calls if str(c).startswith("kvplus.")], f"a kvplus op off CUDA: {calls}"
     assert_same(got, want, seed, "compiled inline twin")
+    tensors = [(a, b) for a, b in zip(compiled_in, eager_in, strict=True) if isinstance(a, torch.Tensor)]
+    assert_same(tuple(a for a, _ in tensors), tuple(b for _, b in tensors), seed, "inputs after the inline twin")
+    return compiled_in, eager_in
 
 
 @pytest.mark.parametrize("case", PAGED)
@@ -270,7 +273,10 @@ def test_compiled_quantized_attention(seed, case):
         (q, packed, _), kw = quant_case(*QUANT[case])
         return q, packed, kw["residual_k"], kw["residual_v"], kw["mask"], kw["block_table"]
 
-    check_compiled(seed, fn, make, KV.quantized_decode_attention.default)
+    if make()[0].is_cuda:
+        check_compiled(seed, fn, make, KV.quantized_decode_attention.default)
+    else:
+        check_inlined(seed, fn, make)
 
 
 @pytest.mark.parametrize("with_out", [False, True], ids=["new", "out"])
@@ -287,11 +293,13 @@ def test_compiled_quantize(seed, entry, case, with_out):
         x, _, out = pack_case(kind, *PACK[case], with_out)
         return (x, *(out or (None, None, None)))
 
-    # Without out, the results are allocated in the graph.
-    (_, *out), (_, *eager_out) = check_compiled(
-        seed, fn, make, getattr(KV, entry.__name__).default, allowed={torch.empty}
-    )
-    if with_out:  # check_compiled compared the views; the buffers around them too
+    if make()[0].is_cuda:  # without out, the results are allocated in the graph
+        (_, *out), (_, *eager_out) = check_compiled(
+            seed, fn, make, getattr(KV, entry.__name__).default, allowed={torch.empty}
+        )
+    else:  # traced inline, writing into the `out` views in place
+        (_, *out), (_, *eager_out) = check_inlined(seed, fn, make)
+    if with_out:  # the views were compared; the buffers around them too
         for got, want in zip(out, eager_out, strict=True):
             if got is not None:
                 assert_same(got._base, want._base, seed, "buffer around an out view")
@@ -406,7 +414,7 @@ def test_dynamic_start_and_length_share_a_graph(seed, kind):
     for start, length in steps:
         assert_same(compiled(q, start, length), fn(q, start, length), seed, f"{kind} start={start}")
     assert len(recorder.graphs) == 1, f"{len(recorder.graphs)} graphs for {len(steps)} steps"
-    if kind == "paged" and not q.is_cuda:
+    if not q.is_cuda:
         return  # traced inline there: the one graph is what shows start and length stayed symbolic
     (node,) = [n for n in recorder.graphs[0].graph.nodes if n.target is op]
     start_arg, length_arg = node.args[4:6] if kind == "paged" else node.args[9:11]

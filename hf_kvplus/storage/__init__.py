@@ -3,7 +3,7 @@
 from .base import KVStorage
 from .dense import DenseStorage
 from .quantized import QuantizedSegment, QuantizedStorage
-from .static_quantized import StaticQuantizedStorage
 from .slots import SlotStore
+from .static_quantized import StaticQuantizedStorage
 
 __all__ = ["KVStorage", "DenseStorage", "QuantizedSegment", "QuantizedStorage", "SlotStore", "StaticQuantizedStorage"]
