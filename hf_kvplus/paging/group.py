@@ -246,20 +246,25 @@ class BlockGroup:
         self.pool.decref([table.pop(column) for table in self.tables])
 
     def _unshare(self, columns) -> None:
-        """Gives each row its own copy of its blocks in `columns` that other rows (or the prefix store) share."""
+        """Gives each row its own copy of its blocks in `columns` that other rows (or the prefix store) share.
+
+        The copies run at the end, in one indexed copy per tensor; a pool that runs out midway raises after the
+        blocks already swapped in got theirs, so every table still names blocks holding its tokens."""
         sources, targets = [], []
-        for column in columns:
-            for table in self.tables:
-                if column < len(table) and self.pool.refcount(table[column]) > 1:
-                    (fresh,) = self.pool.allocate(1)
-                    sources.append(table[column])
-                    targets.append(fresh)
-                    self.pool.decref([table[column]])
-                    table[column] = fresh
-        if targets:
-            for copy_blocks in self._copy_blocks:
-                copy_blocks(sources, targets)
-            self._table_tensor = None
+        try:
+            for column in columns:
+                for table in self.tables:
+                    if column < len(table) and self.pool.refcount(table[column]) > 1:
+                        (fresh,) = self.pool.allocate(1)
+                        sources.append(table[column])
+                        targets.append(fresh)
+                        self.pool.decref([table[column]])
+                        table[column] = fresh
+        finally:
+            if targets:
+                for copy_blocks in self._copy_blocks:
+                    copy_blocks(sources, targets)
+                self._table_tensor = None
 
 
 def identical_rows(keys: torch.Tensor) -> list[int]:
