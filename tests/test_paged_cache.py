@@ -144,6 +144,21 @@ def test_rows_of_one_prompt_share_the_prompt_but_own_the_blocks_they_write_next(
     cache.block_pools()["full"].check()
 
 
+def test_a_pool_that_runs_out_while_unsharing_leaves_every_table_naming_its_tokens():
+    model = build_model("llama")
+    cache = PagedCache(config=model.config, block_size=8, max_tokens=32, num_blocks=9)
+    with torch.no_grad():
+        model(prompt(20).repeat(3, 1), past_key_values=cache)  # 2 shared blocks + 2 of each row's own: 1 free
+    with pytest.raises(CapacityError, match=r"needs 1 blocks?, 0 free of 9"):
+        cache.batch_repeat_interleave(2)  # 6 rows: the second copy of a block ahead finds no room
+    group, pool = cache.groups["full"], cache.layers[0].storage.pool
+    partial = {table[2] for table in group.tables}  # the block holding tokens 16..19, one per row or shared
+    assert len(partial) == 4  # the three rows' own, and the one copy that was made
+    for block in partial:  # every one holds the prompt's tokens, the copy included
+        assert torch.equal(pool.k[block, :, :4], pool.k[group.tables[-1][2], :, :4])
+    assert pool.k[group.tables[0][2], :, :4].abs().sum() > 0
+
+
 def test_sliding_layers_free_blocks_that_left_the_window():
     model = build_model("mistral")  # every layer slides over 8 tokens
     cache = PagedCache(config=model.config, block_size=8)
