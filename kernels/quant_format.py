@@ -28,7 +28,7 @@ quantize-and-pack kernels, bit-identical to these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -122,6 +122,10 @@ class PackedKV:
     v: torch.Tensor  # uint8 [..., T, Dv // per]
     v_scale: torch.Tensor  # float16 [..., T, Dv // group_size]
     v_zero: torch.Tensor | None
+
+
+#: The field names of a `PackedKV`, in order (the tensors a storage of codes holds).
+PACKED_NAMES = tuple(f.name for f in fields(PackedKV))
 
 
 def _check_float(x: torch.Tensor, what: str) -> None:

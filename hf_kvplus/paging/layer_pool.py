@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ..errors import CacheMismatchError
 from .block_pool import BlockPool
 
 
-class LayerPool:
+class BlockTensors(ABC):
+    """Block-wise copies and clears over a pool's tensors (`tensors()`, each `[blocks, ...]`), one indexed
+    write per tensor however many blocks: what copy-on-write and padding release call."""
+
+    @abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The pool's tensors by name (none before the first write)."""
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Block `targets[i]` becomes a copy of block `sources[i]`."""
+        tensors = self.tensors()
+        if tensors:
+            device = next(iter(tensors.values())).device
+            src, dst = block_index(sources, device), block_index(targets, device)
+            for t in tensors.values():
+                t[dst] = t[src]
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """The blocks hold zeros (a quantized block then dequantizes to zeros)."""
+        tensors = self.tensors()
+        if tensors:
+            ids = block_index(blocks, next(iter(tensors.values())).device)
+            for t in tensors.values():
+                t[ids] = 0
+
+
+class LayerPool(BlockTensors):
     """One layer's block tensors, sized to its `BlockPool` and grown with it.
 
     Allocated at the first write (dtype and device come from the model), so a pool can be built from
@@ -44,19 +72,6 @@ class LayerPool:
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.k, self.v = tensors.get("k"), tensors.get("v")
-
-    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
-        """Block `targets[i]` becomes a copy of block `sources[i]` (one indexed copy per tensor)."""
-        if self.k is not None:
-            src, dst = block_index(sources, self.k.device), block_index(targets, self.k.device)
-            self.k[dst] = self.k[src]
-            self.v[dst] = self.v[src]
-
-    def zero_blocks(self, blocks: list[int]) -> None:
-        if self.k is not None:
-            ids = block_index(blocks, self.k.device)
-            self.k[ids] = 0
-            self.v[ids] = 0
 
     def _grow(self, capacity: int) -> None:
         if self.k is None:

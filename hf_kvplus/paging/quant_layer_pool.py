@@ -5,13 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError, ConfigError
-from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from ..kernels.quant_pack import quantize_keys, quantize_values
 from .block_pool import BlockPool
-from .layer_pool import block_index
-
-#: The six pool tensors, in `PackedKV` order (zeros are None for fp8).
-NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
+from .layer_pool import BlockTensors
 
 
 def check_block_size(block_size: int, fmt: QuantFormat) -> None:
@@ -24,7 +21,7 @@ def check_block_size(block_size: int, fmt: QuantFormat) -> None:
         )
 
 
-class QuantLayerPool:
+class QuantLayerPool(BlockTensors):
     """One layer's quantized blocks in the `kernels.quant_format` paged layout, sized to its `BlockPool`.
 
     Block `b` of the pool holds `block_size` tokens: codes `k[b]`/`v[b]` (uint8 `[kv_heads, block_size,
@@ -53,7 +50,7 @@ class QuantLayerPool:
     @property
     def packed(self) -> PackedKV:
         """The pool tensors as the quantized decode kernel reads them (with a `block_table`)."""
-        return PackedKV(*(getattr(self, name) for name in NAMES))
+        return PackedKV(*(getattr(self, name) for name in PACKED_NAMES))
 
     @property
     def block_bytes(self) -> int:
@@ -68,7 +65,7 @@ class QuantLayerPool:
     @property
     def param_bytes(self) -> int:
         """Bytes of the float16 scales and zero points of one block (0 before the first write)."""
-        return sum(_block_bytes(getattr(self, name)) for name in NAMES if name not in ("k", "v"))
+        return sum(_block_bytes(getattr(self, name)) for name in PACKED_NAMES if name not in ("k", "v"))
 
     # -------------------------------------------------------------- writing
     def ensure(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -92,7 +89,7 @@ class QuantLayerPool:
     def write(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantizes whole blocks `[n, kv_heads, block_size, head_dim]` of K/V into blocks `ids` (int64 `[n]`)."""
         quantized = (*quantize_keys(keys, self.fmt, check=False), *quantize_values(values, self.fmt, check=False))
-        for name, new in zip(NAMES, quantized, strict=True):
+        for name, new in zip(PACKED_NAMES, quantized, strict=True):
             target = getattr(self, name)
             if target is not None:
                 target.index_copy_(0, ids, new)
@@ -100,7 +97,7 @@ class QuantLayerPool:
     def dequantized(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks `ids` (int64 `[batch, columns]`) dequantized to `[batch, kv_heads, columns * block_size, dim]`."""
         k, k_scale, k_zero, v, v_scale, v_zero = (
-            None if t is None else _gather(t, ids) for t in (getattr(self, name) for name in NAMES)
+            None if t is None else _gather(t, ids) for t in (getattr(self, name) for name in PACKED_NAMES)
         )
         return (
             dequantize_keys(k, k_scale, k_zero, self.fmt, dtype),
@@ -109,25 +106,11 @@ class QuantLayerPool:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The code and parameter block tensors by name: what an offloading placement moves."""
-        return {name: t for name in NAMES if (t := getattr(self, name)) is not None}
+        return {name: t for name in PACKED_NAMES if (t := getattr(self, name)) is not None}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name in NAMES:
+        for name in PACKED_NAMES:
             setattr(self, name, tensors.get(name))
-
-    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
-        """Block `targets[i]` becomes a copy of block `sources[i]` (one indexed copy per tensor)."""
-        if self.k is not None:
-            src, dst = block_index(sources, self.k.device), block_index(targets, self.k.device)
-            for t in self.tensors().values():
-                t[dst] = t[src]
-
-    def zero_blocks(self, blocks: list[int]) -> None:
-        """Codes and parameters zero: the blocks dequantize to zeros (padding that the mask hides)."""
-        if self.k is not None:
-            ids = block_index(blocks, self.k.device)
-            for t in self.tensors().values():
-                t[ids] = 0
 
     # ---------------------------------------------------------- internals
     def _allocate(self, capacity: int, device: torch.device, v_dim: int) -> None:
@@ -147,7 +130,7 @@ class QuantLayerPool:
     def _grow(self, capacity: int) -> None:
         if self.k is None:
             return
-        for name in NAMES:
+        for name in PACKED_NAMES:
             old = getattr(self, name)
             if old is not None:
                 new = old.new_zeros(capacity, *old.shape[1:])

@@ -5,14 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError
-from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment
 from .reads import Read, quantized_read
-
-_NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 
 
 class PackedSegment(QuantizedSegment):
@@ -70,9 +68,7 @@ class PackedSegment(QuantizedSegment):
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
         lo, hi = self.start + first, self.start + last
         a, b = self._groups(lo, hi)
-        k = dequantize_keys(b.k, b.k_scale, b.k_zero, self.fmt, dtype or self.dtype)
-        v = dequantize_values(b.v, b.v_scale, b.v_zero, self.fmt, dtype or self.dtype)
-        return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
+        return dequantized_span(b, self.fmt, lo - a, hi - a, dtype or self.dtype)
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
         lo = self.start + first
@@ -87,12 +83,7 @@ class PackedSegment(QuantizedSegment):
         a, z = lo // g * g, -(-hi // g) * g
         cut = self._cut
         if cut is None or cut[0] != (a, z) or cut[1] is not self.buffers:
-            b = self.buffers
-            views = PackedKV(
-                b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], _rows(b.k_zero, a // g, z // g),
-                b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z),
-            )  # fmt: skip
-            cut = self._cut = ((a, z), b, views)
+            cut = self._cut = ((a, z), self.buffers, group_views(self.buffers, g, a, z))
         return a, cut[2]
 
     def drop_front(self, count: int) -> None:
@@ -107,7 +98,7 @@ class PackedSegment(QuantizedSegment):
         if self.buffers is None:
             return
         indices = indices.to(self.buffers.k.device)
-        tensors = {name: getattr(self.buffers, name) for name in _NAMES}
+        tensors = {name: getattr(self.buffers, name) for name in PACKED_NAMES}
         if indices.numel() == self.batch_size:
             g = self.fmt.group_size
             a = self.start // g * g
@@ -126,10 +117,10 @@ class PackedSegment(QuantizedSegment):
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.buffers is None:
             return {}
-        return {name: t for name in _NAMES if (t := getattr(self.buffers, name)) is not None}
+        return {name: t for name in PACKED_NAMES if (t := getattr(self.buffers, name)) is not None}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.buffers = PackedKV(**{name: tensors.get(name) for name in _NAMES}) if tensors else None
+        self.buffers = PackedKV(**{name: tensors.get(name) for name in PACKED_NAMES}) if tensors else None
 
     def take_written(self) -> dict[str, tuple[int, int, int]]:
         (lo, hi), self._written = self._written or (0, 0), None
@@ -146,14 +137,10 @@ class PackedSegment(QuantizedSegment):
         if self.buffers is None:
             return MemoryReport()
         b, g = self.buffers, self.fmt.group_size
-        allocated = tensor_bytes([getattr(b, n) for n in _NAMES])
+        allocated = tensor_bytes([getattr(b, n) for n in PACKED_NAMES])
         if self.length == 0:
             return MemoryReport(reserved_bytes=allocated, batch_size=self.batch_size)
-        a = self.start // g * g
-        payload = (b.k[:, :, a : self.end].numel() + b.v[:, :, a : self.end].numel()) * b.k.element_size()
-        key_params = sum(t[:, :, a // g : self.end // g].numel() * 2 for t in (b.k_scale, b.k_zero) if t is not None)
-        value_params = sum(t[:, :, a : self.end].numel() * 2 for t in (b.v_scale, b.v_zero) if t is not None)
-        metadata = key_params + value_params
+        payload, metadata = span_bytes(b, g, self.start // g * g, self.end)
         return MemoryReport(
             payload_bytes=payload,
             metadata_bytes=metadata,
@@ -166,20 +153,7 @@ class PackedSegment(QuantizedSegment):
         return -(-n // self.granule) * self.granule
 
     def _allocate(self, batch, heads, dim, v_dim, device, capacity) -> None:
-        fmt, g = self.fmt, self.fmt.group_size
-        has_zero = not fmt.is_float
-
-        def f16(*shape):
-            return torch.empty(batch, heads, *shape, dtype=torch.float16, device=device)
-
-        self.buffers = PackedKV(
-            k=torch.empty(batch, heads, capacity, fmt.packed_dim(dim), dtype=torch.uint8, device=device),
-            k_scale=f16(capacity // g, dim),
-            k_zero=f16(capacity // g, dim) if has_zero else None,
-            v=torch.empty(batch, heads, capacity, fmt.packed_dim(v_dim), dtype=torch.uint8, device=device),
-            v_scale=f16(capacity, v_dim // g),
-            v_zero=f16(capacity, v_dim // g) if has_zero else None,
-        )
+        self.buffers = new_buffers(self.fmt, batch, heads, capacity, dim, v_dim, device, torch.empty)
 
     def _compact(self, needed: int) -> None:
         """Moves the held groups to the front of buffers sized for `needed` tokens (plus headroom)."""
@@ -189,13 +163,53 @@ class PackedSegment(QuantizedSegment):
         capacity = self._grown(needed + self.start - a)
         b = old.k
         self._allocate(b.shape[0], b.shape[1], old.k_scale.shape[-1], old.v_scale.shape[-1] * g, b.device, capacity)
-        for name in _NAMES:
+        for name in PACKED_NAMES:
             src, dst = getattr(old, name), getattr(self.buffers, name)
             if src is not None:
                 grouped = name in ("k_scale", "k_zero")
                 lo, n = (a // g, held // g) if grouped else (a, held)
                 dst[:, :, :n] = src[:, :, lo : lo + n]
         self.start, self.end = self.start - a, held
+
+
+def new_buffers(fmt: QuantFormat, batch, heads, capacity, dim, v_dim, device, make=torch.empty) -> PackedKV:
+    """Code and parameter buffers for `capacity` tokens (a multiple of the group size), made by `make`."""
+    g = fmt.group_size
+
+    def f16(*shape):
+        return make(batch, heads, *shape, dtype=torch.float16, device=device)
+
+    return PackedKV(
+        k=make(batch, heads, capacity, fmt.packed_dim(dim), dtype=torch.uint8, device=device),
+        k_scale=f16(capacity // g, dim),
+        k_zero=None if fmt.is_float else f16(capacity // g, dim),
+        v=make(batch, heads, capacity, fmt.packed_dim(v_dim), dtype=torch.uint8, device=device),
+        v_scale=f16(capacity, v_dim // g),
+        v_zero=None if fmt.is_float else f16(capacity, v_dim // g),
+    )
+
+
+def group_views(b: PackedKV, g: int, a: int, z: int) -> PackedKV:
+    """Views of buffers `b` on tokens `a .. z - 1`, both on group boundaries (`g` tokens per key group)."""
+    return PackedKV(
+        b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], _rows(b.k_zero, a // g, z // g),
+        b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z),
+    )  # fmt: skip
+
+
+def dequantized_span(b: PackedKV, fmt: QuantFormat, lo: int, hi: int, dtype: torch.dtype):
+    """Tokens `lo .. hi - 1` of whole-group buffers `b` dequantized to dense `[batch, heads, hi - lo, dim]` K/V."""
+    k = dequantize_keys(b.k, b.k_scale, b.k_zero, fmt, dtype)
+    v = dequantize_values(b.v, b.v_scale, b.v_zero, fmt, dtype)
+    return k[:, :, lo:hi], v[:, :, lo:hi]
+
+
+def span_bytes(b: PackedKV, g: int, lo: int, hi: int) -> tuple[int, int]:
+    """Bytes of tokens `lo .. hi - 1` of buffers `b` (`lo` on a group boundary): codes, and scales plus zeros."""
+    codes = (b.k[:, :, lo:hi].numel() + b.v[:, :, lo:hi].numel()) * b.k.element_size()
+    key_params = sum(t[:, :, lo // g : hi // g].numel() * 2 for t in (b.k_scale, b.k_zero) if t is not None)
+    value_params = sum(t[:, :, lo:hi].numel() * 2 for t in (b.v_scale, b.v_zero) if t is not None)
+    return codes, key_params + value_params
 
 
 def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:

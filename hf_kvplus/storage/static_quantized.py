@@ -8,13 +8,12 @@ from functools import partial
 import torch
 
 from ..errors import CacheMismatchError, CapacityError, ConfigError, UnsupportedOperationError
-from ..kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
 from ..kernels.quant_pack import quantize_keys, quantize_values
-from ..memory import MemoryReport
+from ..memory import MemoryReport, tensor_bytes
 from .base import KVStorage
+from .packed_segment import dequantized_span, group_views, new_buffers, span_bytes
 from .reads import DenseRead, PackedRead, Read, placeholders
-
-_NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 
 
 class StaticQuantizedStorage(KVStorage):
@@ -183,13 +182,9 @@ class StaticQuantizedStorage(KVStorage):
         return torch.cat([parts[0][0], parts[1][0]], dim=2), torch.cat([parts[0][1], parts[1][1]], dim=2)
 
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g, b, dtype = self.fmt.group_size, self.buffers, self.ring_k.dtype
+        g = self.fmt.group_size
         a, z = lo // g * g, -(-hi // g) * g
-        zero_k = None if b.k_zero is None else b.k_zero[:, :, a // g : z // g]
-        zero_v = None if b.v_zero is None else b.v_zero[:, :, a:z]
-        k = dequantize_keys(b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], zero_k, self.fmt, dtype)
-        v = dequantize_values(b.v[:, :, a:z], b.v_scale[:, :, a:z], zero_v, self.fmt, dtype)
-        return k[:, :, lo - a : hi - a], v[:, :, lo - a : hi - a]
+        return dequantized_span(group_views(self.buffers, g, a, z), self.fmt, lo - a, hi - a, self.ring_k.dtype)
 
     # ------------------------------------------------------------------ edits
     def drop_front(self, count: int) -> None:
@@ -216,7 +211,7 @@ class StaticQuantizedStorage(KVStorage):
         indices = indices.to(self.ring_k.device)
         self.ring_k, self.ring_v = self.ring_k.index_select(0, indices), self.ring_v.index_select(0, indices)
         b = self.buffers
-        self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in _NAMES})
+        self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in PACKED_NAMES})
 
     def reset(self) -> None:
         self.buffers = self.ring_k = self.ring_v = self._aranges = self._fresh = None
@@ -226,11 +221,11 @@ class StaticQuantizedStorage(KVStorage):
     def memory(self) -> MemoryReport:
         if self.ring_k is None:
             return MemoryReport()
-        coded, quantized = self.quantized_part()
+        coded, _ = self.quantized_part()
         exact = self.end - self.frontier(self.end)
         ring = self.ring_k[:, :, :exact].numel() + self.ring_v[:, :, :exact].numel()
         payload = coded.payload_bytes + ring * self.ring_k.element_size()
-        allocated = sum(t.numel() * t.element_size() for t in (*self.tensors().values(),))
+        allocated = tensor_bytes(list(self.tensors().values()))
         return MemoryReport(
             payload_bytes=payload, metadata_bytes=coded.metadata_bytes,
             reserved_bytes=allocated - payload - coded.metadata_bytes, batch_size=self.batch_size,
@@ -240,33 +235,22 @@ class StaticQuantizedStorage(KVStorage):
         """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row."""
         if self.buffers is None:
             return MemoryReport(), 0
-        b, g, n = self.buffers, self.fmt.group_size, self.frontier(self.end)
-        codes = (b.k[:, :, :n].numel() + b.v[:, :, :n].numel()) * b.k.element_size()
-        params = sum(t[:, :, : n // g].numel() * 2 for t in (b.k_scale, b.k_zero) if t is not None)
-        params += sum(t[:, :, :n].numel() * 2 for t in (b.v_scale, b.v_zero) if t is not None)
+        n = self.frontier(self.end)
+        codes, params = span_bytes(self.buffers, self.fmt.group_size, 0, n)
         return MemoryReport(payload_bytes=codes, metadata_bytes=params, batch_size=self.batch_size), n
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.ring_k is None:
             return {}
-        codes = {name: t for name in _NAMES if (t := getattr(self.buffers, name)) is not None}
+        codes = {name: t for name in PACKED_NAMES if (t := getattr(self.buffers, name)) is not None}
         return {**codes, "ring_k": self.ring_k, "ring_v": self.ring_v}
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        fmt, g, n = self.fmt, self.fmt.group_size, self.positions
+        g, n = self.fmt.group_size, self.positions
         batch, heads, _, dim = keys.shape
         v_dim, device = values.shape[-1], keys.device
-
-        def f16(*shape):
-            return torch.zeros(batch, heads, *shape, dtype=torch.float16, device=device)
-
         # Zeros: positions not yet written are read (and masked) by every step; they must hold finite numbers.
-        self.buffers = PackedKV(
-            k=torch.zeros(batch, heads, n, fmt.packed_dim(dim), dtype=torch.uint8, device=device),
-            k_scale=f16(n // g, dim), k_zero=None if fmt.is_float else f16(n // g, dim),
-            v=torch.zeros(batch, heads, n, fmt.packed_dim(v_dim), dtype=torch.uint8, device=device),
-            v_scale=f16(n, v_dim // g), v_zero=None if fmt.is_float else f16(n, v_dim // g),
-        )  # fmt: skip
+        self.buffers = new_buffers(self.fmt, batch, heads, n, dim, v_dim, device, torch.zeros)
         self.ring_k = keys.new_zeros(batch, heads, self.ring, dim)
         self.ring_v = values.new_zeros(batch, heads, self.ring, v_dim)
         self._aranges = (
