@@ -127,6 +127,52 @@ def test_a_static_dense_cache_is_lossless_and_reads_its_whole_buffer(padded):
     assert keys.shape[2] == 40
 
 
+#: Ops that make a new tensor instead of writing one: after inductor's reinplacing, a cache-sized one is a copy.
+COPYING_OPS = ("index_put.default", "index_copy.default", "scatter", "slice_scatter", "copy.default", "clone")
+
+
+@pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on", "quantized:int4:group=8:window=8:max_tokens=64:compile=on"])
+def test_a_compiled_decode_step_writes_the_cache_in_place(spec):
+    """After inductor's own post-grad passes (which turn functional writes back into in-place ones where they
+    can), no op of a decode step's graph makes a tensor the size of a cache field: a step that wrote a field
+    twice through views (a refill, then an eviction) had inductor copy every layer's keys and positions, 0.5 ms
+    of a 6 ms step at 1K tokens. The graphs run as traced (no code generation: the check is on the graph)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import post_grad_passes
+    from torch._inductor.virtualized import V
+
+    made: list[tuple[str, int]] = []
+    graphs: list[torch.fx.GraphModule] = []
+
+    def forward_compiler(gm, example_inputs):
+        graphs.append(gm)
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            post_grad_passes(gm, is_inference=True)
+        for node in gm.graph.nodes:
+            value = node.meta.get("val")
+            if node.op == "call_function" and isinstance(value, torch.Tensor) and str(node.target).endswith(COPYING_OPS):
+                made.append((str(node.target), value.numel()))
+        return gm
+
+    torch._dynamo.reset()
+    model = get_model("llama")
+    ids = make_prompt(13, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    cache = parse_cache_spec(spec).build(model.config)
+    config = CompileConfig(fullgraph=True, mode=None, backend=aot_autograd(
+        fw_compiler=forward_compiler, decompositions=select_decomp_table(), keep_inference_input_mutations=True))
+    config._compile_all_devices = True
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                       pad_token_id=0, compile_config=config)  # fmt: skip
+    assert graphs, "no decode step was compiled"
+    fields = {t.numel() for layer in cache.layers for t in layer.storage.tensors().values()}
+    assert not [(op, n) for op, n in made if n in fields]
+
+
 @pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on", "paged:max_tokens=64:block=8:compile=on"])
 def test_generate_on_cuda_compiles_with_its_default_config(device, spec):
     """On CUDA, generate() compiles a compileable cache's forward unasked, with inductor and CUDA graphs

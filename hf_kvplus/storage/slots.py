@@ -148,7 +148,7 @@ class SlotStore(KVStorage):
         self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
         self.first_real: torch.Tensor | None = None  # [batch] first real position per row (-1: none yet), once masked
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
-        self._rows: tuple | None = None  # (fields, each (row, head)'s first slot number, fields one row per slot)
+        self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
 
     @property
     def pos(self) -> torch.Tensor:
@@ -181,7 +181,10 @@ class SlotStore(KVStorage):
 
     def used(self) -> dict[str, torch.Tensor]:
         """Every field cut to the used slots: views, made again only when the length or the buffers change
-        (every slice is host work in a decode step)."""
+        (every slice is host work in a decode step). A compiled graph makes them afresh: kept views would
+        enter it as inputs aliasing the fields, and a write to aliased inputs copies whole buffers."""
+        if torch.compiler.is_compiling():
+            return {name: held[:, :, : self.length] for name, held in self.fields.items()}
         cut = self._used
         if cut is None or cut[0] != self.length or cut[1] is not self.fields:
             views = {name: held[:, :, : self.length] for name, held in self.fields.items()}
@@ -413,21 +416,23 @@ class SlotStore(KVStorage):
     def _write_slots(self, slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
         """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k].
 
-        Written by `index_copy_` / `index_fill_` on each field viewed as one row per slot: a compiled graph
-        updates those in place, where a `scatter_` along the slots copies the whole buffer every step.
+        Written by `index_put_` with (row, head, slot) indices: a compiled graph updates the fields in place even
+        when a step writes one twice with reads between (a refill, then an eviction); a `scatter_`, or an
+        `index_copy_` into a flat view, made it copy whole buffers every step.
         """
-        cache = self._rows
-        if cache is None or cache[0] is not self.fields:  # made again only when the buffers change
-            batch, heads, capacity = self.pos.shape
-            first = torch.arange(0, batch * heads * capacity, capacity, device=self.device).view(batch, heads, 1)
-            cache = self._rows = (self.fields, first, {n: t.view(-1, *t.shape[3:]) for n, t in self.fields.items()})
-        _, first, rows = cache
-        flat = (slots + first).view(-1)
+        grid = self._grid
+        batch, heads = slots.shape[:2]
+        if grid is None or grid[0] != (batch, heads, slots.device) or torch.compiler.is_compiling():
+            rows = torch.arange(batch, device=slots.device).view(batch, 1, 1)
+            grid = ((batch, heads, slots.device), rows, torch.arange(heads, device=slots.device).view(1, heads, 1))
+            if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
+                self._grid = grid
+        index = (grid[1], grid[2], slots)
         for name, part in parts.items():
-            if isinstance(part, torch.Tensor):
-                rows[name].index_copy_(0, flat, part.reshape(-1, *rows[name].shape[1:]))
-            else:
-                rows[name].index_fill_(0, flat, part)
+            field = self.fields[name]
+            if not isinstance(part, torch.Tensor):
+                part = torch.tensor(part, dtype=field.dtype, device=field.device)
+            field.index_put_(index, part)
 
     def _gather(self, slots: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         names = self.fields if names is None else names
