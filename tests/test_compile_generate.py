@@ -128,15 +128,16 @@ def test_a_static_dense_cache_is_lossless_and_reads_its_whole_buffer(padded):
 
 
 #: Ops that make a new tensor instead of writing one: after inductor's reinplacing, a cache-sized one is a copy.
-COPYING_OPS = ("index_put.default", "index_copy.default", "scatter", "slice_scatter", "copy.default", "clone")
+COPYING_OPS = frozenset({"index_put", "index_copy", "index_fill", "scatter", "slice_scatter", "select_scatter",
+                         "as_strided_scatter", "copy", "clone"})  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", ["sink:2:6:compile=on", "h2o:8:compile=on", "quantized:int4:group=8:window=8:max_tokens=64:compile=on"])
 def test_a_compiled_decode_step_writes_the_cache_in_place(spec):
     """After inductor's own post-grad passes (which turn functional writes back into in-place ones where they
     can), no op of a decode step's graph makes a tensor the size of a cache field: a step that wrote a field
-    twice through views (a refill, then an eviction) had inductor copy every layer's keys and positions, 0.5 ms
-    of a 6 ms step at 1K tokens. The graphs run as traced (no code generation: the check is on the graph)."""
+    twice through views (a refill, then an eviction) had inductor copy every layer's keys and positions, 0.7 ms
+    of a 7.4 ms step at 1K tokens. The graphs run as traced (no code generation: the check is on the graph)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
@@ -152,7 +153,7 @@ def test_a_compiled_decode_step_writes_the_cache_in_place(spec):
             post_grad_passes(gm, is_inference=True)
         for node in gm.graph.nodes:
             value = node.meta.get("val")
-            if node.op == "call_function" and isinstance(value, torch.Tensor) and str(node.target).endswith(COPYING_OPS):
+            if isinstance(value, torch.Tensor) and getattr(node.target, "_opname", None) in COPYING_OPS:
                 made.append((str(node.target), value.numel()))
         return gm
 

@@ -27,7 +27,7 @@ class HeavyHitterPolicy(EvictionPolicy):
         return new
 
     def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:
-        store.scores.add_(mass)
+        store.add_scores(mass)
 
     def score(self, store: SlotStore) -> torch.Tensor:
         return padding_and_recent(store, self.recent, store.scores)

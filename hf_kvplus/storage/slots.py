@@ -218,6 +218,11 @@ class SlotStore(KVStorage):
 
     def _write(self, lo: int, encoded: dict[str, torch.Tensor], new: int, first_pos: int) -> None:
         """Writes `new` encoded tokens at logical positions `first_pos ..` into slots `lo ..`, scores zeroed."""
+        self.fresh = (lo, lo + new)
+        if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
+            slots = self._span_slots(lo, lo + new)
+            self._write_slots(slots, {**encoded, "pos": slots + (first_pos - lo), "score": 0.0})
+            return
         span = slice(lo, lo + new)
         for name, part in encoded.items():
             self.fields[name][:, :, span] = part
@@ -226,7 +231,18 @@ class SlotStore(KVStorage):
         else:
             self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
         self.fields["score"][:, :, span].zero_()
-        self.fresh = (lo, lo + new)
+
+    def add_scores(self, mass: torch.Tensor) -> None:
+        """Adds `mass` [batch, kv_heads, length] to the used slots' scores (in place; by index when traced, as
+        `_write_slots` says why)."""
+        if torch.compiler.is_compiling():
+            self._write_slots(self._span_slots(0, self.length), {"score": self.scores + mass})
+        else:
+            self.scores.add_(mass)
+
+    def _span_slots(self, lo: int, hi: int) -> torch.Tensor:
+        """Slots `lo .. hi - 1` of every row and head, `[batch, kv_heads, hi - lo]`."""
+        return torch.arange(lo, hi, device=self.device).expand(*self.pos.shape[:2], -1)
 
     def _refill(self, encoded: dict[str, torch.Tensor], first_pos: int) -> None:
         """The hole takes the one token of this append."""
@@ -317,8 +333,11 @@ class SlotStore(KVStorage):
 
     def write_leading_keys(self, keys: torch.Tensor) -> None:
         """Overwrites the keys of slots 0 .. n - 1 of every row and head with `keys` [batch, kv_heads, n, head_dim]."""
-        n = keys.shape[2]
-        for name, part in self.codec.encode_keys(keys).items():
+        n, parts = keys.shape[2], self.codec.encode_keys(keys)
+        if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
+            self._write_slots(self._span_slots(0, n), parts)
+            return
+        for name, part in parts.items():
             self.fields[name][:, :, :n] = part
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -333,10 +352,11 @@ class SlotStore(KVStorage):
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
         padding = padding[:, None, :].to(self.device)
-        if isinstance(self.fresh, tuple):
+        if isinstance(self.fresh, tuple) and not torch.compiler.is_compiling():
             self.pos[:, :, self.fresh[0] : self.fresh[1]].masked_fill_(padding, PAD)
-        else:
-            self._write_slots(self.fresh, {"pos": self.fresh_positions().masked_fill(padding, PAD)})
+            return
+        slots = self._span_slots(*self.fresh) if isinstance(self.fresh, tuple) else self.fresh
+        self._write_slots(slots, {"pos": self.fresh_positions().masked_fill(padding, PAD)})
 
     def keep(self, slots: torch.Tensor, reallocate: bool = False) -> None:
         """Keeps slots `slots` [batch, kv_heads, kept] of each row and head, in position order, at the front.
@@ -417,8 +437,9 @@ class SlotStore(KVStorage):
         """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k].
 
         Written by `index_put_` with (row, head, slot) indices: a compiled graph updates the fields in place even
-        when a step writes one twice with reads between (a refill, then an eviction); a `scatter_`, or an
-        `index_copy_` into a flat view, made it copy whole buffers every step.
+        when a step writes one twice with reads between (a refill or an append, then an eviction); a slice
+        assignment, a `scatter_` or an `index_copy_` into a flat view made it copy whole buffers every step, so a
+        traced step writes every span through here too.
         """
         grid = self._grid
         batch, heads = slots.shape[:2]
