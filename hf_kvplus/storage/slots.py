@@ -439,21 +439,31 @@ class SlotStore(KVStorage):
         Written by `index_put_` with (row, head, slot) indices: a compiled graph updates the fields in place even
         when a step writes one twice with reads between (a refill or an append, then an eviction); a slice
         assignment, a `scatter_` or an `index_copy_` into a flat view made it copy whole buffers every step, so a
-        traced step writes every span through here too.
+        traced step writes every span through here too. Eagerly, a scalar (a position, a zeroed score, PAD) goes
+        into a per-slot field by `scatter_` with the value: a third of a `torch.tensor` plus `index_put_`.
         """
-        grid = self._grid
-        batch, heads = slots.shape[:2]
-        if grid is None or grid[0] != (batch, heads, slots.device) or torch.compiler.is_compiling():
-            rows = torch.arange(batch, device=slots.device).view(batch, 1, 1)
-            grid = ((batch, heads, slots.device), rows, torch.arange(heads, device=slots.device).view(1, heads, 1))
-            if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
-                self._grid = grid
-        index = (grid[1], grid[2], slots)
+        traced = torch.compiler.is_compiling()
+        index = None
         for name, part in parts.items():
             field = self.fields[name]
             if not isinstance(part, torch.Tensor):
+                if not traced and field.ndim == slots.ndim:  # a scalar, eagerly: one op and no tensor to make
+                    field.scatter_(2, slots, part)
+                    continue
                 part = torch.tensor(part, dtype=field.dtype, device=field.device)
+            index = index or self._index(slots, traced)
             field.index_put_(index, part)
+
+    def _index(self, slots: torch.Tensor, traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, head, slot) indices of `slots` for `index_put_`; the row and head grids are kept between steps."""
+        grid = self._grid
+        batch, heads = slots.shape[:2]
+        if grid is None or grid[0] != (batch, heads, slots.device) or traced:
+            rows = torch.arange(batch, device=slots.device).view(batch, 1, 1)
+            grid = ((batch, heads, slots.device), rows, torch.arange(heads, device=slots.device).view(1, heads, 1))
+            if not traced:  # a traced one is not a tensor to keep
+                self._grid = grid
+        return grid[1], grid[2], slots
 
     def _gather(self, slots: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         names = self.fields if names is None else names
