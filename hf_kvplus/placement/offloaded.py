@@ -184,6 +184,9 @@ class Offloaded(Placement):
         rest = self._rest(storage)
         if rest.installed is None:
             return
+        if self.disk is None and not self._copies(rest):  # used in place: nothing to write back or spill
+            rest.installed = None  # (`acquire` adopts whatever tensors the storage changed meanwhile)
+            return
         held, written = storage.tensors(), storage.take_written()
         if self._copies(rest):
             self._write_back(rest, held, written)
@@ -276,7 +279,7 @@ class Offloaded(Placement):
                 device += in_use
             if rest.fetch is not None:
                 device += _nbytes(rest.fetch[0])  # copies the size of their source are on their way
-            resting = in_use if rest.installed is not None and not copies else _nbytes(rest.rest)
+            resting = _nbytes(rest.rest) if copies else _nbytes(storage.tensors())  # (used in place: as it is now)
             if rest.on_disk:
                 disk += resting
             else:
