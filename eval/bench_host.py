@@ -10,6 +10,9 @@ nothing, so a decode step's time is the host's. Per cache spec:
 - host time per decode step (eager, greedy, one thread): the median over `--repeats` runs of the mean
   step time of `--steps` steps after a `--prompt`-token prefill, caches alternating within each
   repeat, and its ratio to DynamicCache's;
+- the same with the time inside kernels (attention, quantize) taken out (`timing_kernels`), and its
+  ratio: off CUDA a kernel is its torch twin, which pays on the host the compute a GPU does in one
+  launch (dequantizing codes, gathering blocks), so this is the figure that carries over to a GPU;
 - Python calls per layer per step made by cache code (functions defined in hf_kvplus or in
   Transformers' cache_utils.py), counted with `sys.setprofile` over one decode step;
 - device-to-host syncs per decode step: the ops that force one on a GPU (`aten._local_scalar_dense`,
@@ -34,7 +37,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs
+from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs, timing_kernels
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=4096)  # fmt: skip
@@ -48,6 +51,9 @@ COLUMNS = [
     ("cache", "cache", ""),
     ("step_ms", "host ms/step", ".3f"),
     ("vs_dynamic", "x Dynamic", ".2f"),
+    ("kernel_ms", "in kernels ms", ".3f"),
+    ("outside_ms", "outside ms", ".3f"),
+    ("outside_vs_dynamic", "outside x Dynamic", ".2f"),
     ("calls_per_layer", "cache calls/layer/step", ".1f"),
     ("syncs_per_step", "syncs/step", "d"),
     ("graph_breaks", "graph breaks", ""),
@@ -70,12 +76,15 @@ def decode(model, cache, token):
     return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
 
 
-def time_steps(model, spec, prompt, steps) -> float:
+def time_steps(model, spec, prompt, steps) -> tuple[float, float]:
+    """Mean seconds per decode step, and the part of it spent in kernels (or their twins)."""
     cache, token = prefilled(model, spec, prompt, steps)
-    start = time.perf_counter()
-    for _ in range(steps):
-        token = decode(model, cache, token)
-    return (time.perf_counter() - start) / steps
+    with timing_kernels() as kernels:
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = decode(model, cache, token)
+        total = time.perf_counter() - start
+    return total / steps, kernels.seconds / steps
 
 
 def graph_breaks(model, spec, prompt, steps) -> tuple[int | str, list[str]]:
@@ -100,7 +109,8 @@ def markdown(result: dict) -> str:
         "",
         f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['threads']} "
         f"thread(s), prompt {a['prompt']}, {a['steps']} decode steps, median of {a['repeats']} alternating runs; "
-        f"{result['machine']}, {result['date']}",
+        f"{result['machine']}, {result['date']}; \"outside\": the step time less the time inside kernels "
+        "(attention and quantize: torch twins off CUDA; SDPA for Transformers' caches)",
         "",
         "```",
         format_table(result["rows"], COLUMNS),
@@ -124,13 +134,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
     names = [r["cache"] for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 0.35 * len(rows) + 1.5), sharey=True)
-    left.barh(names, [r["vs_dynamic"] for r in rows])
+    at = range(len(rows))
+    left.barh([i - 0.2 for i in at], [r["vs_dynamic"] for r in rows], height=0.4, label="whole step")
+    left.barh([i + 0.2 for i in at], [r["outside_vs_dynamic"] for r in rows], height=0.4, label="outside kernels")
+    left.set_yticks(list(at), names)
     left.axvline(1.25, color="red", linestyle="--", label="1.25x target")
     left.set_xlabel("host time per decode step, x DynamicCache")
     left.legend()
     left.invert_yaxis()
-    right.barh(names, [r["syncs_per_step"] for r in rows])
+    right.barh(list(at), [r["syncs_per_step"] for r in rows])
     right.set_xlabel("device-to-host syncs per decode step")
+    right.set_xlim(0, max(1, *(r["syncs_per_step"] for r in rows)))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -158,7 +172,7 @@ def main(argv=None) -> None:
     prompt = torch.randint(0, TINY["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
     for spec in specs:  # warm-up: first-call costs (lazy imports, allocator) out of the timings
         time_steps(model, spec, prompt[:, :32], 2)
-    times = {spec.text: [] for spec in specs}
+    times = {spec.text: [] for spec in specs}  # (step, in kernels) per repeat
     for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
         for spec in specs:
             times[spec.text].append(time_steps(model, spec, prompt, args.steps))
@@ -169,14 +183,18 @@ def main(argv=None) -> None:
         cache, token = prefilled(model, spec, prompt, args.steps)
         syncs = count_syncs(lambda cache=cache, token=token: decode(model, cache, token))
         breaks, reasons = ("-", []) if args.no_explain else graph_breaks(model, spec, prompt, args.steps)
+        step = [t for t, _ in times[spec.text]]
         rows.append({
-            "cache": spec.text, "step_ms": statistics.median(times[spec.text]) * 1e3,
+            "cache": spec.text, "step_ms": statistics.median(step) * 1e3,
+            "kernel_ms": statistics.median(k for _, k in times[spec.text]) * 1e3,
+            "outside_ms": statistics.median(t - k for t, k in times[spec.text]) * 1e3,
             "calls_per_layer": calls / TINY["num_hidden_layers"], "syncs_per_step": sum(syncs.values()),
             "syncs_by_op": dict(syncs), "graph_breaks": breaks, "break_reasons": reasons,
         })  # fmt: skip
-    base = next(r["step_ms"] for r in rows if r["cache"] == "dynamic")
+    base = next(r for r in rows if r["cache"] == "dynamic")
     for row in rows:
-        row["vs_dynamic"] = row["step_ms"] / base
+        row["vs_dynamic"] = row["step_ms"] / base["step_ms"]
+        row["outside_vs_dynamic"] = row["outside_ms"] / base["outside_ms"]
     result = {**stamp(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     result["args"].update(threads=args.threads, prompt=args.prompt, steps=args.steps, repeats=args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)

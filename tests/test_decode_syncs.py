@@ -80,3 +80,28 @@ def test_the_count_sees_host_reads():
     t = torch.arange(4)
     counts = count_syncs(lambda: (bool(t.any()), t.tolist(), t.nonzero(), int(t.max())))
     assert counts["_local_scalar_dense"] == 2 and counts["tolist"] == 1 and counts["nonzero"] == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "kernels_per_layer_step"),
+    [("dynamic", 1), ("quantized:int4:group=8:window=8", 1), ("sink:2:6:bits=int4:group=8", 3)],
+)
+def test_kernel_time_counts_every_kernel_call_of_a_step_and_unwraps_after(spec, kernels_per_layer_step):
+    """What the host benchmark (eval/bench_host.py) takes out of a step: each attention call (SDPA for
+    Transformers' caches) and each quantize call (a quantized slot store also encodes the fresh token and
+    re-encodes its re-rotated sinks), timed; the entry points are the original functions again afterwards."""
+    from hf_kvplus.attention import dispatch, route
+    from hf_kvplus.evaluation.host_cost import _kernel_sites, timing_kernels
+
+    model = get_model("llama")
+    ids = make_prompt(PROMPT, batch=2)
+    cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + 2)
+    before = [getattr(module, name) for module, name in _kernel_sites()]
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        with timing_kernels() as spent:
+            assert route.quantized_decode_attention is not before[2] and dispatch._fallback is not before[6]
+            model(input_ids=ids[:, :1], past_key_values=cache)
+    assert spent.calls == kernels_per_layer_step * model.config.num_hidden_layers
+    assert spent.seconds > 0
+    assert [getattr(module, name) for module, name in _kernel_sites()] == before

@@ -1,16 +1,24 @@
-"""What a step costs the host: ops that would stall a GPU's queue, and Python calls made by cache code.
+"""What a step costs the host: ops that would stall a GPU's queue, Python calls made by cache code, and
+the time spent inside attention kernels.
 
 A decode step on a GPU is a queue of kernels the host fills; anything that reads a tensor's value back
 (`.item()`, `bool(t)`, `int(t)`, `.tolist()`, `nonzero`, a data-dependent shape) makes the host wait
 for the device. These are counted here by op, with a `TorchDispatchMode`, on any device (on a CPU the
 same ops run, they merely cost nothing), so a test can assert there are none.
+
+Off CUDA a kernel (attention, quantize) is its torch twin, whose compute (dequantizing codes, gathering
+blocks) a CPU pays on the host; on CUDA it is one launch. `timing_kernels` measures that share of a
+step, so a benchmark can report the host time of everything around the kernels separately.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,7 +34,7 @@ SYNC_OPS = {
 #: Ops that sync when indexed with a bool mask (its count of True decides the shape).
 BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
-__all__ = ["SYNC_OPS", "SyncCounter", "count_cache_calls", "count_syncs"]
+__all__ = ["SYNC_OPS", "KernelTime", "SyncCounter", "count_cache_calls", "count_syncs", "timing_kernels"]
 
 
 class SyncCounter(TorchDispatchMode):
@@ -87,3 +95,60 @@ def count_cache_calls(step: Callable[[], object]) -> int:
     finally:
         sys.setprofile(previous)
     return calls
+
+
+@dataclass
+class KernelTime:
+    """Wall time and calls spent inside attention kernels (or their twins) while timing."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+def _kernel_sites() -> list[tuple[object, str]]:
+    """(module, name) of every kernel entry point, where its callers look it up at call time: hf_kvplus's
+    decode kernels, its SDPA fallback and the attention function other caches get, and the quantize kernels."""
+    from ..attention import dispatch, route, slots
+    from ..paging import quant_layer_pool
+    from ..storage import packed_segment, static_quantized
+    from ..storage import slots as slot_store
+
+    quantizing = [(module, name) for module in (packed_segment, static_quantized, quant_layer_pool)
+                  for name in ("quantize_keys", "quantize_values")]  # fmt: skip
+    return [
+        (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
+        (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "decode_attention_with_mass"),
+        (dispatch, "_fallback"), (slot_store, "quantize_values"), *quantizing,
+    ]  # fmt: skip
+
+
+@contextmanager
+def timing_kernels() -> Iterator[KernelTime]:
+    """Inside the block, the time spent in kernels (attention and quantize; outermost calls only) accrues to
+    the `KernelTime` it yields. For benchmarks: it wraps the entry points while open."""
+    spent = KernelTime()
+    depth = 0
+
+    def timed(kernel):
+        def call(*args, **kwargs):
+            nonlocal depth
+            depth += 1
+            start = time.perf_counter()
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                depth -= 1
+                if depth == 0:
+                    spent.seconds += time.perf_counter() - start
+                    spent.calls += 1
+
+        return call
+
+    originals = [(module, name, getattr(module, name)) for module, name in _kernel_sites()]
+    for module, name, kernel in originals:
+        setattr(module, name, timed(kernel))
+    try:
+        yield spent
+    finally:
+        for module, name, kernel in originals:
+            setattr(module, name, kernel)
