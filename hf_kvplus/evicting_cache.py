@@ -83,6 +83,14 @@ class EvictingCache(KVCache):
         super().activate_past_recording()
 
 
+def _check_compileable(compress: str, compileable: bool) -> None:
+    if compileable and compress != "always":
+        raise ConfigError(
+            f"compileable=True needs compress='always': with compress={compress!r} decode steps append, so their "
+            "shapes grow and generate() could not compile them"
+        )
+
+
 class SinkCache(EvictingCache):
     """StreamingLLM: `num_sinks` first tokens of each row plus the `window` most recent ones.
 
@@ -92,6 +100,9 @@ class SinkCache(EvictingCache):
 
     >>> cache = SinkCache(model.config, num_sinks=4, window=1020)  # bits=4: the kept tokens in int4
     >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
+
+    `compress="prefill"` compresses only after multi-token forwards (each prompt), as kvpress's presses do,
+    and lets decode steps append: the budget then bounds what a prompt leaves, not the cache.
     """
 
     def __init__(
@@ -105,13 +116,15 @@ class SinkCache(EvictingCache):
         group_size: int | None = None,
         placement: Placement | None = None,
         compileable: bool = False,
+        compress: str = "always",
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
         rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
-        SinkPolicy(num_sinks, window, rotary)  # refuse bad sizes before building layers
+        SinkPolicy(num_sinks, window, rotary, compress)  # refuse bad sizes before building layers
+        _check_compileable(compress, compileable)
         super().__init__(
-            config, lambda spec: SinkPolicy(num_sinks, window, rotary), bits=bits, group_size=group_size,
+            config, lambda spec: SinkPolicy(num_sinks, window, rotary, compress), bits=bits, group_size=group_size,
             placement=placement, compileable=compileable,
         )
 
@@ -121,7 +134,7 @@ class H2OCache(EvictingCache):
 
     `recent` defaults to half the budget, as in the paper. Keys keep their original positions.
     Supports greedy, sampling and beam search; assisted decoding is refused (a rolled-back query
-    would already have added its attention to the scores).
+    would already have added its attention to the scores). `compress="prefill"` as for SinkCache.
     """
 
     rollback = False
@@ -136,11 +149,13 @@ class H2OCache(EvictingCache):
         group_size: int | None = None,
         placement: Placement | None = None,
         compileable: bool = False,
+        compress: str = "always",
     ):
         recent = budget // 2 if recent is None else recent
-        HeavyHitterPolicy(budget, recent)
+        HeavyHitterPolicy(budget, recent, compress)
+        _check_compileable(compress, compileable)
         super().__init__(
-            config, lambda spec: HeavyHitterPolicy(budget, recent), bits=bits, group_size=group_size,
+            config, lambda spec: HeavyHitterPolicy(budget, recent, compress), bits=bits, group_size=group_size,
             placement=placement, compileable=compileable,
         )
 

@@ -21,7 +21,8 @@
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
                             every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget);
-                            sink and h2o take `compile=on`: generate() may compile them (`compileable=True`)
+                            sink and h2o take `compile=on`: generate() may compile them (`compileable=True`),
+                            and `compress=prefill`: compress after prompts only, decode steps append (kvpress)
 - `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
                             `pooling=avg|max`)
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
@@ -45,6 +46,7 @@ from transformers import QuantizedCache as HFQuantizedCache
 from .cache import DenseCache
 from .errors import ConfigError
 from .evicting_cache import H2OCache, SinkCache, SnapKVCache
+from .eviction.policy import COMPRESS
 from .formats import parse_bits
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
@@ -239,8 +241,9 @@ def _validate(spec: CacheSpec) -> None:
 
 #: Evicting cache specs: positional arguments and the integer and text options each accepts.
 EVICTING_OPTIONS = {
-    "sink": (("num_sinks", "window"), set(), {"positions": ("cache", "original"), "compile": ("on", "off")}),
-    "h2o": (("budget",), {"recent"}, {"compile": ("on", "off")}),
+    "sink": (("num_sinks", "window"), set(),
+             {"positions": ("cache", "original"), "compile": ("on", "off"), "compress": COMPRESS}),
+    "h2o": (("budget",), {"recent"}, {"compile": ("on", "off"), "compress": COMPRESS}),
     "snapkv": (("budget",), {"observation", "kernel"}, {"pooling": ("avg", "max")}),
 }
 
@@ -293,13 +296,14 @@ def _storage(kwargs) -> dict:
 
 def _sink(config, args, kwargs, max_length):
     return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"),
-                     compileable=kwargs.get("compile") == "on", **_storage(kwargs))
+                     compileable=kwargs.get("compile") == "on", compress=kwargs.get("compress", "always"),
+                     **_storage(kwargs))
 
 
 def _h2o(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
     return H2OCache(config, budget=int(args[0]), recent=recent, compileable=kwargs.get("compile") == "on",
-                    **_storage(kwargs))
+                    compress=kwargs.get("compress", "always"), **_storage(kwargs))
 
 
 def _snapkv(config, args, kwargs, max_length):

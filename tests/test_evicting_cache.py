@@ -286,3 +286,60 @@ def test_token_codec_quantizes_keys_and_values_together_as_apart(bits):
     assert list(together) == list(apart)
     for name, part in apart.items():
         assert torch.equal(together[name], part), name
+
+
+@pytest.mark.parametrize("name", ["sink", "h2o"])
+def test_prefill_compression_compresses_each_prompt_and_lets_decode_steps_append(name):
+    model = get_model("llama")
+    build = {"sink": lambda c, **k: SinkCache(c, num_sinks=2, window=6, **k), "h2o": lambda c, **k: H2OCache(c, budget=8, **k)}
+    caches = {compress: build[name](model.config, compress=compress) for compress in ("always", "prefill")}
+    held = {compress: [] for compress in caches}
+    with torch.no_grad():
+        for compress, cache in caches.items():
+            model(make_prompt(20), past_key_values=cache)
+            held[compress].append(cache.layers[0].storage.held)
+            for t in range(5):
+                model(make_prompt(1, seed=t), past_key_values=cache)
+                held[compress].append(cache.layers[0].storage.held)
+            model(make_prompt(4, seed=9), past_key_values=cache)  # a second prompt compresses again
+            held[compress].append(cache.layers[0].storage.held)
+    assert held["always"] == [8] * 7
+    assert held["prefill"] == [8, 9, 10, 11, 12, 13, 8]
+    assert caches["prefill"].get_seq_length() == caches["always"].get_seq_length() == 29
+
+
+def test_a_sink_cache_compressing_its_prompt_decodes_as_dynamic_with_the_evicted_tokens_masked():
+    """SinkCache(positions="original", compress="prefill") keeps the prompt's sinks and last window, then
+    appends: each greedy step equals DynamicCache's over the whole prompt with the evicted tokens masked."""
+    model = get_model("llama")
+    num_sinks, window, prompt, steps = 2, 6, 20, 8
+    ids = make_prompt(prompt)
+    cache = SinkCache(model.config, num_sinks=num_sinks, window=window, positions="original", compress="prefill")
+    dense = DynamicCache(config=model.config)
+    mask = torch.ones(1, prompt, dtype=torch.long)
+    mask[:, num_sinks : prompt - window] = 0
+    positions = torch.arange(prompt)[None]
+    got, want = [], []
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        # The prompt's own forward sees every token (eviction follows it): only later queries see the mask.
+        reference = model(ids, past_key_values=dense, position_ids=positions).logits[:, -1:].argmax(-1)
+        assert torch.equal(token, reference)
+        for step in range(steps):
+            got.append(token)
+            want.append(reference)
+            position = torch.tensor([[prompt + step]])
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
+            token = model(token, past_key_values=cache, position_ids=position).logits[:, -1:].argmax(-1)
+            reference = model(reference, past_key_values=dense, attention_mask=mask,
+                              position_ids=position).logits[:, -1:].argmax(-1)
+    assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
+    assert cache.layers[0].storage.held == num_sinks + window + steps
+
+
+def test_prefill_compression_is_refused_with_compile_and_unknown_modes():
+    config = get_model("llama").config
+    with pytest.raises(ConfigError, match="compileable=True needs compress='always'"):
+        SinkCache(config, num_sinks=2, window=6, compress="prefill", compileable=True)
+    with pytest.raises(ConfigError, match=r"compress must be one of \('always', 'prefill'\), got 'once'"):
+        H2OCache(config, budget=8, compress="once")

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import ConfigError
 from ..storage.slots import SlotStore
-from .policy import EvictionPolicy, padding_and_recent
+from .policy import EvictionPolicy, check_compress, padding_and_recent
 
 
 class HeavyHitterPolicy(EvictionPolicy):
@@ -16,7 +16,8 @@ class HeavyHitterPolicy(EvictionPolicy):
     its KV head's group), including the queries of the forward that brought it in.
     """
 
-    def __init__(self, budget: int, recent: int):
+    def __init__(self, budget: int, recent: int, compress: str = "always"):
+        self.compress = check_compress(compress)
         if budget < 1:
             raise ConfigError(f"the H2O budget must hold at least 1 token, got budget={budget}")
         if not 0 <= recent <= budget:
@@ -33,4 +34,5 @@ class HeavyHitterPolicy(EvictionPolicy):
         return padding_and_recent(store, self.recent, store.scores)
 
     def __repr__(self) -> str:
-        return f"HeavyHitterPolicy(budget={self.budget}, recent={self.recent})"
+        compress = ", compress='prefill'" if self.compress == "prefill" else ""
+        return f"HeavyHitterPolicy(budget={self.budget}, recent={self.recent}{compress})"

@@ -6,12 +6,23 @@ from abc import abstractmethod
 
 import torch
 
+from ..errors import ConfigError
 from ..retention.base import Retention
 from ..storage.slots import PAD, SlotStore
 
 #: Score of slots that must stay (sinks, the recent window) and of padding slots, which go first.
 KEEP = float("inf")
 DROP = float("-inf")
+
+
+#: When a policy compresses: after every forward, or after multi-token forwards (prompts) only.
+COMPRESS = ("always", "prefill")
+
+
+def check_compress(compress: str) -> str:
+    if compress not in COMPRESS:
+        raise ConfigError(f"compress must be one of {COMPRESS}, got {compress!r}")
+    return compress
 
 
 class EvictionPolicy(Retention):
@@ -27,6 +38,9 @@ class EvictionPolicy(Retention):
     is_croppable = False
     #: Slots kept per row and head once the layer is over budget.
     budget: int
+    #: When the layer compresses to its budget: "always" (after every forward: a bounded cache) or "prefill"
+    #: (after multi-token forwards only, as kvpress does; one-token decode steps append).
+    compress: str = "always"
 
     def mass_queries(self, new: int) -> int:
         """How many of the last `new` queries must report the attention mass they give (0: none)."""
@@ -36,7 +50,9 @@ class EvictionPolicy(Retention):
         """Takes the attention mass `[batch, kv_heads, slots]` of the latest forward."""
 
     def excess(self, held: int, new: int) -> int:
-        """Slots to evict after attending `new` fresh tokens (the default: back down to the budget)."""
+        """Slots to evict after attending `new` fresh tokens: back down to the budget (when `compress` says so)."""
+        if new <= 1 and self.compress == "prefill":
+            return 0
         return max(0, held - self.budget)
 
     def victim(self, store: SlotStore) -> int | None:

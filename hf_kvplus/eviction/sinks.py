@@ -6,7 +6,7 @@ import torch
 
 from ..errors import ConfigError
 from ..storage.slots import SlotStore
-from .policy import KEEP, EvictionPolicy, padding_and_recent
+from .policy import KEEP, EvictionPolicy, check_compress, padding_and_recent
 from .rope import RotaryShift
 
 POSITIONS = ("cache", "original")
@@ -23,7 +23,8 @@ class SinkPolicy(EvictionPolicy):
 
     is_croppable = True
 
-    def __init__(self, num_sinks: int, window: int, rotary: RotaryShift | None):
+    def __init__(self, num_sinks: int, window: int, rotary: RotaryShift | None, compress: str = "always"):
+        self.compress = check_compress(compress)
         if num_sinks < 0:
             raise ConfigError(f"num_sinks must be >= 0, got {num_sinks}")
         if window < 1:
@@ -117,4 +118,5 @@ class SinkPolicy(EvictionPolicy):
 
     def __repr__(self) -> str:
         where = "original" if self.rotary is None else "cache"
-        return f"SinkPolicy(num_sinks={self.num_sinks}, window={self.window}, positions={where!r})"
+        compress = ", compress='prefill'" if self.compress == "prefill" else ""
+        return f"SinkPolicy(num_sinks={self.num_sinks}, window={self.window}, positions={where!r}{compress})"

@@ -21,6 +21,8 @@ class SnapKVPolicy(EvictionPolicy):
     Single-token decode steps only append, as in the paper: memory is bounded in the prompt length.
     """
 
+    compress = "prefill"
+
     def __init__(self, budget: int, observation: int = 32, kernel_size: int = 7, pooling: str = "avg"):
         if observation < 1:
             raise ConfigError(f"the observation window must hold at least 1 token, got observation={observation}")
@@ -48,9 +50,6 @@ class SnapKVPolicy(EvictionPolicy):
         else:  # masses are >= 0 and padding slots get 0: they never raise a maximum
             pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
         store.scores.copy_(pooled.view(batch, heads, slots))
-
-    def excess(self, held: int, new: int) -> int:
-        return max(0, held - self.budget) if new > 1 else 0
 
     def score(self, store: SlotStore) -> torch.Tensor:
         return padding_and_recent(store, self.observation, store.scores)

@@ -251,6 +251,18 @@ CASES: list[CacheCase] = [
         note=_EVICTING_NOTE,
     ),
     CacheCase(
+        name="sink-tight-prefill",
+        make=lambda model: _evicting_cache(model, "SinkCache", num_sinks=2, window=6, compress="prefill"),
+        lossless=False, logits_atol=float("inf"), min_token_agreement=0.0,
+        note=_EVICTING_NOTE + "; compress='prefill': each prompt compressed, decode steps append",
+    ),
+    CacheCase(
+        name="h2o-tight-prefill",
+        make=lambda model: _evicting_cache(model, "H2OCache", budget=8, compress="prefill"),
+        lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, unsupported_modes=_NOT_CROPPABLE,
+        note=_EVICTING_NOTE + "; compress='prefill': each prompt compressed, decode steps append",
+    ),
+    CacheCase(
         name="snapkv-tight",
         make=lambda model: _evicting_cache(model, "SnapKVCache", budget=8, observation=2, kernel_size=3),
         lossless=False, logits_atol=float("inf"), min_token_agreement=0.0, unsupported_modes=_NOT_CROPPABLE,
