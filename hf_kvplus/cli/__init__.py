@@ -1,4 +1,4 @@
-"""The `kvplus` command: `kvplus ppl`, `kvplus bench`, `kvplus plan`, `kvplus demo`."""
+"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus demo`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from ..errors import KVPlusError
-from . import bench, demo, plan, ppl
+from . import bench, demo, needle, plan, ppl
 
-COMMANDS = (ppl, bench, plan, demo)
+COMMANDS = (ppl, needle, bench, plan, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

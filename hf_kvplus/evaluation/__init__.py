@@ -1,18 +1,24 @@
-"""Evaluation: perplexity on long texts and benchmarks of caches, with tables, JSON and plots."""
+"""Evaluation: perplexity on long texts, needle retrieval and benchmarks of caches, with tables, JSON and plots."""
 
 from .benchmark import BenchResult, benchmark, plot_bench
+from .needle import NeedleResult, NeedleTrial, needle_grid, passkey_prompt, plot_needle
 from .perplexity import MODES, PerplexityResult, cache_free_nll, perplexity, plot_perplexity
 from .report import format_table, stamp
 
 __all__ = [
     "MODES",
     "BenchResult",
+    "NeedleResult",
+    "NeedleTrial",
     "PerplexityResult",
     "benchmark",
     "cache_free_nll",
     "format_table",
+    "needle_grid",
+    "passkey_prompt",
     "perplexity",
     "plot_bench",
+    "plot_needle",
     "plot_perplexity",
     "stamp",
 ]

@@ -1,0 +1,208 @@
+"""Needle in a haystack (pass-key retrieval): whether a cache still lets the model find one fact.
+
+Perplexity averages over every token, so it barely moves when an evicting cache drops the one sentence
+a later question needs. A trial here hides a sentence with a five-digit pass key at a fraction `depth`
+of a haystack of real text, asks for the key at the end, and generates the answer greedily through the
+cache; the trial is right when the first number in the answer is the key. A grid of context lengths x
+depths (x `trials` keys per cell) runs for each cache spec on the same prompts, so a cell's accuracy
+differs between caches only by what the cache kept.
+
+The prompt is an instruction, the haystack with the needle, the question and the start of the answer,
+inside the model's chat template when its tokenizer has one. Its length is exact: the haystack fills
+what the rest leaves of `length` tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..errors import ConfigError
+from ..memory import cache_bytes
+from ..specs import CacheSpec
+
+INSTRUCTION = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it."
+QUESTION = "What is the pass key?"
+ANSWER_START = "The pass key is"
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+_MARKER = "\x00HAYSTACK\x00"
+
+
+@dataclass
+class NeedleTrial:
+    """One prompt through one cache."""
+
+    cache: str
+    length: int
+    depth: float
+    key: str
+    answer: str
+    correct: bool
+    bytes_at_rest: int
+    seconds: float
+
+
+@dataclass
+class NeedleResult:
+    """Every trial of a grid, by cache spec in the order given (the first is the baseline)."""
+
+    trials: list[NeedleTrial]
+    lengths: list[int]
+    depths: list[float]
+    caches: list[str]
+
+    def accuracy(self, cache: str, length: int | None = None, depth: float | None = None) -> float:
+        """Fraction right among the trials of `cache` (at `length` and `depth` when given)."""
+        picked = [
+            t.correct for t in self.trials
+            if t.cache == cache and length in (None, t.length) and depth in (None, t.depth)
+        ]  # fmt: skip
+        return sum(picked) / len(picked)
+
+    def summary(self) -> list[dict]:
+        """One row per cache: accuracy overall and per length, bytes at rest at the longest length."""
+        rows = []
+        longest = max(self.lengths)
+        for cache in self.caches:
+            at_longest = [t.bytes_at_rest for t in self.trials if t.cache == cache and t.length == longest]
+            row = {"cache": cache, "accuracy": self.accuracy(cache)}
+            row.update({f"acc_{length}": self.accuracy(cache, length) for length in self.lengths})
+            row["bytes_at_rest"] = max(at_longest)
+            row["seconds"] = sum(t.seconds for t in self.trials if t.cache == cache)
+            rows.append(row)
+        return rows
+
+    def to_json(self, path: str | Path, meta: dict | None = None) -> None:
+        data = {**(meta or {}), "lengths": self.lengths, "depths": self.depths, "caches": self.caches,
+                "summary": self.summary(), "trials": [asdict(t) for t in self.trials]}  # fmt: skip
+        Path(path).write_text(json.dumps(data, indent=2))
+
+    def to_csv(self, path: str | Path) -> None:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(asdict(self.trials[0])))
+            writer.writeheader()
+            writer.writerows(asdict(t) for t in self.trials)
+
+
+def prompt_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids before and after the haystack: the instruction, then the question and the start of the
+    answer; inside the chat template (as one user turn, then the assistant's) when the tokenizer has one."""
+    content = f"{INSTRUCTION}\n\n{_MARKER}\n\n{QUESTION}"
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": content}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = content + "\n"
+    before, after = text.split(_MARKER)
+    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return encode(before), encode(after + ANSWER_START)
+
+
+def needle_ids(tokenizer, key: str) -> list[int]:
+    return tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+
+
+def passkey_prompt(
+    frame: tuple[list[int], list[int]], haystack: list[int], needle: list[int], length: int, depth: float
+) -> tuple[torch.Tensor, int]:
+    """`[1, length]` prompt ids with `needle` after `depth` of the haystack's tokens, and the needle's index."""
+    if not 0.0 <= depth <= 1.0:
+        raise ConfigError(f"a needle depth is a fraction of the haystack in 0..1, got {depth}")
+    before, after = frame
+    room = length - len(before) - len(after) - len(needle)
+    if room < 1:
+        raise ConfigError(
+            f"a {length}-token prompt has no room for a haystack: instruction, needle and question take "
+            f"{length - room} tokens"
+        )
+    if room > len(haystack):
+        raise ConfigError(f"a {length}-token prompt needs {room} haystack tokens, the text has {len(haystack)}")
+    at = round(depth * room)
+    ids = before + haystack[:at] + needle + haystack[at:room] + after
+    return torch.tensor([ids]), len(before) + at
+
+
+def is_correct(answer: str, key: str) -> bool:
+    """Exact match of the answer's first number with the key."""
+    found = re.search(r"\d+", answer)
+    return found is not None and found.group() == key
+
+
+def needle_grid(
+    model: PreTrainedModel,
+    tokenizer,
+    haystack: list[int] | torch.Tensor,
+    specs: list[CacheSpec],
+    lengths: list[int],
+    depths: list[float],
+    *,
+    trials: int = 1,
+    new_tokens: int = 8,
+    seed: int = 0,
+) -> NeedleResult:
+    """Runs every (length, depth, trial) prompt through every cache spec: greedy, `new_tokens` answer tokens.
+
+    The pass keys come from `seed` and are the same for every cache, so the caches answer the same prompts."""
+    if not specs or not lengths or not depths or trials < 1:
+        raise ConfigError("a needle grid needs at least one cache spec, length, depth and trial")
+    haystack = haystack.tolist() if isinstance(haystack, torch.Tensor) else list(haystack)
+    frame = prompt_frame(tokenizer)
+    keys = random.Random(seed)
+    cells = [(length, depth, str(keys.randint(10000, 99999))) for length in lengths for depth in depths
+             for _ in range(trials)]  # fmt: skip
+    prompts = [passkey_prompt(frame, haystack, needle_ids(tokenizer, key), length, depth)[0]
+               for length, depth, key in cells]  # fmt: skip
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = []
+    with tqdm(total=len(specs) * len(cells), desc="needle", unit="trial") as progress:
+        for spec in specs:
+            for (length, depth, key), ids in zip(cells, prompts, strict=True):
+                cache = spec.build(model.config, max_length=length + new_tokens)
+                start = time.perf_counter()
+                with torch.no_grad():
+                    generated = model.generate(
+                        ids.to(model.device), attention_mask=torch.ones_like(ids).to(model.device),
+                        past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                    )  # fmt: skip
+                answer = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
+                out.append(NeedleTrial(spec.text, length, depth, key, answer, is_correct(answer, key),
+                                       cache_bytes(cache), time.perf_counter() - start))  # fmt: skip
+                progress.update()
+    return NeedleResult(out, list(lengths), list(depths), [spec.text for spec in specs])
+
+
+def plot_needle(result: NeedleResult, path: str | Path, title: str = "") -> None:
+    """One heatmap per cache: accuracy by needle depth (rows) and context length (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(result.caches)
+    figure, axes = plt.subplots(1, n, figsize=(1.2 + 0.9 * len(result.lengths) * n, 1.4 + 0.45 * len(result.depths)),
+                                squeeze=False, sharey=True)  # fmt: skip
+    for ax, cache in zip(axes[0], result.caches, strict=True):
+        grid = [[result.accuracy(cache, length, depth) for length in result.lengths] for depth in result.depths]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(result.lengths)), [str(length) for length in result.lengths])
+        ax.set_yticks(range(len(result.depths)), [f"{depth:.0%}" for depth in result.depths])
+        ax.set_xlabel("context tokens")
+        ax.set_title(f"{cache}\n{result.accuracy(cache):.0%} right", fontsize=9)
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=7)
+    axes[0][0].set_ylabel("needle depth")
+    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    if title:
+        figure.suptitle(title, fontsize=10, y=1.06)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)

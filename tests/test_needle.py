@@ -1,0 +1,114 @@
+"""Needle in a haystack: the prompt hides the key where asked, answers are scored by exact match, lossless
+caches answer exactly as DynamicCache does, and `kvplus needle` writes its table, JSON, CSV and heatmap."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_kvplus.cli import main
+from hf_kvplus.errors import ConfigError
+from hf_kvplus.evaluation.needle import (
+    ANSWER_START,
+    INSTRUCTION,
+    NEEDLE,
+    QUESTION,
+    is_correct,
+    needle_grid,
+    needle_ids,
+    passkey_prompt,
+    prompt_frame,
+)
+from hf_kvplus.specs import parse_cache_spec
+
+TEXT = " ".join("It is a truth universally acknowledged that a single man in possession of a good fortune".split() * 60)
+#: Every word the prompt uses, so the word-level tokenizer knows them (pass keys included: five-digit numbers).
+VOCAB = " ".join([TEXT, INSTRUCTION, QUESTION, ANSWER_START, NEEDLE, *map(str, range(10000, 100000, 7))])
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """A tiny Llama and a word-level tokenizer that knows the prompt's words, saved as a local folder."""
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([VOCAB], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    text = tmp_path_factory.mktemp("text") / "book.txt"
+    text.write_text(TEXT)
+    return str(folder), str(text), fast, LlamaForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_the_prompt_has_the_asked_length_and_the_needle_at_its_depth(local_model, depth):
+    _, _, tokenizer, _ = local_model
+    frame = prompt_frame(tokenizer)
+    haystack = tokenizer(TEXT)["input_ids"]
+    needle = needle_ids(tokenizer, "12345")
+    ids, at = passkey_prompt(frame, haystack, needle, 200, depth)
+    room = 200 - len(frame[0]) - len(frame[1]) - len(needle)
+    assert ids.shape == (1, 200)
+    assert ids[0, at : at + len(needle)].tolist() == needle
+    assert at - len(frame[0]) == round(depth * room)
+    assert ids[0, : len(frame[0])].tolist() == frame[0] and ids[0, -len(frame[1]) :].tolist() == frame[1]
+    assert tokenizer.decode(ids[0, -len(frame[1]) :]).endswith(ANSWER_START)
+
+
+def test_a_prompt_without_room_or_haystack_or_with_a_bad_depth_is_refused(local_model):
+    _, _, tokenizer, _ = local_model
+    frame, needle = prompt_frame(tokenizer), needle_ids(tokenizer, "12345")
+    haystack = tokenizer(TEXT)["input_ids"]
+    with pytest.raises(ConfigError, match="no room for a haystack"):
+        passkey_prompt(frame, haystack, needle, 20, 0.5)
+    with pytest.raises(ConfigError, match=r"needs \d+ haystack tokens, the text has 50"):
+        passkey_prompt(frame, haystack[:50], needle, 200, 0.5)
+    with pytest.raises(ConfigError, match="fraction of the haystack"):
+        passkey_prompt(frame, haystack, needle, 200, 1.5)
+
+
+@pytest.mark.parametrize(
+    ("answer", "right"),
+    [(" 12345. It is", True), ("12345", True), (" 123456", False), (" 54321 or 12345", False), (" the key", False)],
+)
+def test_an_answer_is_right_when_its_first_number_is_the_key(answer, right):
+    assert is_correct(answer, "12345") is right
+
+
+def test_lossless_caches_answer_every_prompt_as_dynamic_does(local_model):
+    _, _, tokenizer, model = local_model
+    haystack = tokenizer(TEXT)["input_ids"]
+    specs = [parse_cache_spec(s) for s in ("dynamic", "dense", "paged:block=16")]
+    result = needle_grid(model, tokenizer, haystack, specs, [120, 200], [0.2, 0.8], trials=2, new_tokens=4)
+    assert len(result.trials) == 3 * 2 * 2 * 2
+    by_cache = {spec.text: [(t.length, t.depth, t.key, t.answer) for t in result.trials if t.cache == spec.text]
+                for spec in specs}
+    assert len({key for *_, key, _ in by_cache["dynamic"]}) > 1  # distinct keys across cells
+    assert by_cache["dense"] == by_cache["dynamic"] == by_cache["paged:block=16"]
+    rows = {row["cache"]: row for row in result.summary()}
+    for trial in result.trials:
+        assert trial.correct == is_correct(trial.answer, trial.key)
+    expected = sum(t.correct for t in result.trials if t.cache == "dense") / 8
+    assert rows["dense"]["accuracy"] == expected and rows["dense"]["bytes_at_rest"] > 0
+
+
+def test_kvplus_needle_writes_the_table_json_csv_and_heatmap(local_model, tmp_path, capsys):
+    folder, text, _, _ = local_model
+    code = main(["needle", "--model", folder, "--text", text, "--lengths", "100", "160", "--depths", "0.3", "0.7",
+                 "--new-tokens", "3", "--cache", "dynamic", "--cache", "sink:2:40", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "needle.json").read_text())
+    assert data["caches"] == ["dynamic", "sink:2:40"] and len(data["trials"]) == 2 * 2 * 2
+    assert data["command"] and data["machine"]
+    sink = next(row for row in data["summary"] if row["cache"] == "sink:2:40")
+    dynamic = next(row for row in data["summary"] if row["cache"] == "dynamic")
+    assert sink["bytes_at_rest"] < dynamic["bytes_at_rest"]  # 42 tokens kept of 163
+    assert (tmp_path / "needle.csv").read_text().count("\n") == 1 + 8
+    assert (tmp_path / "needle.png").stat().st_size > 0
+    assert "bytes at 160" in capsys.readouterr().out
