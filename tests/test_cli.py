@@ -48,6 +48,18 @@ def test_ppl_compares_caches_and_the_cache_free_forward(local_model, tmp_path, c
     assert "per segment" in capsys.readouterr().out
 
 
+def test_ppl_continuation_scores_the_tokens_after_the_prompt(local_model, tmp_path, capsys):
+    folder, text = local_model
+    code = main(["ppl", "--model", folder, "--text", text, "--tokens", "120", "--mode", "continuation",
+                 "--prompt-tokens", "80", "--cache", "dynamic", "--cache", "sink:2:30:compress=prefill",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    rows = {row["cache"]: row for row in json.loads((tmp_path / "ppl_summary.json").read_text())["rows"]}
+    assert rows["dynamic"]["prompt_tokens"] == 80 and rows["dynamic"]["continuation_delta_pct"] == 0
+    assert rows["sink:2:30:compress=prefill"]["continuation_perplexity"] > 0
+    assert "continuation ppl" in capsys.readouterr().out
+
+
 def test_bench_and_demo_write_tables_and_plots(local_model, tmp_path, capsys):
     folder, text = local_model
     assert main(["bench", "--model", folder, "--text", text, "--prompt-tokens", "40", "--new-tokens", "5",

@@ -1,4 +1,4 @@
-"""Perplexity through a cache equals one cache-free forward (1e-4 relative), in both modes."""
+"""Perplexity through a cache equals one cache-free forward (1e-4 relative), in every mode."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from conformance.models import ARCHITECTURES, build_model
-from hf_kvplus import ConfigError, DenseCache, ShapeError
+from hf_kvplus import ConfigError, DenseCache, ShapeError, SinkCache
 from hf_kvplus.evaluation import cache_free_nll, perplexity, plot_perplexity
 
 
@@ -72,3 +72,30 @@ def test_bad_arguments():
         perplexity(model, torch.zeros(2, 5, dtype=torch.long), None)
     with pytest.raises(ConfigError, match="must be >= 1, got 0"):
         perplexity(model, tokens(10, 0), None, chunk_size=0)
+    with pytest.raises(ConfigError, match="continuation mode, and only there"):
+        perplexity(model, tokens(10, 0), None, mode="continuation")
+    with pytest.raises(ConfigError, match="continuation mode, and only there"):
+        perplexity(model, tokens(10, 0), None, prompt_tokens=4)
+    with pytest.raises(ConfigError, match=r"1 <= prompt_tokens < 10, got 10"):
+        perplexity(model, tokens(10, 0), None, mode="continuation", prompt_tokens=10)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_the_continuation_mode_feeds_the_prompt_whole_then_scores_the_rest(chunk):
+    model = build_model("llama")
+    ids = tokens(60, seed=3)
+    want = direct_nll(model, ids)
+    result = perplexity(model, ids, lambda: DynamicCache(config=model.config), mode="continuation", chunk_size=chunk,
+                        prompt_tokens=40, progress=False)
+    torch.testing.assert_close(result.nll.double(), want, atol=1e-4, rtol=1e-4)
+    assert result.continuation_perplexity == pytest.approx(math.exp(want[39:].mean().item()), rel=1e-4)
+    assert result.summary()["prompt_tokens"] == 40 and "continuation_perplexity" in result.summary()
+    # The prompt is one forward: a prefill-compressing cache compresses it once, then keeps every token fed one at a
+    # time (fed in chunks of 4, each chunk is a multi-token forward and compresses again).
+    prefill = SinkCache(model.config, num_sinks=2, window=14, compress="prefill")
+    always = SinkCache(model.config, num_sinks=2, window=14)
+    kept = {}
+    for name, cache in (("prefill", prefill), ("always", always)):
+        perplexity(model, ids, cache, mode="continuation", prompt_tokens=40, chunk_size=chunk, progress=False)
+        kept[name] = cache.layers[0].storage.held
+    assert kept == {"prefill": 16 + 20 if chunk is None else 16, "always": 16}

@@ -17,6 +17,8 @@ def register(subparsers) -> None:
     parser.add_argument("--mode", choices=sorted(MODES), default="chunked")
     parser.add_argument("--chunk", type=int, default=None, help="tokens per forward (default: 256 chunked, 1 streaming)")
     parser.add_argument("--segment", type=int, default=1024, help="report perplexity per this many tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="continuation mode: the prompt fed in one forward, before the scored continuation")
     parser.add_argument("--cache-free", action="store_true", help="also score the tokens with one cache-free forward")
     parser.set_defaults(func=run)
 
@@ -31,12 +33,17 @@ def run(args) -> int:
         result = perplexity(
             model, ids, lambda spec=spec: spec.build(model.config, max_length=ids.numel()),
             mode=args.mode, chunk_size=args.chunk, segment_size=args.segment, label=spec.text,
+            prompt_tokens=args.prompt_tokens,
         )
         results.append(result)
     rows = [r.summary() for r in results]
     base = results[0].perplexity
     for row in rows:
         row["delta_pct"] = 100 * (row["perplexity"] / base - 1)
+    if args.mode == "continuation":
+        base_cont = results[0].continuation_perplexity
+        for row in rows:
+            row["continuation_delta_pct"] = 100 * (row["continuation_perplexity"] / base_cont - 1)
     if args.cache_free:
         nll = cache_free_nll(model, ids)
         ppl = math.exp(nll.double().mean().item())
@@ -45,7 +52,8 @@ def run(args) -> int:
     print(f"\n{args.model} on {args.text}, first {ids.numel()} tokens, {args.mode}")
     print(format_table(rows, [("cache", "cache", ""), ("mode", "mode", ""), ("chunk_size", "chunk", "d"),
                               ("tokens_scored", "tokens", "d"), ("perplexity", "perplexity", ".4f"),
-                              ("delta_pct", "delta %", "+.3f"), ("seconds", "seconds", ".1f")]))
+                              ("delta_pct", "delta %", "+.3f"), ("continuation_perplexity", "continuation ppl", ".4f"),
+                              ("continuation_delta_pct", "cont. delta %", "+.3f"), ("seconds", "seconds", ".1f")]))
     if len(results) > 1:
         print("\nper segment:")
         segments = [r.segments() for r in results]

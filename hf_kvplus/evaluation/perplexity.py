@@ -6,6 +6,9 @@ Two modes feed the same tokens differently:
   past; measures what the cache stores.
 - **streaming**: a few tokens at a time (`chunk_size`, default 1), as StreamingLLM evaluates: the
   mode evicting caches need, since every token is scored against what survived before it.
+- **continuation**: the first `prompt_tokens` in one forward (a prompt, which a prefill-compressing
+  cache compresses once, as kvpress does), then the rest a few tokens at a time (`chunk_size`,
+  default 1); `continuation_perplexity` scores only the tokens after the prompt.
 
 Token i+1 is scored by the logits at token i, also across chunk boundaries, so both modes score
 the same N-1 tokens as one cache-free forward pass (`cache_free_nll`).
@@ -27,7 +30,7 @@ from transformers import Cache, PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
 
-MODES = {"chunked": 256, "streaming": 1}  # mode -> default chunk size
+MODES = {"chunked": 256, "streaming": 1, "continuation": 1}  # mode -> default chunk size
 
 
 @dataclass
@@ -58,8 +61,14 @@ class PerplexityResult:
             rows.append({"start": start + 1, "end": start + part.numel(), "perplexity": math.exp(part.mean().item())})
         return rows
 
+    @property
+    def continuation_perplexity(self) -> float | None:
+        """Perplexity of the tokens after the prompt (continuation mode), else None."""
+        prompt = self.extra.get("prompt_tokens")
+        return None if prompt is None else math.exp(self.nll[prompt - 1 :].double().mean().item())
+
     def summary(self) -> dict:
-        return {
+        row = {
             "cache": self.cache,
             "mode": self.mode,
             "chunk_size": self.chunk_size,
@@ -68,6 +77,9 @@ class PerplexityResult:
             "seconds": self.seconds,
             **self.extra,
         }
+        if self.continuation_perplexity is not None:
+            row["continuation_perplexity"] = self.continuation_perplexity
+        return row
 
     def to_json(self, path: str | Path) -> None:
         """Summary, segments and every token's NLL."""
@@ -120,11 +132,13 @@ def perplexity(
     segment_size: int = 1024,
     label: str | None = None,
     progress: bool = True,
+    prompt_tokens: int | None = None,
 ) -> PerplexityResult:
     """Scores `input_ids` (1-d, or `[1, N]`) through `cache` (a Cache, or a factory called once).
 
     With `cache=None` the model keeps no cache and each chunk sees only itself (a baseline for
     "no memory"); pass `DynamicCache(config=model.config)` for the full-cache reference.
+    `prompt_tokens` (continuation mode only, and required there) is the prompt's length.
     """
     if mode not in MODES:
         raise ConfigError(f"unknown perplexity mode {mode!r}; expected one of {sorted(MODES)}")
@@ -135,14 +149,19 @@ def perplexity(
     total = ids.shape[1]
     if total < 2:
         raise ShapeError(f"perplexity needs at least 2 tokens, got {total}")
+    if (mode == "continuation") != (prompt_tokens is not None):
+        raise ConfigError(f"prompt_tokens is given in the continuation mode, and only there (mode {mode!r})")
+    if prompt_tokens is not None and not 1 <= prompt_tokens < total:
+        raise ConfigError(f"prompt_tokens must leave a continuation: 1 <= prompt_tokens < {total}, got {prompt_tokens}")
+    starts = list(range(0, total, chunk)) if prompt_tokens is None else [0, *range(prompt_tokens, total, chunk)]
     cache_obj = cache() if callable(cache) else cache
     device = next(model.parameters()).device
     ids = ids.to(device)
     pieces, previous_last = [], None
     start_time = time.perf_counter()
     bar = tqdm(total=total, desc=f"ppl {label or mode}", unit="tok", disable=not progress, leave=False)
-    for start in range(0, total, chunk):
-        piece = ids[:, start : start + chunk]
+    for start, end in zip(starts, [*starts[1:], total], strict=True):
+        piece = ids[:, start:end]
         out = model(input_ids=piece, past_key_values=cache_obj, use_cache=cache_obj is not None)
         logits = out.logits[0]
         if previous_last is not None:  # the previous chunk's last logits score this chunk's first token
@@ -159,6 +178,7 @@ def perplexity(
         segment_size=segment_size,
         cache=label or type(cache_obj).__name__,
         seconds=time.perf_counter() - start_time,
+        extra={} if prompt_tokens is None else {"prompt_tokens": prompt_tokens},
     )
 
 
