@@ -112,3 +112,36 @@ def test_kvplus_needle_writes_the_table_json_csv_and_heatmap(local_model, tmp_pa
     assert (tmp_path / "needle.csv").read_text().count("\n") == 1 + 8
     assert (tmp_path / "needle.png").stat().st_size > 0
     assert "bytes at 160" in capsys.readouterr().out
+
+
+def test_the_kvpress_comparison_runs_its_hf_kvplus_half_and_scores_the_full_cache_as_perplexity_does(
+    local_model, tmp_path
+):
+    """eval/compare_kvpress.py without kvpress (its other half needs transformers < 5.3): the inputs, every
+    hf_kvplus method at a ratio, the report; the full cache's continuation perplexity is `perplexity`'s."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import DynamicCache
+
+    from hf_kvplus.evaluation import perplexity
+
+    path = Path(__file__).parents[1] / "eval" / "compare_kvpress.py"
+    spec = importlib.util.spec_from_file_location("compare_kvpress", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    _, text, tokenizer, model = local_model
+    args = argparse.Namespace(text=text, context=120, continuation=6, depths=[0.5], ratios=[0.5], model="tiny",
+                              out=tmp_path)  # a budget of 60: SnapKV's observation window shrinks to 30
+    inputs = compare.build_inputs(tokenizer, args)
+    assert len(inputs["text_ids"]) == 126 and len(inputs["needles"][0]["ids"]) == 120
+    rows = compare.run_kvplus(model, tokenizer, inputs, new_tokens=3)
+    assert [r["method"] for r in rows][1:] == list(compare.kvplus_specs(60))
+    want = perplexity(model, torch.tensor(inputs["text_ids"]), lambda: DynamicCache(config=model.config),
+                      mode="continuation", prompt_tokens=120, progress=False).continuation_perplexity
+    assert rows[0]["continuation_ppl"] == pytest.approx(want, rel=1e-4)
+    compare.report(rows, inputs, args, {})
+    table = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    assert table[0]["budget"] == 120 and {r["budget"] for r in table[1:]} == {60}
+    assert {p.name for p in tmp_path.iterdir()} == {"compare.json", "compare.csv", "compare.md", "compare.png"}

@@ -1,0 +1,282 @@
+"""hf_kvplus's evicting caches against NVIDIA kvpress's presses at equal budgets, on the same token ids.
+
+    python eval/compare_kvpress.py --kvpress-python /tmp/kvpvenv/bin/python --out eval/results/kvpress_smollm2
+    python eval/compare_kvpress.py --out /tmp/k --context 256 --continuation 16 --depths 0.5   # hf_kvplus half only
+
+kvpress 0.5.5 needs transformers < 5.3, so its half runs in a venv of its own (`scripts/kvpress_venv.sh` makes
+one) on the converted model folder hf_kvplus keeps for `--model`, reading the token ids this half wrote; this file
+is that half's script too (`--role kvpress`: it imports neither hf_kvplus nor anything newer than kvpress allows).
+
+Both halves treat a prompt the same way: one forward over the whole prompt, which a press compresses (kvpress
+compresses during the first prefill) and a `compress=prefill` cache compresses too, then decoding one token at a
+time at the original positions, without compressing (kvpress's pipeline decodes so). A ratio r keeps (1 - r) x
+`--context` tokens per layer and KV head, kvpress's `compression_ratio`. Per method and ratio:
+
+- continuation perplexity: `--context` tokens of `--text` as the prompt, then the next `--continuation` tokens fed
+  one at a time and scored (the first by the prompt's last logits);
+- needle accuracy: `hf_kvplus.evaluation.needle`'s pass-key prompts of `--context` tokens with the key at each
+  `--depths`, greedy `--new-tokens` answers, right when the first number is the key. (kvpress's own pipeline
+  compresses the context and appends the question uncompressed; here the question is part of the compressed
+  prompt for both halves, so that a budget means the same thing in each.)
+
+Writes `compare.json`, `compare.csv`, `compare.md` and `compare.png` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+#: kvpress presses compared, by name: (class name, keyword arguments besides compression_ratio).
+PRESSES = {
+    "kvpress StreamingLLM": ("StreamingLLMPress", {"n_sink": 4}),
+    "kvpress SnapKV": ("SnapKVPress", {"window_size": 64}),
+    "kvpress ObservedAttention": ("ObservedAttentionPress", {}),
+    "kvpress Knorm": ("KnormPress", {}),
+    "kvpress TOVA": ("TOVAPress", {}),
+    "kvpress ExpectedAttention": ("ExpectedAttentionPress", {}),
+}
+
+
+def kvplus_specs(budget: int) -> dict[str, str]:
+    """hf_kvplus's evicting caches at `budget` tokens, compressing each prompt only (kvpress's setting)."""
+    return {
+        "hf_kvplus sink (positions=original)": f"sink:4:{budget - 4}:positions=original:compress=prefill",
+        "hf_kvplus sink (positions=cache)": f"sink:4:{budget - 4}:compress=prefill",
+        "hf_kvplus h2o": f"h2o:{budget}:compress=prefill",
+        "hf_kvplus snapkv": f"snapkv:{budget}:observation={min(64, budget // 2)}",  # kvpress's window: 64
+    }
+
+
+# -------------------------------------------------------------------------------- shared by both halves
+
+
+@torch.no_grad()
+def continuation_nll(model, ids: list[int], context: int, make_cache, compressing) -> list[float]:
+    """NLL of tokens `context ..` of `ids`: the first `context` as one compressed prompt, then one at a time."""
+    tokens = torch.tensor([ids])
+    cache = make_cache()
+    with compressing():
+        logits = model(tokens[:, :context], past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    nll = []
+    for t in range(context, tokens.shape[1]):
+        nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[t]]))
+        if t + 1 < tokens.shape[1]:
+            out = model(tokens[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[t]]))
+            logits = out.logits[0, -1]
+    return nll
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, prompt: list[int], new_tokens: int, make_cache, compressing) -> str:
+    """`new_tokens` greedy tokens after `prompt` compressed as one forward, decoded at the original positions."""
+    cache = make_cache()
+    with compressing():
+        logits = model(torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    answer = [int(logits.argmax())]
+    for i in range(new_tokens - 1):
+        position = torch.tensor([[len(prompt) + i]])
+        logits = model(torch.tensor([[answer[-1]]]), past_key_values=cache, position_ids=position).logits[0, -1]
+        answer.append(int(logits.argmax()))
+    return tokenizer.decode(answer, skip_special_tokens=True)
+
+
+def is_correct(answer: str, key: str) -> bool:
+    found = re.search(r"\d+", answer)
+    return found is not None and found.group() == key
+
+
+def evaluate(model, tokenizer, inputs: dict, make_cache, compressing, new_tokens: int) -> dict:
+    """Continuation perplexity and needle answers of one method."""
+    start = time.perf_counter()
+    nll = continuation_nll(model, inputs["text_ids"], inputs["context"], make_cache, compressing)
+    answers = [greedy_answer(model, tokenizer, n["ids"], new_tokens, make_cache, compressing) for n in inputs["needles"]]
+    right = [is_correct(a, n["key"]) for a, n in zip(answers, inputs["needles"], strict=True)]
+    return {
+        "continuation_ppl": math.exp(sum(nll) / len(nll)),
+        "needle_accuracy": sum(right) / len(right),
+        "answers": answers,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+# -------------------------------------------------------------------------------- the kvpress half
+
+
+def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, threads: int) -> None:
+    import kvpress
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    inputs = json.loads(inputs_path.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    models = {}
+
+    def model_for(attn: str):
+        if attn not in models:
+            models[attn] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                attn_implementation=attn).eval()  # fmt: skip
+        return models[attn]
+
+    rows = []
+    for ratio in inputs["ratios"]:
+        for name, (cls, kwargs) in PRESSES.items():
+            attn = "eager" if cls == "ObservedAttentionPress" else "sdpa"
+            model = model_for(attn)
+            press = getattr(kvpress, cls)(compression_ratio=ratio, **kwargs)
+            result = evaluate(model, tokenizer, inputs, DynamicCache, lambda press=press, model=model: press(model),
+                              new_tokens)  # fmt: skip
+            rows.append({"method": name, "ratio": ratio, **result})
+            print(f"{name} r={ratio}: ppl {result['continuation_ppl']:.3f} needle {result['needle_accuracy']:.0%}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    versions = {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": __import__("transformers").__version__}
+    out.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
+
+
+# -------------------------------------------------------------------------------- the hf_kvplus half
+
+
+def build_inputs(tokenizer, args) -> dict:
+    from hf_kvplus.evaluation.needle import needle_ids, passkey_prompt, prompt_frame
+    from hf_kvplus.resolve import load_text
+
+    text = tokenizer(load_text(args.text), add_special_tokens=False)["input_ids"]
+    total = args.context + args.continuation
+    haystack = text[total : total + args.context]  # the needle prompts' haystack: text after the continuation
+    frame = prompt_frame(tokenizer)
+    keys = [str(10000 + (7919 * (i + 1)) % 90000) for i in range(len(args.depths))]
+    needles = [{"key": key, "depth": depth,
+                "ids": passkey_prompt(frame, haystack, needle_ids(tokenizer, key), args.context, depth)[0][0].tolist()}
+               for key, depth in zip(keys, args.depths, strict=True)]  # fmt: skip
+    return {"text_ids": text[:total], "context": args.context, "needles": needles, "ratios": args.ratios}
+
+
+def run_kvplus(model, tokenizer, inputs: dict, new_tokens: int) -> list[dict]:
+    from tqdm import tqdm
+    from transformers import DynamicCache
+
+    from hf_kvplus.specs import parse_cache_spec
+
+    methods = [("full cache (DynamicCache)", None, lambda: DynamicCache(config=model.config))]
+    for ratio in inputs["ratios"]:
+        budget = round((1 - ratio) * inputs["context"])
+        for name, spec in kvplus_specs(budget).items():
+            parsed = parse_cache_spec(spec)
+            methods.append((name, ratio, lambda parsed=parsed: parsed.build(model.config)))
+    rows = []
+    for name, ratio, make in tqdm(methods, desc="hf_kvplus", file=sys.stderr):
+        rows.append({"method": name, "ratio": ratio, **evaluate(model, tokenizer, inputs, make, contextlib.nullcontext,
+                                                               new_tokens)})  # fmt: skip
+    return rows
+
+
+COLUMNS = [("method", "method", ""), ("ratio", "ratio", ".2f"), ("budget", "budget", "d"),
+           ("continuation_ppl", "continuation ppl", ".3f"), ("ppl_delta_pct", "vs full %", "+.2f"),
+           ("needle_accuracy", "needle", ".0%"), ("seconds", "seconds", ".0f")]  # fmt: skip
+
+
+def report(rows: list[dict], inputs: dict, args, extra: dict) -> str:
+    from hf_kvplus.evaluation.report import format_table, stamp
+
+    full = next(r for r in rows if r["ratio"] is None)
+    for row in rows:
+        row["budget"] = inputs["context"] if row["ratio"] is None else round((1 - row["ratio"]) * inputs["context"])
+        row["ppl_delta_pct"] = 100 * (row["continuation_ppl"] / full["continuation_ppl"] - 1)
+    ordered = [full] + sorted((r for r in rows if r is not full), key=lambda r: (r["ratio"], r["method"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {**stamp(), **extra, "model": args.model, "text": args.text, "context": inputs["context"],
+            "continuation": args.continuation, "depths": args.depths}  # fmt: skip
+    (args.out / "compare.json").write_text(json.dumps({**meta, "rows": ordered}, indent=1))
+    with open(args.out / "compare.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[key for key, _, _ in COLUMNS])
+        writer.writeheader()
+        writer.writerows({key: row.get(key) for key, _, _ in COLUMNS} for row in ordered)
+    table = format_table(ordered, COLUMNS)
+    md = (f"{args.model} on {args.text}: prompts of {inputs['context']} tokens compressed once, {args.continuation} "
+          f"continuation tokens scored, needle at depths {args.depths}; {meta['machine']}, {meta['date']}\n\n"
+          f"```\n{table}\n```\n")  # fmt: skip
+    (args.out / "compare.md").write_text(md)
+    plot(ordered, args.out / "compare.png", f"{args.model}: {inputs['context']}-token prompts compressed once")
+    return md
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    full = next(r for r in rows if r["ratio"] is None)
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["ratio"] is not None))
+    for method in methods:
+        points = sorted((r["ratio"], r) for r in rows if r["method"] == method)
+        style = "-" if method.startswith("hf_kvplus") else "--"
+        left.plot([p for p, _ in points], [r["ppl_delta_pct"] for _, r in points], style, marker="o", label=method)
+        right.plot([p for p, _ in points], [r["needle_accuracy"] for _, r in points], style, marker="o", label=method)
+    left.axhline(0, color="black", linewidth=0.8)
+    right.axhline(full["needle_accuracy"], color="black", linewidth=0.8, label="full cache")
+    left.set(xlabel="compression ratio (fraction of the prompt evicted)", ylabel="continuation perplexity vs full, %")
+    right.set(xlabel="compression ratio (fraction of the prompt evicted)", ylabel="needle accuracy", ylim=(-0.05, 1.05))
+    right.legend(fontsize=7, loc="lower left")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=("kvplus", "kvpress"), default="kvplus")
+    parser.add_argument("--out", type=Path, required=True, help="output folder (kvpress role: the JSON file)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--text", default="austen:emma")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--continuation", type=int, default=128)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kvpress-python", default=None, help="the kvpress venv's python; without it, hf_kvplus only")
+    parser.add_argument("--inputs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "kvpress":
+        run_kvpress(args.inputs, args.model_dir, args.out, args.new_tokens, args.threads)
+        return
+    from hf_kvplus.resolve import load_model
+    from hf_kvplus.resolve.models import converted_model_dir
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    inputs = build_inputs(tokenizer, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "inputs.json").write_text(json.dumps(inputs))
+    rows = run_kvplus(model, tokenizer, inputs, args.new_tokens)
+    extra = {}
+    if args.kvpress_python:
+        del model
+        command = [args.kvpress_python, __file__, "--role", "kvpress", "--inputs", str(args.out / "inputs.json"),
+                   "--model-dir", str(converted_model_dir(args.model)), "--out", str(args.out / "kvpress.json"),
+                   "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]  # fmt: skip
+        subprocess.run(command, check=True)
+        kvpress_result = json.loads((args.out / "kvpress.json").read_text())
+        rows += kvpress_result["rows"]
+        extra["kvpress_versions"] = kvpress_result["versions"]
+    print(report(rows, inputs, args, extra))
+
+
+if __name__ == "__main__":
+    main()
