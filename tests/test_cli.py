@@ -80,3 +80,39 @@ def test_errors_exit_2_with_the_reason(local_model, capsys):
     folder, text = local_model
     assert main(["ppl", "--model", folder, "--text", text, "--cache", "nope"]) == 2
     assert "unknown cache 'nope'" in capsys.readouterr().err
+
+
+def test_ppl_streams_a_pg19_book_longer_than_the_models_positions(tmp_path, monkeypatch):
+    """`--text hf:<folder>::test#1` on a local parquet file in PG-19's schema (`deepmind/pg19` online), streamed
+    through SinkCache past the 64 positions the model was built for: every token scored, the cache bounded."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    books = tmp_path / "pg19" / "data"
+    books.mkdir(parents=True)
+    table = pa.table({"short_book_title": ["Pride and Prejudice", "Emma"], "publication_date": [1813, 1815],
+                      "url": ["https://www.gutenberg.org/ebooks/1342", "https://www.gutenberg.org/ebooks/158"],
+                      "text": [TEXT, "Emma Woodhouse"]})  # fmt: skip
+    pq.write_table(table, books / "test-00000-of-00001.parquet")
+    folder = tmp_path / "model"
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    out = tmp_path / "out"
+    assert main(["ppl", "--model", str(folder), "--text", f"hf:{tmp_path / 'pg19'}::test#1", "--tokens", "300",
+                 "--mode", "streaming", "--chunk", "4", "--cache", "dynamic", "--cache", "sink:4:28",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = {row["cache"]: row for row in json.loads((out / "ppl_summary.json").read_text())["rows"]}
+    assert rows["sink:4:28"]["tokens_scored"] == rows["dynamic"]["tokens_scored"] == 299
+    assert 1 < rows["sink:4:28"]["perplexity"] < float("inf")
+    from hf_kvplus.resolve import load_text
+
+    assert load_text(f"hf:{tmp_path / 'pg19'}::test#1") == TEXT  # one row: the first book only
