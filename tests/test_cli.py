@@ -3,9 +3,7 @@
 import json
 
 import pytest
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from word_model import save_word_model
 
 from hf_kvplus.cli import main
 
@@ -20,14 +18,7 @@ TEXT = " ".join(
 def local_model(tmp_path_factory):
     """A tiny Llama and a word-level tokenizer trained on the text, saved as a local folder."""
     folder = tmp_path_factory.mktemp("model")
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_word_model(folder, TEXT)
     text = tmp_path_factory.mktemp("text") / "book.txt"
     text.write_text(TEXT)
     return str(folder), str(text)
@@ -97,15 +88,7 @@ def test_ppl_streams_a_pg19_book_longer_than_the_models_positions(tmp_path, monk
                       "text": [TEXT, "Emma Woodhouse"]})  # fmt: skip
     pq.write_table(table, books / "test-00000-of-00001.parquet")
     folder = tmp_path / "model"
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_word_model(folder, TEXT, max_position_embeddings=64, initializer_range=0.02)
     out = tmp_path / "out"
     assert main(["ppl", "--model", str(folder), "--text", f"hf:{tmp_path / 'pg19'}::test#1", "--tokens", "300",
                  "--mode", "streaming", "--chunk", "4", "--cache", "dynamic", "--cache", "sink:4:28",

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
+from word_model import save_word_model
 
 from hf_kvplus.cli import main
 from hf_kvplus.errors import ConfigError
@@ -32,18 +32,10 @@ VOCAB = " ".join([TEXT, INSTRUCTION, QUESTION, ANSWER_START, NEEDLE, *map(str, r
 def local_model(tmp_path_factory):
     """A tiny Llama and a word-level tokenizer that knows the prompt's words, saved as a local folder."""
     folder = tmp_path_factory.mktemp("model")
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([VOCAB], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer = save_word_model(folder, VOCAB)
     text = tmp_path_factory.mktemp("text") / "book.txt"
     text.write_text(TEXT)
-    return str(folder), str(text), fast, LlamaForCausalLM.from_pretrained(folder).eval()
+    return str(folder), str(text), tokenizer, LlamaForCausalLM.from_pretrained(folder).eval()
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
