@@ -27,3 +27,11 @@ def test_benchmark_rows(tmp_path):
     assert table.splitlines()[0].split()[:2] == ["cache", "prefill"] and len(table.splitlines()) == 5
     plot_bench(results, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_static_cache_bytes_per_token_is_a_number():
+    """StaticCache reports its length as a tensor; the benchmark's bytes per token stay a float (JSON number)."""
+    model = build_model("llama")
+    result = benchmark(model, torch.randint(3, 128, (1, 20)), [parse_cache_spec("static")], new_tokens=3, repeats=1,
+                       warmup=0, progress=False)[0]  # fmt: skip
+    assert type(result.bytes_per_token) is float and result.bytes_per_token > 0

@@ -110,7 +110,8 @@ def run_once(
         "ttft_s": prefill,  # the first token comes out of the prefill's last logits
         "decode_tok_s": new_tokens / decode,
         "bytes_at_rest": nbytes,
-        "bytes_per_token": nbytes / (prompt.shape[0] * cache.get_seq_length()),
+        # int(): StaticCache gives its length as a tensor, which would make this one (and write it to JSON as text)
+        "bytes_per_token": nbytes / (prompt.shape[0] * int(cache.get_seq_length())),
         "peak_bytes": _peak_since(device, memory_start),
         "tokens": torch.cat(tokens, dim=1).cpu(),
     }
