@@ -213,27 +213,38 @@ def report(rows: list[dict], inputs: dict, args, extra: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Continuation perplexity against the full cache (lines) and needle accuracy (bars), by ratio and method;
+    hf_kvplus solid, kvpress dashed and hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     full = next(r for r in rows if r["ratio"] is None)
     methods = list(dict.fromkeys(r["method"] for r in rows if r["ratio"] is not None))
-    for method in methods:
-        points = sorted((r["ratio"], r) for r in rows if r["method"] == method)
-        style = "-" if method.startswith("hf_kvplus") else "--"
-        left.plot([p for p, _ in points], [r["ppl_delta_pct"] for _, r in points], style, marker="o", label=method)
-        right.plot([p for p, _ in points], [r["needle_accuracy"] for _, r in points], style, marker="o", label=method)
+    ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None})
+    colors = plt.get_cmap("tab10")
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        ours = method.startswith("hf_kvplus")
+        by_ratio = {r["ratio"]: r for r in rows if r["method"] == method}
+        left.plot(ratios, [by_ratio[x]["ppl_delta_pct"] for x in ratios], "-" if ours else "--", marker="o",
+                  color=colors(i), label=method)  # fmt: skip
+        right.bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(ratios))],
+                  [by_ratio[x]["needle_accuracy"] for x in ratios], width, color=colors(i),
+                  hatch=None if ours else "//", edgecolor="white")  # fmt: skip
     left.axhline(0, color="black", linewidth=0.8)
-    right.axhline(full["needle_accuracy"], color="black", linewidth=0.8, label="full cache")
-    left.set(xlabel="compression ratio (fraction of the prompt evicted)", ylabel="continuation perplexity vs full, %")
-    right.set(xlabel="compression ratio (fraction of the prompt evicted)", ylabel="needle accuracy", ylim=(-0.05, 1.05))
-    right.legend(fontsize=7, loc="lower left")
+    right.axhline(full["needle_accuracy"], color="black", linewidth=1, linestyle=":", label="full cache")
+    left.set(xlabel="compression ratio (fraction of the prompt evicted)", ylabel="continuation perplexity vs full, %",
+             xticks=ratios)  # fmt: skip
+    right.set(xlabel="compression ratio", ylabel="needle accuracy", ylim=(0, 1.05), xticks=range(len(ratios)),
+              xticklabels=[f"{x:.2f}" for x in ratios])  # fmt: skip
+    right.legend(loc="upper right", fontsize=8)
+    figure.legend(*left.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
