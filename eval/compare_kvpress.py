@@ -92,6 +92,7 @@ def greedy_answer(model, tokenizer, prompt: list[int], new_tokens: int, make_cac
 
 
 def is_correct(answer: str, key: str) -> bool:
+    """`evaluation.needle.is_correct`, which the kvpress half cannot import."""
     found = re.search(r"\d+", answer)
     return found is not None and found.group() == key
 

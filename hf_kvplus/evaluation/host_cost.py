@@ -1,5 +1,5 @@
 """What a step costs the host: ops that would stall a GPU's queue, Python calls made by cache code, and
-the time spent inside attention kernels.
+the time spent inside kernels.
 
 A decode step on a GPU is a queue of kernels the host fills; anything that reads a tensor's value back
 (`.item()`, `bool(t)`, `int(t)`, `.tolist()`, `nonzero`, a data-dependent shape) makes the host wait
@@ -99,7 +99,7 @@ def count_cache_calls(step: Callable[[], object]) -> int:
 
 @dataclass
 class KernelTime:
-    """Wall time and calls spent inside attention kernels (or their twins) while timing."""
+    """Wall time and calls spent inside kernels (or their torch twins) while timing."""
 
     seconds: float = 0.0
     calls: int = 0
