@@ -27,8 +27,8 @@ specialization. The launches:
 - dense decode attention, with and without the attention mass (split kernel with scores, merge with
   log-sum-exp), paged decode attention at the default block size, quantized decode attention
   (int8/int4/int2/fp8 at the default group size; its residual runs the dense split kernel) dense and
-  paged at the default block size: each dtype x head dim 64/128/256 x query-group tile the planner
-  picks x with and without a mask;
+  paged at the default block size, and over an evicting cache's slots (keys per token, no residual):
+  each dtype x head dim 64/128/256 x query-group tile the planner picks x with and without a mask;
 - the paged store (one decode token) and the quantize-and-pack kernels (keys; values at every token
   tile the launch picks, for fp16, and the largest for bf16/fp32): each dtype x head dim (x format);
 - on one representative (fp16, head dim 128, mask): every other paged block size and query groups
@@ -315,33 +315,37 @@ def _quant_block_sizes(fmt) -> list[int]:
     return [default, *(bs for bs in PAGED_BLOCK_SIZES if bs % fmt.group_size == 0 and bs != default)]
 
 
-def _packed(fmt, head_dim, rows, tokens) -> PackedKV:
-    """Quantized K/V buffers [rows, Hkv, tokens, ...] in ``fmt`` (zeros None for fp8)."""
-    width, groups = head_dim // fmt.per_byte, tokens // fmt.group_size
-    zero = None if fmt.is_float else _meta(rows, KV_HEADS, groups, head_dim)
+def _packed(fmt, head_dim, rows, tokens, keys_per_token=False) -> PackedKV:
+    """Quantized K/V buffers [rows, Hkv, tokens, ...] in ``fmt`` (zeros None for fp8); keys per channel over
+    groups of tokens, or laid out as the values with ``keys_per_token``."""
+    width = head_dim // fmt.per_byte
+    key_params = (tokens, head_dim // fmt.group_size) if keys_per_token else (tokens // fmt.group_size, head_dim)
+    zero = None if fmt.is_float else _meta(rows, KV_HEADS, *key_params)
     v_zero = None if fmt.is_float else _meta(rows, KV_HEADS, tokens, head_dim // fmt.group_size)
     return PackedKV(
-        _meta(rows, KV_HEADS, tokens, width, dtype=torch.uint8), _meta(rows, KV_HEADS, groups, head_dim), zero,
+        _meta(rows, KV_HEADS, tokens, width, dtype=torch.uint8), _meta(rows, KV_HEADS, *key_params), zero,
         _meta(rows, KV_HEADS, tokens, width, dtype=torch.uint8),
         _meta(rows, KV_HEADS, tokens, head_dim // fmt.group_size), v_zero,
     )
 
 
-def _quantized(dtype, fmt, head_dim, group, mask, block_size) -> list[Spec]:
-    """Quantized decode attention over KEYS codes (dense, or paged when ``block_size``) plus a residual."""
+def _quantized(dtype, fmt, head_dim, group, mask, block_size, keys_per_token=False) -> list[Spec]:
+    """Quantized decode attention over KEYS codes (dense, or paged when ``block_size``) plus a residual; with
+    ``keys_per_token``, an evicting cache's slots: dense, keys laid out as values, no residual."""
     q = _meta(BATCH, KV_HEADS * group, head_dim, dtype=dtype)
-    residual = _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=dtype)
+    residual = None if keys_per_token else _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=dtype)
     if block_size is None:
-        packed, table = _packed(fmt, head_dim, BATCH, -(-KEYS // 128) * 128), None
+        packed, table = _packed(fmt, head_dim, BATCH, -(-KEYS // 128) * 128, keys_per_token), None
     else:
         table, blocks = _table(block_size)
         packed = _packed(fmt, head_dim, blocks, block_size)
-    storage = "dense" if block_size is None else f"paged bs{block_size}"
+    storage = "slots" if keys_per_token else "dense" if block_size is None else f"paged bs{block_size}"
     name = f"{_SHORT[dtype]} d{head_dim} {fmt} {storage}{' mask' if mask else ''}"
     return _record(
         lambda: quant_attention.quantized_decode_attention_triton(
             q, packed, fmt, start=0, length=KEYS, scale=0.125, residual_k=residual, residual_v=residual,
-            mask=_mask(mask, KEYS + RESIDUAL), block_table=table,
+            mask=_mask(mask, KEYS + (0 if keys_per_token else RESIDUAL)), block_table=table,
+            keys_per_token=keys_per_token,
         ),
         {
             "_quant_split_kernel": name,
@@ -387,6 +391,7 @@ def specializations() -> list[Spec]:
         fmt = _default_format(bits, d)
         specs += _quantized(dt, fmt, d, g, mask, None)
         specs += _quantized(dt, fmt, d, g, mask, _quant_block_sizes(fmt)[0])
+        specs += _quantized(dt, fmt, d, g, mask, None, keys_per_token=True)
     for dt, bits, d in itertools.product(dtypes, BIT_WIDTHS, HEAD_DIMS):
         specs += _pack(dt, _default_format(bits, d), d)
 

@@ -166,30 +166,31 @@ def quantized_decode_attention(
     mask: Tensor | None,
     block_table: Tensor | None,
     num_splits: int | None,
+    keys_per_token: bool,
 ) -> Tensor:
     return quant.quantized_decode_attention_torch(
         q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
         length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, check=False,
+        block_table=block_table, keys_per_token=keys_per_token, check=False,
     )  # fmt: skip
 
 
 @quantized_decode_attention.register_kernel("cuda")
 def quantized_decode_attention_cuda(
     q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
-    mask, block_table, num_splits,
+    mask, block_table, num_splits, keys_per_token,
 ):  # fmt: skip
     return quant.quantized_decode_attention_triton(
         q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
         length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, check=False,
+        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=False,
     )  # fmt: skip
 
 
 @quantized_decode_attention.register_fake
 def _(
     q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
-    mask, block_table, num_splits,
+    mask, block_table, num_splits, keys_per_token,
 ):  # fmt: skip
     # Codes per byte depend on the bit width alone (the group size may be symbolic here).
     return _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte)

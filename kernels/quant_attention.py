@@ -47,6 +47,11 @@ followed by the residual.
 ``num_splits`` (Triton only; None = automatic, see ``decode_attention.pick_num_splits``) cuts the
 quantized segment and the residual each into at most that many slices (never an empty one).
 
+``keys_per_token`` (keyword, every entry point): keys quantized like values, per token over groups of G
+channels (``quant_format.quantize_values``): k_scale/k_zero [L, Hkv, T, D // G], and no key group spans
+tokens, so ``start``/``length`` need not respect group bounds and a paged block size need not be a multiple
+of G. The layout of storages that overwrite single tokens in place (an evicting cache's slots).
+
 ``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates the whole
 contract above. False skips all of it (types, shapes, dtypes, devices, format and range checks,
 ``num_splits``, whether Triton can run) and the twin's host read of the block ids it uses: sizes come
@@ -129,7 +134,7 @@ def _check_tensor(name, t, dtype, device) -> None:
 
 
 def _check_inputs(
-    q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+    q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token=False
 ) -> _Info:
     """Validate the whole contract (shapes, dtypes, devices, ranges); see the module docstring."""
     if not isinstance(fmt, QuantFormat):
@@ -177,8 +182,8 @@ def _check_inputs(
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ShapeError(f"{name}={d} is not supported; expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
     expected = {
-        "k_scale": (L, Hkv, T // G, D),
-        "k_zero": (L, Hkv, T // G, D),
+        "k_scale": (L, Hkv, T, D // G) if keys_per_token else (L, Hkv, T // G, D),
+        "k_zero": (L, Hkv, T, D // G) if keys_per_token else (L, Hkv, T // G, D),
         "v": (L, Hkv, T, Dv // per),
         "v_scale": (L, Hkv, T, Dv // G),
         "v_zero": (L, Hkv, T, Dv // G),
@@ -202,7 +207,7 @@ def _check_inputs(
 
     paged = block_table is not None
     if paged:
-        if T % G:
+        if T % G and not keys_per_token:
             raise ConfigError(f"block_size {T} (pool dim 2) is not a multiple of the group size {G} ({fmt})")
         if not isinstance(block_table, torch.Tensor):
             raise DTypeError(f"block_table must be an int32 torch.Tensor, got {type(block_table).__name__}")
@@ -232,7 +237,7 @@ def _check_inputs(
                 f"tokens {start}..{start + length - 1} (start={start}, length={length}) are past the "
                 f"buffer of T={T} tokens"
             )
-        if start + length > (T // G) * G:
+        if start + length > (T // G) * G and not keys_per_token:
             raise ShapeError(
                 f"tokens {start}..{start + length - 1} reach past the last whole key group: the buffer of "
                 f"T={T} tokens has {T // G} key groups of {G} ({(T // G) * G} tokens)"
@@ -291,6 +296,7 @@ def quantized_decode_attention(
     mask=None,
     block_table=None,
     num_splits=None,
+    keys_per_token: bool = False,
     check: bool = True,
 ) -> torch.Tensor:
     """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin.
@@ -303,11 +309,11 @@ def quantized_decode_attention(
         p = packed
         return custom_ops.quantized_decode_attention(
             q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), start,
-            length, scale, residual_k, residual_v, mask, block_table, num_splits,
+            length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
         )  # fmt: skip
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, check=check,
+        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
     )  # fmt: skip
     if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
         return quantized_decode_attention_triton(q, packed, fmt, **kw)
@@ -327,6 +333,7 @@ def quantized_decode_attention_triton(
     mask=None,
     block_table=None,
     num_splits=None,
+    keys_per_token: bool = False,
     check: bool = True,
 ) -> torch.Tensor:
     """Split-KV flash-decoding over the codes in place (CUDA tensors, or any under TRITON_INTERPRET=1)."""
@@ -336,7 +343,8 @@ def quantized_decode_attention_triton(
                 "quantized_decode_attention_triton needs triton, which is not installed"
             )
         info = _check_inputs(
-            q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+            q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
+            keys_per_token,
         )
         if not q.is_cuda and not _is_interpreted(_quant_split_kernel):
             raise KernelUnavailableError(
@@ -360,7 +368,7 @@ def quantized_decode_attention_triton(
 
     if quant_plan is not None:
         _launch_quant_split(
-            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table
+            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table, keys_per_token
         )
     if res_plan is not None:
         rk = residual_k if residual_k.stride(-1) == 1 else residual_k.contiguous()
@@ -399,7 +407,7 @@ def _quant_plan(q, info, n_keys, num_splits):
     return plan._replace(num_warps=num_warps)
 
 
-def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table):
+def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, keys_per_token):
     """Kernel 1 over the quantized segment: splits 0 .. plan.num_splits - 1 of ``partials``."""
     B, Hq, D = q.shape
     mid_o, mid_m, mid_l = partials
@@ -430,6 +438,7 @@ def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start
         sbb, sbc,
         HAS_MASK=mask is not None,
         PAGED=info.paged, BLOCK_SIZE=info.T if info.paged else 1, GROUP=fmt.group_size,
+        KEYS_PER_TOKEN=keys_per_token,
         BITS=fmt.code_bits, PER=per, IS_FP8=fmt.is_float,
         PK=pk, PV=pv, PK_PAD=triton.next_power_of_2(pk), PV_PAD=triton.next_power_of_2(pv),
         G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
@@ -481,7 +490,7 @@ if triton is not None:
         stride_mb, stride_mn,
         stride_btb, stride_btc,
         HAS_MASK: tl.constexpr,
-        PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+        PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, KEYS_PER_TOKEN: tl.constexpr,
         BITS: tl.constexpr, PER: tl.constexpr, IS_FP8: tl.constexpr,
         PK: tl.constexpr, PV: tl.constexpr, PK_PAD: tl.constexpr, PV_PAD: tl.constexpr,
         G_CHUNKS: tl.constexpr,
@@ -491,7 +500,8 @@ if triton is not None:
         # Key n (0 .. N-1) of row b is token t = START + n: dense, token t of the buffers of (b, head);
         # paged, block BT[b, t // BLOCK_SIZE] at offset o = t % BLOCK_SIZE (block ids outside
         # 0..NUM_BLOCKS-1 count as masked keys, never dereferenced). Its key scale/zero row is
-        # t // GROUP (paged: o // GROUP of its block), its value scale/zero column c // GROUP.
+        # t // GROUP (paged: o // GROUP of its block), its value scale/zero column c // GROUP. With
+        # KEYS_PER_TOKEN the keys are laid out as the values: key scale/zero row t (o), column c // GROUP.
         #
         # Channel order. Unpacking a code tile [BLOCK_N, PK_PAD] with PER shifts gives register column
         # c' = i * PK_PAD + j for the code of channel i * PK + j (PK = D // PER bytes per token, PK_PAD
@@ -510,6 +520,7 @@ if triton is not None:
         kj = offs_c % PK_PAD
         k_ch = (offs_c // PK_PAD) * PK + kj  # channel of register column c'
         k_ok = kj < PK
+        k_col = k_ch // GROUP if KEYS_PER_TOKEN else k_ch  # its column of the key scales and zeros
         offs_cv = tl.arange(0, DV_PAD)
         vj = offs_cv % PV_PAD
         v_ch = (offs_cv // PV_PAD) * PV + vj
@@ -558,15 +569,17 @@ if triton is not None:
                 n_ok = n_ok & (blk >= 0) & (blk < NUM_BLOCKS)
                 off = tok % BLOCK_SIZE
                 kc_rows = blk * stride_kcb + off * stride_kcn
-                ks_rows = blk * stride_ksb + (off // GROUP) * stride_ksr
-                kz_rows = blk * stride_kzb + (off // GROUP) * stride_kzr
+                k_row = off if KEYS_PER_TOKEN else off // GROUP
+                ks_rows = blk * stride_ksb + k_row * stride_ksr
+                kz_rows = blk * stride_kzb + k_row * stride_kzr
                 vc_rows = blk * stride_vcb + off * stride_vcn
                 vs_rows = blk * stride_vsb + off * stride_vsn
                 vz_rows = blk * stride_vzb + off * stride_vzn
             else:
                 kc_rows = tok * stride_kcn
-                ks_rows = (tok // GROUP) * stride_ksr
-                kz_rows = (tok // GROUP) * stride_kzr
+                k_row = tok if KEYS_PER_TOKEN else tok // GROUP
+                ks_rows = k_row * stride_ksr
+                kz_rows = k_row * stride_kzr
                 vc_rows = tok * stride_vcn
                 vs_rows = tok * stride_vsn
                 vz_rows = tok * stride_vzn
@@ -577,12 +590,12 @@ if triton is not None:
                 kc_base + kc_rows[:, None] + offs_pk[None, :] * stride_kcp,
                 mask=n_ok[:, None] & (offs_pk < PK)[None, :], other=0,
             )  # fmt: skip
-            ks = tl.load(ks_base + ks_rows[:, None] + k_ch[None, :] * stride_ksd, mask=nk, other=0.0)
+            ks = tl.load(ks_base + ks_rows[:, None] + k_col[None, :] * stride_ksd, mask=nk, other=0.0)
             ks = ks.to(tl.float32)
             if IS_FP8:
                 kz = ks  # unused
             else:
-                kz = tl.load(kz_base + kz_rows[:, None] + k_ch[None, :] * stride_kzd, mask=nk, other=0.0)
+                kz = tl.load(kz_base + kz_rows[:, None] + k_col[None, :] * stride_kzd, mask=nk, other=0.0)
                 kz = kz.to(tl.float32)
             k = _dequant_tile(kc, ks, kz, BITS, PER, IS_FP8, BLOCK_N, D_PAD)
 
@@ -631,9 +644,9 @@ def _gather_blocks(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return picked.transpose(1, 2).reshape(B, hkv, c * rows, dim)
 
 
-def _quant_chunks(packed, fmt, info, start, length, block_table):
-    """Yield (first key index n0, K float32 [B, Hkv, n, D], V float32 [B, Hkv, n, Dv]) chunk by chunk."""
-    G = fmt.group_size
+def _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token):
+    """Yield (first token t0, end token t1, the packed tensors of tokens t0 .. t1 - 1) chunk by chunk."""
+    G = 1 if keys_per_token else fmt.group_size  # tokens per key-scale row
     end = start + length
     if info.paged:
         bs = info.T
@@ -649,7 +662,7 @@ def _quant_chunks(packed, fmt, info, start, length, block_table):
             yield t0, t1, parts
     else:
         step = max(1, TWIN_CHUNK_TOKENS // G)
-        for g0 in range(start // G, -(-end // G), step):
+        for g0 in range(start // G, -(-end // G), step):  # g0, g1: key-scale rows
             g1 = min(g0 + step, -(-end // G))
             t0, t1 = g0 * G, g1 * G
             if t0 == 0 and t1 == info.T:  # the buffers are the chunk (a storage's read cut them to it)
@@ -679,6 +692,7 @@ def quantized_decode_attention_torch(
     mask=None,
     block_table=None,
     num_splits=None,
+    keys_per_token: bool = False,
     check: bool = True,
 ) -> torch.Tensor:
     """Plain-torch twin: dequantizes a chunk at a time, online softmax in float32 across the chunks
@@ -694,7 +708,8 @@ def quantized_decode_attention_torch(
     """
     if check:
         info = _check_inputs(
-            q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits
+            q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
+            keys_per_token,
         )
         if info.paged and length > 0:
             bs = info.T
@@ -706,10 +721,12 @@ def quantized_decode_attention_torch(
         info = _dims(q, packed, fmt, residual_k, block_table)
     B, Hq, Hkv, G, D, Dv, R = info.B, info.Hq, info.Hkv, info.G, info.D, info.Dv, info.R
 
-    chunks = _quant_chunks(packed, fmt, info, start, length, block_table) if length > 0 else iter(())
+    chunks = _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token) if length > 0 else iter(())
     head = list(itertools.islice(chunks, 2))
     if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2:
-        return _one_shot(q, fmt, info, head[0] if head else None, start, length, residual_k, residual_v, mask, scale)
+        return _one_shot(
+            q, fmt, info, head[0] if head else None, start, length, residual_k, residual_v, mask, scale, keys_per_token
+        )
 
     # Scores in the log2 domain, as in the kernel.
     qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)
@@ -722,7 +739,7 @@ def quantized_decode_attention_torch(
     state = [None, None, None]  # running max, sum, accumulator
 
     for chunk in itertools.chain(head, chunks):
-        n0, k, v = _dequantized_chunk(chunk, fmt, start, length)
+        n0, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
         _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]])
     for r0 in range(0, R, TWIN_CHUNK_TOKENS):
         r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
@@ -735,22 +752,22 @@ def quantized_decode_attention_torch(
     return out.reshape(B, Hq, Dv).to(q.dtype)
 
 
-def _dequantized_chunk(chunk, fmt, start, length):
+def _dequantized_chunk(chunk, fmt, start, length, keys_per_token):
     """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys."""
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
-    k = dequantize_keys(kc, ks, kz, fmt)
+    k = (dequantize_values if keys_per_token else dequantize_keys)(kc, ks, kz, fmt)
     if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
         k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]
     return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt)
 
 
-def _one_shot(q, fmt, info, chunk, start, length, residual_k, residual_v, mask, scale) -> torch.Tensor:
+def _one_shot(q, fmt, info, chunk, start, length, residual_k, residual_v, mask, scale, keys_per_token) -> torch.Tensor:
     """All keys in one chunk: dequantize them, append the residual, one float32 SDPA (a short context's
     host cost is its op count, about half the online-softmax path's)."""
     ks, vs = [], []
     if chunk is not None:
-        _, k, v = _dequantized_chunk(chunk, fmt, start, length)
+        _, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
         ks.append(k)
         vs.append(v)
     if info.R:

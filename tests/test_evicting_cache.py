@@ -16,8 +16,10 @@ from hf_kvplus import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
+from hf_kvplus.attention import route
 from hf_kvplus.eviction import RotaryShift
 from hf_kvplus.kernels.quant_format import QuantFormat
+from hf_kvplus.storage.reads import SlotRead
 from hf_kvplus.storage.slots import SlotStore, TokenQuantCodec
 
 ROPES = {
@@ -215,6 +217,35 @@ def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload()
     # float32 K/V of 16 channels -> 8 bytes of int4 codes + one float16 scale and zero per token and tensor.
     assert sizes[4].payload_bytes * 64 == sizes[None].payload_bytes * 8
     assert sizes[4].total_bytes < 0.3 * sizes[None].total_bytes
+
+
+@pytest.mark.parametrize("bits", [4, "fp8"])
+def test_quantized_slots_decode_reads_the_codes_in_place_as_the_dequantized_slots_would(monkeypatch, bits):
+    """A decode step of a sink cache with quantized slots attends over the codes (keys per token) without
+    dequantizing the slots; its logits equal those of attention over the dequantized slots."""
+    model = get_model("llama")
+    input_ids, mask = left_padded_batch()  # 3 rows, left-padded to 12; a budget of 10 evicts from the prompt on
+
+    def logits(in_place):
+        cache = SinkCache(model.config, num_sinks=2, window=8, bits=bits, group_size=16)
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=mask, past_key_values=cache)
+            seen, out = mask, []
+            for t in range(12):
+                seen = torch.cat([seen, seen.new_ones(3, 1)], dim=1)
+                step = make_prompt(1, seed=t).expand(3, 1)
+                if in_place:  # the decode steps must not build the dense slots
+                    with monkeypatch.context() as patched:
+                        patched.setattr(SlotStore, "slots", lambda self: pytest.fail("dequantized the slots"))
+                        out.append(model(input_ids=step, attention_mask=seen, past_key_values=cache).logits)
+                else:
+                    out.append(model(input_ids=step, attention_mask=seen, past_key_values=cache).logits)
+        return torch.cat(out, dim=1)
+
+    in_place = logits(in_place=True)
+    attend = route.slot_attention  # the dequantizing route: attention over the dense slots, read as they are now
+    monkeypatch.setattr(route, "slot_attention", lambda q, read, *a, **k: attend(q, SlotRead(*read.dense(), read.valid), *a, **k))
+    torch.testing.assert_close(in_place, logits(in_place=False), atol=1e-5, rtol=1e-5)
 
 
 def _held_by_position(layer):

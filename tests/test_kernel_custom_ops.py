@@ -74,11 +74,13 @@ PAGED = {
     "f16-view": (F16, 2, 1, 4, 32, 16, 16, 13, 45, None, True),
 }
 # quant_case: bits, group, dtype, B, Hkv, G, D, Dv, T (buffer or block size), start, length, R, pads, paged
+# (, keys per token)
 QUANT = {
     "int4-dense-residual-mask": (4, 16, F16, 2, 1, 2, 32, 32, 32, 5, 20, 3, (0, 4), False),
     "fp8-dense-mask": ("fp8", 16, F32, 1, 2, 2, 32, 64, 64, 0, 48, None, (5,), False),
     "int4-paged-residual-mask": (4, 8, F32, 2, 1, 2, 32, 32, 16, 3, 30, 4, (2, 0), True),
     "fp8-paged": ("fp8", 8, F16, 2, 2, 1, 32, 32, 8, 3, 20, None, None, True),
+    "int2-slots-mask": (2, 16, F32, 2, 2, 2, 32, 32, 37, 0, 37, None, (0, 6), False, True),  # keys per token
 }
 # store_case: dtype, B, Hkv, n, D, Dv, bs
 STORE = {"f32-prefill": (F32, 2, 2, 5, 32, 32, 8), "bf16-step": (BF16, 1, 1, 1, 32, 64, 16)}
@@ -101,7 +103,7 @@ def quant_op_args(args, kw, num_splits=2):
     return (
         q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, str(fmt.bits), fmt.group_size, kw["start"],
         kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"], kw["block_table"],
-        num_splits,
+        num_splits, kw["keys_per_token"],
     )  # fmt: skip
 
 
@@ -261,12 +263,12 @@ def test_compiled_paged_store(seed, case):
 @pytest.mark.parametrize("case", QUANT)
 def test_compiled_quantized_attention(seed, case):
     (_, _, fmt), kw = quant_case(*QUANT[case])
-    start, length, scale = kw["start"], kw["length"], kw["scale"]
+    start, length, scale, per_token = kw["start"], kw["length"], kw["scale"], kw["keys_per_token"]
 
     def fn(q, packed, residual_k, residual_v, mask, table):
         return quantized_decode_attention(
             q, packed, fmt, start=start, length=length, scale=scale, residual_k=residual_k,
-            residual_v=residual_v, mask=mask, block_table=table, num_splits=2, check=False,
+            residual_v=residual_v, mask=mask, block_table=table, num_splits=2, keys_per_token=per_token, check=False,
         )  # fmt: skip
 
     def make():

@@ -55,18 +55,20 @@ POISON_CODE = 0xFF  # e4m3fn NaN; for the integer formats the largest codes
 HOME = torch.get_default_device().type
 
 
-def quantize(k, v, fmt):
-    """PackedKV of keys k [..., T, D] and values v [..., T, Dv], and their dequantized float32 copies."""
-    kc, ks, kz = quantize_keys(k, fmt)
+def quantize(k, v, fmt, keys_per_token=False):
+    """PackedKV of keys k [..., T, D] and values v [..., T, Dv], and their dequantized float32 copies (keys per
+    channel over groups of tokens, or per token as the values)."""
+    kc, ks, kz = (quantize_values if keys_per_token else quantize_keys)(k, fmt)
     vc, vs, vz = quantize_values(v, fmt)
-    k_hat = dequantize_keys(kc, ks, kz, fmt)
+    k_hat = (dequantize_values if keys_per_token else dequantize_keys)(kc, ks, kz, fmt)
     v_hat = dequantize_values(vc, vs, vz, fmt)
     assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
     return PackedKV(kc, ks, kz, vc, vs, vz), k_hat, v_hat
 
 
 def poison(packed, live_tok, live_grp):
-    """Poison every slot not in live_tok (bool [L, T]) and every key group not in live_grp ([L, T // G])."""
+    """Poison every slot not in live_tok (bool [L, T]) and every key group not in live_grp ([L, T // G], or
+    live_tok for keys per token)."""
     for t in (packed.k, packed.v):
         t.permute(0, 2, 1, 3)[~live_tok] = POISON_CODE
     for t in (packed.v_scale, packed.v_zero):
@@ -80,13 +82,13 @@ def poison(packed, live_tok, live_grp):
 class Dense:
     """Quantized buffers [B, Hkv, T, ...] with tokens start .. start+length-1 attended (the rest poisoned)."""
 
-    def __init__(self, fmt, B, Hkv, D, Dv, T, start, length):
+    def __init__(self, fmt, B, Hkv, D, Dv, T, start, length, keys_per_token=False):
         G = fmt.group_size
-        packed, k_hat, v_hat = quantize(torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, Dv), fmt)
+        packed, k_hat, v_hat = quantize(torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, Dv), fmt, keys_per_token)
         self.k_hat, self.v_hat = k_hat[:, :, start : start + length], v_hat[:, :, start : start + length]
         live_tok = torch.zeros(B, T, dtype=torch.bool)
         live_tok[:, start : start + length] = True
-        live_grp = live_tok.view(B, T // G, G).any(dim=-1)
+        live_grp = live_tok if keys_per_token else live_tok.view(B, T // G, G).any(dim=-1)
         poison(packed, live_tok, live_grp)
         self.packed, self.start, self.length, self.block_table = packed, start, length, None
 
@@ -98,7 +100,9 @@ class Paged:
     own blocks for the rest. Columns outside the used ones hold -1; unused slots and groups are poisoned.
     """
 
-    def __init__(self, fmt, B, Hkv, D, Dv, bs, start, length, share=1, extra_cols=2, spare_blocks=2):
+    def __init__(
+        self, fmt, B, Hkv, D, Dv, bs, start, length, share=1, extra_cols=2, spare_blocks=2, keys_per_token=False
+    ):
         G = fmt.group_size
         first, last = start // bs, (start + length - 1) // bs
         used = last - first + 1
@@ -114,7 +118,9 @@ class Paged:
                 ids[pos : pos + used - share], dtype=torch.int32
             )
             pos += used - share
-        packed, k_hat, v_hat = quantize(torch.randn(nb, Hkv, bs, D), torch.randn(nb, Hkv, bs, Dv), fmt)
+        packed, k_hat, v_hat = quantize(
+            torch.randn(nb, Hkv, bs, D), torch.randn(nb, Hkv, bs, Dv), fmt, keys_per_token
+        )
         # The attended tokens of each row, read slot by slot through the table.
         self.k_hat = torch.zeros(B, Hkv, length, D)
         self.v_hat = torch.zeros(B, Hkv, length, Dv)
@@ -126,7 +132,7 @@ class Paged:
                 self.k_hat[b, :, i] = k_hat[blk, :, off]
                 self.v_hat[b, :, i] = v_hat[blk, :, off]
                 live_tok[blk, off] = True
-        live_grp = live_tok.view(nb, bs // G, G).any(dim=-1)
+        live_grp = live_tok if keys_per_token else live_tok.view(nb, bs // G, G).any(dim=-1)
         poison(packed, live_tok, live_grp)
         self.packed, self.start, self.length, self.block_table = packed, start, length, table
 
@@ -249,6 +255,42 @@ def test_paged_twin(seed, case):
     *args, _, share = case
     fmt, lay, q, rk, rv, mask = _paged_inputs(*args, share)
     _check_case(quantized_decode_attention_torch, q, fmt, lay, rk, rv, mask, seed, f"{fmt}")
+
+
+# Keys per token (an evicting cache's slots): bits, group, dtype, B, Hkv, G, D, Dv, T or block size, start,
+# length, R, pads, paged. Starts, lengths and block sizes off the group bounds: no key group spans tokens.
+PER_TOKEN_CASES = [
+    (4, 32, F32, 2, 2, 2, 64, 64, 100, 0, 100, None, (0, 30), False),  # the slots' read: all of a cut buffer
+    (2, 16, F16, 1, 2, 3, 32, 32, 77, 5, 61, 4, None, False),
+    ("fp8", 16, BF16, 2, 1, 4, 64, 32, 70, 3, 67, None, (0, 999), False),  # row 1 fully masked
+    (8, 16, F32, 2, 2, 1, 48, 48, 12, 7, 50, 3, (4, 0), True),  # paged, block size 12 (no multiple of 16)
+    (4, 16, BF16, 2, 1, 2, 32, 32, 16, 9, 40, None, None, True),
+]
+
+
+def _per_token_inputs(bits, group, dtype, B, Hkv, G, D, Dv, T, start, length, R, pads, paged):
+    fmt = QuantFormat(bits, group)
+    if paged:
+        lay = Paged(fmt, B, Hkv, D, Dv, T, start, length, share=1, keys_per_token=True)
+    else:
+        lay = Dense(fmt, B, Hkv, D, Dv, T, start, length, keys_per_token=True)
+    return fmt, lay, *_common(B, Hkv, G, D, Dv, length, R, pads, dtype)
+
+
+@pytest.mark.parametrize("fn", [quantized_decode_attention_triton, quantized_decode_attention_torch])
+@pytest.mark.parametrize("case", PER_TOKEN_CASES, ids=[f"{c[0]}-{'paged' if c[-1] else 'dense'}-{c[8]}" for c in PER_TOKEN_CASES])
+def test_keys_per_token(seed, poisoned_empty, fn, case):
+    fmt, lay, q, rk, rv, mask = _per_token_inputs(*case)
+    _check_case(fn, q, fmt, lay, rk, rv, mask, seed, f"{fmt} keys per token", keys_per_token=True)
+
+
+def test_keys_per_token_chunked_twin(seed, monkeypatch):
+    # The twin cuts per-token keys at any token (no key group to respect): chunks of 7 give one chunk's result.
+    fmt, lay, q, rk, rv, mask = _per_token_inputs(4, 16, F32, 2, 2, 2, 32, 32, 90, 3, 80, 5, (0, 40), False)
+    ref = full_reference(q, lay, rk, rv, 1.0, mask)
+    monkeypatch.setattr(mod, "TWIN_CHUNK_TOKENS", 7)
+    out = run(quantized_decode_attention_torch, q, fmt, lay, 1.0, rk, rv, mask, keys_per_token=True)
+    check(out, q, 32, ref, seed, "chunks of 7")
 
 
 @pytest.mark.parametrize("fn", [quantized_decode_attention_triton, quantized_decode_attention_torch])
@@ -491,6 +533,7 @@ VALIDATION_CASES = [
     ("table batch", ShapeError, _paged_args(block_table=torch.zeros(3, 3, dtype=torch.int32)), ["B=2", "3 rows"]),
     ("table device", DeviceError, _paged_args(block_table=torch.zeros(2, 3, dtype=torch.int32, device="meta")), [HOME, "meta"]),
     ("past the table", ShapeError, _paged_args(start=30, length=20), ["30..49", "4", "3 columns", "48"]),
+    ("per-token keys, per-channel scales", ShapeError, _args(keys_per_token=True), ["k_scale", "[2, 2, 64, 2]", "[2, 2, 4, 32]"]),
 ]  # fmt: skip
 
 

@@ -172,24 +172,25 @@ def paged_case(dtype, B, Hkv, G, D, Dv, bs, start, length, pads, pool_view=False
     return (q, k_pool, v_pool, table), kw
 
 
-def packed_of(k, v, fmt):
-    kc, ks, kz = twin_quantize_keys(k, fmt)
+def packed_of(k, v, fmt, keys_per_token=False):
+    kc, ks, kz = (twin_quantize_values if keys_per_token else twin_quantize_keys)(k, fmt)
     vc, vs, vz = twin_quantize_values(v, fmt)
     return PackedKV(kc, ks, kz, vc, vs, vz)
 
 
-def quant_case(bits, group, dtype, B, Hkv, G, D, Dv, T, start, length, R, pads, paged):
-    """Dense: buffers of T tokens per row. Paged: blocks of T tokens and a table."""
+def quant_case(bits, group, dtype, B, Hkv, G, D, Dv, T, start, length, R, pads, paged, keys_per_token=False):
+    """Dense: buffers of T tokens per row. Paged: blocks of T tokens and a table. Keys per channel over groups of
+    tokens, or per token (an evicting cache's slots)."""
     fmt = QuantFormat(bits, group)
     if paged:
         first, last = start // T, (start + length - 1) // T if length else start // T
         used = last - first + 1
         nb = B * used + 2
         table = block_table(B, used, first, nb)
-        packed = packed_of(torch.randn(nb, Hkv, T, D), torch.randn(nb, Hkv, T, Dv), fmt)
+        packed = packed_of(torch.randn(nb, Hkv, T, D), torch.randn(nb, Hkv, T, Dv), fmt, keys_per_token)
     else:
         table = None
-        packed = packed_of(torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, Dv), fmt)
+        packed = packed_of(torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, Dv), fmt, keys_per_token)
     q = torch.randn(B, Hkv * G, D).to(dtype)
     rk = rv = None
     if R is not None:
@@ -199,7 +200,7 @@ def quant_case(bits, group, dtype, B, Hkv, G, D, Dv, T, start, length, R, pads, 
     mask = None if pads is None else left_padding(B, n, [min(p, n) for p in pads])
     kw = {
         "start": start, "length": length, "scale": 1.0 / math.sqrt(D), "residual_k": rk, "residual_v": rv,
-        "mask": mask, "block_table": table,
+        "mask": mask, "block_table": table, "keys_per_token": keys_per_token,
     }  # fmt: skip
     return (q, packed, fmt), kw
 

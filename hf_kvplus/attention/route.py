@@ -1,5 +1,6 @@
 """The one place that picks the kernel for what a storage describes (`storage.reads`). Slots (a scored
-retention's storage), whose attention also reports the mass each key received, go to `attention.slots`.
+retention's storage), whose attention also reports the mass each key received, go to `attention.slots`, which
+picks among the same kernels.
 
 A decode step (one query per row) whose mask the kernels can express goes to the decode kernel that
 reads the storage in place: dense, paged or quantized (Triton on CUDA, its torch twin elsewhere).
@@ -59,7 +60,7 @@ def attend(
         for name in ("softcap", "s_aux"):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"evicting caches do not support attention with {name}")
-        return slot_attention(query, read.keys, read.values, read.valid(), scaling, mass_queries=mass_queries)
+        return slot_attention(query, read, scaling, mass_queries=mass_queries)
     mask = kernel_mask(query, attention_mask, kwargs)
     if mask is not False:
         q = query[:, :, 0]

@@ -4,7 +4,8 @@ Slots hold tokens in any order, so the mask is built here from what the slots ho
 are never attended) plus causality among the fresh tokens, which sit in the last `q` slots. The
 mass of key n for KV head h is the softmax weight it received, summed over the query heads of h's
 group and over the queries asked for: decode reads it off the decode kernel (Triton on CUDA, its
-torch twin elsewhere), prefill computes output and mass in one chunked pass.
+torch twin elsewhere), prefill computes output and mass in one chunked pass. Quantized slots are read in
+place by the quantized decode kernel (keys per token) when no mass is asked for, else dequantized first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_attention import decode_attention, decode_attention_with_mass
+from ..kernels.quant_attention import quantized_decode_attention
+from ..storage.reads import SlotRead
 
 #: Prefill computes the score matrix in query chunks of at most this many elements.
 CHUNK_ELEMENTS = 1 << 24
@@ -27,23 +30,27 @@ def _prefill_mask(valid: torch.Tensor, q: int) -> torch.Tensor:
 
 
 def slot_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor | None,
-    scaling: float,
-    *,
-    mass_queries: int = 0,
+    query: torch.Tensor, read: SlotRead, scaling: float, *, mass_queries: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of `query` [batch, q_heads, q, d] over slots `keys`/`values` [batch, kv_heads, n, d].
+    """Attention of `query` [batch, q_heads, q, d] over the slots of `read` ([batch, kv_heads, n, d]).
 
-    `valid` [batch, n] marks the slots that hold real tokens (None: all do); the last q slots are the queries' own
-    tokens. Returns the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
+    `read.valid()` [batch, n] marks the slots that hold real tokens (None: all do); the last q slots are the
+    queries' own tokens. Returns the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
     `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last
     `mass_queries` queries. A query with no valid key outputs zeros. Queries that report no mass go
     through SDPA (its causal fast path for a first prefill without padding).
     """
-    q = query.shape[2]
+    q, valid = query.shape[2], read.valid()
+    if read.packed is not None:
+        if q == 1 and not mass_queries:
+            out = quantized_decode_attention(
+                query[:, :, 0], read.packed, read.fmt, start=0, length=read.packed.k.shape[2], scale=scaling,
+                mask=valid, keys_per_token=True, check=False,
+            )  # fmt: skip
+            return out.unsqueeze(1), None
+        keys, values = read.dense()
+    else:
+        keys, values = read.keys, read.values
     if q == 1:
         if mass_queries:
             out, mass = decode_attention_with_mass(

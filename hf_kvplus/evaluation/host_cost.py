@@ -118,6 +118,7 @@ def _kernel_sites() -> list[tuple[object, str]]:
     return [
         (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
         (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "decode_attention_with_mass"),
+        (slots, "quantized_decode_attention"),
         (dispatch, "_fallback"), (slot_store, "quantize_values"), *quantizing,
     ]  # fmt: skip
 

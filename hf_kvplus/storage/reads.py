@@ -6,7 +6,8 @@ storage's read is its keys and values. Paged and quantized storages are read in 
 kernel, so their reads name the pools or codes, and hand attention shape-correct NaN placeholders as
 keys and values (never read on the kernel path, loud if some other attention function computes with
 them); `dense()` gathers the tokens for a call that cannot take the kernel. Slots (evicting layers) are
-read as dense tensors in no sequence order, masked by what each slot holds.
+read in no sequence order, masked by what each slot holds: as dense tensors, or quantized slots as their codes
+(keys per token) with placeholders, as a quantized storage's read.
 """
 
 from __future__ import annotations
@@ -62,13 +63,19 @@ class PackedRead(NamedTuple):
 
 
 class SlotRead(NamedTuple):
-    """Per-head slots of a `SlotStore` as dense `[batch, kv_heads, slots, head_dim]` keys and values, in no
-    sequence order (the fresh tokens in the last slots, or a refilled hole); `valid()` gives the `[batch, slots]`
-    mask of slots holding real tokens (None: all do), known once attention has seen the model's mask."""
+    """Per-head slots of a `SlotStore` as `[batch, kv_heads, slots, head_dim]` keys and values, in no sequence
+    order (the fresh tokens in the last slots, or a refilled hole); `valid()` gives the `[batch, slots]` mask of
+    slots holding real tokens (None: all do), known once attention has seen the model's mask.
+
+    Quantized slots come as their codes (`packed`, keys per token, in `fmt`) with placeholders as keys and values,
+    and `dense()` dequantizes them for a call that cannot take the decode kernel."""
 
     keys: torch.Tensor
     values: torch.Tensor
     valid: Callable[[], torch.Tensor | None]
+    packed: PackedKV | None = None
+    fmt: QuantFormat | None = None
+    dense: Gather | None = None
 
 
 Read = DenseRead | PagedRead | PackedRead | SlotRead

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
-from ..kernels.quant_format import QuantFormat, dequantize_values
+from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..kernels.quant_pack import quantize_values
 from ..memory import MemoryReport
 from .base import KVStorage, check_fits
 from .dense import _grown
-from .reads import SlotRead
+from .reads import SlotRead, placeholders
 
 #: `pos` of a slot holding a padding token.
 PAD = -1
@@ -62,6 +62,10 @@ class DenseCodec:
 
     def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return fields["values"]
+
+    def packed(self, fields: dict[str, torch.Tensor]) -> None:
+        """Full precision has no codes for a kernel to read."""
+        return None
 
     def __repr__(self) -> str:
         return "DenseCodec()"
@@ -112,6 +116,10 @@ class TokenQuantCodec:
     def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self._decode(fields, "v", dtype)
 
+    def packed(self, fields: dict[str, torch.Tensor]) -> PackedKV:
+        """The codes as the quantized decode kernel reads them (keys per token)."""
+        return PackedKV(*(fields.get(name) for name in PACKED_NAMES))
+
     def __repr__(self) -> str:
         return f"TokenQuantCodec({self.fmt})"
 
@@ -148,6 +156,7 @@ class SlotStore(KVStorage):
         self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
         self.first_real: torch.Tensor | None = None  # [batch] first real position per row (-1: none yet), once masked
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
+        self._read: tuple | None = None  # (the views of `_used`, the read made of them)
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
 
     @property
@@ -205,6 +214,7 @@ class SlotStore(KVStorage):
             self.settle()
         if not self.fields:
             self.dtype, self.device = keys.dtype, keys.device
+            self._like = keys.new_empty(0)  # what a read's placeholders are made like
             self.head_dims = (keys.shape[1], keys.shape[3], values.shape[3])
             slot_fields = {
                 "pos": keys.new_empty(keys.shape[:3], dtype=torch.int64),
@@ -287,8 +297,22 @@ class SlotStore(KVStorage):
         return self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
 
     def read(self, last: int, new: int) -> SlotRead:
-        """Every used slot (slots are not in sequence order: attention masks them by what they hold)."""
-        return SlotRead(*self.slots(), self.valid)
+        """Every used slot (slots are not in sequence order: attention masks them by what they hold); quantized
+        slots as their codes, which the decode kernel reads in place (no dequantized copy unless asked for).
+        Kept while the used slots' views are (a decode step at the budget reads the same slots as the last)."""
+        used = self.used()
+        kept = self._read
+        if kept is not None and kept[0] is used:
+            return kept[1]
+        packed = self.codec.packed(used)
+        if packed is None:
+            read = SlotRead(*self.slots(), self.valid)
+        else:
+            keys, values = placeholders(self._like, *packed.k.shape[:3], *self.head_dims[1:])
+            read = SlotRead(keys, values, self.valid, packed, self.codec.fmt, self.slots)
+        if not torch.compiler.is_compiling():  # (a traced read is not one to keep)
+            self._read = (used, read)
+        return read
 
     def valid(self) -> torch.Tensor | None:
         """`[batch, slots]` True where a slot holds a real token; None while no mask ever came (all do)."""
