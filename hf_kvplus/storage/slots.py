@@ -63,6 +63,14 @@ class DenseCodec:
     def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return fields["values"]
 
+    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values into slots `span` of `fields`."""
+        fields["keys"][:, :, span] = keys
+        fields["values"][:, :, span] = values
+
+    def write_keys(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor) -> None:
+        fields["keys"][:, :, span] = keys
+
     def packed(self, fields: dict[str, torch.Tensor]) -> None:
         """Full precision has no codes for a kernel to read."""
         return None
@@ -115,6 +123,20 @@ class TokenQuantCodec:
 
     def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self._decode(fields, "v", dtype)
+
+    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values quantized straight into slots `span` of `fields`: the quantize kernel writes the slots'
+        codes, scales and zeros, so nothing is copied after it (a decode step's ops are its host cost)."""
+        self._quantize_into(fields, span, "k", keys)
+        self._quantize_into(fields, span, "v", values)
+
+    def write_keys(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor) -> None:
+        self._quantize_into(fields, span, "k", keys)
+
+    def _quantize_into(self, fields, span, name, x) -> None:
+        zero = fields.get(f"{name}_zero")
+        out = (fields[name][:, :, span], fields[f"{name}_scale"][:, :, span], None if zero is None else zero[:, :, span])
+        quantize_values(x.contiguous(), self.fmt, out=out, check=False)
 
     def packed(self, fields: dict[str, torch.Tensor]) -> PackedKV:
         """The codes as the quantized decode kernel reads them (keys per token)."""
@@ -206,10 +228,9 @@ class SlotStore(KVStorage):
         self.seen += new
         if self.fields:
             self._check_compatible(keys, values)
-        encoded = self.codec.encode(keys, values)
         if self.hole is not None:
             if new == 1:  # the freed slot takes the token
-                self._refill(encoded, first_pos)
+                self._refill(keys, values, first_pos)
                 return
             self.settle()
         if not self.fields:
@@ -220,22 +241,23 @@ class SlotStore(KVStorage):
                 "pos": keys.new_empty(keys.shape[:3], dtype=torch.int64),
                 "score": keys.new_empty(keys.shape[:3], dtype=torch.float32),
             }
-            self._allocate({**encoded, **slot_fields}, _grown(new))
+            self._allocate({**self.codec.encode(keys[:, :, :1], values[:, :, :1]), **slot_fields}, _grown(new))
         elif self.length + new > self.capacity:
             self._resize(_grown(self.length + new))
-        self._write(self.length, encoded, new, first_pos)
+        self._write(self.length, keys, values, first_pos)
         self.length += new
 
-    def _write(self, lo: int, encoded: dict[str, torch.Tensor], new: int, first_pos: int) -> None:
-        """Writes `new` encoded tokens at logical positions `first_pos ..` into slots `lo ..`, scores zeroed."""
+    def _write(self, lo: int, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
+        """Writes the tokens of `keys`/`values` at logical positions `first_pos ..` into slots `lo ..`, scores
+        zeroed."""
+        new = keys.shape[2]
         self.fresh = (lo, lo + new)
         if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
             slots = self._span_slots(lo, lo + new)
-            self._write_slots(slots, {**encoded, "pos": slots + (first_pos - lo), "score": 0.0})
+            self._write_slots(slots, {**self.codec.encode(keys, values), "pos": slots + (first_pos - lo), "score": 0.0})
             return
         span = slice(lo, lo + new)
-        for name, part in encoded.items():
-            self.fields[name][:, :, span] = part
+        self.codec.write(self.fields, span, keys, values)
         if new == 1:  # a decode step: fill in place, no index tensor
             self.fields["pos"][:, :, span].fill_(first_pos)
         else:
@@ -254,14 +276,14 @@ class SlotStore(KVStorage):
         """Slots `lo .. hi - 1` of every row and head, `[batch, kv_heads, hi - lo]`."""
         return torch.arange(lo, hi, device=self.device).expand(*self.pos.shape[:2], -1)
 
-    def _refill(self, encoded: dict[str, torch.Tensor], first_pos: int) -> None:
+    def _refill(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
         """The hole takes the one token of this append."""
         hole, self.hole = self.hole, None
         self.in_order = False
         if isinstance(hole, int):
-            self._write(hole, encoded, 1, first_pos)
+            self._write(hole, keys, values, first_pos)
             return
-        self._write_slots(hole, {**encoded, "pos": first_pos, "score": 0.0})
+        self._write_slots(hole, {**self.codec.encode(keys, values), "pos": first_pos, "score": 0.0})
         self.fresh = hole
 
     def free(self, slot: int | torch.Tensor) -> None:
@@ -357,12 +379,11 @@ class SlotStore(KVStorage):
 
     def write_leading_keys(self, keys: torch.Tensor) -> None:
         """Overwrites the keys of slots 0 .. n - 1 of every row and head with `keys` [batch, kv_heads, n, head_dim]."""
-        n, parts = keys.shape[2], self.codec.encode_keys(keys)
+        n = keys.shape[2]
         if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
-            self._write_slots(self._span_slots(0, n), parts)
+            self._write_slots(self._span_slots(0, n), self.codec.encode_keys(keys))
             return
-        for name, part in parts.items():
-            self.fields[name][:, :, :n] = part
+        self.codec.write_keys(self.fields, slice(0, n), keys)
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
