@@ -57,12 +57,17 @@ def test_bench_and_demo_write_tables_and_plots(local_model, tmp_path, capsys):
                  "--repeats", "1", "--cache", "dynamic", "--cache", "dense", "--out", str(tmp_path / "b")]) == 0
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert [r["cache"] for r in bench["results"]] == ["dynamic", "dense"]
-    assert main(["demo", "--model", folder, "--text", text, "--tokens", "100", "--chunk", "32",
-                 "--prompt-tokens", "40", "--new-tokens", "4", "--out", str(tmp_path / "d")]) == 0
+    assert main(["demo", "--model", folder, "--text", text, "--chunk", "32", "--context", "80",
+                 "--depths", "0.2", "0.8", "--new-tokens", "4", "--out", str(tmp_path / "d")]) == 0
     demo = json.loads((tmp_path / "d" / "demo.json").read_text())
     rows = {r["cache"]: r for r in demo["rows"]}
-    assert next(iter(rows)) == "dynamic" and "dense" in rows
+    assert next(iter(rows)) == "dynamic" and {"dense", "quantized:int4", "sink:4:508"} <= set(rows)
     assert rows["dense"]["ppl_delta_pct"] == pytest.approx(0, abs=1e-2)
+    assert rows["dense"]["same_tokens_as_baseline"] and rows["dense"]["needle_right"] == rows["dynamic"]["needle_right"]
+    assert rows["dynamic"]["decode_vs_baseline"] == rows["dynamic"]["bytes_vs_baseline"] == 1.0
+    for row in rows.values():  # numbers only, besides the names (no tensor written as text)
+        assert all(isinstance(v, (int, float)) for k, v in row.items() if k not in ("cache", "kind")), row
+        assert 0 <= row["needle_right"] <= 1
     assert (tmp_path / "d" / "demo.png").exists()
     assert "wall time" in capsys.readouterr().out
 

@@ -137,3 +137,18 @@ def test_the_kvpress_comparison_runs_its_hf_kvplus_half_and_scores_the_full_cach
     table = json.loads((tmp_path / "compare.json").read_text())["rows"]
     assert table[0]["budget"] == 120 and {r["budget"] for r in table[1:]} == {60}
     assert {p.name for p in tmp_path.iterdir()} == {"compare.json", "compare.csv", "compare.md", "compare.png"}
+
+
+def test_smollm2_finds_the_needle_with_full_and_int4_caches_and_a_short_sink_window_loses_it():
+    """The real model (the wheel setup installs) at 512 tokens: the full cache and int4 answer at both depths
+    (as measured in BENCHMARKS.md), and a sink cache holding only the last 60 tokens cannot answer a needle
+    150 or more tokens back. About a minute on two cores."""
+    from hf_kvplus.resolve import load_model, load_text
+
+    model, tokenizer = load_model("smollm2-135m")
+    haystack = tokenizer(load_text("austen:prideprejudice")[:20000])["input_ids"]
+    specs = [parse_cache_spec(s) for s in ("dynamic", "quantized:int4", "sink:4:60")]
+    result = needle_grid(model, tokenizer, haystack, specs, [512], [0.3, 0.7], new_tokens=6)
+    assert result.accuracy("dynamic") == 1.0
+    assert result.accuracy("quantized:int4") == 1.0
+    assert result.accuracy("sink:4:60") == 0.0

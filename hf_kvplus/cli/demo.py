@@ -1,21 +1,31 @@
-"""`kvplus demo`, the main job: every cache of the project against the baselines on a real model and text.
+"""`kvplus demo`, the main job: the project's caches against DynamicCache at a context where they differ.
 
-For each available cache spec (Transformers' `dynamic` first as the baseline): perplexity on the
-first tokens of the text (chunked), bytes at rest per token read off the cache, and greedy decode
-speed; a table, a plot and JSON.
+On the embedded model and text, for each cache spec (Transformers' `dynamic` first, the baseline; by default
+one or two per family), one `--context`-token prompt per needle depth: the book's text with a pass key hidden
+at that depth, then the question. Each prompt is fed through a fresh cache in chunks, and gives:
+
+- perplexity of the book's tokens in it (the text the cache holds, scored as it streams in), and its change
+  against the baseline's;
+- whether the greedy answer names the pass key (`evaluation.needle`);
+- bytes at rest per token, read off the cache after the prompt;
+- greedy decode speed after the prompt (`--new-tokens` steps), and its ratio to the baseline's in the same run;
+  lossless caches must give the baseline's tokens.
+
+One pass over the context per cache and depth is what keeps the demo within about five minutes on two cores.
+A table, a plot grouped by family with the baseline marked, and JSON of numbers.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import torch
+from tqdm import tqdm
 
-from ..evaluation.benchmark import benchmark
-from ..evaluation.perplexity import perplexity
+from ..evaluation.needle import is_correct, needle_ids, passkey_prompt, prompt_frame
 from ..evaluation.report import format_table
-from ..specs import available_cache_specs, parse_cache_spec
+from ..memory import cache_bytes
+from ..specs import parse_cache_spec
 from . import common
 
 COLUMNS = [
@@ -23,77 +33,148 @@ COLUMNS = [
     ("kind", "kind", ""),
     ("perplexity", "perplexity", ".3f"),
     ("ppl_delta_pct", "ppl delta %", "+.3f"),
+    ("needle_right", "needles right", ".0%"),
     ("bytes_per_token", "bytes/token", ",.0f"),
     ("bytes_vs_baseline", "x bytes", ".3f"),
     ("decode_tok_s", "decode tok/s", ".1f"),
     ("decode_vs_baseline", "x speed", ".2f"),
     ("same_tokens_as_baseline", "same tokens", ""),
 ]
+#: The demo's pass keys: fixed, so every cache answers the same prompts.
+KEYS = ("58213", "90476", "31785", "66042")
+#: The caches the demo compares by default: one or two per family (evicting ones at an eighth of the context);
+#: about 36 s each on two cores. `--cache` picks others (`kvplus bench`, `ppl` and `needle` run any list).
+DEFAULT_SPECS = [
+    "dynamic", "dense", "paged", "quantized:int4", "quantized:int2", "hf-quantized:quanto:4",
+    "sink:4:508", "h2o:512", "snapkv:512", "offloaded",
+]  # fmt: skip
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="the main job: every cache vs the baselines (perplexity, bytes, speed)")
+    parser = subparsers.add_parser("demo", help="the main job: every cache vs DynamicCache (perplexity, needle, bytes, speed)")
     common.add_model_args(parser)
     common.add_cache_args(parser, None)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens scored for perplexity")
-    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk of the perplexity run")
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt of the speed run")
-    parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens of the speed run")
+    parser.add_argument("--context", type=int, default=4096, help="prompt tokens (default 4096)")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.5], help="needle depths, one prompt each (0..1)")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    parser.add_argument("--new-tokens", type=int, default=24, help="decoded tokens after each prompt")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     started = time.perf_counter()
     common.setup(args)
-    texts = args.caches or available_cache_specs()
+    texts = args.caches or [t for t in DEFAULT_SPECS if parse_cache_spec(t).kind.available()]
     if "dynamic" not in texts[:1]:
         texts = ["dynamic"] + [t for t in texts if t != "dynamic"]
     specs = [parse_cache_spec(t) for t in texts]
     model, tokenizer, text = common.load(args)
-    ids = common.tokenize(tokenizer, text, max(args.tokens, args.prompt_tokens))
-    rows = []
-    for spec in specs:
-        result = perplexity(model, ids[: args.tokens], lambda spec=spec: spec.build(model.config, max_length=args.tokens),
-                            chunk_size=args.chunk, label=spec.text)
-        rows.append({"cache": spec.text, "kind": "lossless" if spec.lossless else "lossy",
-                     "perplexity": result.perplexity})
-    prompt = ids[None, : args.prompt_tokens]
-    speeds = benchmark(model, prompt, specs, new_tokens=args.new_tokens, repeats=1, warmup=1)
-    base_ppl, base_bytes = rows[0]["perplexity"], speeds[0].bytes_per_token
-    for row, speed in zip(rows, speeds, strict=True):
-        row.update({k: v for k, v in asdict(speed).items() if k != "cache"})
-        row["ppl_delta_pct"] = 100 * (row["perplexity"] / base_ppl - 1)
-        row["bytes_vs_baseline"] = speed.bytes_per_token / base_bytes
+    haystack = common.tokenize(tokenizer, text, 2 * args.context).tolist()
+    frame, prompts = prompt_frame(tokenizer), []
+    for depth, key in zip(args.depths, KEYS, strict=False):
+        needle = needle_ids(tokenizer, key)
+        prompt, at = passkey_prompt(frame, haystack, needle, args.context, depth)
+        book = torch.zeros(args.context, dtype=torch.bool)  # the book's tokens: the text between frame and needle
+        book[len(frame[0]) : args.context - len(frame[1])] = True
+        book[at : at + len(needle)] = False
+        prompts.append((prompt, book, key))
+    rows, baseline_tokens = [], None
+    for spec in tqdm(specs, desc="demo", unit="cache"):
+        runs = [_prompt_run(model, spec, prompt, book, args.new_tokens, args.chunk) for prompt, book, _ in prompts]
+        tokens = [r["tokens"] for r in runs]
+        baseline_tokens = baseline_tokens or tokens
+        right = [is_correct(tokenizer.decode(t[0]), key) for t, (*_, key) in zip(tokens, prompts, strict=True)]
+        nll = torch.cat([r["nll"] for r in runs])
+        rows.append({
+            "cache": spec.text, "kind": "lossless" if spec.lossless else "lossy", "perplexity": nll.mean().exp().item(),
+            "needle_right": sum(right) / len(right),
+            "bytes_per_token": sum(r["bytes_per_token"] for r in runs) / len(runs),
+            "decode_tok_s": sum(r["decode_tok_s"] for r in runs) / len(runs),
+            "same_tokens_as_baseline": all(torch.equal(a, b) for a, b in zip(tokens, baseline_tokens, strict=True)),
+        })  # fmt: skip
+    base = rows[0]
+    for row in rows:
+        row["ppl_delta_pct"] = 100 * (row["perplexity"] / base["perplexity"] - 1)
+        row["bytes_vs_baseline"] = row["bytes_per_token"] / base["bytes_per_token"]
+        row["decode_vs_baseline"] = row["decode_tok_s"] / base["decode_tok_s"]
     wall = time.perf_counter() - started
-    title = (f"{args.model} on {args.text}: perplexity over {args.tokens} tokens (chunks of {args.chunk}); "
-             f"speed: prompt {args.prompt_tokens} + {args.new_tokens} tokens; threads {torch.get_num_threads()}")
+    title = (f"{args.model} on {args.text}: {args.context}-token prompts, a pass key at depth "
+             f"{', '.join(map(str, args.depths))}, then {args.new_tokens} decoded tokens; chunks of {args.chunk}; "
+             f"threads {torch.get_num_threads()}")  # fmt: skip
     print("\n" + title)
     print(format_table(rows, COLUMNS))
     print(f"\nwall time {wall:.0f} s")
     folder = common.out_dir(args, "demo")
-    common.write_json(folder / "demo.json", {"title": title, "wall_s": wall, "rows": rows})
+    settings = {name: getattr(args, name) for name in ("context", "depths", "chunk", "new_tokens")}
+    common.write_json(folder / "demo.json", {"title": title, "wall_s": wall, "settings": settings, "rows": rows})
     _plot(rows, folder / "demo.png", title)
     print(f"wrote {folder}/demo.json and demo.png")
     return 0
 
 
+@torch.no_grad()
+def _prompt_run(model, spec, prompt: torch.Tensor, scored: torch.Tensor, new_tokens: int, chunk: int) -> dict:
+    """`prompt` [1, n] through a fresh cache in chunks, the log-loss of each token where `scored` [n] is True
+    (predicted from what the cache held then), then `new_tokens` greedy steps timed; bytes read off the cache."""
+    n = prompt.shape[1]
+    cache = spec.build(model.config, max_length=n + new_tokens + 1)
+    losses = []
+    for first in range(0, n, chunk):
+        logits = model(input_ids=prompt[:, first : first + chunk], past_key_values=cache, use_cache=True).logits[0]
+        targets = prompt[0, first + 1 : first + chunk + 1]  # the last logits predict the next chunk's first token
+        nll = torch.nn.functional.cross_entropy(logits[: targets.shape[0]].float(), targets, reduction="none")
+        losses.append(nll[scored[first + 1 : first + 1 + targets.shape[0]]])
+    token = logits[-1:].argmax(-1)[None]
+    tokens, start = [token], time.perf_counter()
+    for _ in range(new_tokens):
+        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        tokens.append(token)
+    decode = time.perf_counter() - start
+    return {
+        "nll": torch.cat(losses),
+        "tokens": torch.cat(tokens, dim=1),
+        "decode_tok_s": new_tokens / decode,
+        "bytes_per_token": cache_bytes(cache) / int(cache.get_seq_length()),
+    }
+
+
+def _family(cache: str) -> str:
+    return cache.split(":")[0]
+
+
 def _plot(rows: list[dict], path, title: str) -> None:
+    """Four panels over the caches, grouped by family (a gap between families), the baseline grey and its value
+    marked by a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["cache"] for r in rows]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-    for axis, key, label in zip(
-        axes,
-        ("ppl_delta_pct", "bytes_per_token", "decode_tok_s"),
-        ("perplexity change vs dynamic (%)", "bytes at rest per token", "decode tokens/s"),
-        strict=True,
-    ):
-        axis.barh(names, [r[key] for r in rows], color=["#888" if r["cache"] == "dynamic" else "#3a7" for r in rows])
+    positions, y, previous = [], 0.0, None
+    for row in rows:
+        family = _family(row["cache"])
+        if previous is not None and family != previous:
+            y += 0.6
+        positions.append(y)
+        y += 1.0
+        previous = family
+    palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # tab10's grey is the baseline's
+    families = list(dict.fromkeys(_family(r["cache"]) for r in rows[1:]))
+    colors = ["#888"] + [palette[families.index(_family(r["cache"])) % len(palette)] for r in rows[1:]]
+    panels = (
+        ("ppl_delta_pct", "perplexity change vs dynamic (%)", 0.0),
+        ("needle_right", "needles answered (share)", rows[0]["needle_right"]),
+        ("bytes_vs_baseline", "bytes at rest per token, x dynamic", 1.0),
+        ("decode_vs_baseline", "decode speed, x dynamic", 1.0),
+    )
+    figure, axes = plt.subplots(1, len(panels), figsize=(16, 0.32 * len(rows) + 1.8), sharey=True)
+    for axis, (key, label, mark) in zip(axes, panels, strict=True):
+        axis.barh(positions, [r[key] for r in rows], color=colors)
+        axis.axvline(mark, color="black", linestyle="--", linewidth=1)
         axis.set_xlabel(label)
         axis.grid(True, axis="x", alpha=0.3)
+    axes[0].set_yticks(positions, [r["cache"] for r in rows])
+    axes[0].invert_yaxis()
     figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
