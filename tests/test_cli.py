@@ -76,6 +76,9 @@ def test_errors_exit_2_with_the_reason(local_model, capsys):
     folder, text = local_model
     assert main(["ppl", "--model", folder, "--text", text, "--cache", "nope"]) == 2
     assert "unknown cache 'nope'" in capsys.readouterr().err
+    assert main(["demo", "--model", folder, "--text", text, "--depths", "0.1", "0.3", "0.5", "0.7", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "4 pass keys" in err and "5 depths" in err
 
 
 def test_ppl_streams_a_pg19_book_longer_than_the_models_positions(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from ..errors import ConfigError
 from ..evaluation.needle import is_correct, needle_ids, passkey_prompt, prompt_frame
 from ..evaluation.report import format_table
 from ..memory import cache_bytes
@@ -64,6 +65,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     started = time.perf_counter()
     common.setup(args)
+    if len(args.depths) > len(KEYS):
+        raise ConfigError(f"the demo has {len(KEYS)} pass keys, one per depth; got {len(args.depths)} depths")
     texts = args.caches or [t for t in DEFAULT_SPECS if parse_cache_spec(t).kind.available()]
     if "dynamic" not in texts[:1]:
         texts = ["dynamic"] + [t for t in texts if t != "dynamic"]
@@ -71,7 +74,7 @@ def run(args) -> int:
     model, tokenizer, text = common.load(args)
     haystack = common.tokenize(tokenizer, text, 2 * args.context).tolist()
     frame, prompts = prompt_frame(tokenizer), []
-    for depth, key in zip(args.depths, KEYS, strict=False):
+    for depth, key in zip(args.depths, KEYS[: len(args.depths)], strict=True):
         needle = needle_ids(tokenizer, key)
         prompt, at = passkey_prompt(frame, haystack, needle, args.context, depth)
         book = torch.zeros(args.context, dtype=torch.bool)  # the book's tokens: the text between frame and needle
