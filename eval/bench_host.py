@@ -7,12 +7,17 @@ On a GPU one layer's decode takes ~100-200 us for an 8B model, so the Python and
 the kernels decides speed. This measures that work on a tiny 8-layer Llama whose attention costs almost
 nothing, so a decode step's time is the host's. Per cache spec:
 
-- host time per decode step (eager, greedy, one thread): the median over `--repeats` runs of the mean
-  step time of `--steps` steps after a `--prompt`-token prefill, caches alternating within each
-  repeat, and its ratio to DynamicCache's;
+- host time per decode step (eager, greedy, one thread): the fastest of `--repeats` runs (interference
+  on a shared machine only adds time) of the mean step time of `--steps` steps after a `--prompt`-token
+  prefill, caches alternating within each repeat, and its ratio to DynamicCache's;
 - the same with the time inside kernels (attention, quantize) taken out (`timing_kernels`), and its
   ratio: off CUDA a kernel is its torch twin, which pays on the host the compute a GPU does in one
-  launch (dequantizing codes, gathering blocks), so this is the figure that carries over to a GPU;
+  launch (dequantizing codes, gathering blocks);
+- the step with every kernel stubbed (`stubbing_kernels`: zeros of the output's shape, no compute), its
+  time less the stubs': the host work around the kernels with nothing of a twin's compute left in it
+  (a twin that dequantizes every code also slows the code after it, which taking its time out leaves
+  in), so this is the figure that carries over to a GPU, with the kernel calls per layer (each one a
+  launch there);
 - Python calls per layer per step made by cache code (functions defined in hf_kvplus or in
   Transformers' cache_utils.py), counted with `sys.setprofile` over one decode step;
 - device-to-host syncs per decode step: the ops that force one on a GPU (`aten._local_scalar_dense`,
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,14 +41,15 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs, timing_kernels
+from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs, stubbing_kernels, timing_kernels
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=4096)  # fmt: skip
 #: Every cache family at budgets that evict during the run (prompt 256 + 64 steps).
 SPECS = [
     "dynamic", "static", "dense", "paged", "quantized:int8", "quantized:int4", "quantized:int2", "quantized:fp8",
-    "paged-quantized:int4", "sink:4:252", "sink:4:252:bits=int4", "h2o:256", "snapkv:256", "offloaded",
+    "paged-quantized:int4", "sink:4:252", "sink:4:252:bits=int4", "h2o:256", "h2o:256:bits=int4", "snapkv:256",
+    "offloaded",
     "offloaded-quantized:int4", "hf-quantized:quanto:4",
 ]  # fmt: skip
 COLUMNS = [
@@ -54,6 +59,9 @@ COLUMNS = [
     ("kernel_ms", "in kernels ms", ".3f"),
     ("outside_ms", "outside ms", ".3f"),
     ("outside_vs_dynamic", "outside x Dynamic", ".2f"),
+    ("stubbed_ms", "stubbed ms", ".3f"),
+    ("stubbed_vs_dynamic", "stubbed x Dynamic", ".2f"),
+    ("kernels_per_layer", "kernel calls/layer/step", ".1f"),
     ("calls_per_layer", "cache calls/layer/step", ".1f"),
     ("syncs_per_step", "syncs/step", "d"),
     ("graph_breaks", "graph breaks", ""),
@@ -76,15 +84,16 @@ def decode(model, cache, token):
     return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
 
 
-def time_steps(model, spec, prompt, steps) -> tuple[float, float]:
-    """Mean seconds per decode step, and the part of it spent in kernels (or their twins)."""
+def time_steps(model, spec, prompt, steps, stub: bool = False) -> tuple[float, float, float]:
+    """Mean seconds per decode step, the part of it spent in kernels (or their twins; with `stub`, in the stubs
+    that stand for them), and kernel calls per step."""
     cache, token = prefilled(model, spec, prompt, steps)
-    with timing_kernels() as kernels:
+    with (stubbing_kernels if stub else timing_kernels)() as kernels:
         start = time.perf_counter()
         for _ in range(steps):
             token = decode(model, cache, token)
         total = time.perf_counter() - start
-    return total / steps, kernels.seconds / steps
+    return total / steps, kernels.seconds / steps, kernels.calls / steps
 
 
 def graph_breaks(model, spec, prompt, steps) -> tuple[int | str, list[str]]:
@@ -108,9 +117,11 @@ def markdown(result: dict) -> str:
         "## Host cost of a decode step",
         "",
         f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['threads']} "
-        f"thread(s), prompt {a['prompt']}, {a['steps']} decode steps, median of {a['repeats']} alternating runs; "
-        f"{result['machine']}, {result['date']}; \"outside\": the step time less the time inside kernels "
-        "(attention and quantize: torch twins off CUDA; SDPA for Transformers' caches)",
+        f"thread(s), prompt {a['prompt']}, {a['steps']} decode steps, the fastest of {a['repeats']} alternating runs "
+        f"(interference only adds time); {result['machine']}, {result['date']}; \"outside\": the step time less "
+        "the time inside kernels (attention and quantize: torch twins off CUDA; SDPA for Transformers' caches); "
+        "\"stubbed\": the step with every kernel replaced by a stub that returns zeros of its output's shape "
+        "(`stubbing_kernels`), its time less the stubs'",
         "",
         "```",
         format_table(result["rows"], COLUMNS),
@@ -135,8 +146,9 @@ def plot(rows: list[dict], path: Path) -> None:
     names = [r["cache"] for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 0.35 * len(rows) + 1.5), sharey=True)
     at = range(len(rows))
-    left.barh([i - 0.2 for i in at], [r["vs_dynamic"] for r in rows], height=0.4, label="whole step")
-    left.barh([i + 0.2 for i in at], [r["outside_vs_dynamic"] for r in rows], height=0.4, label="outside kernels")
+    for offset, key, label in ((-0.27, "vs_dynamic", "whole step"), (0, "outside_vs_dynamic", "outside kernels"),
+                               (0.27, "stubbed_vs_dynamic", "kernels stubbed")):  # fmt: skip
+        left.barh([i + offset for i in at], [r[key] for r in rows], height=0.27, label=label)
     left.set_yticks(list(at), names)
     left.axvline(1.25, color="red", linestyle="--", label="1.25x target")
     left.set_xlabel("host time per decode step, x DynamicCache")
@@ -172,10 +184,13 @@ def main(argv=None) -> None:
     prompt = torch.randint(0, TINY["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
     for spec in specs:  # warm-up: first-call costs (lazy imports, allocator) out of the timings
         time_steps(model, spec, prompt[:, :32], 2)
-    times = {spec.text: [] for spec in specs}  # (step, in kernels) per repeat
+        time_steps(model, spec, prompt[:, :32], 2, stub=True)
+    times = {spec.text: [] for spec in specs}  # (step, in kernels, kernel calls) per repeat
+    stubbed = {spec.text: [] for spec in specs}
     for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
         for spec in specs:
             times[spec.text].append(time_steps(model, spec, prompt, args.steps))
+            stubbed[spec.text].append(time_steps(model, spec, prompt, args.steps, stub=True))
     rows = []
     for spec in tqdm(specs, desc="calls, syncs, graph breaks", file=sys.stderr):
         cache, token = prefilled(model, spec, prompt, args.steps)
@@ -183,11 +198,13 @@ def main(argv=None) -> None:
         cache, token = prefilled(model, spec, prompt, args.steps)
         syncs = count_syncs(lambda cache=cache, token=token: decode(model, cache, token))
         breaks, reasons = ("-", []) if args.no_explain else graph_breaks(model, spec, prompt, args.steps)
-        step = [t for t, _ in times[spec.text]]
+        timed = times[spec.text]
         rows.append({
-            "cache": spec.text, "step_ms": statistics.median(step) * 1e3,
-            "kernel_ms": statistics.median(k for _, k in times[spec.text]) * 1e3,
-            "outside_ms": statistics.median(t - k for t, k in times[spec.text]) * 1e3,
+            "cache": spec.text, "step_ms": min(t for t, _, _ in timed) * 1e3,
+            "kernel_ms": min(k for _, k, _ in timed) * 1e3,
+            "outside_ms": min(t - k for t, k, _ in timed) * 1e3,
+            "stubbed_ms": min(t - k for t, k, _ in stubbed[spec.text]) * 1e3,
+            "kernels_per_layer": timed[0][2] / TINY["num_hidden_layers"],
             "calls_per_layer": calls / TINY["num_hidden_layers"], "syncs_per_step": sum(syncs.values()),
             "syncs_by_op": dict(syncs), "graph_breaks": breaks, "break_reasons": reasons,
         })  # fmt: skip
@@ -195,6 +212,7 @@ def main(argv=None) -> None:
     for row in rows:
         row["vs_dynamic"] = row["step_ms"] / base["step_ms"]
         row["outside_vs_dynamic"] = row["outside_ms"] / base["outside_ms"]
+        row["stubbed_vs_dynamic"] = row["stubbed_ms"] / base["stubbed_ms"]
     result = {**stamp(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     result["args"].update(threads=args.threads, prompt=args.prompt, steps=args.steps, repeats=args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)

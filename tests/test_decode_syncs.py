@@ -105,3 +105,56 @@ def test_kernel_time_counts_every_kernel_call_of_a_step_and_unwraps_after(spec, 
     assert spent.calls == kernels_per_layer_step * model.config.num_hidden_layers
     assert spent.seconds > 0
     assert [getattr(module, name) for module, name in _kernel_sites()] == before
+
+
+def _shapes(x):
+    """The shape tree of a kernel's output: a tensor's shape and dtype, a tuple's parts, None."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype)
+    return None if x is None else tuple(_shapes(part) for part in x)
+
+
+@pytest.mark.parametrize(
+    "spec", ["dynamic", "paged:block=8", "quantized:int4:group=4:window=4", "sink:2:6:bits=int4:group=8", "h2o:8"]
+)
+def test_stubbed_kernels_compute_nothing_and_return_the_kernels_shapes(spec, monkeypatch):
+    """What the host benchmark's "stubbed" column runs: inside `stubbing_kernels` no attention kernel (nor a
+    quantize into given buffers) computes, and each stub's output has the shapes and dtypes the real kernel's has
+    for the same arguments (checked on every kernel call of a real step)."""
+    from hf_kvplus.evaluation.host_cost import _kernel_sites, _stub_outputs, stubbing_kernels
+
+    rules, computed, checked = _stub_outputs(), [], []
+    for module, name in _kernel_sites():
+        kernel = getattr(module, name)
+
+        def recording(*args, kernel=kernel, name=name, **kwargs):
+            computed.append(name)
+            out = kernel(*args, **kwargs)
+            if name in rules:
+                expected = rules[name](*args, **kwargs)
+                assert _shapes(out) == _shapes_of_rule(expected), f"{spec}: {name}"
+                checked.append(name)
+            return out
+
+        monkeypatch.setattr(module, name, recording)
+    model = get_model("llama")
+    ids = make_prompt(PROMPT, batch=2)
+    cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + 3)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        checked.clear()
+        model(input_ids=ids[:, :1], past_key_values=cache)  # a real decode step: every rule checked
+        assert len(checked) == model.config.num_hidden_layers
+        computed.clear()
+        with stubbing_kernels() as spent:
+            logits = model(input_ids=ids[:, 1:2], past_key_values=cache).logits
+    assert computed == [] and spent.calls >= model.config.num_hidden_layers
+    assert logits.shape == (2, 1, model.config.vocab_size) and cache.get_seq_length() == PROMPT + 2
+
+
+def _shapes_of_rule(spec):
+    from hf_kvplus.evaluation.host_cost import _Zeros
+
+    if isinstance(spec, _Zeros):
+        return (tuple(spec.shape), spec.dtype)
+    return None if spec is None else tuple(_shapes_of_rule(part) for part in spec)

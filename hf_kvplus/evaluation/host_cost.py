@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,7 +35,9 @@ SYNC_OPS = {
 #: Ops that sync when indexed with a bool mask (its count of True decides the shape).
 BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
-__all__ = ["SYNC_OPS", "KernelTime", "SyncCounter", "count_cache_calls", "count_syncs", "timing_kernels"]
+__all__ = [
+    "SYNC_OPS", "KernelTime", "SyncCounter", "count_cache_calls", "count_syncs", "stubbing_kernels", "timing_kernels",
+]  # fmt: skip
 
 
 class SyncCounter(TorchDispatchMode):
@@ -124,6 +127,89 @@ def _kernel_sites() -> list[tuple[object, str]]:
 
 
 @contextmanager
+def _wrapping_kernels(wrapper) -> Iterator[None]:
+    originals = [(module, name, getattr(module, name)) for module, name in _kernel_sites()]
+    for module, name, kernel in originals:
+        setattr(module, name, wrapper(name, kernel))
+    try:
+        yield
+    finally:
+        for module, name, kernel in originals:
+            setattr(module, name, kernel)
+
+
+class _Zeros(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _stub_outputs() -> dict[str, Callable]:
+    """Per kernel entry point's name, its outputs' shapes (and dtype) from its arguments: attention gives
+    `[batch, q_heads, value_dim]` (with the mass `[batch, kv_heads, n]` float32), SDPA Transformers' layout."""
+
+    def decode(q, keys, values, **kwargs):
+        return _Zeros((q.shape[0], q.shape[1], values.shape[-1]), q.dtype)
+
+    def paged(q, k_pool, v_pool, block_table, **kwargs):
+        return _Zeros((q.shape[0], q.shape[1], v_pool.shape[-1]), q.dtype)
+
+    def quantized(q, packed, fmt, **kwargs):
+        return _Zeros((q.shape[0], q.shape[1], packed.v.shape[-1] * fmt.per_byte), q.dtype)
+
+    def with_mass(q, keys, values, **kwargs):
+        return decode(q, keys, values), _Zeros((keys.shape[0], keys.shape[1], keys.shape[2]), torch.float32)
+
+    def sdpa(module, query, key, value, *args, **kwargs):
+        return _Zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), query.dtype), None
+
+    return {
+        "decode_attention": decode, "paged_decode_attention": paged, "quantized_decode_attention": quantized,
+        "decode_attention_with_mass": with_mass, "sdpa_attention_forward": sdpa, "_fallback": sdpa,
+    }  # fmt: skip
+
+
+@contextmanager
+def stubbing_kernels() -> Iterator[KernelTime]:
+    """Inside the block the kernels compute nothing, so a step's time is the host work around them: an attention
+    call returns zeros of its output's shape (one tensor per shape, made once), a quantize call given `out=` leaves
+    it as it is (one without, a prompt's or a group flush's, still runs). Off CUDA a twin's compute (dequantizing
+    every code) also slows the host code after it (caches, allocator), which taking its time out
+    (`timing_kernels`) leaves in; here no such compute runs. The time stubs take accrues to the `KernelTime` it
+    yields. Outputs are zeros: for timing only (tokens, and an evicting cache's choices, are then arbitrary)."""
+    spent = KernelTime()
+    shapes = _stub_outputs()
+    zeros: dict[tuple, torch.Tensor] = {}
+
+    def made(spec, device):
+        if not isinstance(spec, _Zeros):
+            return None if spec is None else tuple(made(part, device) for part in spec)
+        key = (*spec, device)
+        if key not in zeros:
+            zeros[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        return zeros[key]
+
+    def stub(name, kernel):
+        rule = shapes.get(name)
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                if rule is None:  # quantize
+                    return kwargs["out"] if kwargs.get("out") is not None else kernel(*args, **kwargs)
+                spec = rule(*args, **kwargs)
+                device = next(a for a in args if isinstance(a, torch.Tensor)).device
+                return made(spec, device)
+            finally:
+                spent.seconds += time.perf_counter() - start
+                spent.calls += 1
+
+        return call
+
+    with _wrapping_kernels(stub):
+        yield spent
+
+
+@contextmanager
 def timing_kernels() -> Iterator[KernelTime]:
     """Inside the block, the time spent in kernels (attention and quantize; outermost calls only) accrues to
     the `KernelTime` it yields. For benchmarks: it wraps the entry points while open."""
@@ -145,11 +231,5 @@ def timing_kernels() -> Iterator[KernelTime]:
 
         return call
 
-    originals = [(module, name, getattr(module, name)) for module, name in _kernel_sites()]
-    for module, name, kernel in originals:
-        setattr(module, name, timed(kernel))
-    try:
+    with _wrapping_kernels(lambda name, kernel: timed(kernel)):
         yield spent
-    finally:
-        for module, name, kernel in originals:
-            setattr(module, name, kernel)
