@@ -102,7 +102,9 @@ class KVCache(Cache):
             )
         if self.placement.moves and layer_idx in self._position:
             self._stage(layer_idx, key_states.device)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        # Straight to the layer: what Transformers' `Cache.update` adds (its own offloading, layers built on first
+        # use) is never on here, and a decode step's Python calls are its host cost.
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def _stage(self, layer_idx: int, device) -> None:
         placement, placed = self.placement, self._placed

@@ -45,6 +45,8 @@ class EvictingCache(KVCache):
     #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
     #: model whose layers are all sliding (the same cache must behave the same on every model).
     rollback: bool = True
+    #: Whether its policy ranks by accumulated attention, so slots keep a `score` each (StreamingLLM's does not).
+    keeps_scores: bool = True
 
     def __init__(
         self,
@@ -67,7 +69,7 @@ class EvictingCache(KVCache):
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
             if spec.kind != "full":
                 return DenseStorage()
-            return SlotStore(DenseCodec() if fmt is None else TokenQuantCodec(fmt))
+            return SlotStore(DenseCodec() if fmt is None else TokenQuantCodec(fmt), scores=self.keeps_scores)
 
         def retention(spec: LayerSpec) -> EvictionPolicy:
             return policy(spec) if spec.kind == "full" else model_retention(spec)
@@ -104,6 +106,8 @@ class SinkCache(EvictingCache):
     `compress="prefill"` compresses only after multi-token forwards (each prompt), as kvpress's presses do,
     and lets decode steps append: the budget then bounds what a prompt leaves, not the cache.
     """
+
+    keeps_scores = False  # it evicts by position
 
     def __init__(
         self,

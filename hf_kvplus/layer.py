@@ -50,6 +50,7 @@ class KVLayer(CacheLayerMixin):
         self.seen = 0
         self._pending: int | None = None  # a scored layer's fresh tokens of the last forward, while eviction waits
         self._awaiting_attention = False  # a scored layer's update was not yet followed by its attention
+        self._checked: tuple | None = None  # the key and value shapes `check_states` last accepted
 
     def __repr__(self) -> str:
         return (
@@ -104,8 +105,10 @@ class KVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        else:
+        elif (key_states.shape, value_states.shape) != self._checked:  # a decode step's shapes were checked once
             check_states(self.spec, key_states, value_states)
+            if not torch.compiler.is_compiling():  # (a traced step keeps no state of its own)
+                self._checked = (key_states.shape, value_states.shape)
         if self._awaiting_attention:
             raise UnsupportedModelError(
                 f"layer {self.spec.index}: the last forward's attention did not go through hf_kvplus, so this "

@@ -80,7 +80,7 @@ class EvictionPolicy(Retention):
         if slot is not None:  # known without looking at the device: evicted by bookkeeping only
             store.free(slot)
         elif one:
-            store.free(self.score(store).argmin(dim=-1))  # the next one-token append refills it
+            store.free(self.score(store).argmin(dim=-1, keepdim=True))  # the next one-token append refills it
         else:
             # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
             order = self.score(store).sort(dim=-1, descending=True, stable=True).indices

@@ -184,9 +184,8 @@ class Offloaded(Placement):
         rest = self._rest(storage)
         if rest.installed is None:
             return
-        if self.disk is None and not self._copies(rest):  # used in place: nothing to write back or spill
-            rest.installed = None  # (`acquire` adopts whatever tensors the storage changed meanwhile)
-            return
+        if self.disk is None and not self._copies(rest):
+            return  # used in place: nothing to write back, spill or take back (what is at rest is read off the storage)
         held, written = storage.tensors(), storage.take_written()
         if self._copies(rest):
             self._write_back(rest, held, written)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
@@ -47,6 +49,7 @@ class DenseStorage(KVStorage):
         self.values: torch.Tensor | None = None
         self.start = self.end = 0
         self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
+        self._fits: tuple | None = None  # (the keys buffer, new keys' shapes, dtype and device) `check_fits` passed
 
     @property
     def length(self) -> int:
@@ -143,9 +146,16 @@ class DenseStorage(KVStorage):
         self.values = (values.new_zeros if static else values.new_empty)(batch, heads, capacity, values.shape[-1])
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`check_fits`, once per buffer and shapes, dtype and device of the new keys (a decode step's checks are
+        its host cost; a new buffer, after a batch operation say, is checked again)."""
         held = self.keys
-        layout = (held.shape[0], held.shape[1], held.shape[3], self.values.shape[3])
-        check_fits(keys, values, layout, held.dtype, held.device)
+        traced = torch.compiler.is_compiling()
+        seen = None if traced else (keys.shape, values.shape, keys.dtype, keys.device)
+        if traced or self._fits is None or self._fits[0]() is not held or self._fits[1] != seen:
+            layout = (held.shape[0], held.shape[1], held.shape[3], self.values.shape[3])
+            check_fits(keys, values, layout, held.dtype, held.device)
+            if not traced:
+                self._fits = (weakref.ref(held), seen)  # (a weak reference keeps no memory alive)
 
     def _make_room(self, new: int) -> None:
         needed = self.length + new

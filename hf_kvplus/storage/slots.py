@@ -12,6 +12,8 @@ token (a token's key and value each stand alone, so any slot can be overwritten 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import ShapeError
@@ -68,8 +70,15 @@ class DenseCodec:
         fields["keys"][:, :, span] = keys
         fields["values"][:, :, span] = values
 
-    def write_keys(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor) -> None:
-        fields["keys"][:, :, span] = keys
+    def write_keys(self, fields: dict[str, torch.Tensor], span: slice | None, keys: torch.Tensor) -> None:
+        """Keys into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
+        (fields["keys"] if span is None else fields["keys"][:, :, span]).copy_(keys)
+
+    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values into slots `slots` [batch, kv_heads, 1] (eagerly: by `scatter_`, one index for both)."""
+        index = slots[..., None].expand(*keys.shape)
+        fields["keys"].scatter_(2, index, keys)
+        fields["values"].scatter_(2, index if values.shape == keys.shape else slots[..., None].expand(*values.shape), values)
 
     def packed(self, fields: dict[str, torch.Tensor]) -> None:
         """Full precision has no codes for a kernel to read."""
@@ -90,6 +99,7 @@ class TokenQuantCodec:
         self.fmt = fmt
         self.payload = ("k", "v")
         self.key_fields = ("k", "k_scale", "k_zero")
+        self._fields = {name: (name, f"{name}_scale", f"{name}_zero") for name in self.payload}  # per quantize call
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Both quantized by one call when they have the same shape (tokens stand alone, so the codes are those
@@ -130,13 +140,21 @@ class TokenQuantCodec:
         self._quantize_into(fields, span, "k", keys)
         self._quantize_into(fields, span, "v", values)
 
-    def write_keys(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor) -> None:
+    def write_keys(self, fields: dict[str, torch.Tensor], span: slice | None, keys: torch.Tensor) -> None:
+        """Keys quantized into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
         self._quantize_into(fields, span, "k", keys)
 
+    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values quantized into slots `slots` [batch, kv_heads, 1]."""
+        for name, part in self.encode(keys, values).items():
+            fields[name].scatter_(2, slots.view(*slots.shape, *[1] * (part.ndim - 3)).expand(*part.shape), part)
+
     def _quantize_into(self, fields, span, name, x) -> None:
-        zero = fields.get(f"{name}_zero")
-        out = (fields[name][:, :, span], fields[f"{name}_scale"][:, :, span], None if zero is None else zero[:, :, span])
-        quantize_values(x.contiguous(), self.fmt, out=out, check=False)
+        codes, scale, zero = self._fields[name]
+        codes, scale, zero = fields[codes], fields[scale], fields.get(zero)
+        if span is not None:
+            codes, scale, zero = codes[:, :, span], scale[:, :, span], None if zero is None else zero[:, :, span]
+        quantize_values(x.contiguous(), self.fmt, out=(codes, scale, zero), check=False)
 
     def packed(self, fields: dict[str, torch.Tensor]) -> PackedKV:
         """The codes as the quantized decode kernel reads them (keys per token)."""
@@ -147,7 +165,8 @@ class TokenQuantCodec:
 
 
 class SlotStore(KVStorage):
-    """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, `score`); `length` used.
+    """Per-slot tensors `[batch, kv_heads, capacity, ...]` (the codec's fields, `pos`, and with `scores` the
+    `score` a policy ranks by); `length` used.
 
     A `KVStorage` whose tokens are not in sequence order: a scored retention (`eviction`) picks the
     slots to keep. A decode step evicts one slot per row and head without moving any: `free(slot)`
@@ -163,8 +182,9 @@ class SlotStore(KVStorage):
     forward's tokens, never read back.
     """
 
-    def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None):
+    def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True):
         self.codec = codec or DenseCodec()
+        self.keeps_scores = scores
         self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
         self.seen = 0  # tokens appended (the next token's logical position), less those dropped from the back
@@ -180,6 +200,8 @@ class SlotStore(KVStorage):
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
         self._read: tuple | None = None  # (the views of `_used`, the read made of them)
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
+        self._fits: tuple | None = None  # (the fields' `pos`, new keys' shapes, dtype and device) `check_fits` passed
+        self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
 
     @property
     def pos(self) -> torch.Tensor:
@@ -188,6 +210,11 @@ class SlotStore(KVStorage):
     @property
     def score(self) -> torch.Tensor:
         return self.fields["score"]
+
+    @property
+    def _zeroed(self) -> dict[str, float]:
+        """The score of a freshly written slot, when slots keep scores."""
+        return {"score": 0.0} if self.keeps_scores else {}
 
     @property
     def batch_size(self) -> int:
@@ -204,7 +231,14 @@ class SlotStore(KVStorage):
 
     @property
     def positions(self) -> torch.Tensor:
-        return self.used()["pos"]
+        """`[batch, kv_heads, length]` positions of the used slots, PAD for padding and for a freed slot that is not
+        refilled yet (a copy then: a freed slot keeps its token's position until refilled, unless masked)."""
+        pos, hole = self.used()["pos"], self.hole
+        if hole is None or (self.first_real is not None and isinstance(hole, torch.Tensor)):
+            return pos
+        if isinstance(hole, int):
+            return torch.cat([pos[:, :, :hole], pos.new_full((*pos.shape[:2], 1), PAD), pos[:, :, hole + 1 :]], dim=2)
+        return pos.scatter(2, hole, PAD)
 
     @property
     def scores(self) -> torch.Tensor:
@@ -237,10 +271,9 @@ class SlotStore(KVStorage):
             self.dtype, self.device = keys.dtype, keys.device
             self._like = keys.new_empty(0)  # what a read's placeholders are made like
             self.head_dims = (keys.shape[1], keys.shape[3], values.shape[3])
-            slot_fields = {
-                "pos": keys.new_empty(keys.shape[:3], dtype=torch.int64),
-                "score": keys.new_empty(keys.shape[:3], dtype=torch.float32),
-            }
+            slot_fields = {"pos": keys.new_empty(keys.shape[:3], dtype=torch.int64)}
+            if self.keeps_scores:
+                slot_fields["score"] = keys.new_empty(keys.shape[:3], dtype=torch.float32)
             self._allocate({**self.codec.encode(keys[:, :, :1], values[:, :, :1]), **slot_fields}, _grown(new))
         elif self.length + new > self.capacity:
             self._resize(_grown(self.length + new))
@@ -254,7 +287,7 @@ class SlotStore(KVStorage):
         self.fresh = (lo, lo + new)
         if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
             slots = self._span_slots(lo, lo + new)
-            self._write_slots(slots, {**self.codec.encode(keys, values), "pos": slots + (first_pos - lo), "score": 0.0})
+            self._write_slots(slots, {**self.codec.encode(keys, values), "pos": slots + (first_pos - lo), **self._zeroed})
             return
         span = slice(lo, lo + new)
         self.codec.write(self.fields, span, keys, values)
@@ -262,7 +295,8 @@ class SlotStore(KVStorage):
             self.fields["pos"][:, :, span].fill_(first_pos)
         else:
             self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
-        self.fields["score"][:, :, span].zero_()
+        if self.keeps_scores:
+            self.fields["score"][:, :, span].zero_()
 
     def add_scores(self, mass: torch.Tensor) -> None:
         """Adds `mass` [batch, kv_heads, length] to the used slots' scores (in place; by index when traced, as
@@ -283,17 +317,27 @@ class SlotStore(KVStorage):
         if isinstance(hole, int):
             self._write(hole, keys, values, first_pos)
             return
-        self._write_slots(hole, {**self.codec.encode(keys, values), "pos": first_pos, "score": 0.0})
         self.fresh = hole
+        if torch.compiler.is_compiling():
+            self._write_slots(hole, {**self.codec.encode(keys, values), "pos": first_pos, **self._zeroed})
+            return
+        self.codec.write_at(self.fields, hole, keys, values)
+        self.fields["pos"].scatter_(2, hole, first_pos)  # scalars by `scatter_`, as `_write_slots` says why
+        if self.keeps_scores:
+            self.fields["score"].scatter_(2, hole, 0.0)
 
     def free(self, slot: int | torch.Tensor) -> None:
         """Evicts the token in `slot` by bookkeeping only: a Python int (the same slot in every row and
-        head) or a `[batch, kv_heads]` tensor of slots. The slot stays counted in `length` as the hole."""
+        head) or a `[batch, kv_heads, 1]` tensor of slots. The slot stays counted in `length` as the hole.
+
+        Once a mask came, the hole reads as padding until refilled (the sinks' `after_evict` counts real
+        tokens by position); before, nothing reads positions before the refill, so it keeps its token's
+        (`positions` shows PAD there)."""
+        self.hole = slot
         if isinstance(slot, int):
-            self.hole = slot
             return
-        self.hole = slot[..., None]
-        self._write_slots(self.hole, {"pos": PAD})  # reads as no token until refilled (`after_evict` counts them)
+        if self.first_real is not None:
+            self._write_slots(self.hole, {"pos": PAD})
         self.version += 1  # no layout a policy could follow in Python ints
 
     def settle(self) -> None:
@@ -383,7 +427,11 @@ class SlotStore(KVStorage):
         if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
             self._write_slots(self._span_slots(0, n), self.codec.encode_keys(keys))
             return
-        self.codec.write_keys(self.fields, slice(0, n), keys)
+        lead = self._lead
+        if lead is None or lead[0] != n or lead[1] is not self.fields:  # the same slots every step: cut once
+            cut = {name: self.fields[name][:, :, :n] for name in self.codec.key_fields if name in self.fields}
+            lead = self._lead = (n, self.fields, cut)
+        self.codec.write_keys(lead[2], None, keys)
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
@@ -447,6 +495,7 @@ class SlotStore(KVStorage):
 
     def reset(self) -> None:
         self.fields = {}
+        self._used = self._read = self._lead = self._fits = None  # (views of the old buffers would keep them)
         self.length = self.seen = 0
         self.first_real = None
         self.hole = None
@@ -526,4 +575,12 @@ class SlotStore(KVStorage):
             self.fields[name][:, :, : self.length] = held[:, :, : self.length]
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
+        """`check_fits`, once per buffers and shapes, dtype and device of the new keys (a decode step's checks are
+        its host cost; new buffers, after a batch operation say, are checked again)."""
+        if torch.compiler.is_compiling():
+            check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
+            return
+        seen, pos = (keys.shape, values.shape, keys.dtype, keys.device), self.fields["pos"]
+        if self._fits is None or self._fits[0]() is not pos or self._fits[1] != seen:
+            check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
+            self._fits = (weakref.ref(pos), seen)  # (new fields have a new `pos`; a weak one keeps no memory)
