@@ -133,6 +133,21 @@ def test_memory_stays_constant_as_the_sequence_grows(name):
     assert sizes[199].tokens_held == (7 if name == "sink" else 6)
 
 
+def test_only_policies_that_rank_by_attention_keep_a_score_per_slot():
+    """StreamingLLM evicts by position: its slots hold a position each and no score (4 bytes per slot and head
+    less, and no score to zero in a decode step); H2O's hold both."""
+    model = get_model("llama")
+    per_slot = {}
+    for name, cache in (("sink", SinkCache(model.config, num_sinks=2, window=30)), ("h2o", H2OCache(model.config, budget=32))):
+        with torch.no_grad():
+            model(make_prompt(40), past_key_values=cache)
+            model(make_prompt(1), past_key_values=cache)
+        store = cache.layers[0].storage
+        per_slot[name] = store.memory().metadata_bytes // (store.batch_size * store.pos.shape[1] * store.capacity)
+        assert ("score" in store.fields) == (name == "h2o")
+    assert per_slot == {"sink": 8, "h2o": 12}  # an int64 position, and a float32 score where ranked
+
+
 def test_snapkv_memory_is_bounded_in_the_prompt_length():
     model = get_model("llama")
     held = []
