@@ -2,6 +2,7 @@
 caches answer exactly as DynamicCache does, and `kvplus needle` writes its table, JSON, CSV and heatmap."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -21,11 +22,13 @@ from hf_kvplus.evaluation.needle import (
     passkey_prompt,
     prompt_frame,
 )
+from hf_kvplus.evaluation.retrieval_tasks import TASKS, WORDS, MultiKey, PassKey, retrieval_task
 from hf_kvplus.specs import parse_cache_spec
 
 TEXT = " ".join("It is a truth universally acknowledged that a single man in possession of a good fortune".split() * 60)
 #: Every word the prompt uses, so the word-level tokenizer knows them (pass keys included: five-digit numbers).
-VOCAB = " ".join([TEXT, INSTRUCTION, QUESTION, ANSWER_START, NEEDLE, *map(str, range(10000, 100000, 7))])
+VOCAB = " ".join([TEXT, INSTRUCTION, QUESTION, ANSWER_START, NEEDLE, *map(str, range(10000, 100000, 7)), *WORDS,
+                  MultiKey.instruction, MultiKey.needle, "What is the special magic number for"])
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +155,60 @@ def test_smollm2_finds_the_needle_with_full_and_int4_caches_and_a_short_sink_win
     assert result.accuracy("dynamic") == 1.0
     assert result.accuracy("quantized:int4") == 1.0
     assert result.accuracy("sink:4:60") == 0.0
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hf_kvplus.resolve import load_model, load_text
+
+    model, tokenizer = load_model("smollm2-135m")
+    return model, tokenizer, tokenizer(load_text("austen:prideprejudice")[:20000])["input_ids"]
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+@pytest.mark.parametrize("depth", [0.0, 0.6])
+def test_each_task_builds_a_prompt_of_the_asked_length_that_holds_its_answers(smollm2, name, depth):
+    """With the real tokenizer and chat template: exactly `length` tokens, every expected answer in the prompt
+    (the common words the most frequent of the list), and `score` takes the answers and refuses others."""
+    import random
+
+    _, tokenizer, haystack = smollm2
+    task = retrieval_task(name)
+    prompt = task.build(tokenizer, haystack, 700, depth, random.Random(3))
+    assert prompt.ids.shape == (1, 700)
+    text = tokenizer.decode(prompt.ids[0])
+    assert all(answer in text for answer in prompt.expected) and len(set(prompt.expected)) == len(prompt.expected)
+    if name == "cwe":
+        counts = {word: text.count(f". {word} ") + text.count(f". {word}\n") for word in WORDS}
+        assert min(counts[w] for w in prompt.expected) > max(c for w, c in counts.items() if w not in prompt.expected)
+    else:
+        assert tokenizer.decode(prompt.ids[0, prompt.at :]).lstrip().startswith(("The pass key", "One of", "VAR"))
+    if name == "vartrack":  # a chain from the value through every name
+        value = re.search(r"the value (\d+)", text).group(1)
+        sources = [value, *prompt.expected[:-1]]
+        assert all(f"VAR {n} = {s}." in text for n, s in zip(prompt.expected, sources, strict=True))
+    assert task.score(" " + ", ".join(prompt.expected) + ".", prompt.expected)
+    wrong = prompt.expected[:-1] + ["ZZZZZ" if name in ("vartrack", "cwe") else "99999"]  # the last one replaced
+    assert not task.score(" " + ", ".join(wrong), prompt.expected)
+    assert not task.score(" I do not know.", prompt.expected)
+
+
+def test_an_unknown_task_is_refused_with_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown retrieval task 'ruler'; known: passkey, multikey, multivalue"):
+        retrieval_task("ruler")
+
+
+def test_lossless_caches_answer_every_task_as_dynamic_does_and_the_summary_splits_by_task(local_model):
+    _, _, tokenizer, model = local_model
+    haystack = tokenizer(TEXT)["input_ids"]
+    specs = [parse_cache_spec(s) for s in ("dynamic", "paged:block=16")]
+    result = needle_grid(model, tokenizer, haystack, specs, [160], [0.3, 0.7], new_tokens=4,
+                         tasks=[PassKey(), MultiKey()])  # fmt: skip
+    assert result.tasks == ["passkey", "multikey"] and len(result.trials) == 2 * 2 * 2
+    answers = {spec.text: [(t.task, t.depth, t.key, t.answer) for t in result.trials if t.cache == spec.text]
+               for spec in specs}  # fmt: skip
+    assert answers["dynamic"] == answers["paged:block=16"]
+    row = result.summary()[0]
+    for task in ("passkey", "multikey"):
+        picked = [t.correct for t in result.trials if t.cache == "dynamic" and t.task == task]
+        assert row[f"acc_{task}"] == sum(picked) / len(picked)

@@ -1,9 +1,11 @@
-"""`kvplus needle`: pass-key retrieval in a haystack of real text, over context lengths x depths, per cache."""
+"""`kvplus needle`: pass-key and RULER-style retrieval in a haystack of real text, over tasks x context lengths x
+depths, per cache."""
 
 from __future__ import annotations
 
 from ..evaluation.needle import needle_grid, plot_needle
 from ..evaluation.report import format_table, stamp
+from ..evaluation.retrieval_tasks import TASKS, retrieval_task
 from . import common
 
 DEFAULT_CACHES = ["dynamic", "quantized:int4", "sink:4:508", "h2o:512"]
@@ -16,8 +18,10 @@ def register(subparsers) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="prompt lengths in tokens")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
                         help="where the needle sits, as fractions of the haystack")  # fmt: skip
-    parser.add_argument("--trials", type=int, default=1, help="pass keys per (length, depth) cell")
-    parser.add_argument("--new-tokens", type=int, default=8, help="answer tokens generated")
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=["passkey"],
+                        help="retrieval tasks (RULER-style; see hf_kvplus.evaluation.retrieval_tasks)")  # fmt: skip
+    parser.add_argument("--trials", type=int, default=1, help="prompts per (task, length, depth) cell")
+    parser.add_argument("--new-tokens", type=int, default=None, help="answer tokens generated (default: the task's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     parser.set_defaults(func=run)
 
@@ -28,16 +32,19 @@ def run(args) -> int:
     model, tokenizer, text = common.load(args)
     haystack = common.tokenize(tokenizer, text, max(args.lengths))
     result = needle_grid(model, tokenizer, haystack, specs, args.lengths, args.depths, trials=args.trials,
-                         new_tokens=args.new_tokens, seed=args.seed)  # fmt: skip
+                         new_tokens=args.new_tokens, seed=args.seed, tasks=[retrieval_task(t) for t in args.tasks])  # fmt: skip
     rows = result.summary()
     columns = [("cache", "cache", ""), ("accuracy", "accuracy", ".0%")]
     columns += [(f"acc_{n}", f"at {n}", ".0%") for n in args.lengths]
+    if len(args.tasks) > 1:
+        columns += [(f"acc_{task}", task, ".0%") for task in args.tasks]
     columns += [("bytes_at_rest", f"bytes at {max(args.lengths)}", ",d"), ("seconds", "seconds", ".0f")]
-    print(f"\n{args.model}, haystack {args.text}: pass key at depths {args.depths}, {args.trials} key(s) per cell")
+    print(f"\n{args.model}, haystack {args.text}: {', '.join(args.tasks)} at depths {args.depths}, {args.trials} "
+          "prompt(s) per cell")  # fmt: skip
     print(format_table(rows, columns))
     folder = common.out_dir(args, "needle")
     result.to_json(folder / "needle.json", stamp())
     result.to_csv(folder / "needle.csv")
-    plot_needle(result, folder / "needle.png", title=f"{args.model}: pass key in {args.text}")
+    plot_needle(result, folder / "needle.png", title=f"{args.model}: {', '.join(args.tasks)} in {args.text}")
     print(f"\nwrote {folder}/needle.json, needle.csv, needle.png")
     return 0

@@ -4,13 +4,16 @@ from .benchmark import BenchResult, benchmark, plot_bench
 from .needle import NeedleResult, NeedleTrial, needle_grid, passkey_prompt, plot_needle
 from .perplexity import MODES, PerplexityResult, cache_free_nll, perplexity, plot_perplexity
 from .report import format_table, stamp
+from .retrieval_tasks import TASKS, RetrievalTask, retrieval_task
 
 __all__ = [
     "MODES",
+    "TASKS",
     "BenchResult",
     "NeedleResult",
     "NeedleTrial",
     "PerplexityResult",
+    "RetrievalTask",
     "benchmark",
     "cache_free_nll",
     "format_table",
@@ -20,5 +23,6 @@ __all__ = [
     "plot_bench",
     "plot_needle",
     "plot_perplexity",
+    "retrieval_task",
     "stamp",
 ]

@@ -1,11 +1,12 @@
-"""Needle in a haystack (pass-key retrieval): whether a cache still lets the model find one fact.
+"""Needle in a haystack (pass-key retrieval, and the RULER-style tasks of `retrieval_tasks`): whether a cache
+still lets the model find what the question needs.
 
 Perplexity averages over every token, so it barely moves when an evicting cache drops the one sentence
 a later question needs. A trial here hides a sentence with a five-digit pass key at a fraction `depth`
 of a haystack of real text, asks for the key at the end, and generates the answer greedily through the
-cache; the trial is right when the first number in the answer is the key. A grid of context lengths x
-depths (x `trials` keys per cell) runs for each cache spec on the same prompts, so a cell's accuracy
-differs between caches only by what the cache kept.
+cache; the trial is right when the first number in the answer is the key (the other tasks score as they say).
+A grid of tasks x context lengths x depths (x `trials` prompts per cell) runs for each cache spec on the same
+prompts, so a cell's accuracy differs between caches only by what the cache kept.
 
 The prompt is an instruction, the haystack with the needle, the question and the start of the answer,
 inside the model's chat template when its tokenizer has one. Its length is exact: the haystack fills
@@ -17,9 +18,8 @@ from __future__ import annotations
 import csv
 import json
 import random
-import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,12 +29,9 @@ from transformers import PreTrainedModel
 from ..errors import ConfigError
 from ..memory import cache_bytes
 from ..specs import CacheSpec
+from .retrieval_tasks import PassKey, RetrievalTask, assemble, encode, frame
 
-INSTRUCTION = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it."
-QUESTION = "What is the pass key?"
-ANSWER_START = "The pass key is"
-NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
-_MARKER = "\x00HAYSTACK\x00"
+INSTRUCTION, QUESTION, ANSWER_START, NEEDLE = PassKey.instruction, PassKey.question, PassKey.answer_start, PassKey.needle
 
 
 @dataclass
@@ -42,9 +39,10 @@ class NeedleTrial:
     """One prompt through one cache."""
 
     cache: str
+    task: str
     length: int
     depth: float
-    key: str
+    key: str  # the expected answer (several joined by commas)
     answer: str
     correct: bool
     bytes_at_rest: int
@@ -59,23 +57,29 @@ class NeedleResult:
     lengths: list[int]
     depths: list[float]
     caches: list[str]
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
 
-    def accuracy(self, cache: str, length: int | None = None, depth: float | None = None) -> float:
-        """Fraction right among the trials of `cache` (at `length` and `depth` when given)."""
+    def accuracy(
+        self, cache: str, length: int | None = None, depth: float | None = None, task: str | None = None
+    ) -> float:
+        """Fraction right among the trials of `cache` (at `length`, `depth` and of `task` when given)."""
         picked = [
             t.correct for t in self.trials
-            if t.cache == cache and length in (None, t.length) and depth in (None, t.depth)
+            if t.cache == cache and length in (None, t.length) and depth in (None, t.depth) and task in (None, t.task)
         ]  # fmt: skip
         return sum(picked) / len(picked)
 
     def summary(self) -> list[dict]:
-        """One row per cache: accuracy overall and per length, bytes at rest at the longest length."""
+        """One row per cache: accuracy overall, per length and (with several tasks) per task, bytes at rest at
+        the longest length."""
         rows = []
         longest = max(self.lengths)
         for cache in self.caches:
             at_longest = [t.bytes_at_rest for t in self.trials if t.cache == cache and t.length == longest]
             row = {"cache": cache, "accuracy": self.accuracy(cache)}
             row.update({f"acc_{length}": self.accuracy(cache, length) for length in self.lengths})
+            if len(self.tasks) > 1:
+                row.update({f"acc_{task}": self.accuracy(cache, task=task) for task in self.tasks})
             row["bytes_at_rest"] = max(at_longest)
             row["seconds"] = sum(t.seconds for t in self.trials if t.cache == cache)
             rows.append(row)
@@ -83,7 +87,7 @@ class NeedleResult:
 
     def to_json(self, path: str | Path, meta: dict | None = None) -> None:
         data = {**(meta or {}), "lengths": self.lengths, "depths": self.depths, "caches": self.caches,
-                "summary": self.summary(), "trials": [asdict(t) for t in self.trials]}  # fmt: skip
+                "tasks": self.tasks, "summary": self.summary(), "trials": [asdict(t) for t in self.trials]}  # fmt: skip
         Path(path).write_text(json.dumps(data, indent=2))
 
     def to_csv(self, path: str | Path) -> None:
@@ -94,47 +98,24 @@ class NeedleResult:
 
 
 def prompt_frame(tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids before and after the haystack: the instruction, then the question and the start of the
-    answer; inside the chat template (as one user turn, then the assistant's) when the tokenizer has one."""
-    content = f"{INSTRUCTION}\n\n{_MARKER}\n\n{QUESTION}"
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": content}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = content + "\n"
-    before, after = text.split(_MARKER)
-    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return encode(before), encode(after + ANSWER_START)
+    """The pass-key prompt's token ids before and after the haystack (`retrieval_tasks.frame`)."""
+    return frame(tokenizer, INSTRUCTION, QUESTION, ANSWER_START)
 
 
 def needle_ids(tokenizer, key: str) -> list[int]:
-    return tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, NEEDLE.format(key=key))
 
 
 def passkey_prompt(
-    frame: tuple[list[int], list[int]], haystack: list[int], needle: list[int], length: int, depth: float
+    framing: tuple[list[int], list[int]], haystack: list[int], needle: list[int], length: int, depth: float
 ) -> tuple[torch.Tensor, int]:
     """`[1, length]` prompt ids with `needle` after `depth` of the haystack's tokens, and the needle's index."""
-    if not 0.0 <= depth <= 1.0:
-        raise ConfigError(f"a needle depth is a fraction of the haystack in 0..1, got {depth}")
-    before, after = frame
-    room = length - len(before) - len(after) - len(needle)
-    if room < 1:
-        raise ConfigError(
-            f"a {length}-token prompt has no room for a haystack: instruction, needle and question take "
-            f"{length - room} tokens"
-        )
-    if room > len(haystack):
-        raise ConfigError(f"a {length}-token prompt needs {room} haystack tokens, the text has {len(haystack)}")
-    at = round(depth * room)
-    ids = before + haystack[:at] + needle + haystack[at:room] + after
-    return torch.tensor([ids]), len(before) + at
+    return assemble(framing, haystack, [(depth, needle)], length)
 
 
 def is_correct(answer: str, key: str) -> bool:
     """Exact match of the answer's first number with the key."""
-    found = re.search(r"\d+", answer)
-    return found is not None and found.group() == key
+    return PassKey().score(answer, [key])
 
 
 def needle_grid(
@@ -146,38 +127,41 @@ def needle_grid(
     depths: list[float],
     *,
     trials: int = 1,
-    new_tokens: int = 8,
+    new_tokens: int | None = None,
     seed: int = 0,
+    tasks: list[RetrievalTask] | None = None,
 ) -> NeedleResult:
-    """Runs every (length, depth, trial) prompt through every cache spec: greedy, `new_tokens` answer tokens.
+    """Runs every (task, length, depth, trial) prompt through every cache spec, greedy: `new_tokens` answer
+    tokens (None: each task's own). `tasks` defaults to the pass key (`retrieval_tasks`).
 
-    The pass keys come from `seed` and are the same for every cache, so the caches answer the same prompts."""
-    if not specs or not lengths or not depths or trials < 1:
-        raise ConfigError("a needle grid needs at least one cache spec, length, depth and trial")
+    The prompts come from `seed` and are the same for every cache, so the caches answer the same prompts."""
+    tasks = [PassKey()] if tasks is None else list(tasks)
+    if not specs or not lengths or not depths or trials < 1 or not tasks:
+        raise ConfigError("a needle grid needs at least one cache spec, task, length, depth and trial")
     haystack = haystack.tolist() if isinstance(haystack, torch.Tensor) else list(haystack)
-    frame = prompt_frame(tokenizer)
-    keys = random.Random(seed)
-    cells = [(length, depth, str(keys.randint(10000, 99999))) for length in lengths for depth in depths
-             for _ in range(trials)]  # fmt: skip
-    prompts = [passkey_prompt(frame, haystack, needle_ids(tokenizer, key), length, depth)[0]
-               for length, depth, key in cells]  # fmt: skip
+    rng = random.Random(seed)
+    cells = [(task, length, depth, task.build(tokenizer, haystack, length, depth, rng))
+             for task in tasks for length in lengths for depth in depths for _ in range(trials)]  # fmt: skip
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
     with tqdm(total=len(specs) * len(cells), desc="needle", unit="trial") as progress:
         for spec in specs:
-            for (length, depth, key), ids in zip(cells, prompts, strict=True):
-                cache = spec.build(model.config, max_length=length + new_tokens)
+            for task, length, depth, prompt in cells:
+                new = task.new_tokens if new_tokens is None else new_tokens
+                cache = spec.build(model.config, max_length=length + new)
+                ids = prompt.ids.to(model.device)
                 start = time.perf_counter()
                 with torch.no_grad():
                     generated = model.generate(
-                        ids.to(model.device), attention_mask=torch.ones_like(ids).to(model.device),
-                        past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                        do_sample=False, pad_token_id=pad,
                     )  # fmt: skip
                 answer = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
-                out.append(NeedleTrial(spec.text, length, depth, key, answer, is_correct(answer, key),
-                                       cache_bytes(cache), time.perf_counter() - start))  # fmt: skip
+                out.append(NeedleTrial(spec.text, task.name, length, depth, ",".join(prompt.expected), answer,
+                                       task.score(answer, prompt.expected), cache_bytes(cache),
+                                       time.perf_counter() - start))  # fmt: skip
                 progress.update()
-    return NeedleResult(out, list(lengths), list(depths), [spec.text for spec in specs])
+    return NeedleResult(out, list(lengths), list(depths), [spec.text for spec in specs], [task.name for task in tasks])
 
 
 def plot_needle(result: NeedleResult, path: str | Path, title: str = "") -> None:
