@@ -171,6 +171,27 @@ def test_sliding_layers_free_blocks_that_left_the_window():
     assert cache.block_pools()["sliding:8"].num_used <= 2
 
 
+def test_a_pool_the_padded_prefill_fills_takes_the_zero_block_from_the_padding_it_frees():
+    """8 blocks of 8 hold a 2 x 32 prefill exactly; at the next step the 3 blocks of row 1's 24 padding tokens give
+    way to one zero block taken from them (not a ninth, which a fixed pool refuses and a growable one grows all its
+    layers' tensors for), and the step's 2 new blocks fit in what remains."""
+    model = build_model("llama")
+    ids, mask = prompt(32, batch=2), torch.ones(2, 32, dtype=torch.long)
+    mask[1, :24] = 0
+    ids = ids.masked_fill(mask == 0, PAD_TOKEN_ID)
+    cache, reference = PagedCache(config=model.config, block_size=8, num_blocks=8), DynamicCache(config=model.config)
+    step = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        assert cache.block_pools()["full"].num_free == 0
+        # The step releases the padding (3 blocks back, 1 zero block), then takes a new block per row.
+        ours = model(torch.tensor([[5]] * 2), attention_mask=step, past_key_values=cache).logits
+        model(ids, attention_mask=mask, past_key_values=reference)
+        theirs = model(torch.tensor([[5]] * 2), attention_mask=step, past_key_values=reference).logits
+    assert cache.block_pools()["full"].num_free == 0
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_real_tokens():
     """Blocks holding only left padding are swapped for one shared zero block after the prefill."""
     model = build_model("llama")

@@ -229,12 +229,12 @@ class BlockGroup:
         shared = None
         for table, columns in zip(self.tables, full_columns, strict=True):
             for column in range(min(columns, len(table))):
+                self.pool.decref([table[column]])  # first: a pool the prefill filled takes the zero block from it
                 if shared is None:
                     (shared,) = self.pool.allocate(1)
                     self._clear([shared])
                 else:
                     self.pool.incref([shared])
-                self.pool.decref([table[column]])
                 table[column] = shared
         self._table_tensor = None
 
