@@ -165,28 +165,32 @@ def needle_grid(
 
 
 def plot_needle(result: NeedleResult, path: str | Path, title: str = "") -> None:
-    """One heatmap per cache: accuracy by needle depth (rows) and context length (columns)."""
+    """One heatmap per cache (per cache and task, with several tasks): accuracy by needle depth (rows) and context
+    length (columns)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(result.caches)
-    figure, axes = plt.subplots(1, n, figsize=(1.2 + 0.9 * len(result.lengths) * n, 1.4 + 0.45 * len(result.depths)),
+    tasks = result.tasks if len(result.tasks) > 1 else [None]
+    panels = [(cache, task) for cache in result.caches for task in tasks]
+    width = max(1.9, 0.9 * len(result.lengths))  # wide enough for a cache spec's title
+    figure, axes = plt.subplots(1, len(panels), figsize=(1.2 + width * len(panels), 1.4 + 0.45 * len(result.depths)),
                                 squeeze=False, sharey=True)  # fmt: skip
-    for ax, cache in zip(axes[0], result.caches, strict=True):
-        grid = [[result.accuracy(cache, length, depth) for length in result.lengths] for depth in result.depths]
+    for ax, (cache, task) in zip(axes[0], panels, strict=True):
+        grid = [[result.accuracy(cache, length, depth, task) for length in result.lengths] for depth in result.depths]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(result.lengths)), [str(length) for length in result.lengths])
         ax.set_yticks(range(len(result.depths)), [f"{depth:.0%}" for depth in result.depths])
         ax.set_xlabel("context tokens")
-        ax.set_title(f"{cache}\n{result.accuracy(cache):.0%} right", fontsize=9)
+        name = cache if task is None else f"{cache}\n{task}"
+        ax.set_title(f"{name}\n{result.accuracy(cache, task=task):.0%} right", fontsize=9)
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
                 ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=7)
     axes[0][0].set_ylabel("needle depth")
     figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     if title:
-        figure.suptitle(title, fontsize=10, y=1.06)
+        figure.suptitle(title, fontsize=10, y=1.06 if tasks == [None] else 1.16)  # above two or three title lines
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
