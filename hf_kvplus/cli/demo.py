@@ -44,7 +44,7 @@ COLUMNS = [
 #: The demo's pass keys: fixed, so every cache answers the same prompts.
 KEYS = ("58213", "90476", "31785", "66042")
 #: The caches the demo compares by default: one or two per family (evicting ones at an eighth of the context);
-#: about 36 s each on two cores. `--cache` picks others (`kvplus bench`, `ppl` and `needle` run any list).
+#: about 13 s each on two cores (36 s on a slower host). `--cache` picks others (`kvplus bench`, `ppl` and `needle` run any list).
 DEFAULT_SPECS = [
     "dynamic", "dense", "paged", "quantized:int4", "quantized:int2", "hf-quantized:quanto:4",
     "sink:4:508", "h2o:512", "snapkv:512", "offloaded",
