@@ -175,8 +175,9 @@ def plot_needle(result: NeedleResult, path: str | Path, title: str = "") -> None
     tasks = result.tasks if len(result.tasks) > 1 else [None]
     panels = [(cache, task) for cache in result.caches for task in tasks]
     width = max(1.9, 0.9 * len(result.lengths))  # wide enough for a cache spec's title
-    figure, axes = plt.subplots(1, len(panels), figsize=(1.2 + width * len(panels), 1.4 + 0.45 * len(result.depths)),
-                                squeeze=False, sharey=True)  # fmt: skip
+    height = 1.4 + 0.45 * len(result.depths)
+    figure, axes = plt.subplots(1, len(panels), figsize=(1.2 + width * len(panels), height), squeeze=False,
+                                sharey=True)  # fmt: skip
     for ax, (cache, task) in zip(axes[0], panels, strict=True):
         grid = [[result.accuracy(cache, length, depth, task) for length in result.lengths] for depth in result.depths]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -191,6 +192,7 @@ def plot_needle(result: NeedleResult, path: str | Path, title: str = "") -> None
     axes[0][0].set_ylabel("needle depth")
     figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     if title:
-        figure.suptitle(title, fontsize=10, y=1.06 if tasks == [None] else 1.16)  # above two or three title lines
+        lines = 2 if tasks == [None] else 3  # of each panel's title
+        figure.suptitle(title, fontsize=10, y=1 + (0.17 * lines + 0.1) / height)  # above them (inches over height)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
