@@ -2,7 +2,8 @@
 
 Evicting caches keep different tokens per KV head (H2O, SnapKV), so tokens live in slots: slot j of
 row b, head h holds one token's key and value, its logical position (`pos`, -1 for a padding slot)
-and its accumulated attention mass (`score`). Attention reads the slots with a mask built from `pos`,
+and, for a policy that ranks by it, its accumulated attention mass (`score`; StreamingLLM ranks by position and
+keeps none). Attention reads the slots with a mask built from `pos`,
 so slot order does not matter to it; compaction keeps slots in position order anyway (padding
 first), which keeps padding slots at the same indices in every head of a row.
 
