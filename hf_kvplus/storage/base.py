@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -118,3 +119,26 @@ def check_fits(
         )
     if keys.dtype != dtype or keys.device != device:
         raise CacheMismatchError(f"new keys are {keys.dtype} on {keys.device}, the cache holds {dtype} on {device}")
+
+
+class FitMemo:
+    """What `check_fits` last passed: the buffer checked against (weakly held: it keeps no memory alive) and the new
+    keys' and values' shapes, dtype and device. A decode step's checks are its host cost: a storage checks again only
+    when its buffer or the new tokens' shapes change (a batch operation, say). A traced step always checks."""
+
+    def __init__(self):
+        self._seen: tuple | None = None
+
+    def passed(self, buffer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether `check_fits` passed for `buffer` and new keys and values like these (never while tracing)."""
+        seen = self._seen
+        return (
+            seen is not None
+            and not torch.compiler.is_compiling()
+            and seen[0]() is buffer
+            and seen[1] == (keys.shape, values.shape, keys.dtype, keys.device)
+        )
+
+    def remember(self, buffer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling():  # (a traced step keeps no state of its own)
+            self._seen = (weakref.ref(buffer), (keys.shape, values.shape, keys.dtype, keys.device))

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 from ..memory import MemoryReport
-from .base import KVStorage, Region, check_fits, widened
+from .base import FitMemo, KVStorage, Region, check_fits, widened
 from .reads import DenseRead
 
 #: Capacity is allocated in multiples of this many tokens.
@@ -49,7 +47,7 @@ class DenseStorage(KVStorage):
         self.values: torch.Tensor | None = None
         self.start = self.end = 0
         self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
-        self._fits: tuple | None = None  # (the keys buffer, new keys' shapes, dtype and device) `check_fits` passed
+        self._fits = FitMemo()  # what `check_fits` last passed (the keys buffer, new tokens' shapes)
 
     @property
     def length(self) -> int:
@@ -146,16 +144,12 @@ class DenseStorage(KVStorage):
         self.values = (values.new_zeros if static else values.new_empty)(batch, heads, capacity, values.shape[-1])
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`check_fits`, once per buffer and shapes, dtype and device of the new keys (a decode step's checks are
-        its host cost; a new buffer, after a batch operation say, is checked again)."""
+        """`check_fits`, once per buffer and new tokens' shapes (`FitMemo`)."""
         held = self.keys
-        traced = torch.compiler.is_compiling()
-        seen = None if traced else (keys.shape, values.shape, keys.dtype, keys.device)
-        if traced or self._fits is None or self._fits[0]() is not held or self._fits[1] != seen:
+        if not self._fits.passed(held, keys, values):
             layout = (held.shape[0], held.shape[1], held.shape[3], self.values.shape[3])
             check_fits(keys, values, layout, held.dtype, held.device)
-            if not traced:
-                self._fits = (weakref.ref(held), seen)  # (a weak reference keeps no memory alive)
+            self._fits.remember(held, keys, values)
 
     def _make_room(self, new: int) -> None:
         needed = self.length + new

@@ -13,15 +13,13 @@ token (a token's key and value each stand alone, so any slot can be overwritten 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..errors import ShapeError
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..kernels.quant_pack import quantize_values
 from ..memory import MemoryReport
-from .base import KVStorage, check_fits
+from .base import FitMemo, KVStorage, check_fits
 from .dense import _grown
 from .reads import SlotRead, placeholders
 
@@ -201,7 +199,7 @@ class SlotStore(KVStorage):
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
         self._read: tuple | None = None  # (the views of `_used`, the read made of them)
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
-        self._fits: tuple | None = None  # (the fields' `pos`, new keys' shapes, dtype and device) `check_fits` passed
+        self._fits = FitMemo()  # what `check_fits` last passed (the fields' `pos`, new tokens' shapes)
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
 
     @property
@@ -496,7 +494,7 @@ class SlotStore(KVStorage):
 
     def reset(self) -> None:
         self.fields = {}
-        self._used = self._read = self._lead = self._fits = None  # (views of the old buffers would keep them)
+        self._used = self._read = self._lead = None  # (views of the old buffers would keep them)
         self.length = self.seen = 0
         self.first_real = None
         self.hole = None
@@ -576,12 +574,8 @@ class SlotStore(KVStorage):
             self.fields[name][:, :, : self.length] = held[:, :, : self.length]
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`check_fits`, once per buffers and shapes, dtype and device of the new keys (a decode step's checks are
-        its host cost; new buffers, after a batch operation say, are checked again)."""
-        if torch.compiler.is_compiling():
+        """`check_fits`, once per buffers and new tokens' shapes (`FitMemo`; new fields have a new `pos`)."""
+        pos = self.fields["pos"]
+        if not self._fits.passed(pos, keys, values):
             check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
-            return
-        seen, pos = (keys.shape, values.shape, keys.dtype, keys.device), self.fields["pos"]
-        if self._fits is None or self._fits[0]() is not pos or self._fits[1] != seen:
-            check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
-            self._fits = (weakref.ref(pos), seen)  # (new fields have a new `pos`; a weak one keeps no memory)
+            self._fits.remember(pos, keys, values)
