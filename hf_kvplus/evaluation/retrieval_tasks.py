@@ -208,12 +208,15 @@ class CommonWords(RetrievalTask):
         words = rng.sample(WORDS, len(WORDS))
         common, rare = words[: self.common], words[self.common :]
         items: list[str] = []
-        while True:  # grow the list until its tokens fill the room, then cut it back by whole items
-            pool = common if rng.random() < self.share else rare
-            items.append(rng.choice(pool))
-            if len(encode(tokenizer, self._listed(items))) > room:
-                items.pop()
+        used = len(encode(tokenizer, self._listed([])))
+        while True:  # grow the list by each item's own tokens until the room is full (one tokenization per item)
+            word = rng.choice(common if rng.random() < self.share else rare)
+            used += len(encode(tokenizer, f" {len(items) + 1}. {word}"))
+            if used > room:
                 break
+            items.append(word)
+        while len(encode(tokenizer, self._listed(items))) > room:  # tokens may merge across items: cut back
+            items.pop()
         counts = {word: items.count(word) for word in set(items)}
         top = sorted(counts, key=lambda word: -counts[word])[: self.common]
         listed = encode(tokenizer, self._listed(items))
