@@ -11,7 +11,7 @@ at that depth, then the question. Each prompt is fed through a fresh cache in ch
 - greedy decode speed after the prompt (`--new-tokens` steps), and its ratio to the baseline's in the same run;
   lossless caches must give the baseline's tokens.
 
-One pass over the context per cache and depth is what keeps the demo within about five minutes on two cores.
+One pass over the context per cache and depth keeps the demo to about two minutes on two cores (BENCHMARKS.md).
 A table, a plot grouped by family with the baseline marked, and JSON of numbers.
 """
 
