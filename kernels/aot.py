@@ -329,9 +329,10 @@ def _packed(fmt, head_dim, rows, tokens, keys_per_token=False) -> PackedKV:
     )
 
 
-def _quantized(dtype, fmt, head_dim, group, mask, block_size, keys_per_token=False) -> list[Spec]:
+def _quantized(dtype, fmt, head_dim, group, mask, block_size, keys_per_token=False, mass=False) -> list[Spec]:
     """Quantized decode attention over KEYS codes (dense, or paged when ``block_size``) plus a residual; with
-    ``keys_per_token``, an evicting cache's slots: dense, keys laid out as values, no residual."""
+    ``keys_per_token``, an evicting cache's slots: dense, keys laid out as values, no residual; ``mass``: the
+    with-mass entry (logit stores and the merge's log-sum-exp)."""
     q = _meta(BATCH, KV_HEADS * group, head_dim, dtype=dtype)
     residual = None if keys_per_token else _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=dtype)
     if block_size is None:
@@ -340,9 +341,14 @@ def _quantized(dtype, fmt, head_dim, group, mask, block_size, keys_per_token=Fal
         table, blocks = _table(block_size)
         packed = _packed(fmt, head_dim, blocks, block_size)
     storage = "slots" if keys_per_token else "dense" if block_size is None else f"paged bs{block_size}"
-    name = f"{_SHORT[dtype]} d{head_dim} {fmt} {storage}{' mask' if mask else ''}"
+    name = f"{_SHORT[dtype]} d{head_dim} {fmt} {storage}{' mask' if mask else ''}{' scores' if mass else ''}"
+    fn = (
+        quant_attention.quantized_decode_attention_with_mass_triton
+        if mass
+        else quant_attention.quantized_decode_attention_triton
+    )
     return _record(
-        lambda: quant_attention.quantized_decode_attention_triton(
+        lambda: fn(
             q, packed, fmt, start=0, length=KEYS, scale=0.125, residual_k=residual, residual_v=residual,
             mask=_mask(mask, KEYS + (0 if keys_per_token else RESIDUAL)), block_table=table,
             keys_per_token=keys_per_token,
@@ -350,7 +356,7 @@ def _quantized(dtype, fmt, head_dim, group, mask, block_size, keys_per_token=Fal
         {
             "_quant_split_kernel": name,
             "_decode_split_kernel": f"{_SHORT[dtype]} d{head_dim} dense{' mask' if mask else ''}",
-            "_decode_merge_kernel": f"{_SHORT[dtype]} dv{head_dim}",
+            "_decode_merge_kernel": f"{_SHORT[dtype]} dv{head_dim}{' lse' if mass else ''}",
         },
         # e4m3 codes are converted with tl.float8e4nv (the pack kernels encode them with integers).
         {"_quant_split_kernel": FP8_ARCH} if fmt.is_float else None,
@@ -392,6 +398,7 @@ def specializations() -> list[Spec]:
         specs += _quantized(dt, fmt, d, g, mask, None)
         specs += _quantized(dt, fmt, d, g, mask, _quant_block_sizes(fmt)[0])
         specs += _quantized(dt, fmt, d, g, mask, None, keys_per_token=True)
+        specs += _quantized(dt, fmt, d, g, mask, None, keys_per_token=True, mass=True)
     for dt, bits, d in itertools.product(dtypes, BIT_WIDTHS, HEAD_DIMS):
         specs += _pack(dt, _default_format(bits, d), d)
 

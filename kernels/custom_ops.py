@@ -196,6 +196,56 @@ def _(
     return _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte)
 
 
+@torch.library.custom_op("kvplus::quantized_decode_attention_with_mass", mutates_args=())
+def quantized_decode_attention_with_mass(
+    q: Tensor,
+    k: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor | None,
+    v: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor | None,
+    bits: str,
+    group_size: int,
+    start: int,
+    length: int,
+    scale: float,
+    residual_k: Tensor | None,
+    residual_v: Tensor | None,
+    mask: Tensor | None,
+    block_table: Tensor | None,
+    num_splits: int | None,
+    keys_per_token: bool,
+) -> tuple[Tensor, Tensor]:
+    return quant.quantized_decode_attention_with_mass_torch(
+        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
+        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table, keys_per_token=keys_per_token, check=False,
+    )  # fmt: skip
+
+
+@quantized_decode_attention_with_mass.register_kernel("cuda")
+def quantized_decode_attention_with_mass_cuda(
+    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
+    mask, block_table, num_splits, keys_per_token,
+):  # fmt: skip
+    return quant.quantized_decode_attention_with_mass_triton(
+        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
+        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=False,
+    )  # fmt: skip
+
+
+@quantized_decode_attention_with_mass.register_fake
+def _(
+    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
+    mask, block_table, num_splits, keys_per_token,
+):  # fmt: skip
+    keys = length + (0 if residual_k is None else residual_k.shape[2])
+    mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)
+    return _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte), mass
+
+
 # ---------------------------------------------------------------------------------------------------
 # Quantize and pack (into given tensors)
 # ---------------------------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ Three entry points share one contract:
   (``TWIN_CHUNK_TOKENS`` keys; whole key groups dense, whole blocks paged), dequantizes one chunk at
   a time with ``quant_format``'s functions, then the residual, merging with an online softmax in
   float32 (memory O(chunk), not O(length)).
+- :func:`quantized_decode_attention_with_mass` (twins ``..._with_mass_torch`` and ``..._with_mass_triton``)
+  also returns each key's attention mass per KV head, for heavy-hitter (H2O) eviction over quantized slots:
+  mass [B, Hkv, length + R] float32, mass[b, j, n] the sum over KV head j's query group of the softmax
+  weight of key n (quantized keys first, then the residual; zeros where masked and on a fully masked
+  row). The Triton path turns on the split kernels' logit stores and the merge kernel's log-sum-exp, as
+  ``decode_attention_with_mass_triton`` does; the twin keeps each chunk's logits.
 
 Arguments. q [B, Hq, D] in float32, float16 or bfloat16; Hq % Hkv == 0 (query head h reads KV head
 h // (Hq // Hkv)). ``packed`` is a :class:`PackedKV` in format ``fmt`` (``per = 8 // bits`` codes per
@@ -82,6 +88,7 @@ from hf_kvplus.kernels.decode_attention import (
     _launch_split,
     _merge_partials,
     _plan_splits,
+    decode_attention_with_mass_torch,
     grouped_sdpa,
 )
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
@@ -98,6 +105,9 @@ __all__ = [
     "quantized_decode_attention",
     "quantized_decode_attention_torch",
     "quantized_decode_attention_triton",
+    "quantized_decode_attention_with_mass",
+    "quantized_decode_attention_with_mass_torch",
+    "quantized_decode_attention_with_mass_triton",
 ]
 
 # Keys per chunk of the torch twin (rounded to whole key groups dense, whole blocks paged).
@@ -320,6 +330,65 @@ def quantized_decode_attention(
     return quantized_decode_attention_torch(q, packed, fmt, **kw)
 
 
+def quantized_decode_attention_with_mass(
+    q,
+    packed,
+    fmt,
+    *,
+    start,
+    length,
+    scale,
+    residual_k=None,
+    residual_v=None,
+    mask=None,
+    block_table=None,
+    num_splits=None,
+    keys_per_token: bool = False,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantized_decode_attention` plus each key's attention mass [B, Hkv, length + R] float32 (quantized
+    keys, then the residual; see the module docstring); dispatches the same way."""
+    if torch.compiler.is_compiling() and not check and q.is_cuda:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        p = packed
+        return custom_ops.quantized_decode_attention_with_mass(
+            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), start,
+            length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
+        )  # fmt: skip
+    kw = dict(
+        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
+    )  # fmt: skip
+    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
+        return quantized_decode_attention_with_mass_triton(q, packed, fmt, **kw)
+    return quantized_decode_attention_with_mass_torch(q, packed, fmt, **kw)
+
+
+def quantized_decode_attention_with_mass_triton(
+    q,
+    packed,
+    fmt,
+    *,
+    start,
+    length,
+    scale,
+    residual_k=None,
+    residual_v=None,
+    mask=None,
+    block_table=None,
+    num_splits=None,
+    keys_per_token: bool = False,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantized_decode_attention_triton` plus the mass: the split kernels store their logits and the
+    merge kernel each row's log-sum-exp (log2 domain), as ``decode_attention_with_mass_triton`` does."""
+    return _quant_triton(
+        q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
+        keys_per_token, check, with_mass=True,
+    )  # fmt: skip
+
+
 def quantized_decode_attention_triton(
     q,
     packed,
@@ -337,19 +406,30 @@ def quantized_decode_attention_triton(
     check: bool = True,
 ) -> torch.Tensor:
     """Split-KV flash-decoding over the codes in place (CUDA tensors, or any under TRITON_INTERPRET=1)."""
+    out, _ = _quant_triton(
+        q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
+        keys_per_token, check, with_mass=False,
+    )  # fmt: skip
+    return out
+
+
+def _quant_triton(
+    q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
+    check, *, with_mass,
+):  # fmt: skip
+    """The Triton path of both entry points: (output, mass or None)."""
+    name = "quantized_decode_attention_with_mass_triton" if with_mass else "quantized_decode_attention_triton"
     if check:
         if triton is None:
-            raise KernelUnavailableError(
-                "quantized_decode_attention_triton needs triton, which is not installed"
-            )
+            raise KernelUnavailableError(f"{name} needs triton, which is not installed")
         info = _check_inputs(
             q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
             keys_per_token,
         )
         if not q.is_cuda and not _is_interpreted(_quant_split_kernel):
             raise KernelUnavailableError(
-                f"quantized_decode_attention_triton needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 "
-                "set before import; use quantized_decode_attention_torch"
+                f"{name} needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import; use "
+                f"{name.removesuffix('_triton')}_torch"
             )
     else:
         info = _dims(q, packed, fmt, residual_k, block_table)
@@ -365,17 +445,28 @@ def quantized_decode_attention_triton(
     s_quant = quant_plan.num_splits if quant_plan else 0
     s_res = res_plan.num_splits if res_plan else 0
     partials = _alloc_partials(q, Dv, s_quant + s_res)
+    B, Hq = q.shape[:2]
+    scores = torch.empty((B, Hq, length + R), dtype=torch.float32, device=q.device) if with_mass else None
 
     if quant_plan is not None:
         _launch_quant_split(
-            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table, keys_per_token
-        )
+            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table, keys_per_token,
+            None if scores is None else scores[:, :, :length],
+        )  # fmt: skip
     if res_plan is not None:
         rk = residual_k if residual_k.stride(-1) == 1 else residual_k.contiguous()
         rv = residual_v if residual_v.stride(-1) == 1 else residual_v.contiguous()
         rmask = None if mask is None else mask[:, length:]
-        _launch_split(q, rk, rv, rmask, partials, res_plan, scale=scale, n_keys=R, split_offset=s_quant)
-    return _merge_partials(partials, q.dtype, max(16, triton.next_power_of_2(Dv)))
+        _launch_split(
+            q, rk, rv, rmask, partials, res_plan, scale=scale, n_keys=R, split_offset=s_quant,
+            scores=None if scores is None else scores[:, :, length:],
+        )  # fmt: skip
+    dv_pad = max(16, triton.next_power_of_2(Dv))
+    if scores is None:
+        return _merge_partials(partials, q.dtype, dv_pad), None
+    lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
+    out = _merge_partials(partials, q.dtype, dv_pad, lse=lse)
+    return out, torch.exp2(scores - lse[..., None]).view(B, info.Hkv, info.G, -1).sum(dim=2)
 
 
 def _quant_plan(q, info, n_keys, num_splits):
@@ -407,8 +498,11 @@ def _quant_plan(q, info, n_keys, num_splits):
     return plan._replace(num_warps=num_warps)
 
 
-def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, keys_per_token):
-    """Kernel 1 over the quantized segment: splits 0 .. plan.num_splits - 1 of ``partials``."""
+def _launch_quant_split(
+    q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, keys_per_token, scores=None
+):
+    """Kernel 1 over the quantized segment: splits 0 .. plan.num_splits - 1 of ``partials``; ``scores``: None,
+    or float32 [B, Hq, length] (any strides) that receives the log2-domain logits (-inf where masked)."""
     B, Hq, D = q.shape
     mid_o, mid_m, mid_l = partials
     per = fmt.per_byte
@@ -422,13 +516,17 @@ def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start
         bt_arg, sbb, sbc = block_table, block_table.stride(0), block_table.stride(1)
     else:
         bt_arg, sbb, sbc = q, 0, 0  # never read (PAGED=False)
+    if scores is None:
+        scores_arg, ssb, ssh, ssn = mid_m, 0, 0, 0  # never written (STORE_SCORES=False)
+    else:
+        scores_arg, (ssb, ssh, ssn) = scores, scores.stride()
     # fp8 has no zero points: pass the scales in their place (never read, IS_FP8=True).
     k_zero = packed.k_scale if packed.k_zero is None else packed.k_zero
     v_zero = packed.v_scale if packed.v_zero is None else packed.v_zero
     # fmt: off
     _quant_split_kernel[(B, info.Hkv * plan.g_chunks, plan.num_splits)](
         q, packed.k, packed.k_scale, k_zero, packed.v, packed.v_scale, v_zero,
-        mask_arg, mid_o, mid_m, mid_l, bt_arg,
+        mask_arg, mid_o, mid_m, mid_l, bt_arg, scores_arg,
         length, info.G, D, info.Dv, Hq, mid_m.shape[-1], plan.tiles_per_split, start, info.num_blocks,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),
@@ -436,9 +534,10 @@ def _launch_quant_split(q, packed, fmt, info, mask, partials, plan, scale, start
         *packed.v.stride(), *packed.v_scale.stride(), *v_zero.stride(),
         smb, smn,
         sbb, sbc,
+        ssb, ssh, ssn,
         HAS_MASK=mask is not None,
         PAGED=info.paged, BLOCK_SIZE=info.T if info.paged else 1, GROUP=fmt.group_size,
-        KEYS_PER_TOKEN=keys_per_token,
+        KEYS_PER_TOKEN=keys_per_token, STORE_SCORES=scores is not None,
         BITS=fmt.code_bits, PER=per, IS_FP8=fmt.is_float,
         PK=pk, PV=pv, PK_PAD=triton.next_power_of_2(pk), PV_PAD=triton.next_power_of_2(pv),
         G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
@@ -477,7 +576,7 @@ if triton is not None:
 
     @triton.jit
     def _quant_split_kernel(
-        Q, KC, KS, KZ, VC, VS, VZ, Mask, MidO, MidM, MidL, BT,
+        Q, KC, KS, KZ, VC, VS, VZ, Mask, MidO, MidM, MidL, BT, Scores,
         N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
         qk_scale,
         stride_qb, stride_qh,
@@ -489,8 +588,10 @@ if triton is not None:
         stride_vzb, stride_vzh, stride_vzn, stride_vzg,
         stride_mb, stride_mn,
         stride_btb, stride_btc,
+        stride_sb, stride_sh, stride_sn,
         HAS_MASK: tl.constexpr,
         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, KEYS_PER_TOKEN: tl.constexpr,
+        STORE_SCORES: tl.constexpr,
         BITS: tl.constexpr, PER: tl.constexpr, IS_FP8: tl.constexpr,
         PK: tl.constexpr, PV: tl.constexpr, PK_PAD: tl.constexpr, PV_PAD: tl.constexpr,
         G_CHUNKS: tl.constexpr,
@@ -508,6 +609,10 @@ if triton is not None:
         # its next power of two, so D_PAD = PER * PK_PAD). Everything on the key side (q, scales, zeros)
         # is loaded in that order, which leaves q.k unchanged; the value side likewise with PV, and the
         # accumulator is stored back to channel order.
+        #
+        # STORE_SCORES (compile time): also write the log2-domain logits of every key n < N into Scores
+        # [B, HQ, N] float32 (-inf where masked), for the attention mass (as decode_attention's split
+        # kernel); Scores is never touched otherwise.
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -558,7 +663,8 @@ if triton is not None:
         end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, N)
         for start_n in range(start, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < N
+            n_in = offs_n < N
+            n_ok = n_in
             offs_n64 = offs_n.to(tl.int64)
             if HAS_MASK:
                 keep = tl.load(Mask + pid_b * stride_mb + offs_n64 * stride_mn, mask=n_ok, other=0)
@@ -617,6 +723,9 @@ if triton is not None:
             # Scores in the log2 domain; masked keys are -inf, so exp2(-inf - finite max) = 0.
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
+            if STORE_SCORES:
+                s_ptrs = Scores + pid_b * stride_sb + q_rows[:, None] * stride_sh + offs_n64[None, :] * stride_sn
+                tl.store(s_ptrs, s, mask=g_ok[:, None] & n_in[None, :])
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -706,6 +815,39 @@ def quantized_decode_attention_torch(
     the table columns it reads hold block ids of the pool (ShapeError otherwise; a host read of the
     table, skipped with ``check=False``).
     """
+    args = (q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits)
+    return _twin(*args, keys_per_token, check, with_mass=False)[0]
+
+
+def quantized_decode_attention_with_mass_torch(
+    q,
+    packed,
+    fmt,
+    *,
+    start,
+    length,
+    scale,
+    residual_k=None,
+    residual_v=None,
+    mask=None,
+    block_table=None,
+    num_splits=None,
+    keys_per_token: bool = False,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch twin of :func:`quantized_decode_attention_with_mass`: the chunks of
+    :func:`quantized_decode_attention_torch`, each chunk's logits kept (float32 [B, Hq, length + R], what the
+    Triton path stores too) and turned into probabilities once the log-sum-exp is known; keys that fit one
+    chunk go through ``decode_attention_with_mass_torch``."""
+    args = (q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits)
+    return _twin(*args, keys_per_token, check, with_mass=True)
+
+
+def _twin(
+    q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
+    check, *, with_mass,
+):  # fmt: skip
+    """Both twins: (output, mass or None)."""
     if check:
         info = _check_inputs(
             q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
@@ -724,9 +866,10 @@ def quantized_decode_attention_torch(
     chunks = _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token) if length > 0 else iter(())
     head = list(itertools.islice(chunks, 2))
     if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2:
-        return _one_shot(
-            q, fmt, info, head[0] if head else None, start, length, residual_k, residual_v, mask, scale, keys_per_token
-        )
+        k, v = _one_chunk(fmt, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token)
+        if with_mass:
+            return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=False)
+        return grouped_sdpa(q.float(), k, v, mask, scale).to(q.dtype), None
 
     # Scores in the log2 domain, as in the kernel.
     qg = q.reshape(B, Hkv, G, D).to(torch.float32) * (float(scale) * LOG2E)
@@ -737,19 +880,25 @@ def quantized_decode_attention_torch(
             ~mask, float("-inf")
         )
     state = [None, None, None]  # running max, sum, accumulator
+    logits = [] if with_mass else None
 
     for chunk in itertools.chain(head, chunks):
         n0, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
-        _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]])
+        _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
     for r0 in range(0, R, TWIN_CHUNK_TOKENS):
         r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
         k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()
-        _online_step(state, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1])
+        _online_step(state, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1], logits)
 
-    _, l_run, acc = state
+    m_run, l_run, acc = state
     # Every key masked: acc and l are both 0; output zeros instead of 0/0.
-    out = acc.div_(torch.where(l_run > 0, l_run, 1.0)[..., None])
-    return out.reshape(B, Hq, Dv).to(q.dtype)
+    live = l_run > 0
+    out = acc.div_(torch.where(live, l_run, 1.0)[..., None]).reshape(B, Hq, Dv).to(q.dtype)
+    if not with_mass:
+        return out, None
+    # Every key masked: lse +inf, so each (-inf) logit's probability is 0, never NaN.
+    lse = torch.where(live, m_run + torch.log2(torch.where(live, l_run, 1.0)), float("inf"))
+    return out, torch.exp2(torch.cat(logits, dim=-1).sub_(lse[..., None])).sum(dim=2)
 
 
 def _dequantized_chunk(chunk, fmt, start, length, keys_per_token):
@@ -762,9 +911,9 @@ def _dequantized_chunk(chunk, fmt, start, length, keys_per_token):
     return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt)
 
 
-def _one_shot(q, fmt, info, chunk, start, length, residual_k, residual_v, mask, scale, keys_per_token) -> torch.Tensor:
-    """All keys in one chunk: dequantize them, append the residual, one float32 SDPA (a short context's
-    host cost is its op count, about half the online-softmax path's)."""
+def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per_token):
+    """All keys in one chunk: K, V float32, dequantized with the residual appended, for one float32 SDPA (a
+    short context's host cost is its op count, about half the online-softmax path's)."""
     ks, vs = [], []
     if chunk is not None:
         _, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
@@ -773,15 +922,17 @@ def _one_shot(q, fmt, info, chunk, start, length, residual_k, residual_v, mask, 
     if info.R:
         ks.append(residual_k.float())
         vs.append(residual_v.float())
-    k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
-    return grouped_sdpa(q.float(), k, v, mask, scale).to(q.dtype)
+    return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
 
 
-def _online_step(state, qg, k, v, bias) -> None:
-    """Fold keys k [B, Hkv, n, D] / values v [B, Hkv, n, Dv] (float32) into state [m, l, acc] in place."""
+def _online_step(state, qg, k, v, bias, logits=None) -> None:
+    """Fold keys k [B, Hkv, n, D] / values v [B, Hkv, n, Dv] (float32) into state [m, l, acc] in place;
+    ``logits``: None, or a list that receives a copy of the chunk's (masked) logits."""
     s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G, n], scaled, log2 domain
     if bias is not None:
         s.add_(bias[:, None, None, :])
+    if logits is not None:
+        logits.append(s.clone())
     m_run, l_run, acc = state
     m_chunk = s.amax(dim=-1)
     if m_run is None:

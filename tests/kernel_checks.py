@@ -42,3 +42,41 @@ def check(out, q, Dv, ref, seed, what=""):
     err = rel_err(out, ref)
     assert err < BOUND[q.dtype], f"{what}: rel err {err:.3g} >= {BOUND[q.dtype]} for {q.dtype} (seed {seed})"
     return err
+
+
+#: Bound on the attention mass's relative error (see test_kernel_attention_mass.py's docstring).
+MASS_BOUND = 1e-5
+
+
+def reference_mass(q, k, scale, mask=None):
+    """float64 sum over each KV head's query group of softmax(q k^T * scale + mask): [B, Hkv, N]."""
+    B, Hq, _ = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    s = torch.einsum("bhd,bhnd->bhn", q.double(), k.double().repeat_interleave(G, dim=1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if mask is not None:
+        p = torch.where(mask.any(dim=-1)[:, None, None], p, torch.zeros_like(p))
+    return p.view(B, Hkv, G, N).sum(dim=2)
+
+
+def check_mass(mass, q, k, scale, mask, seed, what=""):
+    """Shape, dtype, finiteness, error against float64, exact zeros where masked, group sums = G."""
+    B, Hq, _ = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    assert mass.shape == (B, Hkv, N), f"{what}: mass shape {tuple(mass.shape)}"
+    assert mass.dtype == torch.float32
+    assert torch.isfinite(mass).all(), f"{what}: non-finite mass (seed {seed})"
+    ref = reference_mass(q, k, scale, mask)
+    err = rel_err(mass, ref)
+    assert err < MASS_BOUND, f"{what}: mass rel err {err:.3g} >= {MASS_BOUND} for {q.dtype} (seed {seed})"
+    live = torch.ones(B, dtype=torch.bool) if mask is None else mask.any(dim=-1)
+    if mask is not None:
+        dropped = (~mask)[:, None, :].expand(B, Hkv, N)
+        assert torch.equal(mass[dropped], torch.zeros_like(mass[dropped])), f"{what}: mass on masked keys"
+    sums = mass.double().sum(dim=-1)  # [B, Hkv]
+    torch.testing.assert_close(sums[live], torch.full_like(sums[live], float(G)), rtol=1e-5, atol=0)
+    assert torch.equal(mass[~live], torch.zeros_like(mass[~live])), f"{what}: mass on a fully masked row"

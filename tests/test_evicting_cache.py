@@ -234,15 +234,23 @@ def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload()
     assert sizes[4].total_bytes < 0.3 * sizes[None].total_bytes
 
 
+QUANTIZED_SLOTS = {
+    "sink": lambda config, bits: SinkCache(config, num_sinks=2, window=8, bits=bits, group_size=16),
+    # H2O ranks by the attention mass: the quantized kernel reports it, and the same slots are evicted.
+    "h2o": lambda config, bits: H2OCache(config, budget=10, recent=4, bits=bits, group_size=16),
+}
+
+
+@pytest.mark.parametrize("name", QUANTIZED_SLOTS)
 @pytest.mark.parametrize("bits", [4, "fp8"])
-def test_quantized_slots_decode_reads_the_codes_in_place_as_the_dequantized_slots_would(monkeypatch, bits):
-    """A decode step of a sink cache with quantized slots attends over the codes (keys per token) without
+def test_quantized_slots_decode_reads_the_codes_in_place_as_the_dequantized_slots_would(monkeypatch, bits, name):
+    """A decode step of an evicting cache with quantized slots attends over the codes (keys per token) without
     dequantizing the slots; its logits equal those of attention over the dequantized slots."""
     model = get_model("llama")
     input_ids, mask = left_padded_batch()  # 3 rows, left-padded to 12; a budget of 10 evicts from the prompt on
 
     def logits(in_place):
-        cache = SinkCache(model.config, num_sinks=2, window=8, bits=bits, group_size=16)
+        cache = QUANTIZED_SLOTS[name](model.config, bits)
         with torch.no_grad():
             model(input_ids=input_ids, attention_mask=mask, past_key_values=cache)
             seen, out = mask, []

@@ -50,7 +50,12 @@ from hf_kvplus.kernels.paged_attention import (
     paged_store,
     paged_store_triton,
 )
-from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_triton
+from hf_kvplus.kernels.quant_attention import (
+    quantized_decode_attention,
+    quantized_decode_attention_triton,
+    quantized_decode_attention_with_mass,
+    quantized_decode_attention_with_mass_triton,
+)
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.kernels.quant_pack import (
     quantize_keys,
@@ -131,6 +136,7 @@ OP_INPUTS = {
     "paged_decode_attention": (PAGED, lambda c: paged_op_args(*paged_case(*c[:-1], pool_view=c[-1]))),
     "paged_store": (STORE, lambda c: store_case(*c)),
     "quantized_decode_attention": (QUANT, lambda c: quant_op_args(*quant_case(*c))),
+    "quantized_decode_attention_with_mass": (QUANT, lambda c: quant_op_args(*quant_case(*c))),
     "quantize_keys": (PACK, lambda c: pack_op_args("keys", c)),
     "quantize_values": (PACK, lambda c: pack_op_args("values", c)),
 }
@@ -261,12 +267,15 @@ def test_compiled_paged_store(seed, case):
 
 
 @pytest.mark.parametrize("case", QUANT)
-def test_compiled_quantized_attention(seed, case):
+@pytest.mark.parametrize(
+    "entry", [quantized_decode_attention, quantized_decode_attention_with_mass], ids=lambda f: f.__name__
+)
+def test_compiled_quantized_attention(seed, entry, case):
     (_, _, fmt), kw = quant_case(*QUANT[case])
     start, length, scale, per_token = kw["start"], kw["length"], kw["scale"], kw["keys_per_token"]
 
     def fn(q, packed, residual_k, residual_v, mask, table):
-        return quantized_decode_attention(
+        return entry(
             q, packed, fmt, start=start, length=length, scale=scale, residual_k=residual_k,
             residual_v=residual_v, mask=mask, block_table=table, num_splits=2, keys_per_token=per_token, check=False,
         )  # fmt: skip
@@ -276,7 +285,7 @@ def test_compiled_quantized_attention(seed, case):
         return q, packed, kw["residual_k"], kw["residual_v"], kw["mask"], kw["block_table"]
 
     if make()[0].is_cuda:
-        check_compiled(seed, fn, make, KV.quantized_decode_attention.default)
+        check_compiled(seed, fn, make, getattr(KV, entry.__name__).default, allowed={operator.getitem})
     else:
         check_inlined(seed, fn, make)
 
@@ -486,6 +495,9 @@ def test_cuda_implementations_match_the_triton_paths(seed):
         got = ops.quantized_decode_attention_cuda(*quant_op_args(args, kw))
         want = quantized_decode_attention_triton(*args, **kw, num_splits=2, check=False)
         assert_same(got, want, seed, f"quantized {case}")
+        got = ops.quantized_decode_attention_with_mass_cuda(*quant_op_args(args, kw))
+        want = quantized_decode_attention_with_mass_triton(*args, **kw, num_splits=2, check=False)
+        assert_same(got, want, seed, f"quantized with mass {case}")
 
     (k_pool, v_pool, keys, values, slots), (k2, v2, *_) = twice(
         seed, lambda: store_case(*STORE["f32-prefill"])

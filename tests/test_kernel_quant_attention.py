@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from kernel_checks import check, left_padding, reference, rel_err
+from kernel_checks import check, check_mass, left_padding, reference, rel_err
 
 import hf_kvplus.kernels.quant_attention as mod
 from hf_kvplus.errors import (
@@ -34,6 +34,9 @@ from hf_kvplus.kernels.quant_attention import (
     quantized_decode_attention,
     quantized_decode_attention_torch,
     quantized_decode_attention_triton,
+    quantized_decode_attention_with_mass,
+    quantized_decode_attention_with_mass_torch,
+    quantized_decode_attention_with_mass_triton,
 )
 from hf_kvplus.kernels.quant_format import (
     PackedKV,
@@ -334,6 +337,90 @@ def test_triton_bad_block_id_is_masked(seed, poisoned_empty):
     mask[1, 4:12] = False
     out = run(quantized_decode_attention_triton, q, fmt, lay, 0.2)
     check(out, q, 32, full_reference(q, lay, None, None, 0.2, mask), seed, "bad block id")
+
+
+# ---------------------------------------------------------------------------------------------------
+# With the attention mass (H2O over quantized slots): every case above, output and mass
+# ---------------------------------------------------------------------------------------------------
+
+MASS_FNS = [quantized_decode_attention_with_mass_triton, quantized_decode_attention_with_mass_torch]
+MASS_CASES = (
+    [("dense", c[:-1], c[-1]) for c in DENSE_CASES]
+    + [("paged", (*c[:-2], c[-1]), c[-2]) for c in PAGED_CASES]
+    + [("per-token", c, None) for c in PER_TOKEN_CASES]
+)
+_MASS_INPUTS = {"dense": _dense_inputs, "paged": _paged_inputs, "per-token": _per_token_inputs}
+
+
+def _check_mass_case(fn, q, fmt, lay, rk, rv, mask, seed, what, **kw):
+    """Output as `_check_case`; the mass against float64 over the dequantized keys, then the residual."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, mass = run(fn, q, fmt, lay, scale, rk, rv, mask, **kw)
+    check(out, q, lay.v_hat.shape[-1], full_reference(q, lay, rk, rv, scale, mask), seed, what)
+    keys = lay.k_hat if rk is None else torch.cat([lay.k_hat, rk.float()], dim=2)
+    check_mass(mass, q, keys, scale, mask, seed, what)
+    return out, mass
+
+
+@pytest.mark.parametrize("fn", MASS_FNS, ids=["triton", "twin"])
+@pytest.mark.parametrize(
+    ("kind", "case", "num_splits"), MASS_CASES, ids=[f"{k}-{c[0]}-g{c[1]}-{str(c[2])[6:]}" for k, c, _ in MASS_CASES]
+)
+def test_with_mass(seed, poisoned_empty, fn, kind, case, num_splits):
+    fmt, lay, q, rk, rv, mask = _MASS_INPUTS[kind](*case)
+    kw = {"keys_per_token": True} if kind == "per-token" else {}
+    if fn is quantized_decode_attention_with_mass_triton:
+        kw["num_splits"] = num_splits
+    _check_mass_case(fn, q, fmt, lay, rk, rv, mask, seed, f"{kind} {fmt} with mass", **kw)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_triton_output_unchanged_by_mass(seed, dtype):
+    # The logit stores and the log-sum-exp only add stores: the output is the plain path's, bit for bit.
+    fmt, lay, q, rk, rv, mask = _dense_inputs(4, 16, dtype, 2, 2, 2, 32, 32, 128, 5, 100, 6, (0, 30))
+    out, _ = run(quantized_decode_attention_with_mass_triton, q, fmt, lay, 0.2, rk, rv, mask, num_splits=3)
+    assert torch.equal(out, run(quantized_decode_attention_triton, q, fmt, lay, 0.2, rk, rv, mask, num_splits=3))
+
+
+@pytest.mark.parametrize("fn", MASS_FNS, ids=["triton", "twin"])
+def test_with_mass_fully_masked_and_residual_only(seed, poisoned_empty, fn):
+    # Every key masked: zeros out, zero mass; length 0: the mass is the residual's alone.
+    fmt = QuantFormat(4, 16)
+    lay = Dense(fmt, 2, 1, 32, 32, 64, 3, 40, keys_per_token=True)
+    q = torch.randn(2, 3, 32)
+    out, mass = run(fn, q, fmt, lay, 0.2, mask=torch.zeros(2, 40, dtype=torch.bool), keys_per_token=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(mass, torch.zeros(2, 1, 40))
+    lay = Dense(fmt, 2, 1, 32, 32, 64, 16, 0)
+    rk, rv = residual(2, 1, 9, 32, 32, F32)
+    _check_mass_case(fn, q, fmt, lay, rk, rv, left_padding(2, 9, (0, 4)), seed, "residual only")
+
+
+def test_with_mass_twin_chunks_agree(seed, monkeypatch):
+    # Chunks of 16 keep every chunk's logits: the same mass as one chunk (and as the float64 reference),
+    # with rows whose first chunks are all padding and a peaky softmax (scale 1).
+    fmt, lay, q, rk, rv, mask = _per_token_inputs(4, 16, F32, 3, 2, 2, 32, 32, 90, 3, 80, 5, (0, 40, 70), False)
+    kw = dict(keys_per_token=True)
+    whole = run(quantized_decode_attention_with_mass_torch, q, fmt, lay, 1.0, rk, rv, mask, **kw)
+    monkeypatch.setattr(mod, "TWIN_CHUNK_TOKENS", 16)
+    out, mass = run(quantized_decode_attention_with_mass_torch, q, fmt, lay, 1.0, rk, rv, mask, **kw)
+    check(out, q, 32, full_reference(q, lay, rk, rv, 1.0, mask), seed, "chunks of 16")
+    check_mass(mass, q, torch.cat([lay.k_hat, rk.float()], dim=2), 1.0, mask, seed, "chunks of 16")
+    assert rel_err(mass, whole[1].double()) < 1e-5
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_with_mass_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
+    fmt, lay, q, rk, rv, mask = _per_token_inputs(4, 16, F32, 2, 2, 2, 32, 32, 50, 0, 50, None, (0, 7), False)
+    expected = run(quantized_decode_attention_with_mass_torch, q, fmt, lay, 0.2, mask=mask, keys_per_token=True)
+
+    def boom(*a, **kw):
+        raise AssertionError("the Triton path must not run for CPU tensors")
+
+    monkeypatch.setattr(mod, "quantized_decode_attention_with_mass_triton", boom)
+    out, mass = run(quantized_decode_attention_with_mass, q, fmt, lay, 0.2, mask=mask, keys_per_token=True)
+    assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
+    with pytest.raises(ShapeError, match="mask"):
+        run(quantized_decode_attention_with_mass, q, fmt, lay, 0.2, mask=mask[:, 1:], keys_per_token=True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ are never attended) plus causality among the fresh tokens, which sit in the last
 mass of key n for KV head h is the softmax weight it received, summed over the query heads of h's
 group and over the queries asked for: decode reads it off the decode kernel (Triton on CUDA, its
 torch twin elsewhere), prefill computes output and mass in one chunked pass. Quantized slots are read in
-place by the quantized decode kernel (keys per token) when no mass is asked for, else dequantized first.
+place by the quantized decode kernels (keys per token), with or without the mass; a prefill over them
+dequantizes first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_attention import decode_attention, decode_attention_with_mass
-from ..kernels.quant_attention import quantized_decode_attention
+from ..kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
 from ..storage.reads import SlotRead
 
 #: Prefill computes the score matrix in query chunks of at most this many elements.
@@ -42,12 +43,14 @@ def slot_attention(
     """
     q, valid = query.shape[2], read.valid()
     if read.packed is not None:
-        if q == 1 and not mass_queries:
-            out = quantized_decode_attention(
+        if q == 1:
+            kernel = quantized_decode_attention_with_mass if mass_queries else quantized_decode_attention
+            result = kernel(
                 query[:, :, 0], read.packed, read.fmt, start=0, length=read.packed.k.shape[2], scale=scaling,
                 mask=valid, keys_per_token=True, check=False,
             )  # fmt: skip
-            return out.unsqueeze(1), None
+            out, mass = result if mass_queries else (result, None)
+            return out.unsqueeze(1), mass
         keys, values = read.dense()
     else:
         keys, values = read.keys, read.values

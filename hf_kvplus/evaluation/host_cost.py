@@ -121,7 +121,7 @@ def _kernel_sites() -> list[tuple[object, str]]:
     return [
         (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
         (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "decode_attention_with_mass"),
-        (slots, "quantized_decode_attention"),
+        (slots, "quantized_decode_attention"), (slots, "quantized_decode_attention_with_mass"),
         (dispatch, "_fallback"), (slot_store, "quantize_values"), *quantizing,
     ]  # fmt: skip
 
@@ -145,7 +145,8 @@ class _Zeros(NamedTuple):
 
 def _stub_outputs() -> dict[str, Callable]:
     """Per kernel entry point's name, its outputs' shapes (and dtype) from its arguments: attention gives
-    `[batch, q_heads, value_dim]` (with the mass `[batch, kv_heads, n]` float32), SDPA Transformers' layout."""
+    `[batch, q_heads, value_dim]` (with the mass `[batch, kv_heads, n]` float32), SDPA Transformers' layout, a
+    quantize its codes, scales and zeros (or the buffers it was given to write)."""
 
     def decode(q, keys, values, **kwargs):
         return _Zeros((q.shape[0], q.shape[1], values.shape[-1]), q.dtype)
@@ -159,12 +160,29 @@ def _stub_outputs() -> dict[str, Callable]:
     def with_mass(q, keys, values, **kwargs):
         return decode(q, keys, values), _Zeros((keys.shape[0], keys.shape[1], keys.shape[2]), torch.float32)
 
+    def quantized_with_mass(q, packed, fmt, *, length, residual_k=None, **kwargs):
+        keys = length + (0 if residual_k is None else residual_k.shape[2])
+        return quantized(q, packed, fmt), _Zeros((q.shape[0], packed.k.shape[1], keys), torch.float32)
+
+    def quantize(keys_per_channel):
+        def rule(x, fmt, out=None, **kwargs):
+            if out is not None:  # given buffers: the kernel returns them, written
+                return out
+            *lead, tokens, dim = x.shape
+            params = (tokens // fmt.group_size, dim) if keys_per_channel else (tokens, dim // fmt.group_size)
+            scale = _Zeros((*lead, *params), torch.float16)
+            return _Zeros((*lead, tokens, dim // fmt.per_byte), torch.uint8), scale, None if fmt.is_float else scale
+
+        return rule
+
     def sdpa(module, query, key, value, *args, **kwargs):
         return _Zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), query.dtype), None
 
     return {
         "decode_attention": decode, "paged_decode_attention": paged, "quantized_decode_attention": quantized,
-        "decode_attention_with_mass": with_mass, "sdpa_attention_forward": sdpa, "_fallback": sdpa,
+        "decode_attention_with_mass": with_mass, "quantized_decode_attention_with_mass": quantized_with_mass,
+        "sdpa_attention_forward": sdpa, "_fallback": sdpa,
+        "quantize_keys": quantize(keys_per_channel=True), "quantize_values": quantize(keys_per_channel=False),
     }  # fmt: skip
 
 
@@ -172,7 +190,7 @@ def _stub_outputs() -> dict[str, Callable]:
 def stubbing_kernels() -> Iterator[KernelTime]:
     """Inside the block the kernels compute nothing, so a step's time is the host work around them: an attention
     call returns zeros of its output's shape (one tensor per shape, made once), a quantize call given `out=` leaves
-    it as it is (one without, a prompt's or a group flush's, still runs). Off CUDA a twin's compute (dequantizing
+    it as it is (one without returns zeros too). Off CUDA a twin's compute (dequantizing
     every code) also slows the host code after it (caches, allocator), which taking its time out
     (`timing_kernels`) leaves in; here no such compute runs. The time stubs take accrues to the `KernelTime` it
     yields. Outputs are zeros: for timing only (tokens, and an evicting cache's choices, are then arbitrary)."""
@@ -181,6 +199,8 @@ def stubbing_kernels() -> Iterator[KernelTime]:
     zeros: dict[tuple, torch.Tensor] = {}
 
     def made(spec, device):
+        if isinstance(spec, torch.Tensor):
+            return spec
         if not isinstance(spec, _Zeros):
             return None if spec is None else tuple(made(part, device) for part in spec)
         key = (*spec, device)
@@ -189,13 +209,11 @@ def stubbing_kernels() -> Iterator[KernelTime]:
         return zeros[key]
 
     def stub(name, kernel):
-        rule = shapes.get(name)
+        rule = shapes[name]
 
         def call(*args, **kwargs):
             start = time.perf_counter()
             try:
-                if rule is None:  # quantize
-                    return kwargs["out"] if kwargs.get("out") is not None else kernel(*args, **kwargs)
                 spec = rule(*args, **kwargs)
                 device = next(a for a in args if isinstance(a, torch.Tensor)).device
                 return made(spec, device)

@@ -144,9 +144,19 @@ class TokenQuantCodec:
         self._quantize_into(fields, span, "k", keys)
 
     def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values quantized into slots `slots` [batch, kv_heads, 1]."""
-        for name, part in self.encode(keys, values).items():
-            fields[name].scatter_(2, slots.view(*slots.shape, *[1] * (part.ndim - 3)).expand(*part.shape), part)
+        """Keys and values quantized into slots `slots` [batch, kv_heads, 1]: by one quantize call when they have
+        the same shape, then one index per kind of field (codes, parameters) for both (a decode step's ops are
+        its host cost)."""
+        if keys.shape != values.shape:
+            for name, part in self.encode(keys, values).items():
+                fields[name].scatter_(2, _slot_index(slots, part), part)
+            return
+        parts = quantize_values(torch.cat([keys, values], dim=2), self.fmt, check=False)  # [.., 2, ..]: k, v
+        codes, params = _slot_index(slots, parts[0]), _slot_index(slots, parts[1])
+        for k_name, v_name, index, part in zip(*self._fields.values(), (codes, params, params), parts, strict=True):
+            if part is not None:  # (fp8 has no zeros)
+                fields[k_name].scatter_(2, index, part[:, :, :1])
+                fields[v_name].scatter_(2, index, part[:, :, 1:])
 
     def _quantize_into(self, fields, span, name, x) -> None:
         codes, scale, zero = self._fields[name]
