@@ -98,6 +98,10 @@ class KVLayer(CacheLayerMixin):
         )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        share = self.spec.rank_share(key_states.shape[1]) if key_states.ndim == 4 else None
+        if share is not None:  # a tensor-parallel rank: its share of the config's KV heads, learned here
+            self.spec = share
+            self.storage.shard_heads(share.num_kv_heads)
         check_states(self.spec, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
@@ -257,7 +261,8 @@ def check_states(spec: LayerSpec, key_states: torch.Tensor, value_states: torch.
     if key_states.shape[1] != spec.num_kv_heads or key_states.shape[3] != spec.head_dim:
         raise CacheMismatchError(
             f"layer {spec.index} was built for {spec.num_kv_heads} KV heads of head_dim {spec.head_dim}, "
-            f"got keys of shape {tuple(key_states.shape)}: is this cache built from this model's config?"
+            f"got keys of shape {tuple(key_states.shape)}: is this cache built from this model's config? (A "
+            "tensor-parallel rank may hold a share of the heads that the process group's size divides.)"
         )
     if key_states.shape[:3] != value_states.shape[:3]:
         raise ShapeError(

@@ -2,13 +2,16 @@
 
 Read once from the model config (the same way Transformers' own caches read it), so that a model the
 cache cannot serve is refused at construction, and a cache used on another model is caught at its
-first call instead of failing deep inside attention.
+first call instead of failing deep inside attention. Under tensor parallelism a rank holds a share of
+each layer's KV heads, which the config does not say: a layer learns it at its first update
+(`LayerSpec.rank_share`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -34,6 +37,17 @@ class LayerSpec:
     @property
     def holds_kv(self) -> bool:
         return self.kind != "none"
+
+    def rank_share(self, heads: int) -> LayerSpec | None:
+        """This layer as one tensor-parallel rank holds it, if `heads` KV heads are such a rank's share (an
+        initialized process group whose size the split divides); None otherwise."""
+        if heads == self.num_kv_heads or heads < 1 or self.num_kv_heads % heads:
+            return None
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        if torch.distributed.get_world_size() % (self.num_kv_heads // heads):
+            return None
+        return replace(self, num_kv_heads=heads)
 
 
 @dataclass(frozen=True)

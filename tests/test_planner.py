@@ -593,3 +593,41 @@ def test_cli_errors(capsys):
     assert "group_size 48 does not divide head_dim 128" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli("llama-3.1-8b", "--memory", "24XB")
+
+
+# --- tensor parallel ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "int4"])
+def test_tp_splits_the_kv_heads_and_weights_per_rank(kv_format):
+    """Llama 3.1 8B has 8 KV heads: over 2 ranks each holds 4 of every layer's, so half of every KV byte, and
+    half the weights (rounded up)."""
+    whole = planner.plan("llama-3.1-8b", 32768, kv_format=kv_format)
+    rank = planner.plan("llama-3.1-8b", 32768, kv_format=kv_format, tp=2)
+    assert rank.tp == 2 and whole.tp == 1
+    assert [k.num_kv_heads for k in rank.layer_kinds] == [4] and [k.num_kv_heads for k in whole.layer_kinds] == [8]
+    assert 2 * rank.kv_bytes == whole.kv_bytes
+    assert 2 * rank.kv_bytes_per_token_excl_residual == whole.kv_bytes_per_token_excl_residual
+    assert rank.ratio_to_fp16 == whole.ratio_to_fp16
+    assert rank.weights_bytes == -(-whole.weights_bytes // 2)
+    # A rank's memory fits twice the batch one device's does (the weights halve too, so at least that).
+    assert planner.max_batch("llama-3.1-8b", "24GB", 32768, tp=2) >= 2 * planner.max_batch("llama-3.1-8b", "24GB", 32768)
+
+
+def test_tp_divides_a_small_config_per_rank():
+    """Half the KV bytes over 2 ranks, one KV head each over 4 (what a rank holds: test_tensor_parallel.py)."""
+    config = LlamaConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2)
+    assert 2 * planner.plan(config, 100, kv_format="fp32", tp=2).kv_bytes == planner.plan(config, 100, kv_format="fp32").kv_bytes
+    assert planner.plan(config, 100, tp=4).layer_kinds[0].num_kv_heads == 1
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused(capsys):
+    with pytest.raises(ConfigError, match="8 KV heads cannot be split evenly over tp=3"):
+        planner.plan("llama-3.1-8b", 100, tp=3)
+    with pytest.raises(ConfigError, match="tp=0"):
+        planner.max_context("llama-3.1-8b", "24GB", tp=0)
+    assert cli("llama-3.1-8b", "--tp", "3") == 2
+    assert "cannot be split evenly over tp=3" in capsys.readouterr().err
+    assert cli("llama-3.1-8b", "--tp", "2", "--memory", "24GB") == 0
+    out = capsys.readouterr().out
+    assert "per rank of tp=2" in out and "on each of 2 ranks" in out

@@ -96,6 +96,12 @@ def register(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="memory to fit, e.g. 24GB (10^9 bytes) or 24GiB (2^30 bytes): adds the largest context, batch",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (tp_plan): every figure is then one rank's, memory included (default 1)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the plans as JSON (-: stdout)")
     parser.set_defaults(func=run)
     return parser
@@ -129,6 +135,7 @@ def _rows(args) -> list[tuple[Plan, int | str | None, int | str | None]]:
     config = load_config(args.model)
     options = dict(group_size=args.group_size, residual=args.residual, budget=args.budget)
     options["weights_dtype"] = args.weights_dtype
+    options["tp"] = args.tp
     rows = []
     for fmt in dict.fromkeys(args.formats):
         row_plan = plan(config, args.context, args.batch, kv_format=fmt, **options)
@@ -164,6 +171,7 @@ def _summary(first: Plan) -> str:
     heads = ", ".join(f"{kv} KV head{'s' if kv > 1 else ''} x head_dim {hd}" for kv, hd in shapes)
     layers = sum(k.num_layers for k in first.layer_kinds)
     budget = f"; eviction budget {first.budget:,} tokens" if first.budget else ""
+    budget += f"; per rank of tp={first.tp} (KV heads and weights split)" if first.tp > 1 else ""
     return (
         f"{first.model} ({first.model_type}): {layers} KV layers: {kinds}; {heads}; "
         f"{first.num_parameters:,} parameters ({first.num_parameters / 1e9:.2f}B), "
@@ -230,7 +238,8 @@ def _notes(args, rows, first: Plan, beyond: bool) -> list[str]:
         )
     if args.memory is not None:
         notes.append(
-            f"memory: {format_bytes(args.memory)} ({args.memory:,} bytes) for weights + KV; activations, "
+            f"memory: {format_bytes(args.memory)} ({args.memory:,} bytes) for weights + KV"
+            f"{f' on each of {args.tp} ranks' if args.tp > 1 else ''}; activations, "
             "runtime and allocator overhead are not counted."
         )
     if beyond:

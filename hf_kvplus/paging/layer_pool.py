@@ -18,6 +18,20 @@ class BlockTensors(ABC):
     def tensors(self) -> dict[str, torch.Tensor]:
         """The pool's tensors by name (none before the first write)."""
 
+    num_kv_heads: int
+
+    def shard_heads(self, local: int) -> None:
+        """This rank holds `local` of the layer's KV heads (tensor parallel): its blocks, not yet allocated, are
+        sized for them."""
+        if local == self.num_kv_heads:
+            return
+        if self.tensors():
+            raise CacheMismatchError(
+                f"this pool's layer already holds blocks of {self.num_kv_heads} KV heads; a tensor-parallel rank "
+                f"with {local} cannot share it (build one pool per rank)"
+            )
+        self.num_kv_heads = local
+
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         """Block `targets[i]` becomes a copy of block `sources[i]`."""
         tensors = self.tensors()

@@ -83,7 +83,9 @@ class Plan:
 
     `group_size` is the group size in use (the cache's default for the format unless one was given);
     it is None and `residual` 0 for the unquantized formats (fp32/fp16/bf16).
-    `total_bytes` is ``weights_bytes + kv_bytes``.
+    `total_bytes` is ``weights_bytes + kv_bytes``. With `tp` > 1 (tensor parallel ranks) every byte figure is
+    one rank's: each holds `num_kv_heads / tp` KV heads of every layer, and a `tp`-th of the weights (nominal:
+    Transformers' plans shard the projections, embeddings and head; the norms, replicated, are negligible).
     """
 
     model: str
@@ -104,6 +106,7 @@ class Plan:
     ratio_to_fp16: float
     layer_kinds: tuple[LayerKindPlan, ...]
     max_position_embeddings: int | None
+    tp: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -135,9 +138,10 @@ class _Group:
 class _Model:
     name: str
     model_type: str
-    groups: tuple[_Group, ...]
+    groups: tuple[_Group, ...]  # one rank's KV heads
     parameters: ParameterCount
     max_position_embeddings: int | None
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -149,13 +153,21 @@ class _Settings:
     weights_dtype: str
 
 
-def _model(config: str | PreTrainedConfig) -> _Model:
+def _model(config: str | PreTrainedConfig, tp: int = 1) -> _Model:
+    if not _is_int(tp) or tp < 1:
+        raise ConfigError(f"tp (tensor-parallel ranks) must be an int of at least 1, got tp={tp!r}")
     loaded = load_config(config)
     spec = ModelSpec.from_config(loaded)
+    layers = [layer for layer in spec.layers if layer.holds_kv]
+    uneven = sorted({layer.num_kv_heads for layer in layers if layer.num_kv_heads % tp})
+    if uneven:
+        raise ConfigError(
+            f"{spec.model_type}: {uneven[0]} KV heads cannot be split evenly over tp={tp} ranks (Transformers' "
+            "tensor parallelism shards whole heads)"
+        )
     counts = Counter(
-        (layer.kind, layer.window if layer.kind != "full" else None, layer.num_kv_heads, layer.head_dim)
-        for layer in spec.layers
-        if layer.holds_kv
+        (layer.kind, layer.window if layer.kind != "full" else None, layer.num_kv_heads // tp, layer.head_dim)
+        for layer in layers
     )
     groups = tuple(_Group(kind, window, n, kv, hd) for (kind, window, kv, hd), n in counts.items())
     text = loaded.get_text_config(decoder=True)
@@ -165,6 +177,7 @@ def _model(config: str | PreTrainedConfig) -> _Model:
         groups=groups,
         parameters=count_parameters(loaded),
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        tp=tp,
     )
 
 
@@ -201,7 +214,8 @@ def _bound(group: _Group, budget: int | None) -> int | None:
 
 
 def _weights_bytes(model: _Model, settings: _Settings) -> int:
-    return -(-model.parameters.total * weight_bits(settings.weights_dtype) // 8)
+    """One rank's weights: a `tp`-th of them, rounded up."""
+    return -(-model.parameters.total * weight_bits(settings.weights_dtype) // (8 * model.tp))
 
 
 def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> Plan:
@@ -253,6 +267,7 @@ def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> P
         ratio_to_fp16=per_token / fp16_per_token,
         layer_kinds=tuple(kinds),
         max_position_embeddings=model.max_position_embeddings,
+        tp=model.tp,
     )
 
 
@@ -265,6 +280,7 @@ def plan(
     residual: int = DEFAULT_RESIDUAL,
     budget: int | None = None,
     weights_dtype: str = "bf16",
+    tp: int = 1,
 ) -> Plan:
     """Weights + KV bytes of `config` holding `context` tokens for each of `batch` sequences.
 
@@ -274,11 +290,12 @@ def plan(
     (int8/int4/int2/fp8, as `QuantizedCache` stores them); `group_size=None` is the cache's default,
     ``gcd(DEFAULT_GROUP_SIZE[format], *head_dims)`` (int8 64, int4/int2/fp8 32). `budget`:
     tokens an evicting cache keeps per layer (sinks + recent), None for no eviction. `weights_dtype`:
-    fp32, fp16, bf16, fp8, int8, int4 (nominal bits per weight, no quantization scales).
+    fp32, fp16, bf16, fp8, int8, int4 (nominal bits per weight, no quantization scales). `tp`: tensor-parallel
+    ranks; the plan is then one rank's (see `Plan`).
     """
     _check_context(context)
     _check_batch(batch)
-    model = _model(config)
+    model = _model(config, tp)
     settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype)
     return _evaluate(model, settings, context, batch)
 
@@ -303,16 +320,18 @@ def max_context(
     residual: int = DEFAULT_RESIDUAL,
     budget: int | None = None,
     weights_dtype: str = "bf16",
+    tp: int = 1,
 ) -> int | None:
     """The largest context whose plan (weights + KV, `batch` sequences) fits in `memory`.
 
     `memory`: bytes, or a string such as "24GB" (decimal) or "24GiB" (binary). Returns None when every
     context fits: all KV layers are bounded by sliding windows or the eviction budget and the saturated
     cache fits. Returns 0 when the weights fit but not one token more. Raises `CapacityError` when the
-    weights alone do not fit. The result is not capped at the model's `max_position_embeddings`.
+    weights alone do not fit. The result is not capped at the model's `max_position_embeddings`. With `tp`
+    ranks, `memory` is one rank's.
     """
     _check_batch(batch)
-    model = _model(config)
+    model = _model(config, tp)
     settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype)
     memory = parse_memory(memory)
     _free_for_kv(model, settings, memory)
@@ -346,16 +365,17 @@ def max_batch(
     residual: int = DEFAULT_RESIDUAL,
     budget: int | None = None,
     weights_dtype: str = "bf16",
+    tp: int = 1,
 ) -> int:
     """The largest number of sequences of `context` tokens whose plan fits in `memory` (0 if none).
 
     KV bytes are exactly proportional to the batch, so this is ``(memory - weights) // kv_bytes(batch=1)``.
-    Raises `CapacityError` when the weights alone do not fit.
+    Raises `CapacityError` when the weights alone do not fit. With `tp` ranks, `memory` is one rank's.
     """
     _check_context(context)
     if context < 1:
         raise ConfigError(f"max_batch needs a context of at least 1 token, got context={context}")
-    model = _model(config)
+    model = _model(config, tp)
     settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype)
     memory = parse_memory(memory)
     free = _free_for_kv(model, settings, memory)

@@ -50,6 +50,10 @@ class KVStorage(ABC):
         """Tokens held per batch row (`length`, less any slot freed but not yet reused)."""
         return self.length
 
+    def shard_heads(self, local: int) -> None:  # noqa: B027 - an optional hook
+        """Learns, before the first append, that this rank holds `local` KV heads of the layer (tensor parallel):
+        only storages sized ahead of their first append (a block pool's layer) need to hear it."""
+
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:  # noqa: B027 - an optional hook
         """Sees the model's 4-d mask of a forward of `new` tokens, before attention (which of them are padding)."""
 

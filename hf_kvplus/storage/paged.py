@@ -42,6 +42,9 @@ class PagedStorage(KVStorage):
         self.start = self.end = 0  # logical tokens held: start..end-1
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
+    def shard_heads(self, local: int) -> None:
+        self.pool.shard_heads(local)
+
     @property
     def k_pool(self) -> torch.Tensor | None:
         return self.pool.k

@@ -41,6 +41,9 @@ class PagedSegment(QuantizedSegment):
         self.start = self.end = 0  # logical tokens held: start..end-1 (BlockGroup.trim reads them)
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
+    def shard_heads(self, local: int) -> None:
+        self.pool.shard_heads(local)
+
     @property
     def unit(self) -> int:
         return self.group.block_size

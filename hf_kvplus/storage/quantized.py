@@ -131,6 +131,11 @@ class QuantizedStorage(KVStorage):
     def shared_at_rest(self) -> bool:
         return getattr(self.segment, "shared_at_rest", False)
 
+    def shard_heads(self, local: int) -> None:
+        shard = getattr(self.segment, "shard_heads", None)
+        if shard is not None:
+            shard(local)
+
     @property
     def fmt(self) -> QuantFormat:
         return self.segment.fmt
