@@ -1,10 +1,11 @@
 """hf_kvplus: drop-in `transformers.Cache` subclasses for the KV cache.
 
-Importing the package registers the "kvplus" attention implementation and routes "sdpa" attention
-for hf_kvplus caches to hf_kvplus's attention path; nothing else changes.
+Importing the package registers the "kvplus" attention implementation, routes "sdpa" attention for
+hf_kvplus caches to hf_kvplus's attention path, and lets `cache_implementation="kvplus:<spec>"` name its
+caches; nothing else changes (`uninstall()` undoes it).
 """
 
-from .attention import ATTN_IMPLEMENTATION, install, kvplus_attention, uninstall
+from .attention import ATTN_IMPLEMENTATION, kvplus_attention
 from .cache import DenseCache, KVCache, model_retention
 from .errors import (
     CacheMismatchError,
@@ -30,6 +31,7 @@ from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
 from .paging import BlockPool, PagedPool, PrefixStore
 from .placement import Offloaded, OnDevice, Placement, TierBytes
+from .plugin import install, uninstall
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
 from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore, StaticQuantizedStorage
