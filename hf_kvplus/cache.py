@@ -23,6 +23,10 @@ try:  # Transformers' placeholder for layers without a KV cache of their own (tr
     from transformers.cache_utils import DummyLayer
 except ImportError:  # pragma: no cover - depends on the installed transformers
     DummyLayer = None
+try:  # Transformers' layers for a recurrent state (linear-attention hybrids)
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    LinearAttentionLayer = None
 
 
 def model_retention(spec: LayerSpec) -> Retention:
@@ -71,16 +75,18 @@ class KVCache(Cache):
         if compileable:
             check_compileable(self.model_spec, placement)
         self._compileable = compileable
-        shared = [spec.index for spec in self.model_spec.layers if not spec.holds_kv]
-        if shared and DummyLayer is None:
-            raise UnsupportedModelError(
-                f"layers {shared} of this {self.model_spec.model_type} hold no KV cache of their own; serving "
-                "them needs transformers >= 5.22 (its DummyLayer)"
-            )
         layers = [
-            self._build_layer(spec, storage, retention, placement) if spec.holds_kv else DummyLayer()
+            self._build_layer(spec, storage, retention, placement) if spec.holds_kv else self._transformers_layer(spec)
             for spec in self.model_spec.layers
         ]
+        in_place = [spec.index for spec, layer in zip(self.model_spec.layers, layers, strict=True)
+                    if getattr(getattr(layer, "storage", None), "reads_in_place", False)]  # fmt: skip
+        if in_place and self.model_spec.dense_only:
+            raise UnsupportedModelError(
+                f"{self.model_spec.model_type}: {self.model_spec.dense_only}, so its attention cannot read the "
+                f"{type(layers[in_place[0]].storage).__name__} of layers {in_place} in place (only hf_kvplus's "
+                "attention does); dense caches (DenseCache, OffloadedCache) serve it"
+            )
         super().__init__(layers=layers)
         self.placement = placement
         self._placed = [i for i, layer in enumerate(self.layers) if getattr(layer, "placement", None) is placement]
@@ -89,6 +95,17 @@ class KVCache(Cache):
         if placement.moves:
             for i in self._placed:
                 placement.register(self.layers[i].storage)
+
+    def _transformers_layer(self, spec: LayerSpec):
+        """Transformers' own layer for a layer without per-token KV: a recurrent state (`LinearAttentionLayer`) or
+        none (`DummyLayer`, shared-KV and attention-free layers)."""
+        layer_class = LinearAttentionLayer if spec.kind == "linear" else DummyLayer
+        if layer_class is None:
+            raise UnsupportedModelError(
+                f"layer {spec.index} of this {self.model_spec.model_type} holds no KV cache of its own ({spec.kind}); "
+                "serving it needs transformers >= 5.22 (its DummyLayer and LinearAttentionLayer)"
+            )
+        return layer_class()
 
     def _build_layer(self, spec: LayerSpec, storage, retention, placement: Placement):
         """The cache layer of one attention layer."""

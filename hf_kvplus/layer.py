@@ -114,10 +114,15 @@ class KVLayer(CacheLayerMixin):
             if not torch.compiler.is_compiling():  # (a traced step keeps no state of its own)
                 self._checked = (key_states.shape, value_states.shape)
         if self._awaiting_attention:
+            what = (
+                "this evicting cache could neither mask its slots nor score them"
+                if self.retention.scored
+                else f"it attended to placeholders instead of the {type(self.storage).__name__}'s blocks or codes"
+            )
             raise UnsupportedModelError(
-                f"layer {self.spec.index}: the last forward's attention did not go through hf_kvplus, so this "
-                "evicting cache could neither mask its slots nor score them; load the model with "
-                "attn_implementation='sdpa' (the default) or 'kvplus'"
+                f"layer {self.spec.index}: the last forward's attention did not go through hf_kvplus, so {what}; "
+                "load the model with attn_implementation='sdpa' (the default) or 'kvplus' (a model whose attention "
+                "computes on its own, not through Transformers' attention functions, can only use dense caches)"
             )
         new = key_states.shape[2]
         self.placement.acquire(self.storage)
@@ -129,11 +134,11 @@ class KVLayer(CacheLayerMixin):
         read = self.storage.read(visible + new, new)
         keys = read.keys
         setattr(keys, KV_SOURCE_ATTR, self)
-        if type(read) is not DenseRead:
+        if type(read) is not DenseRead or self.retention.scored:
+            # Placeholders or slots: only hf_kvplus's attention reads them, which `attend` confirms.
             setattr(keys, KV_READ_ATTR, read)
-        if self.retention.scored:
             self._awaiting_attention = True
-        elif not self.record_past:
+        if not self.retention.scored and not self.record_past:
             self.retention.evict(self.storage, new, refill=True)
         return keys, read.values
 
@@ -147,8 +152,21 @@ class KVLayer(CacheLayerMixin):
         new = query.shape[2]
         if attention_mask is not None:
             self.storage.note_mask(attention_mask, new)
-        read = getattr(keys, KV_READ_ATTR, None) or DenseRead(keys, values)
+        read = getattr(keys, KV_READ_ATTR, None)
+        if read is None:
+            if self._awaiting_attention:
+                raise UnsupportedModelError(
+                    f"layer {self.spec.index}: the model changed the keys this cache returned before attending, so "
+                    f"its attention cannot read the {type(self.storage).__name__} in place; dense caches serve it"
+                )
+            read = DenseRead(keys, values)
+        elif values is not read.values:
+            raise UnsupportedModelError(
+                f"layer {self.spec.index}: the model changed the values this cache returned before attending, so its "
+                f"attention cannot read the {type(self.storage).__name__} in place; dense caches serve it"
+            )
         if not self.retention.scored:
+            self._awaiting_attention = False
             return attend(read, module, query, attention_mask, scaling, **kwargs)[0]
         mass_queries = self.retention.mass_queries(new)
         out, mass = attend(read, module, query, attention_mask, scaling, mass_queries=mass_queries, **kwargs)

@@ -25,11 +25,27 @@ def test_model_without_attention_layers_is_refused():
         DenseCache(config=config)
 
 
-def test_layer_types_without_a_kv_cache_are_refused():
+def test_layer_types_hf_kvplus_cannot_hold_are_refused():
+    config = llama_config()
+    config.layer_types = ["hybrid", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match=r"\['hybrid'\] \(of 2 layers\)"):
+        DenseCache(config=config)
+    config.layer_types = ["linear_attention", "linear_attention"]
+    with pytest.raises(UnsupportedModelError, match="none of its 2 layers is an attention layer"):
+        DenseCache(config=config)
+
+
+def test_linear_attention_layers_get_transformers_own_layer():
+    """A linear-attention hybrid's recurrent layers keep Transformers' LinearAttentionLayer (as DynamicCache does);
+    hf_kvplus holds the attention layers (the sweep runs real hybrids: test_architectures.py)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from hf_kvplus import KVLayer
+
     config = llama_config()
     config.layer_types = ["linear_attention", "full_attention"]
-    with pytest.raises(UnsupportedModelError, match=r"\['linear_attention'\] \(of 2 layers\)"):
-        DenseCache(config=config)
+    cache = DenseCache(config=config)
+    assert type(cache.layers[0]) is LinearAttentionLayer and type(cache.layers[1]) is KVLayer
 
 
 def test_head_dim_outside_the_kernels_range_is_refused():

@@ -140,3 +140,68 @@ def test_slots_serve_an_ordered_retention_like_dense_storage(window):
     dense, slots = caches[0].layers[0], caches[1].layers[0]
     assert slots.storage.held == dense.storage.length == (13 if window is None else window - 1)
     torch.testing.assert_close(slots.keys, dense.keys)
+
+
+class _Attention(torch.nn.Module):
+    """An attention module as the dispatcher hands it to the layer (4 query heads over 2 KV heads)."""
+
+    layer_idx, num_key_value_groups, is_causal = 0, 2, True
+
+
+def _in_place_layer():
+    """Layer 0 of a PagedCache: its reads are placeholders that only hf_kvplus's attention reads."""
+    from transformers import LlamaConfig
+
+    from hf_kvplus import PagedCache
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"  # as a loaded model's: decode steps take the fused path
+    return PagedCache(config, block_size=8).layers[0]
+
+
+def _step(layer, n=1):
+    keys, values = layer.update(torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16))
+    return torch.randn(1, 4, n, 16), keys, values
+
+
+def _prefilled():
+    """The layer after a prompt attended through hf_kvplus: its decode steps read the blocks in place."""
+    layer = _in_place_layer()
+    layer.attend(_Attention(), *_step(layer, 9), None, 0.25)
+    return layer
+
+
+@pytest.mark.parametrize("changed", ["keys", "values"])
+def test_a_model_that_changes_what_an_in_place_read_returned_is_refused(changed):
+    """A model whose code transforms the keys or values the cache returned before attending (repeats, splits) would
+    attend to placeholders: the layer refuses, naming which, instead of computing on them."""
+    from hf_kvplus import UnsupportedModelError
+
+    layer = _prefilled()
+    query, keys, values = _step(layer)
+    keys, values = (keys.clone(), values) if changed == "keys" else (keys, values.clone())
+    with pytest.raises(UnsupportedModelError, match=f"the model changed the {changed} this cache returned"):
+        layer.attend(_Attention(), query, keys, values, None, 0.25)
+
+
+def test_an_in_place_read_attended_outside_hf_kvplus_is_refused_at_the_next_update():
+    """A model whose attention never comes through hf_kvplus read placeholders: its next update says so."""
+    from hf_kvplus import UnsupportedModelError
+
+    layer = _prefilled()
+    layer.attend(_Attention(), *_step(layer), None, 0.25)  # a decode step through hf_kvplus: fine
+    _step(layer)  # one whose attention goes elsewhere
+    with pytest.raises(UnsupportedModelError, match="did not go through hf_kvplus, so it attended to placeholders"):
+        _step(layer)
+
+
+def test_families_whose_attention_bypasses_the_cache_take_dense_caches_only():
+    from transformers import DiffLlamaConfig
+
+    from hf_kvplus import DenseCache, PagedCache, QuantizedCache, SinkCache, UnsupportedModelError
+
+    config = DiffLlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    assert DenseCache(config) is not None
+    for build in (lambda: PagedCache(config), lambda: QuantizedCache(config, bits=4), lambda: SinkCache(config)):
+        with pytest.raises(UnsupportedModelError, match="differential attention splits the cached values"):
+            build()

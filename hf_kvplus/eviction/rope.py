@@ -15,6 +15,7 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..errors import ShapeError, UnsupportedModelError
+from ..model_spec import ModelSpec
 
 #: Model families that rotate interleaved pairs (GPT-J style) rather than the two halves of the head.
 INTERLEAVED_ROPE_MODELS = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "chatglm", "deepseek_v2",
@@ -55,7 +56,15 @@ class RotaryShift:
             )
         params = _rope_parameters(text, layer_type)
         rope_type = params.get("rope_type", params.get("type", "default"))
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kind = {"sliding_attention": "sliding", "chunked_attention": "chunked"}.get(layer_type, "full")
+        layers = [layer for layer in ModelSpec.from_config(config).layers if layer.holds_kv]
+        dims = sorted({layer.head_dim for layer in layers if layer.kind == kind} or {layer.head_dim for layer in layers})
+        if len(dims) != 1:
+            raise UnsupportedModelError(
+                f"{model_type}: its layers differ in head_dim ({dims}); positions inside the cache rotate keys with "
+                "one rotary embedding (use positions='original')"
+            )
+        head_dim = dims[0]
         if "rope_theta" not in params and getattr(text, "rope_theta", None) is None:
             raise UnsupportedModelError(
                 f"{model_type} has no rotary parameters in its config (rope_parameters={params!r}); positions "

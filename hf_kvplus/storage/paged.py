@@ -29,6 +29,8 @@ class PagedStorage(KVStorage):
     written: a decode step's shapes and block table never change, so a compiled decode never recompiles.
     """
 
+    reads_in_place = True
+
     #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
     shared_at_rest = True
 

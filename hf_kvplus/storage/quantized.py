@@ -111,6 +111,8 @@ class QuantizedStorage(KVStorage):
     kept part of the cut group back into the window dequantized; it is quantized again later.
     """
 
+    reads_in_place = True
+
     def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW, fused: bool = True):
         group = segment.fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < group:

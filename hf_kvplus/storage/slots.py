@@ -191,6 +191,8 @@ class SlotStore(KVStorage):
     forward's tokens, never read back.
     """
 
+    reads_in_place = True
+
     def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True):
         self.codec = codec or DenseCodec()
         self.keeps_scores = scores

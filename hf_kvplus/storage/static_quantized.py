@@ -34,6 +34,8 @@ class StaticQuantizedStorage(KVStorage):
     model's causal mask is right as it is.
     """
 
+    reads_in_place = True
+
     def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, fused: bool = True):
         g = fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < g:
