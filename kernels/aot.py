@@ -381,6 +381,19 @@ def _pack(dtype, fmt, head_dim) -> list[Spec]:
         tokens *= 2
 
 
+def _pack_at(dtype, fmt, head_dim) -> list[Spec]:
+    """Quantize one token per row and head into its slot of slot buffers (an evicting cache's refill)."""
+    x = _meta(BATCH, KV_HEADS, 1, head_dim, dtype=dtype)
+    slots = _meta(BATCH, KV_HEADS, 1, dtype=torch.int64)
+    codes = _meta(BATCH, KV_HEADS, KEYS, head_dim // fmt.per_byte, dtype=torch.uint8)
+    params = _meta(BATCH, KV_HEADS, KEYS, head_dim // fmt.group_size)
+    out = (codes, params, None if fmt.is_float else params)
+    return _record(
+        lambda: quant_pack.quantize_values_at_triton(x, fmt, out, slots),
+        {"_quant_values_kernel": f"{_SHORT[dtype]} {fmt} d{head_dim} slots"},
+    )
+
+
 def specializations() -> list[Spec]:
     """Every specialization of the gate, in table order, without duplicates (see the module doc)."""
     dtypes = decode_attention.SUPPORTED_DTYPES
@@ -401,6 +414,7 @@ def specializations() -> list[Spec]:
         specs += _quantized(dt, fmt, d, g, mask, None, keys_per_token=True, mass=True)
     for dt, bits, d in itertools.product(dtypes, BIT_WIDTHS, HEAD_DIMS):
         specs += _pack(dt, _default_format(bits, d), d)
+        specs += _pack_at(dt, _default_format(bits, d), d)
 
     rep = (REP_DTYPE, REP_HEAD_DIM)
     for bs in PAGED_BLOCK_SIZES:

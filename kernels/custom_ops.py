@@ -291,3 +291,20 @@ def quantize_values_cuda(x, bits, group_size, codes, scale, zero):
 @quantize_values.register_fake
 def _(x, bits, group_size, codes, scale, zero):
     return None
+
+
+@torch.library.custom_op("kvplus::quantize_values_at", mutates_args=("codes", "scale", "zero"))
+def quantize_values_at(
+    x: Tensor, bits: str, group_size: int, codes: Tensor, scale: Tensor, zero: Tensor | None, slots: Tensor
+) -> None:
+    pack.quantize_values_at_torch(x, _format(bits, group_size), (codes, scale, zero), slots)
+
+
+@quantize_values_at.register_kernel("cuda")
+def quantize_values_at_cuda(x, bits, group_size, codes, scale, zero, slots):
+    pack.quantize_values_at_triton(x, _format(bits, group_size), (codes, scale, zero), slots, check=False)
+
+
+@quantize_values_at.register_fake
+def _(x, bits, group_size, codes, scale, zero, slots):
+    return None

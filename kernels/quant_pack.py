@@ -24,6 +24,11 @@ of exactly those shapes and dtypes on x's device, with any strides: typically sl
 dim of larger storage buffers. Every element of the out tensors is written and nothing outside them;
 they are returned.
 
+:func:`quantize_values_at` (twins ``quantize_values_at_torch`` and ``quantize_values_at_triton``) quantizes
+values the same way into given rows of larger buffers (an int64 ``slots`` [B, H, T] names the row of each
+token), the values kernel storing each token at its slot: a storage that refills single slots writes its
+codes, scales and zeros in one launch.
+
 Kernels. Keys: one program per (row and head, group of G tokens, chunk of bytes): the program loads
 the group as a [G, per, BLOCK_P] tile (element [t, i, j] is channel ``i * P + j``, the packed order),
 reduces min/max over tokens, encodes, and packs each byte by shifting part i by ``i * bits`` and
@@ -80,6 +85,9 @@ __all__ = [
     "quantize_keys",
     "quantize_keys_triton",
     "quantize_values",
+    "quantize_values_at",
+    "quantize_values_at_torch",
+    "quantize_values_at_triton",
     "quantize_values_triton",
 ]
 
@@ -207,6 +215,49 @@ def quantize_keys(x, fmt: QuantFormat, out=None, *, check: bool = True):
     the caller guarantees the contract (see the module doc).
     """
     return _dispatch(x, fmt, out, "keys", quantize_keys_triton, quantize_keys_torch, check)
+
+
+def quantize_values_at(x, fmt: QuantFormat, out, slots, *, check: bool = True):
+    """Values x [B, H, T, D] quantized per token (as :func:`quantize_values`) straight into rows ``slots``
+    (int64 [B, H, T]) of ``out`` = (codes [B, H, N, P], scale, zero [B, H, N, D // G]; zero None for fp8; any
+    strides): token t of row b and head h lands in row ``slots[b, h, t]``, every other row untouched. What a
+    storage that refills single slots writes per decode step (an evicting cache's hole), one launch where
+    quantizing then scattering each of the three tensors would be four. Slots must be distinct per (b, h) and
+    in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
+    CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
+    if torch.compiler.is_compiling() and not check and x.is_cuda:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        custom_ops.quantize_values_at(x, *custom_ops.format_args(fmt), *out, slots)
+        return out
+    if (not check or isinstance(x, torch.Tensor)) and x.is_cuda:
+        return quantize_values_at_triton(x, fmt, out, slots, check=check)
+    if check:
+        _check_at(x, fmt, out, slots)
+    return quantize_values_at_torch(x, fmt, out, slots)
+
+
+def quantize_values_at_torch(x, fmt: QuantFormat, out, slots):
+    """The twin of :func:`quantize_values_at`: ``quant_format.quantize_values``, then one ``scatter_`` per tensor."""
+    for dst, part in zip(out, quantize_values_torch(x, fmt), strict=True):
+        if dst is not None:
+            dst.scatter_(2, slots[..., None].expand(*part.shape), part)
+    return out
+
+
+def _check_at(x, fmt, out, slots) -> None:
+    _check_fmt(fmt)
+    B, H, T, D = _check_x(x, "values")
+    fmt.check_head_dim(D)
+    if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or tuple(slots.shape) != (B, H, T):
+        raise ShapeError(
+            f"slots must be an int64 tensor [B, H, T] = {[B, H, T]}, got "
+            f"{getattr(slots, 'dtype', type(slots).__name__)} {list(getattr(slots, 'shape', []))}"
+        )
+    if slots.device != x.device:
+        raise DeviceError(f"slots are on {slots.device}, values on {x.device}")
+    rows = out[0].shape[2] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else T
+    _check_out(out, "values", (B, H, rows, D), fmt, x.device)
 
 
 def quantize_values(x, fmt: QuantFormat, out=None, *, check: bool = True):
@@ -361,6 +412,7 @@ if triton is not None:
         C,
         S,
         Z,
+        Slots,
         H,
         T,
         stride_xb,
@@ -379,6 +431,10 @@ if triton is not None:
         stride_zh,
         stride_zt,
         stride_zd,
+        stride_ib,
+        stride_ih,
+        stride_it,
+        HAS_SLOTS: tl.constexpr,
         P: tl.constexpr,
         G: tl.constexpr,
         NG: tl.constexpr,
@@ -390,7 +446,8 @@ if triton is not None:
         P_PAD: tl.constexpr,
     ):
         # Program (row * H + head, token block). Tile [BLOCK_T, PER, P_PAD]: element [t, i, j] is token
-        # t0 + t, channel i * P + j (the packed order), in value group (i * P + j) // G.
+        # t0 + t, channel i * P + j (the packed order), in value group (i * P + j) // G. HAS_SLOTS (compile
+        # time): token t of (b, h) is written to row Slots[b, h, t] of the outputs instead of row t.
         pid_bh = tl.program_id(0)
         pid_t = tl.program_id(1)
         b = (pid_bh // H).to(tl.int64)
@@ -410,6 +467,9 @@ if triton is not None:
             X + b * stride_xb + h * stride_xh + tok[:, None, None] * stride_xt + ch[None, :, :] * stride_xd
         )
         x = tl.load(x_ptrs, mask=m3, other=0.0).to(tl.float32)
+        if HAS_SLOTS:
+            tok = tl.load(Slots + b * stride_ib + h * stride_ih + offs_t.to(tl.int64) * stride_it, mask=t_ok, other=0)
+            tok = tok.to(tl.int64)
 
         s_row = S + b * stride_sb + h * stride_sh + tok * stride_st  # [BLOCK_T]
         z_row = Z + b * stride_zb + h * stride_zh + tok * stride_zt
@@ -500,6 +560,28 @@ def quantize_values_triton(x, fmt: QuantFormat, out=None, *, check: bool = True)
     (B, H, T, D), (codes, scale, zero), zero_arg = _prepare(
         x, fmt, out, "values", _quant_values_kernel, check
     )
+    return _launch_values(x, fmt, codes, scale, zero, zero_arg, None)
+
+
+def quantize_values_at_triton(x, fmt: QuantFormat, out, slots, *, check: bool = True):
+    """Values [B, H, T, D] quantized into rows ``slots`` [B, H, T] of ``out`` with the Triton kernel (see
+    :func:`quantize_values_at`)."""
+    if check:
+        if triton is None:
+            raise KernelUnavailableError("quantize_values_at_triton needs triton, which is not installed")
+        _check_at(x, fmt, out, slots)
+        if not x.is_cuda and not _is_interpreted(_quant_values_kernel):
+            raise KernelUnavailableError(
+                f"quantize_values_at_triton needs CUDA tensors (got {x.device}) or TRITON_INTERPRET=1 set before "
+                "import; use quantize_values_at"
+            )
+    codes, scale, zero = out
+    _launch_values(x, fmt, codes, scale, zero, scale if zero is None else zero, slots)
+    return out
+
+
+def _launch_values(x, fmt, codes, scale, zero, zero_arg, slots):
+    B, H, T, D = x.shape
     if B * H * T == 0:
         return codes, scale, zero
     per = fmt.per_byte
@@ -512,12 +594,15 @@ def quantize_values_triton(x, fmt: QuantFormat, out=None, *, check: bool = True)
         codes,
         scale,
         zero_arg,
+        codes if slots is None else slots,  # never read without slots (HAS_SLOTS=False)
         H,
         T,
         *_strides(x),
         *_strides(codes),
         *_strides(scale),
         *_strides(zero_arg),
+        *((0, 0, 0) if slots is None else slots.stride()),
+        HAS_SLOTS=slots is not None,
         P=P,
         G=fmt.group_size,
         NG=D // fmt.group_size,

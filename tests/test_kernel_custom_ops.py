@@ -61,6 +61,8 @@ from hf_kvplus.kernels.quant_pack import (
     quantize_keys,
     quantize_keys_triton,
     quantize_values,
+    quantize_values_at,
+    quantize_values_at_triton,
     quantize_values_triton,
 )
 
@@ -112,6 +114,22 @@ def quant_op_args(args, kw, num_splits=2):
     )  # fmt: skip
 
 
+def at_case(bits, group, dtype, B, H, T, D):
+    """Values to quantize into distinct slots of slot buffers [B, H, T + 5, ...] (an evicting cache's hole)."""
+    fmt, slots_total = QuantFormat(bits, group), T + 5
+    x = torch.randn(B, H, T, D).to(dtype)
+    slots = torch.stack([torch.randperm(slots_total)[:T] for _ in range(B * H)]).view(B, H, T).to(x.device)
+    codes = torch.zeros(B, H, slots_total, D // fmt.per_byte, dtype=torch.uint8)
+    scale = torch.zeros(B, H, slots_total, D // group, dtype=torch.float16)
+    zero = None if fmt.is_float else torch.zeros(B, H, slots_total, D // group, dtype=torch.float16)
+    return x, fmt, (codes, scale, zero), slots
+
+
+def at_op_args(case):
+    x, fmt, out, slots = at_case(*case)
+    return (x, str(fmt.bits), fmt.group_size, *out, slots)
+
+
 def pack_op_args(kind, case):
     x, fmt, out = pack_case(kind, *case, True)
     return (x, str(fmt.bits), fmt.group_size, *out)
@@ -139,6 +157,7 @@ OP_INPUTS = {
     "quantized_decode_attention_with_mass": (QUANT, lambda c: quant_op_args(*quant_case(*c))),
     "quantize_keys": (PACK, lambda c: pack_op_args("keys", c)),
     "quantize_values": (PACK, lambda c: pack_op_args("values", c)),
+    "quantize_values_at": (PACK, at_op_args),
 }
 OPCHECK_CASES = [(op, case) for op, (cases, _) in OP_INPUTS.items() for case in cases]
 
@@ -518,3 +537,29 @@ def test_cuda_implementations_match_the_triton_paths(seed):
             triton_fn(x, QuantFormat(*case[:2]), tuple(out2), check=False)
             assert_same(*(tuple(t for t in o if t is not None) for o in (out, out2)), seed, kind)
             assert (out[1] != 0).all(), f"{kind}: scales not written (seed {seed})"
+
+
+@pytest.mark.parametrize("case", PACK)
+def test_compiled_quantize_values_at(seed, case):
+    """An evicting cache's refill: quantized into slot buffers in place, the same bits compiled as eager."""
+    fmt = QuantFormat(*PACK[case][:2])
+
+    def fn(x, codes, scale, zero, slots):
+        quantize_values_at(x, fmt, (codes, scale, zero), slots, check=False)
+
+    def make():
+        x, _, out, slots = at_case(*PACK[case])
+        return (x, *out, slots)
+
+    if make()[0].is_cuda:
+        check_compiled(seed, fn, make, KV.quantize_values_at.default)
+    else:
+        check_inlined(seed, fn, make)
+
+
+def test_cuda_implementation_of_quantize_values_at_matches_the_triton_path(seed):
+    (x, bits, group, *out, slots), (_, _, _, *out2, _) = twice(seed, lambda: at_op_args(PACK["int4"]))
+    ops.quantize_values_at_cuda(x, bits, group, *out, slots)
+    quantize_values_at_triton(x, QuantFormat(4, 16), tuple(out2), slots, check=False)
+    assert_same(tuple(t for t in out if t is not None), tuple(t for t in out2 if t is not None), seed, "at")
+    assert (out[1].gather(2, slots[..., None].expand(*slots.shape, out[1].shape[-1])) != 0).all()

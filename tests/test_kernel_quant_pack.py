@@ -36,6 +36,8 @@ from hf_kvplus.kernels.quant_pack import (
     quantize_keys,
     quantize_keys_triton,
     quantize_values,
+    quantize_values_at,
+    quantize_values_at_triton,
     quantize_values_triton,
 )
 
@@ -454,3 +456,54 @@ def test_triton_unavailable(monkeypatch):
     for fn in (quantize_keys_triton, quantize_values_triton):
         with pytest.raises(KernelUnavailableError, match="triton"):
             fn(x, fmt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantizing into given slots (an evicting cache's refilled hole)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _slot_buffers(fmt, B, H, N, D):
+    """Slot buffers [B, H, N, ...] as views into larger ones (channel-padded codes, row-offset scales), poisoned."""
+    per, G = fmt.per_byte, fmt.group_size
+    codes = torch.full((B, H, N, D // per + 3), 0xAB, dtype=torch.uint8)[..., 1 : 1 + D // per]
+    scale = torch.full((B, H, N + 2, D // G), float("nan"), dtype=torch.float16)[:, :, 1 : 1 + N]
+    zero = None if fmt.is_float else torch.full((B, H, N + 2, D // G), float("nan"), dtype=torch.float16)[:, :, 2:]
+    return codes, scale, zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits", [8, 4, 2, "fp8"])
+@pytest.mark.parametrize("fn", [quantize_values_at_triton, quantize_values_at], ids=["triton", "twin"])
+def test_quantize_values_at_writes_exactly_the_slots(seed, fn, bits, dtype):
+    """Each token's codes, scales and zeros land in its slot, equal to `quantize_values` of that token; every other
+    slot keeps its bits (the kernel runs under the interpreter; the dispatcher takes the twin on CPU)."""
+    fmt = QuantFormat(bits, 16)
+    B, H, T, N, D = 2, 3, 2, 9, 48
+    x = torch.randn(B, H, T, D + 4).to(dtype)[..., 2 : 2 + D]  # strided input
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    out = _slot_buffers(fmt, B, H, N, D)
+    before = [None if t is None else t.clone() for t in out]
+    assert fn(x, fmt, out, slots) is out
+    want = quantize_values(x, fmt)
+    written = torch.zeros(B, H, N, dtype=torch.bool).scatter_(2, slots, True)
+    for got, old, ref in zip(out, before, want, strict=True):
+        if got is None:
+            assert ref is None
+            continue
+        at = got.gather(2, slots[..., None].expand(*ref.shape))
+        assert torch.equal(at.view(torch.uint8), ref.view(torch.uint8)), f"{fmt} (seed {seed})"
+        assert torch.equal(got[~written].view(torch.uint8), old[~written].view(torch.uint8)), "a slot not asked for"
+
+
+def test_quantize_values_at_validates_its_inputs():
+    fmt = QuantFormat(4, 16)
+    x = torch.randn(1, 2, 1, 32)
+    out = _slot_buffers(fmt, 1, 2, 5, 32)
+    with pytest.raises(ShapeError, match=r"slots must be an int64 tensor \[B, H, T\] = \[1, 2, 1\]"):
+        quantize_values_at(x, fmt, out, torch.zeros(1, 2, 1, dtype=torch.int32))
+    with pytest.raises(ShapeError, match=r"slots must be an int64 tensor"):
+        quantize_values_at(x, fmt, out, torch.zeros(1, 2, dtype=torch.int64))
+    bad = (out[0][..., :-1], out[1], out[2])
+    with pytest.raises(ShapeError, match="out codes"):
+        quantize_values_at(x, fmt, bad, torch.zeros(1, 2, 1, dtype=torch.int64))

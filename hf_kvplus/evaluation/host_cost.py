@@ -122,7 +122,7 @@ def _kernel_sites() -> list[tuple[object, str]]:
         (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
         (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "decode_attention_with_mass"),
         (slots, "quantized_decode_attention"), (slots, "quantized_decode_attention_with_mass"),
-        (dispatch, "_fallback"), (slot_store, "quantize_values"), *quantizing,
+        (dispatch, "_fallback"), (slot_store, "quantize_values"), (slot_store, "quantize_values_at"), *quantizing,
     ]  # fmt: skip
 
 
@@ -183,6 +183,7 @@ def _stub_outputs() -> dict[str, Callable]:
         "decode_attention_with_mass": with_mass, "quantized_decode_attention_with_mass": quantized_with_mass,
         "sdpa_attention_forward": sdpa, "_fallback": sdpa,
         "quantize_keys": quantize(keys_per_channel=True), "quantize_values": quantize(keys_per_channel=False),
+        "quantize_values_at": lambda x, fmt, out, slots, **kwargs: out,  # writes the given buffers: returns them
     }  # fmt: skip
 
 

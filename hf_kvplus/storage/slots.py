@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ShapeError
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
-from ..kernels.quant_pack import quantize_values
+from ..kernels.quant_pack import quantize_values, quantize_values_at
 from ..memory import MemoryReport
 from .base import FitMemo, KVStorage, check_fits
 from .dense import _grown
@@ -144,19 +144,11 @@ class TokenQuantCodec:
         self._quantize_into(fields, span, "k", keys)
 
     def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values quantized into slots `slots` [batch, kv_heads, 1]: by one quantize call when they have
-        the same shape, then one index per kind of field (codes, parameters) for both (a decode step's ops are
-        its host cost)."""
-        if keys.shape != values.shape:
-            for name, part in self.encode(keys, values).items():
-                fields[name].scatter_(2, _slot_index(slots, part), part)
-            return
-        parts = quantize_values(torch.cat([keys, values], dim=2), self.fmt, check=False)  # [.., 2, ..]: k, v
-        codes, params = _slot_index(slots, parts[0]), _slot_index(slots, parts[1])
-        for k_name, v_name, index, part in zip(*self._fields.values(), (codes, params, params), parts, strict=True):
-            if part is not None:  # (fp8 has no zeros)
-                fields[k_name].scatter_(2, index, part[:, :, :1])
-                fields[v_name].scatter_(2, index, part[:, :, 1:])
+        """Keys and values quantized straight into slots `slots` [batch, kv_heads, 1]: one kernel each writes the
+        codes, scales and zeros at the slot (a decode step's ops are its host cost)."""
+        for name, x in (("k", keys), ("v", values)):
+            out = tuple(fields.get(field) for field in self._fields[name])
+            quantize_values_at(x.contiguous(), self.fmt, out, slots, check=False)
 
     def _quantize_into(self, fields, span, name, x) -> None:
         codes, scale, zero = self._fields[name]
