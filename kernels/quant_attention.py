@@ -72,6 +72,7 @@ runs the same Triton kernel; off CUDA the twin is traced inline instead.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -313,21 +314,26 @@ def quantized_decode_attention(
 
     ``check=False``: the caller guarantees the contract (see the module docstring).
     """
-    if torch.compiler.is_compiling() and not check and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        p = packed
-        return custom_ops.quantized_decode_attention(
-            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), start,
-            length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
-        )  # fmt: skip
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
     )  # fmt: skip
-    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
-        return quantized_decode_attention_triton(q, packed, fmt, **kw)
-    return quantized_decode_attention_torch(q, packed, fmt, **kw)
+    return _dispatch("quantized_decode_attention", q, packed, fmt, kw)
+
+
+def _dispatch(name: str, q, packed, fmt, kw: dict):
+    """Both dispatchers: while compiling with ``check=False`` on CUDA the custom operator ``name``, else its Triton
+    path on CUDA, else its twin (looked up by name at call time)."""
+    if torch.compiler.is_compiling() and not kw["check"] and q.is_cuda:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        p, args = packed, [kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask")]
+        return getattr(custom_ops, name)(
+            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), *args,
+            kw["block_table"], kw["num_splits"], kw["keys_per_token"],
+        )  # fmt: skip
+    path = "triton" if (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda else "torch"
+    return getattr(sys.modules[__name__], f"{name}_{path}")(q, packed, fmt, **kw)
 
 
 def quantized_decode_attention_with_mass(
@@ -348,21 +354,11 @@ def quantized_decode_attention_with_mass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantized_decode_attention` plus each key's attention mass [B, Hkv, length + R] float32 (quantized
     keys, then the residual; see the module docstring); dispatches the same way."""
-    if torch.compiler.is_compiling() and not check and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        p = packed
-        return custom_ops.quantized_decode_attention_with_mass(
-            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), start,
-            length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
-        )  # fmt: skip
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
     )  # fmt: skip
-    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
-        return quantized_decode_attention_with_mass_triton(q, packed, fmt, **kw)
-    return quantized_decode_attention_with_mass_torch(q, packed, fmt, **kw)
+    return _dispatch("quantized_decode_attention_with_mass", q, packed, fmt, kw)
 
 
 def quantized_decode_attention_with_mass_triton(
