@@ -88,7 +88,8 @@ class ModelSpec:
             layer_shape(model_type, t, text, shape)
             for t, shape in zip(layer_types, _layer_shapes(text, len(layer_types)), strict=True)
         ]
-        for num_kv_heads, head_dim in set(shapes):
+        attention = {shape for t, shape in zip(layer_types, shapes, strict=True) if t in ATTENTION_LAYER_KINDS}
+        for num_kv_heads, head_dim in sorted(attention):
             if num_heads % num_kv_heads:
                 raise UnsupportedModelError(
                     f"{model_type}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
