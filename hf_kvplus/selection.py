@@ -53,7 +53,7 @@ def install() -> None:
     global _installed
     if _installed is not None:
         return
-    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    names = getattr(configuration_utils, "ALL_CACHE_IMPLEMENTATIONS", None)  # (absent: nothing validates names)
     original = GenerationMixin._prepare_cache_for_generation
     key = "cache" if 'model_kwargs.get("cache")' in inspect.getsource(original) else "past_key_values"
 
@@ -77,7 +77,8 @@ def install() -> None:
         model_kwargs[key] = cache
 
     _prepare_cache_for_generation.__wrapped__ = original
-    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = CacheNames(names)
+    if names is not None:
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = CacheNames(names)
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
     _installed = (names, original)
 
@@ -87,5 +88,7 @@ def uninstall() -> None:
     global _installed
     if _installed is None:
         return
-    configuration_utils.ALL_CACHE_IMPLEMENTATIONS, GenerationMixin._prepare_cache_for_generation = _installed
+    names, GenerationMixin._prepare_cache_for_generation = _installed
+    if names is not None:
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = names
     _installed = None
