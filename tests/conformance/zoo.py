@@ -38,8 +38,13 @@ _SHRINK = {
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     # multi-head latent attention
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    # partial rotary, convolutions, state spaces
-    "rotary_dim": 8, "sliding_window": 8, "attention_chunk_size": 8,
+    # partial rotary, windows
+    "rotary_dim": 8, "sliding_window": 8, "attention_chunk_size": 8, "window_size": 8, "sliding_window_size": 8,
+    # per-layer and auxiliary embeddings, wide feed-forwards of other names
+    "vocab_size_per_layer_input": VOCAB_SIZE, "hidden_size_per_layer_input": 16, "unpadded_vocab_size": VOCAB_SIZE,
+    "pronunciation_vocab_size": 32, "pronunciation_embed_dim": 32, "shape_vocab_size": 32, "shape_embed_dim": 32,
+    "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "shared_experts_intermediate_size": 64,
+    "router_hidden_size": 32, "index_topk": 8,
 }  # fmt: skip
 
 
