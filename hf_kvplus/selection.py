@@ -45,6 +45,16 @@ def spec(name: str) -> CacheSpec:
         raise ConfigError(f"cache_implementation={name!r}: {error}") from None
 
 
+def _cache_key(prepare) -> str:
+    """The model_kwargs key Transformers' cache preparation uses: "cache" since it renamed `past_key_values`
+    (read off its source; without the source, the current name)."""
+    try:
+        source = inspect.getsource(prepare)
+    except (OSError, TypeError):
+        return "cache"
+    return "cache" if 'model_kwargs.get("cache")' in source else "past_key_values"
+
+
 _installed: tuple | None = None  # (Transformers' names, its function) while installed
 
 
@@ -55,7 +65,7 @@ def install() -> None:
         return
     names = getattr(configuration_utils, "ALL_CACHE_IMPLEMENTATIONS", None)  # (absent: nothing validates names)
     original = GenerationMixin._prepare_cache_for_generation
-    key = "cache" if 'model_kwargs.get("cache")' in inspect.getsource(original) else "past_key_values"
+    key = _cache_key(original)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         name = generation_config.cache_implementation

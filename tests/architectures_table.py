@@ -17,6 +17,7 @@ from tqdm import tqdm
 import hf_kvplus  # noqa: F401 - installs the attention route the caches attend through
 from conformance.cases import CASES
 from conformance.sweep import SWEEP_CASES, sweep
+from conformance.zoo import MODEL_TYPES
 
 SHORT = {"identical": "=", "within tolerance": "~", "refused": "R", "FAILED": "FAILED"}
 
@@ -30,9 +31,8 @@ def _reason(detail: str, model_type: str) -> str:
 
 
 def main(out: str = "docs/architectures.md") -> None:
-    types = list(sweep.__defaults__[0])
     rows = {}
-    for model_type in tqdm(types, desc="architectures"):
+    for model_type in tqdm(MODEL_TYPES, desc="architectures"):
         rows.update(sweep([model_type]))
     swept = {t: cells for t, cells in rows.items() if isinstance(cells, dict)}
     skipped = {t: reason for t, reason in rows.items() if isinstance(reason, str)}
