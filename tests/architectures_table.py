@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 import hf_kvplus  # noqa: F401 - installs the attention route the caches attend through
 from conformance.cases import CASES
-from conformance.sweep import SWEEP_CASES, sweep
+from conformance.sweep import OUTCOMES, SWEEP_CASES, sweep
 from conformance.zoo import MODEL_TYPES
 
-SHORT = {"identical": "=", "within tolerance": "~", "refused": "R", "FAILED": "FAILED"}
+SHORT = dict(zip(OUTCOMES, ("=", "~", "R", "FAILED"), strict=True))
 
 
 def _reason(detail: str, model_type: str) -> str:

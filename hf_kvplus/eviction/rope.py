@@ -15,7 +15,7 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..errors import ShapeError, UnsupportedModelError
-from ..model_spec import ModelSpec
+from ..model_spec import ATTENTION_LAYER_KINDS, ModelSpec
 
 #: Model families that rotate interleaved pairs (GPT-J style) rather than the two halves of the head.
 INTERLEAVED_ROPE_MODELS = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "chatglm", "deepseek_v2",
@@ -56,7 +56,7 @@ class RotaryShift:
             )
         params = _rope_parameters(text, layer_type)
         rope_type = params.get("rope_type", params.get("type", "default"))
-        kind = {"sliding_attention": "sliding", "chunked_attention": "chunked"}.get(layer_type, "full")
+        kind = ATTENTION_LAYER_KINDS.get(layer_type, "full")
         layers = [layer for layer in ModelSpec.from_config(config).layers if layer.holds_kv]
         dims = sorted({layer.head_dim for layer in layers if layer.kind == kind} or {layer.head_dim for layer in layers})
         if len(dims) != 1:

@@ -44,6 +44,9 @@ class QuantizedSegment(ABC):
         `same_rows[row]`: the first row whose appended tokens equal this row's (beams of one prompt), when the
         caller knows it; a segment that `shares_rows` shares their storage on its first fill."""
 
+    def shard_heads(self, local: int) -> None:  # noqa: B027 - an optional hook
+        """Learns a tensor-parallel rank's share of KV heads before the first append (`KVStorage.shard_heads`)."""
+
     def begin_update(self) -> None:  # noqa: B027 - an optional hook
         """Called as each forward reaches this layer, before it appends: every layer has attended the last one,
         so a segment may free what earlier forwards dropped (a paged segment's group trims)."""
@@ -134,9 +137,7 @@ class QuantizedStorage(KVStorage):
         return getattr(self.segment, "shared_at_rest", False)
 
     def shard_heads(self, local: int) -> None:
-        shard = getattr(self.segment, "shard_heads", None)
-        if shard is not None:
-            shard(local)
+        self.segment.shard_heads(local)
 
     @property
     def fmt(self) -> QuantFormat:
