@@ -69,7 +69,8 @@ class EvictingCache(KVCache):
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
             if spec.kind != "full":
                 return DenseStorage()
-            return SlotStore(DenseCodec() if fmt is None else TokenQuantCodec(fmt), scores=self.keeps_scores)
+            codec = DenseCodec() if fmt is None else TokenQuantCodec(fmt.for_layer(spec.index))
+            return SlotStore(codec, scores=self.keeps_scores)
 
         def retention(spec: LayerSpec) -> EvictionPolicy:
             return policy(spec) if spec.kind == "full" else model_retention(spec)

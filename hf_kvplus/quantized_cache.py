@@ -9,7 +9,7 @@ from transformers import PreTrainedConfig
 from .attention.dispatch import takes_fused_path
 from .cache import KVCache
 from .errors import ConfigError
-from .formats import resolve_format
+from .formats import resolve_format, rotated_bits
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
@@ -26,6 +26,7 @@ def quantized_storage(
     window: int = DEFAULT_WINDOW,
     backend: str = "kvplus",
     max_tokens: int | None = None,
+    rotation_seed: int = 0,
 ) -> Callable[[LayerSpec], QuantizedStorage | StaticQuantizedStorage]:
     """A `KVCache` storage factory holding K/V quantized: combine it with any retention.
 
@@ -37,12 +38,14 @@ def quantized_storage(
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if max_tokens is not None and backend != "kvplus":
         raise ConfigError(f"max_tokens needs backend='kvplus' (its static storage packs codes itself), got {backend!r}")
-    fmt = resolve_format(ModelSpec.from_config(config), bits, group_size)
+    fmt = resolve_format(ModelSpec.from_config(config), bits, group_size, rotation_seed)
+    if backend == "quanto" and fmt.rotated:
+        raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r}")
     fused = takes_fused_path(config)
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens)  # bad sizes fail here, not at a forward
 
-    def segment() -> QuantizedSegment:
+    def segment(fmt=fmt) -> QuantizedSegment:
         if backend == "quanto":
             from .storage.quanto_segment import QuantoSegment
 
@@ -55,8 +58,8 @@ def quantized_storage(
 
     def storage(spec: LayerSpec) -> QuantizedStorage | StaticQuantizedStorage:
         if max_tokens is not None and spec.kind == "full":
-            return StaticQuantizedStorage(fmt, window, max_tokens, fused=fused)
-        return QuantizedStorage(segment(), window=window, fused=fused)
+            return StaticQuantizedStorage(fmt.for_layer(spec.index), window, max_tokens, fused=fused)
+        return QuantizedStorage(segment(fmt.for_layer(spec.index)), window=window, fused=fused)
 
     return storage
 
@@ -64,7 +67,10 @@ def quantized_storage(
 class QuantizedCache(KVCache):
     """K/V quantized KIVI-style: keys per channel over groups of tokens, values per token over groups of
     channels; int8, int4, int2 (asymmetric, float16 scale and zero point per group) or fp8 (e4m3 with a
-    float16 scale per group).
+    float16 scale per group). Or rotated (the TurboQuant class): `key_bits`/`value_bits` (1, 2, 3, 4 or 8 each;
+    or `bits="k4v2"`) code each head vector after a seeded rotation with a fixed Lloyd-Max codebook and one
+    float16 norm, and decode attends in the rotated space (`kernels/rotated_format.py`); `rotation_seed` picks the
+    rotations (layer i's seed is rotation_seed + i).
 
     The newest `window` tokens (at least; up to one group more) stay at full precision; older tokens
     are quantized a whole group at a time, once. Decode attends over the packed codes in place (a
@@ -82,6 +88,7 @@ class QuantizedCache(KVCache):
     `is_compileable`: `generate()` compiles the decode forward as it does StaticCache's.
 
     >>> cache = QuantizedCache(config=model.config, bits=4)
+    >>> cache = QuantizedCache(config=model.config, key_bits=4, value_bits=2)  # rotated, 3.25 bits per coordinate
     >>> model.generate(**inputs, past_key_values=cache)
     """
 
@@ -89,11 +96,14 @@ class QuantizedCache(KVCache):
         self,
         config: PreTrainedConfig,
         *,
-        bits: int | str = 4,
+        bits: int | str | None = None,
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
         backend: str = "kvplus",
         placement: Placement | None = None,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        rotation_seed: int = 0,
         max_tokens: int | None = None,
         compileable: bool = False,
     ):
@@ -101,9 +111,11 @@ class QuantizedCache(KVCache):
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
         if max_tokens is not None and placement is not None and placement.moves:
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
+        bits = rotated_bits(bits, key_bits, value_bits)
         storage = quantized_storage(
-            config, bits=bits, group_size=group_size, window=window, backend=backend, max_tokens=max_tokens
-        )
+            config, bits=4 if bits is None else bits, group_size=group_size, window=window, backend=backend,
+            max_tokens=max_tokens, rotation_seed=rotation_seed,
+        )  # fmt: skip
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         first = next(layer.storage for layer in self.layers if hasattr(layer, "storage"))
         self.format, self.window, self.backend = first.fmt, window, backend

@@ -94,6 +94,7 @@ from hf_kvplus.kernels.decode_attention import (
 )
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation
 
 try:
     import triton
@@ -148,8 +149,8 @@ def _check_inputs(
     q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token=False
 ) -> _Info:
     """Validate the whole contract (shapes, dtypes, devices, ranges); see the module docstring."""
-    if not isinstance(fmt, QuantFormat):
-        raise ConfigError(f"fmt must be a QuantFormat, got {type(fmt).__name__}")
+    if not isinstance(fmt, (QuantFormat, RotatedFormat)):
+        raise ConfigError(f"fmt must be a QuantFormat or a RotatedFormat, got {type(fmt).__name__}")
     if not isinstance(packed, PackedKV):
         raise DTypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
     if not isinstance(q, torch.Tensor):
@@ -161,7 +162,7 @@ def _check_inputs(
     B, Hq, D = q.shape
     if B == 0 or Hq == 0:
         raise ShapeError(f"batch and head counts must be positive, got B={B}, Hq={Hq}")
-    dev, G, per = q.device, fmt.group_size, fmt.per_byte
+    dev, G = q.device, fmt.group_size
 
     # Packed tensors: dtypes, devices, zeros present exactly for the integer formats.
     for name in ("k", "k_scale", "v", "v_scale"):
@@ -169,9 +170,9 @@ def _check_inputs(
         _check_tensor(name, getattr(packed, name), want, dev)
     for name in ("k_zero", "v_zero"):
         z = getattr(packed, name)
-        if fmt.is_float and z is not None:
+        if not fmt.has_zero and z is not None:
             raise ConfigError(f"format {fmt} has no zero points, but packed.{name} is a tensor")
-        if not fmt.is_float:
+        if fmt.has_zero:
             if z is None:
                 raise ConfigError(f"format {fmt} needs zero points, but packed.{name} is None")
             _check_tensor(name, z, torch.float16, dev)
@@ -183,21 +184,21 @@ def _check_inputs(
             f"packed.k must have at least one KV head and one row/block, got shape {list(packed.k.shape)}"
         )
     fmt.check_head_dim(D)
-    if pk != D // per:
+    if pk != fmt.code_dim(D, "keys"):
         raise ShapeError(
-            f"packed.k holds {pk} bytes per token; head_dim D={D} in {fmt} needs {D // per} ({per} codes per byte)"
+            f"packed.k holds {pk} bytes per token; head_dim D={D} in {fmt} needs {fmt.code_dim(D, 'keys')}"
         )
-    Dv = packed.v.shape[-1] * per
+    Dv = fmt.channels(packed.v.shape[-1], "values")
     fmt.check_head_dim(Dv)
     for name, d in (("head_dim D", D), ("value head_dim Dv", Dv)):
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ShapeError(f"{name}={d} is not supported; expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
     expected = {
-        "k_scale": (L, Hkv, T, D // G) if keys_per_token else (L, Hkv, T // G, D),
-        "k_zero": (L, Hkv, T, D // G) if keys_per_token else (L, Hkv, T // G, D),
-        "v": (L, Hkv, T, Dv // per),
-        "v_scale": (L, Hkv, T, Dv // G),
-        "v_zero": (L, Hkv, T, Dv // G),
+        "k_scale": (L, Hkv, *fmt.param_shape("values" if keys_per_token else "keys", T, D)),
+        "k_zero": (L, Hkv, *fmt.param_shape("values" if keys_per_token else "keys", T, D)),
+        "v": (L, Hkv, T, fmt.code_dim(Dv, "values")),
+        "v_scale": (L, Hkv, *fmt.param_shape("values", T, Dv)),
+        "v_zero": (L, Hkv, *fmt.param_shape("values", T, Dv)),
     }
     for name, shape in expected.items():
         t = getattr(packed, name)
@@ -284,7 +285,7 @@ def _dims(q, packed, fmt, residual_k, block_table) -> _Info:
     L, Hkv, T, _ = packed.k.shape
     R = 0 if residual_k is None else residual_k.shape[2]
     return _Info(
-        B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, D=D, Dv=packed.v.shape[-1] * fmt.per_byte, R=R, T=T,
+        B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, D=D, Dv=fmt.channels(packed.v.shape[-1], "values"), R=R, T=T,
         paged=block_table is not None, num_blocks=L,
     )  # fmt: skip
 
@@ -323,7 +324,9 @@ def quantized_decode_attention(
 
 def _dispatch(name: str, q, packed, fmt, kw: dict):
     """Both dispatchers: while compiling with ``check=False`` on CUDA the custom operator ``name``, else its Triton
-    path on CUDA, else its twin (looked up by name at call time)."""
+    path on CUDA, else its twin (looked up by name at call time); a rotated format through :func:`_rotated`."""
+    if isinstance(fmt, RotatedFormat):
+        return _rotated(name, q, packed, fmt, kw)
     if torch.compiler.is_compiling() and not kw["check"] and q.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
@@ -334,6 +337,36 @@ def _dispatch(name: str, q, packed, fmt, kw: dict):
         )  # fmt: skip
     path = "triton" if (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda else "torch"
     return getattr(sys.modules[__name__], f"{name}_{path}")(q, packed, fmt, **kw)
+
+
+def _rotated(name: str, q, packed, fmt, kw: dict):
+    """A rotated format's attention, computed in the rotated space: q and the residual rotated in (float32; q . k
+    and the softmax are unchanged by an orthogonal rotation), the codes read as they are, the output (a weighted
+    sum of rotated values) rotated back once."""
+    D, kw = q.shape[-1], dict(kw)
+    if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
+        raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
+    Dv = fmt.channels(packed.v.shape[-1], "values")
+    r_k, r_v = rotation(D, fmt.seed, q.device), rotation(Dv, fmt.seed, q.device)
+    if kw["residual_k"] is not None:
+        kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
+    path = "triton" if (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda else "torch"
+    if path == "torch":
+        result = _twin(q.float() @ r_k, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=name.endswith("mass"))
+    else:
+        from hf_kvplus.kernels import rotated_attention  # noqa: PLC0415 - CUDA only
+
+        result = rotated_attention.rotated_decode_attention_triton(q.float() @ r_k, packed, fmt, **kw,
+                                                                   with_mass=name.endswith("mass"))  # fmt: skip
+    out = (result[0] @ r_v.T).to(q.dtype)
+    return (out, result[1]) if name.endswith("mass") else out
+
+
+#: `_twin`'s positional arguments after (q, packed, fmt), by keyword name.
+_TWIN_ARGS = (
+    "start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits", "keys_per_token",
+    "check",
+)  # fmt: skip
 
 
 def quantized_decode_attention_with_mass(
@@ -898,13 +931,15 @@ def _twin(
 
 
 def _dequantized_chunk(chunk, fmt, start, length, keys_per_token):
-    """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys."""
+    """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys
+    (a rotated format's left in the rotated space: its per-token keys are coded with the key bits)."""
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
-    k = (dequantize_values if keys_per_token else dequantize_keys)(kc, ks, kz, fmt)
+    space = {"rotated_space": True} if fmt.rotated else {}
+    k = (dequantize_values if keys_per_token and not fmt.rotated else dequantize_keys)(kc, ks, kz, fmt, **space)
     if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
         k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]
-    return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt)
+    return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt, **space)
 
 
 def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per_token):

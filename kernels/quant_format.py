@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
+from hf_kvplus.kernels.rotated_format import dequantize_rotated, quantize_rotated
 
 __all__ = [
     "FP8_MAX",
@@ -68,6 +69,8 @@ class QuantFormat:
     code_bits: int = field(init=False, repr=False, compare=False)
     per_byte: int = field(init=False, repr=False, compare=False)  # codes per byte
     qmax: int = field(init=False, repr=False, compare=False)  # the largest integer code
+    rotated: bool = field(default=False, init=False, repr=False, compare=False)  # see rotated_format.RotatedFormat
+    has_zero: bool = field(init=False, repr=False, compare=False)  # integer codes: a zero point per group
 
     def __post_init__(self):
         if self.bits not in BIT_WIDTHS or isinstance(self.bits, bool):
@@ -77,11 +80,33 @@ class QuantFormat:
         is_float = self.bits == "fp8"
         code_bits = 8 if is_float else self.bits
         for name, value in (("is_float", is_float), ("code_bits", code_bits), ("per_byte", 8 // code_bits),
-                            ("qmax", 2**code_bits - 1)):  # fmt: skip
+                            ("qmax", 2**code_bits - 1), ("has_zero", not is_float)):  # fmt: skip
             object.__setattr__(self, name, value)
 
     def packed_dim(self, head_dim: int) -> int:
         return head_dim // self.per_byte
+
+    def code_dim(self, head_dim: int, side: str) -> int:
+        """Bytes of one token's codes (keys and values alike)."""
+        return head_dim // self.per_byte
+
+    def channels(self, code_bytes: int, side: str) -> int:
+        """The head dim of `code_bytes` bytes of codes per token."""
+        return code_bytes * self.per_byte
+
+    def param_shape(self, side: str, tokens: int, head_dim: int) -> tuple[int, int]:
+        """Shape of the float16 scales (and zeros) of `tokens` tokens (a multiple of the group size for keys)."""
+        if side == "keys":
+            return tokens // self.group_size, head_dim
+        return tokens, head_dim // self.group_size
+
+    def for_layer(self, index: int) -> QuantFormat:
+        """The format of layer `index`: the same for every layer."""
+        return self
+
+    def side_formats(self) -> tuple[QuantFormat, QuantFormat]:
+        """(keys, values) as formats whose values-side functions code them per token: this one twice."""
+        return self, self
 
     def check_head_dim(self, head_dim: int) -> None:
         """A value group must tile the head dim, and a byte must hold whole channels."""
@@ -204,8 +229,11 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 
 def quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Keys ``[..., T, D]`` (T a multiple of the group size) to (codes, scale, zero), per channel per group of tokens."""
+    """Keys ``[..., T, D]`` (T a multiple of the group size) to (codes, scale, zero), per channel per group of tokens
+    (a rotated format: (codes, norms, None), per token)."""
     _check_float(x, "keys")
+    if fmt.rotated:
+        return (*quantize_rotated(x, fmt, "keys"), None)
     T, D = x.shape[-2:]
     if T % fmt.group_size:
         raise ShapeError(f"keys hold {T} tokens, not a multiple of the group size {fmt.group_size}")
@@ -221,8 +249,11 @@ def quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torc
 
 
 def quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Values ``[..., T, D]`` to (codes, scale, zero), per token per group of channels."""
+    """Values ``[..., T, D]`` to (codes, scale, zero), per token per group of channels (a rotated format:
+    (codes, norms, None))."""
     _check_float(x, "values")
+    if fmt.rotated:
+        return (*quantize_rotated(x, fmt, "values"), None)
     D = x.shape[-1]
     fmt.check_head_dim(D)
     xf = x.float().unflatten(-1, (D // fmt.group_size, fmt.group_size))  # [..., T, groups, G]
@@ -235,16 +266,22 @@ def quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, to
     return pack_codes(codes, fmt), scale, zero
 
 
-def dequantize_keys(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype``."""
+def dequantize_keys(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
+    rotated)."""
+    if fmt.rotated:
+        return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space)
     q = unpack_codes(codes, fmt).unflatten(-2, (scale.shape[-2], fmt.group_size))
     s = scale.unsqueeze(-2)
     z = None if zero is None else zero.unsqueeze(-2)
     return _decode(q, s, z, fmt).flatten(-3, -2).to(dtype)
 
 
-def dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype``."""
+def dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
+    rotated)."""
+    if fmt.rotated:
+        return dequantize_rotated(codes, scale, fmt, "values", dtype, rotated_space=rotated_space)
     q = unpack_codes(codes, fmt).unflatten(-1, (scale.shape[-1], fmt.group_size))
     s = scale.unsqueeze(-1)
     z = None if zero is None else zero.unsqueeze(-1)

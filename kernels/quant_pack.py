@@ -73,6 +73,7 @@ from hf_kvplus.kernels.decode_attention import _is_interpreted
 from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, QuantFormat
 from hf_kvplus.kernels.quant_format import quantize_keys as quantize_keys_torch
 from hf_kvplus.kernels.quant_format import quantize_values as quantize_values_torch
+from hf_kvplus.kernels.rotated_format import RotatedFormat
 
 try:
     import triton
@@ -106,8 +107,8 @@ NUM_WARPS = 4
 
 
 def _check_fmt(fmt) -> None:
-    if not isinstance(fmt, QuantFormat):
-        raise ConfigError(f"fmt must be a QuantFormat, got {type(fmt).__name__}")
+    if not isinstance(fmt, (QuantFormat, RotatedFormat)):
+        raise ConfigError(f"fmt must be a QuantFormat or a RotatedFormat, got {type(fmt).__name__}")
 
 
 def _check_x(x, what: str) -> tuple[int, int, int, int]:
@@ -126,9 +127,7 @@ def _check_x(x, what: str) -> tuple[int, int, int, int]:
 def _expected_shapes(kind: str, shape, fmt: QuantFormat) -> tuple[tuple, tuple]:
     """(codes shape, scale/zero shape) of keys or values of ``shape`` [..., T, D] (already validated)."""
     *lead, T, D = shape
-    codes = (*lead, T, fmt.packed_dim(D))
-    params = (*lead, T // fmt.group_size, D) if kind == "keys" else (*lead, T, D // fmt.group_size)
-    return codes, params
+    return (*lead, T, fmt.code_dim(D, kind)), (*lead, *fmt.param_shape(kind, T, D))
 
 
 def _check_out(out, kind: str, shape, fmt: QuantFormat, device) -> tuple:
@@ -137,10 +136,10 @@ def _check_out(out, kind: str, shape, fmt: QuantFormat, device) -> tuple:
         raise ShapeError(f"out must be a tuple (codes, scale, zero), got {type(out).__name__}")
     codes_shape, params_shape = _expected_shapes(kind, shape, fmt)
     codes, scale, zero = out
-    if fmt.is_float and zero is not None:
+    if not fmt.has_zero and zero is not None:
         raise ConfigError(f"{fmt} has no zero point: out's zero must be None, got {type(zero).__name__}")
     wanted = [("codes", codes, torch.uint8, codes_shape), ("scale", scale, torch.float16, params_shape)]
-    if not fmt.is_float:
+    if fmt.has_zero:
         wanted.append(("zero", zero, torch.float16, params_shape))
     for name, t, dtype, want in wanted:
         if not isinstance(t, torch.Tensor):
@@ -175,7 +174,7 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
     codes_shape, params_shape = _expected_shapes(kind, shape, fmt)
     codes = torch.empty(codes_shape, dtype=torch.uint8, device=device)
     scale = torch.empty(params_shape, dtype=torch.float16, device=device)
-    zero = None if fmt.is_float else torch.empty(params_shape, dtype=torch.float16, device=device)
+    zero = torch.empty(params_shape, dtype=torch.float16, device=device) if fmt.has_zero else None
     return codes, scale, zero
 
 

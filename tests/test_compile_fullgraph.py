@@ -39,6 +39,10 @@ SPECS = [
     "snapkv:8:observation=4",
     "offloaded",
     "offloaded-quantized:int4:group=8:window=8",
+    "quantized:k4v2:window=8:max_tokens=64:compile=on",
+    "quantized:k3v2:window=8",
+    "paged-quantized:k4v2:window=8:block=8",
+    "h2o:8:bits=k4v2",
 ]
 PROMPT, STEPS = 13, 8  # 7 compiled steps, within the recompile limit of 8
 

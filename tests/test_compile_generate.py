@@ -20,7 +20,7 @@ from hf_kvplus import DenseCache, H2OCache, Offloaded, PagedCache, SinkCache
 from hf_kvplus.errors import ConfigError, UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
-COMPILEABLE = ["dense:max_tokens=64:compile=on", "paged:max_tokens=64:block=8:compile=on", "quantized:int4:group=8:window=8:max_tokens=64:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on"]
+COMPILEABLE = ["dense:max_tokens=64:compile=on", "paged:max_tokens=64:block=8:compile=on", "quantized:int4:group=8:window=8:max_tokens=64:compile=on", "sink:2:6:compile=on", "sink:2:6:bits=int4:group=8:compile=on", "h2o:8:compile=on", "h2o:8:bits=fp8:compile=on", "quantized:k4v2:window=8:max_tokens=64:compile=on", "sink:2:6:bits=k3v2:compile=on"]
 NEW_TOKENS = 24
 GRAPHS: list[torch.fx.GraphModule] = []
 

@@ -39,6 +39,11 @@ SPECS = [
     "offloaded",
     "offloaded:disk=tmp",
     "offloaded-quantized:int4:group=8:window=8",
+    "quantized:k4v2:window=8:max_tokens=64:compile=on",
+    "quantized:k3v2:window=8",
+    "paged-quantized:k2v2:window=8:block=8",
+    "sink:2:6:bits=k4v2",
+    "offloaded-quantized:k4v4:window=8",
 ]
 PROMPT, STEPS = 10, 20
 

@@ -86,7 +86,7 @@ class PagedPool:
                 self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
             else:
                 self.layers[spec.index] = QuantLayerPool(
-                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, self.format
+                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, self.format.for_layer(spec.index)
                 )
         only_full = set(self.blocks) == {"full"}
         self.prefix_store = PrefixStore(self.blocks["full"], block_size) if only_full else None

@@ -80,11 +80,8 @@ class QuantLayerPool(BlockTensors):
             self._allocate(self.blocks.capacity, keys.device, values.shape[-1])
         elif keys.device != self.k.device:
             raise CacheMismatchError(f"new keys are on {keys.device}, the pool holds blocks on {self.k.device}")
-        elif values.shape[-1] != self.v_scale.shape[-1] * self.fmt.group_size:
-            raise CacheMismatchError(
-                f"new values have head_dim {values.shape[-1]}, the pool holds "
-                f"{self.v_scale.shape[-1] * self.fmt.group_size}"
-            )
+        elif values.shape[-1] != (held := self.fmt.channels(self.v.shape[-1], "values")):
+            raise CacheMismatchError(f"new values have head_dim {values.shape[-1]}, the pool holds {held}")
 
     def write(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantizes whole blocks `[n, kv_heads, block_size, head_dim]` of K/V into blocks `ids` (int64 `[n]`)."""
@@ -115,17 +112,16 @@ class QuantLayerPool(BlockTensors):
     # ---------------------------------------------------------- internals
     def _allocate(self, capacity: int, device: torch.device, v_dim: int) -> None:
         fmt, bs, h, d = self.fmt, self.block_size, self.num_kv_heads, self.head_dim
-        g, has_zero = fmt.group_size, not fmt.is_float
 
         def new(*shape, dtype=torch.float16):
             return torch.zeros(capacity, h, *shape, dtype=dtype, device=device)
 
-        self.k = new(bs, fmt.packed_dim(d), dtype=torch.uint8)
-        self.k_scale = new(bs // g, d)
-        self.k_zero = new(bs // g, d) if has_zero else None
-        self.v = new(bs, fmt.packed_dim(v_dim), dtype=torch.uint8)
-        self.v_scale = new(bs, v_dim // g)
-        self.v_zero = new(bs, v_dim // g) if has_zero else None
+        self.k = new(bs, fmt.code_dim(d, "keys"), dtype=torch.uint8)
+        self.k_scale = new(*fmt.param_shape("keys", bs, d))
+        self.k_zero = new(*fmt.param_shape("keys", bs, d)) if fmt.has_zero else None
+        self.v = new(bs, fmt.code_dim(v_dim, "values"), dtype=torch.uint8)
+        self.v_scale = new(*fmt.param_shape("values", bs, v_dim))
+        self.v_zero = new(*fmt.param_shape("values", bs, v_dim)) if fmt.has_zero else None
 
     def _grow(self, capacity: int) -> None:
         if self.k is None:

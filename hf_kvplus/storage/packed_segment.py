@@ -162,7 +162,8 @@ class PackedSegment(QuantizedSegment):
         held = self.end - a
         capacity = self._grown(needed + self.start - a)
         b = old.k
-        self._allocate(b.shape[0], b.shape[1], old.k_scale.shape[-1], old.v_scale.shape[-1] * g, b.device, capacity)
+        dims = self.fmt.channels(b.shape[-1], "keys"), self.fmt.channels(old.v.shape[-1], "values")
+        self._allocate(b.shape[0], b.shape[1], *dims, b.device, capacity)
         for name in PACKED_NAMES:
             src, dst = getattr(old, name), getattr(self.buffers, name)
             if src is not None:
@@ -174,18 +175,17 @@ class PackedSegment(QuantizedSegment):
 
 def new_buffers(fmt: QuantFormat, batch, heads, capacity, dim, v_dim, device, make=torch.empty) -> PackedKV:
     """Code and parameter buffers for `capacity` tokens (a multiple of the group size), made by `make`."""
-    g = fmt.group_size
 
-    def f16(*shape):
-        return make(batch, heads, *shape, dtype=torch.float16, device=device)
+    def f16(side, d):
+        return make(batch, heads, *fmt.param_shape(side, capacity, d), dtype=torch.float16, device=device)
 
     return PackedKV(
-        k=make(batch, heads, capacity, fmt.packed_dim(dim), dtype=torch.uint8, device=device),
-        k_scale=f16(capacity // g, dim),
-        k_zero=None if fmt.is_float else f16(capacity // g, dim),
-        v=make(batch, heads, capacity, fmt.packed_dim(v_dim), dtype=torch.uint8, device=device),
-        v_scale=f16(capacity, v_dim // g),
-        v_zero=None if fmt.is_float else f16(capacity, v_dim // g),
+        k=make(batch, heads, capacity, fmt.code_dim(dim, "keys"), dtype=torch.uint8, device=device),
+        k_scale=f16("keys", dim),
+        k_zero=f16("keys", dim) if fmt.has_zero else None,
+        v=make(batch, heads, capacity, fmt.code_dim(v_dim, "values"), dtype=torch.uint8, device=device),
+        v_scale=f16("values", v_dim),
+        v_zero=f16("values", v_dim) if fmt.has_zero else None,
     )
 
 

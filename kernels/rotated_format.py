@@ -1,0 +1,281 @@
+"""Rotated K/V formats (the TurboQuant class): a seeded orthogonal rotation, then Lloyd-Max codes per coordinate.
+
+Why: after a random rotation no coordinate of a head vector is an outlier, and every coordinate of the rotated
+unit vector follows one known distribution (density proportional to ``(1 - x**2) ** ((D - 3) / 2)`` on
+[-1, 1] for head dim D), so a fixed codebook, optimal for that distribution, codes any vector with no
+calibration and no per-group scales: one float16 norm per vector (Zandieh et al., TurboQuant, 2025).
+
+Layout of one token's key (or value) of one head, head dim D (a multiple of 8):
+
+- rotation: ``x_rot = x @ R`` with R orthogonal [D, D] from ``rotation(D, seed)``. D a power of two: the
+  randomized Hadamard transform, ``R = diag(signs) @ H_D / sqrt(D)`` (signs from the seed). Other D (Phi's 80
+  or 96): a Haar-random orthogonal matrix (QR of a seeded Gaussian matrix), which mixes all D coordinates;
+  a block Hadamard would mix only within power-of-two blocks.
+- codes: coordinate c of ``x_rot / |x|`` coded as the index of its nearest centroid of ``codebook(D, bits)``,
+  packed as a little-endian bit stream (code c in bits ``c * bits .. (c + 1) * bits - 1`` of the token's
+  ``D * bits / 8`` bytes), uint8 ``[..., T, D * bits // 8]``.
+- norm: float16 ``[..., T, 1]``, ``|x| / |codebook[codes]|``: the decoded vector keeps x's norm
+  (re-normalized after decoding; measured in BENCHMARKS.md against storing ``|x|``).
+- decoding: ``x^ = (norm * codebook[codes]) @ R.T``. Attention stays in the rotated space: ``q . k =
+  (q @ R) . (k @ R)``, and the weighted sum of rotated values is rotated back once.
+
+Bit widths 1 to 4 use Lloyd-Max codebooks (shipped for head dims 64, 128 and 256 in
+``rotated_codebooks.json``, computed on first use for any other head dim, in float64 on a grid: no scipy);
+8 bits is a uniform grid of 256 levels over +-6.5 standard deviations of a coordinate.
+
+The functions here are the plain-torch twins (any device); ``rotated_pack.py`` has the Triton quantize kernel
+and ``rotated_attention.py`` the decode attention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hf_kvplus.errors import ConfigError, ShapeError
+
+__all__ = [
+    "ROTATED_BITS",
+    "RotatedFormat",
+    "codebook",
+    "dequantize_rotated",
+    "lloyd_max",
+    "pack_bits",
+    "quantize_rotated",
+    "rotation",
+    "unpack_bits",
+]
+
+#: Bits per coordinate a rotated format takes for keys and for values.
+ROTATED_BITS = (1, 2, 3, 4, 8)
+#: Head dims whose Lloyd-Max codebooks ship in `rotated_codebooks.json`.
+SHIPPED_HEAD_DIMS = (64, 128, 256)
+#: Store |x| / |codebook[codes]| (the decoded vector keeps x's norm) rather than |x|: see BENCHMARKS.md.
+RENORMALIZE = True
+#: Half-width of the uniform 8-bit grid, in standard deviations of a coordinate (1 / sqrt(D)).
+UNIFORM_SIGMAS = 6.5
+_TABLES = Path(__file__).with_name("rotated_codebooks.json")
+
+
+@dataclass(frozen=True)
+class RotatedFormat:
+    """Key and value bit widths (1, 2, 3, 4 or 8 each) of a rotated format, and the rotation's seed.
+
+    Shares the interface the storages use with `QuantFormat`: one "group" is one token (a norm per vector), so
+    every token leaves the full-precision window on its own."""
+
+    key_bits: int
+    value_bits: int
+    seed: int = 0
+    group_size: int = field(default=1, init=False)
+    is_float: bool = field(default=False, init=False, repr=False, compare=False)
+    rotated: bool = field(default=True, init=False, repr=False, compare=False)
+    has_zero: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        for side, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            if isinstance(bits, bool) or bits not in ROTATED_BITS:
+                raise ConfigError(f"{side} must be one of {ROTATED_BITS} for a rotated format, got {bits!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+
+    def bits_of(self, side: str) -> int:
+        return self.key_bits if side == "keys" else self.value_bits
+
+    def code_dim(self, head_dim: int, side: str) -> int:
+        """Bytes of one token's codes."""
+        return head_dim * self.bits_of(side) // 8
+
+    def channels(self, code_bytes: int, side: str) -> int:
+        """The head dim of `code_bytes` bytes of codes per token."""
+        return code_bytes * 8 // self.bits_of(side)
+
+    def param_shape(self, side: str, tokens: int, head_dim: int) -> tuple[int, int]:
+        """Shape of the float16 parameters of `tokens` tokens: one norm each."""
+        return tokens, 1
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 8:
+            raise ConfigError(
+                f"head_dim {head_dim} is not a multiple of 8: a rotated format packs 8 codes into whole bytes"
+            )
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Bytes at rest of one token's key and value of one head: codes plus two float16 norms."""
+        return self.code_dim(head_dim, "keys") + self.code_dim(head_dim, "values") + 4
+
+    def for_layer(self, index: int) -> RotatedFormat:
+        """This format with the rotation seed of layer `index` (each layer rotates differently)."""
+        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index)
+
+    def side_formats(self) -> tuple[RotatedFormat, RotatedFormat]:
+        """(keys, values) as formats whose values-side functions code them: each side's bits on both sides."""
+        return (RotatedFormat(self.key_bits, self.key_bits, self.seed),
+                RotatedFormat(self.value_bits, self.value_bits, self.seed))  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"k{self.key_bits}v{self.value_bits}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotations and codebooks (made once per head dim, seed and device, eagerly)
+# ---------------------------------------------------------------------------------------------------
+
+_ROTATIONS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_CODEBOOKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotation(head_dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthogonal float32 [D, D] matrix R of (head_dim, seed): ``x_rot = x @ R`` (see the module doc)."""
+    device = torch.device(device)
+    key = (head_dim, seed, device)
+    r = _ROTATIONS.get(key)
+    if r is None:
+        r = _make_rotation(head_dim, seed).to(device)
+        if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
+            _ROTATIONS[key] = r
+    return r
+
+
+def _make_rotation(d: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0x5EED0000 + seed)
+    if d & (d - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (d,), generator=generator).to(torch.float64) * 2 - 1
+        return (signs[:, None] * h / math.sqrt(d)).float()
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()  # signs fixed: Haar-distributed
+
+
+def codebook(head_dim: int, bits: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids float32 [2**bits], decision boundaries float32 [2**bits - 1]) for coordinates of a rotated unit
+    vector of `head_dim` dims: shipped, or computed on first use (Lloyd-Max; 8 bits: a uniform grid)."""
+    device = torch.device(device)
+    key = (head_dim, bits, device)
+    book = _CODEBOOKS.get(key)
+    if book is None:
+        centroids = torch.tensor(_centroids(head_dim, bits), dtype=torch.float64)
+        book = (centroids.float().to(device), ((centroids[1:] + centroids[:-1]) / 2).float().to(device))
+        if not torch.compiler.is_compiling():
+            _CODEBOOKS[key] = book
+    return book
+
+
+def _centroids(head_dim: int, bits: int) -> list[float]:
+    if bits == 8:
+        half = UNIFORM_SIGMAS / math.sqrt(head_dim)
+        return torch.linspace(-half, half, 256, dtype=torch.float64).tolist()
+    if head_dim in SHIPPED_HEAD_DIMS:
+        return _shipped()[str(head_dim)][str(bits)]
+    return lloyd_max(head_dim, bits)
+
+
+_SHIPPED: dict | None = None
+
+
+def _shipped() -> dict:
+    global _SHIPPED
+    if _SHIPPED is None:
+        _SHIPPED = json.loads(_TABLES.read_text())["centroids"]
+    return _SHIPPED
+
+
+def lloyd_max(head_dim: int, bits: int, *, grid: int = 200_001, iterations: int = 300) -> list[float]:
+    """Lloyd-Max centroids (ascending) of `bits` bits for one coordinate of a uniformly random unit vector in
+    R^head_dim, on a float64 grid over [-1, 1]: the density is ``(1 - x**2) ** ((D - 3) / 2)``."""
+    if head_dim < 3:
+        raise ConfigError(f"a rotated format needs head_dim >= 3, got {head_dim}")
+    x = torch.linspace(-1, 1, grid, dtype=torch.float64)
+    w = (1 - x * x).clamp_min(0) ** ((head_dim - 3) / 2)
+    w = w / w.sum()
+    cdf = torch.cumsum(w, 0)
+    levels = 2**bits
+    # Start from the quantiles; each step puts boundaries at midpoints and centroids at the cells' means.
+    centroids = x[torch.searchsorted(cdf, (torch.arange(levels, dtype=torch.float64) + 0.5) / levels)]
+    wx = w * x
+    for _ in range(iterations):
+        cell = torch.bucketize(x, (centroids[1:] + centroids[:-1]) / 2)
+        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, w)
+        moment = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, wx)
+        centroids = torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)
+    return ((centroids - centroids.flip(0)) / 2).tolist()  # the density is even: so is the codebook
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bit streams
+# ---------------------------------------------------------------------------------------------------
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[..., D]`` (each < 2**bits, D a multiple of 8) to the bit stream uint8 ``[..., D * bits // 8]``:
+    each run of 8 codes makes one word of ``8 * bits`` bits, stored as `bits` little-endian bytes."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    groups = codes.to(torch.int64).unflatten(-1, (-1, 8))  # [..., D / 8, 8]
+    word = (groups << _offsets(8, bits, codes.device)).sum(-1)  # disjoint bits: the sum is an or
+    return ((word[..., None] >> _offsets(bits, 8, codes.device)) & 255).to(torch.uint8).flatten(-2)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`: int64 codes ``[..., P * 8 // bits]``."""
+    if bits == 8:
+        return packed.to(torch.int64)
+    word = (packed.to(torch.int64).unflatten(-1, (-1, bits)) << _offsets(bits, 8, packed.device)).sum(-1)
+    return ((word[..., None] >> _offsets(8, bits, packed.device)) & (2**bits - 1)).flatten(-2)
+
+
+_OFFSETS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _offsets(count: int, step: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[0, step, 2 * step, ...]`` of `count` entries, made once per device (eagerly)."""
+    key = (count, step, device)
+    t = _OFFSETS.get(key)
+    if t is None:
+        t = torch.arange(0, count * step, step, dtype=torch.int64, device=device)
+        if not torch.compiler.is_compiling():
+            _OFFSETS[key] = t
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantize and dequantize (twins)
+# ---------------------------------------------------------------------------------------------------
+
+
+def quantize_rotated(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head vectors ``[..., T, D]`` to (codes uint8 ``[..., T, D * bits // 8]``, norms float16 ``[..., T, 1]``)."""
+    D = x.shape[-1]
+    fmt.check_head_dim(D)
+    bits = fmt.bits_of(side)
+    centroids, boundaries = codebook(D, bits, x.device)
+    xf = x.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    unit = (xf @ rotation(D, fmt.seed, x.device)) / norm.clamp_min(1e-30)
+    codes = torch.bucketize(unit, boundaries)
+    if RENORMALIZE:
+        norm = norm / torch.linalg.vector_norm(centroids[codes], dim=-1, keepdim=True).clamp_min(1e-30)
+    return pack_bits(codes, bits), norm.to(torch.float16)
+
+
+def dequantize_rotated(
+    codes: torch.Tensor, norms: torch.Tensor, fmt: RotatedFormat, side: str, dtype=torch.float32, *,
+    rotated_space: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Inverse of :func:`quantize_rotated`: ``[..., T, D]`` in `dtype`; with `rotated_space`, left rotated
+    (``x^ @ R``: what attention in the rotated space reads)."""
+    bits = fmt.bits_of(side)
+    D = codes.shape[-1] * 8 // bits
+    if codes.shape[-1] * 8 % bits:
+        raise ShapeError(f"{codes.shape[-1]} bytes per token do not hold whole {bits}-bit codes")
+    centroids, _ = codebook(D, bits, codes.device)
+    x = centroids[unpack_bits(codes, bits)] * norms.float()
+    if not rotated_space:
+        x = x @ rotation(D, fmt.seed, codes.device).T
+    return x.to(dtype)

@@ -1,0 +1,114 @@
+"""Rotated formats wherever quantized storage goes: QuantizedCache (growing and static), PagedCache, the evicting
+caches and OffloadedCache; named by key and value bits and by spec strings; bytes at rest from first principles;
+the fused decode path against the dense one; error bounds against full precision."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig
+
+from conformance.models import get_model
+from conformance.modes import make_prompt
+from hf_kvplus import ConfigError, H2OCache, OffloadedCache, PagedCache, QuantizedCache, SinkCache
+from hf_kvplus.kernels.rotated_format import RotatedFormat
+from hf_kvplus.specs import parse_cache_spec
+
+
+def config(head_dim=64):
+    return LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        head_dim=head_dim, vocab_size=64, intermediate_size=64,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bits, limit", [((4, 2), 3.3), ((3, 2), 2.8), ((2, 2), 2.3), ((4, 4), 4.3)])
+def test_bits_per_coordinate_from_first_principles(bits, limit):
+    cfg = config()
+    cache = QuantizedCache(cfg, key_bits=bits[0], value_bits=bits[1])
+    for layer in range(2):
+        shape = (1, 2, 128 + 300, 64)
+        cache.update(torch.randn(shape, dtype=torch.float16), torch.randn(shape, dtype=torch.float16), layer)
+    report = cache.quantized_report()
+    # kb + vb bits per coordinate pair, plus a float16 norm per vector of 64: over float16's 2 x 16 bits.
+    assert report["ratio_to_fp16"] == pytest.approx((bits[0] + bits[1]) / 32 + 1 / 64)
+    assert 16 * report["ratio_to_fp16"] <= limit
+    assert report["quantized_tokens"] == 300 and report["format"] == f"k{bits[0]}v{bits[1]}"
+
+
+def test_named_by_key_and_value_bits_and_by_spec_strings():
+    cfg = config()
+    assert QuantizedCache(cfg, key_bits=3, value_bits=2).format == RotatedFormat(3, 2)
+    assert QuantizedCache(cfg, key_bits=4).format == RotatedFormat(4, 4)
+    assert QuantizedCache(cfg, bits="k4v2", rotation_seed=7).format == RotatedFormat(4, 2, 7)
+    assert QuantizedCache(cfg, bits=4).format.bits == 4, "int4 keeps meaning KIVI"
+    for text, fmt in [("quantized:k4v2", RotatedFormat(4, 2)), ("quantized:k3v2:window=64", RotatedFormat(3, 2)),
+                      ("paged-quantized:k2v2:block=16", RotatedFormat(2, 2))]:  # fmt: skip
+        assert parse_cache_spec(text).build(cfg).format == fmt
+    for text in ["sink:4:60:bits=k4v2", "h2o:64:bits=k3v2", "offloaded-quantized:k4v4"]:
+        parse_cache_spec(text).build(cfg)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(key_bits=5, value_bits=2), "key_bits must be one of"),
+    (dict(bits=4, key_bits=4), "not both"),
+    (dict(bits="k4v2", group_size=32), "no groups"),
+    (dict(bits="k4v7"), "key and value bits in"),
+    (dict(bits="k4v2", backend="quanto"), "no rotated formats"),
+])  # fmt: skip
+def test_bad_rotated_settings_are_refused_with_the_numbers(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        QuantizedCache(config(), **kwargs)
+    with pytest.raises(ConfigError, match="head_dim 36 is not a multiple of 8"):
+        QuantizedCache(config(head_dim=36), bits="k4v2")
+
+
+@pytest.mark.parametrize("bits", ["k4v2", "k3v3", "k8v8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fused_decode_matches_the_dense_path(arch, bits):
+    """sdpa (decode in the rotated space over the codes) and eager (dense dequantized views) see the same values."""
+    model = get_model(arch)
+    prompt = make_prompt(40, seed=3)
+    logits = {}
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        try:
+            cache = QuantizedCache(model.config, bits=bits, window=4)
+            out = model.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        finally:
+            model.set_attn_implementation("sdpa")
+        logits[impl] = torch.stack(out.logits)
+    torch.testing.assert_close(logits["sdpa"], logits["eager"], atol=2e-4, rtol=1e-4)
+
+
+CACHES = {
+    "quantized": lambda cfg, bits: QuantizedCache(cfg, bits=bits, window=4),
+    "static": lambda cfg, bits: QuantizedCache(cfg, bits=bits, window=4, max_tokens=64),
+    "paged": lambda cfg, bits: PagedCache(cfg, bits=bits, window=4, block_size=8),
+    "sink": lambda cfg, bits: SinkCache(cfg, num_sinks=2, window=60, bits=bits),
+    "h2o": lambda cfg, bits: H2OCache(cfg, budget=60, bits=bits),
+    "offloaded": lambda cfg, bits: OffloadedCache(cfg, bits=bits, window=4),
+}
+
+
+@pytest.mark.parametrize("kind", CACHES)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_every_quantized_storage_takes_the_rotated_formats(kind, arch):
+    """A decode step over the rotated past is close to full precision's, closer at more bits, and not equal (so the
+    step reads the codes)."""
+    model = get_model(arch)
+    prompt, step = make_prompt(30, seed=4), torch.tensor([[5]])
+    dyn = DynamicCache(config=model.config)
+    model(prompt, past_key_values=dyn)
+    ref = model(step, past_key_values=dyn).logits
+    errors = {}
+    for bits in ("k2v2", "k4v4", "k8v8"):
+        cache = CACHES[kind](model.config, bits)
+        model(prompt, past_key_values=cache)
+        got = model(step, past_key_values=cache).logits
+        errors[bits] = (got - ref).abs().max().item()
+    if kind in ("sink", "h2o") and arch == "mistral":  # evicting caches keep sliding layers exact; all are here
+        assert set(errors.values()) == {0.0}
+        return
+    # The tiny models' head_dim is 16: a rotated format codes few coordinates per norm there.
+    assert 0 < errors["k8v8"] < errors["k4v4"] < errors["k2v2"]
+    assert errors["k8v8"] < 0.1 * ref.abs().max()
