@@ -50,7 +50,7 @@ SPECS = [
     "dynamic", "static", "dense", "paged", "quantized:int8", "quantized:int4", "quantized:int2", "quantized:fp8",
     "paged-quantized:int4", "sink:4:252", "sink:4:252:bits=int4", "h2o:256", "h2o:256:bits=int4", "snapkv:256",
     "offloaded",
-    "offloaded-quantized:int4", "hf-quantized:quanto:4",
+    "offloaded-quantized:int4", "hf-quantized:quanto:4", "quantized:k4v2", "quantized:k3v2", "sink:4:252:bits=k4v2",
 ]  # fmt: skip
 COLUMNS = [
     ("cache", "cache", ""),

@@ -8,7 +8,8 @@ timed against the bytes it must read (its storage: fp16/bf16 K/V, paged blocks, 
 scales), as GB/s and as a fraction of a device copy of those bytes (read + write), and against
 `scaled_dot_product_attention(enable_gqa=True)` over the full-precision K/V of the same tokens.
 Kernels: dense, dense with per-key attention mass (H2O), paged (blocks of 16 in a shuffled pool),
-and quantized int8/int4/int2/fp8 (KIVI layout, the default group sizes). Llama-3.1-8B's attention
+and quantized int8/int4/int2/fp8 (KIVI layout, the default group sizes) and rotated k4v2/k3v2/k2v2 (the
+dispatcher, which rotates the query and the output around the kernel: what a decode step pays). Llama-3.1-8B's attention
 shape by default (32 query heads, 8 KV heads, head dim 128). Before timing, each kernel's output is
 checked against a float64 reference on the same inputs (quantized kernels against the dequantized
 K/V, which is what they must compute); the script exits with status 1 if one is off.
@@ -28,7 +29,7 @@ from gpu_common import add_common_args, copy_gb_per_s, median_ms, prepare, rel_e
 from tqdm import tqdm
 
 STEP = "kernels"
-KINDS = ("dense", "dense+mass", "paged", "int8", "int4", "int2", "fp8")
+KINDS = ("dense", "dense+mass", "paged", "int8", "int4", "int2", "fp8", "k4v2", "k3v2", "k2v2")
 #: ||out - ref|| / ||ref|| bounds against float64, per dtype (the output is rounded to it).
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 PAGED_BLOCK = 16
@@ -139,17 +140,24 @@ class Case:
 
     def _quantized(self, kind):
         from hf_kvplus.formats import DEFAULT_GROUP, parse_bits
-        from hf_kvplus.kernels.quant_attention import quantized_decode_attention_triton
+        from hf_kvplus.kernels.quant_attention import (
+            quantized_decode_attention,
+            quantized_decode_attention_triton,
+        )
         from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
         from hf_kvplus.kernels.quant_pack import quantize_keys, quantize_values
+        from hf_kvplus.kernels.rotated_format import RotatedFormat
 
         bits = parse_bits(kind)
-        fmt = QuantFormat(bits, DEFAULT_GROUP[bits])
+        if isinstance(bits, str) and bits.startswith("k"):
+            fmt, attend = RotatedFormat(int(bits[1]), int(bits[3])), quantized_decode_attention
+        else:
+            fmt, attend = QuantFormat(bits, DEFAULT_GROUP[bits]), quantized_decode_attention_triton
         kc, ks, kz = quantize_keys(self.k, fmt)
         vc, vs, vz = quantize_values(self.v, fmt)
         packed = PackedKV(kc, ks, kz, vc, vs, vz)
         q, scale, N = self.q, self.scale, self.N
-        fn = functools.partial(quantized_decode_attention_triton, q, packed, fmt, start=0, length=N, scale=scale)
+        fn = functools.partial(attend, q, packed, fmt, start=0, length=N, scale=scale, check=False)
 
         def check(out):
             kd = dequantize_keys(kc, ks, kz, fmt, torch.float64)

@@ -155,7 +155,7 @@ def _stub_outputs() -> dict[str, Callable]:
         return _Zeros((q.shape[0], q.shape[1], v_pool.shape[-1]), q.dtype)
 
     def quantized(q, packed, fmt, **kwargs):
-        return _Zeros((q.shape[0], q.shape[1], packed.v.shape[-1] * fmt.per_byte), q.dtype)
+        return _Zeros((q.shape[0], q.shape[1], fmt.channels(packed.v.shape[-1], "values")), q.dtype)
 
     def with_mass(q, keys, values, **kwargs):
         return decode(q, keys, values), _Zeros((keys.shape[0], keys.shape[1], keys.shape[2]), torch.float32)
@@ -164,14 +164,14 @@ def _stub_outputs() -> dict[str, Callable]:
         keys = length + (0 if residual_k is None else residual_k.shape[2])
         return quantized(q, packed, fmt), _Zeros((q.shape[0], packed.k.shape[1], keys), torch.float32)
 
-    def quantize(keys_per_channel):
+    def quantize(side):
         def rule(x, fmt, out=None, **kwargs):
             if out is not None:  # given buffers: the kernel returns them, written
                 return out
             *lead, tokens, dim = x.shape
-            params = (tokens // fmt.group_size, dim) if keys_per_channel else (tokens, dim // fmt.group_size)
-            scale = _Zeros((*lead, *params), torch.float16)
-            return _Zeros((*lead, tokens, dim // fmt.per_byte), torch.uint8), scale, None if fmt.is_float else scale
+            scale = _Zeros((*lead, *fmt.param_shape(side, tokens, dim)), torch.float16)
+            codes = _Zeros((*lead, tokens, fmt.code_dim(dim, side)), torch.uint8)
+            return codes, scale, scale if fmt.has_zero else None
 
         return rule
 
@@ -182,7 +182,7 @@ def _stub_outputs() -> dict[str, Callable]:
         "decode_attention": decode, "paged_decode_attention": paged, "quantized_decode_attention": quantized,
         "decode_attention_with_mass": with_mass, "quantized_decode_attention_with_mass": quantized_with_mass,
         "sdpa_attention_forward": sdpa, "_fallback": sdpa,
-        "quantize_keys": quantize(keys_per_channel=True), "quantize_values": quantize(keys_per_channel=False),
+        "quantize_keys": quantize("keys"), "quantize_values": quantize("values"),
         "quantize_values_at": lambda x, fmt, out, slots, **kwargs: out,  # writes the given buffers: returns them
     }  # fmt: skip
 
