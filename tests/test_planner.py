@@ -355,6 +355,115 @@ def test_plan_matches_what_a_quantized_cache_holds(kv_format, bits):
     assert p.kv_bytes == report.payload_bytes + report.metadata_bytes
 
 
+# --- rotated formats ------------------------------------------------------------------------------
+
+
+def rotated_bytes_per_head(quantized, recent, head_dim, key_bits, value_bits):
+    """Rotated layout, written out: every quantized token's key codes (key_bits per channel) and value codes
+    (value_bits per channel), packed into bytes, and one fp16 norm for each of the two vectors; no groups.
+    The fp16 recent window as for KIVI."""
+    codes = quantized * (head_dim * key_bits // 8 + head_dim * value_bits // 8)
+    norms = quantized * 2 * 2
+    window = recent * head_dim * 2 * 2
+    return codes + norms + window
+
+
+@pytest.mark.parametrize(("kv_format", "key_bits", "value_bits"), [
+    ("k4v4", 4, 4), ("k4v2", 4, 2), ("k3v2", 3, 2), ("k2v2", 2, 2), ("k8v1", 8, 1), ("k1v3", 1, 3),
+])  # fmt: skip
+def test_rotated_bytes_per_token_from_first_principles(kv_format, key_bits, value_bits):
+    from hf_kvplus.kernels.rotated_format import RotatedFormat
+
+    # Llama 3.1 8B: 32 layers x 8 KV heads x head_dim 128; k4v2: 64 + 32 bytes of codes + 4 of norms = 100
+    per_token = 32 * 8 * (128 * key_bits / 8 + 128 * value_bits / 8 + 4)
+    assert per_token == 32 * 8 * RotatedFormat(key_bits, value_bits).bytes_per_token(128)
+    if kv_format == "k4v2":
+        assert per_token == 32 * 8 * 100 == 25_600
+    p = planner.plan("llama-3.1-8b", context=32768, kv_format=kv_format)
+    assert p.kv_format == kv_format and p.group_size is None and p.residual == 128
+    assert p.kv_bytes_per_token_excl_residual == p.kv_bytes_per_token_asymptotic == per_token
+    assert p.ratio_to_fp16 == per_token / 131_072 == (key_bits + value_bits) / 32 + 1 / 128
+    # the last 128 tokens at fp16, every older one coded on its own (no partial groups to round)
+    expected = 32 * 8 * rotated_bytes_per_head(32768 - 128, 128, 128, key_bits, value_bits)
+    assert p.kv_bytes == expected and p.layer_kinds[0].tokens_full_precision == 128
+    assert p.kv_bytes_per_token == expected / 32768 > per_token
+    # fewer tokens than the window: everything is fp16; no window: everything is coded
+    assert planner.plan("llama-3.1-8b", context=100, kv_format=kv_format).kv_bytes == 100 * 131_072
+    unwindowed = planner.plan("llama-3.1-8b", context=101, kv_format=kv_format, residual=0)
+    assert unwindowed.kv_bytes == 101 * per_token
+
+
+def test_rotated_formats_are_named_by_key_and_value_bits():
+    from hf_kvplus.formats import parse_bits
+
+    listed = [name for name, fmt in planner.KV_FORMATS.items() if fmt.is_rotated]
+    assert listed == ["k4v4", "k4v2", "k3v2", "k2v2"]
+    assert planner.kv_format("K4V2") is planner.KV_FORMATS["k4v2"]
+    fmt = planner.kv_format(" k8v1 ")  # any pair of 1, 2, 3, 4, 8, not only the listed ones
+    assert (fmt.name, fmt.key_bits, fmt.value_bits, fmt.kind) == ("k8v1", 8, 1, "rotated")
+    assert fmt.is_quantized and not fmt.is_grouped and fmt.cache_bits == "k8v1" == parse_bits(fmt.cache_bits)
+    assert planner.kv_format("int4").value_bits == planner.kv_format("int4").key_bits == 4
+
+
+@pytest.mark.parametrize("window", [128, 16, 1])
+@pytest.mark.parametrize("kv_format", ["k4v2", "k3v2", "k4v4", "k8v1"])
+def test_plan_matches_what_a_rotated_cache_holds(kv_format, window):
+    """A filled rotated QuantizedCache holds, in payload + metadata, exactly the planned KV bytes: its newest
+    `window` tokens in float16, every older token coded on its own (any context, no group rounding)."""
+    from hf_kvplus.quantized_cache import QuantizedCache
+
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
+    )
+    context = 128 + 837  # not a multiple of anything
+    cache = QuantizedCache(config, bits=kv_format, window=window)
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(config.num_hidden_layers):
+        k, v = (torch.randn(1, 2, context, 64, generator=generator, device="cpu").half() for _ in range(2))
+        cache.update(k, v, layer)
+    report = cache.memory_report()
+    assert report.tokens_held == context
+    p = planner.plan(config, context, 1, kv_format=kv_format, residual=window)
+    assert p.group_size is None and p.layer_kinds[0].tokens_full_precision == window
+    assert p.kv_bytes == report.payload_bytes + report.metadata_bytes
+    quantized = cache.quantized_report()
+    assert quantized["format"] == kv_format and quantized["quantized_tokens"] == context - window
+    assert quantized["quantized_bytes"] == (context - window) * p.kv_bytes_per_token_excl_residual
+    assert quantized["bytes_per_token"] == p.kv_bytes_per_token_excl_residual
+    assert quantized["ratio_to_fp16"] == p.ratio_to_fp16
+
+
+def test_rotated_formats_ignore_group_size_as_fp16_does():
+    """A rotated format has no groups: like fp16 (and unlike `QuantizedCache`, which refuses one), the planner
+    ignores `group_size`, so one `--group-size` can serve a mix of KIVI and rotated formats."""
+    plain = planner.plan("llama-3.1-8b", 4096, kv_format="k4v2")
+    for group_size in (48, 64, 0):
+        given = planner.plan("llama-3.1-8b", 4096, kv_format="k4v2", group_size=group_size)
+        assert given == plain and given.group_size is None
+
+
+def test_bad_rotated_formats_raise_typed_errors_with_the_numbers():
+    for name, match in [
+        ("k5v2", r"KV cache format 'k5v2': key_bits must be one of \(1, 2, 3, 4, 8\).*got 5"),
+        ("k4v16", r"KV cache format 'k4v16': value_bits must be one of \(1, 2, 3, 4, 8\).*got 16"),
+        ("k0v2", r"key_bits .* got 0"),
+        ("k4", r"unknown KV cache format 'k4'; known formats: .*k4v2.*any rotated k<key bits>v<value bits>"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            planner.kv_format(name)
+        with pytest.raises(ConfigError, match=match):
+            planner.plan("llama-3.1-8b", 1024, kv_format=name)
+    # head_dim 144 / 4 = 36, not a multiple of 8
+    odd = LlamaConfig(hidden_size=144, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    with pytest.raises(ConfigError, match=r"k4v2: head_dim 36 is not a multiple of 8"):
+        planner.plan(odd, 1024, kv_format="k4v2")
+    with pytest.raises(ConfigError, match=r"k3v2: head_dim 36 is not a multiple of 8"):
+        planner.max_context(odd, "1GB", kv_format="k3v2")
+    assert planner.plan(odd, 10, kv_format="fp16").kv_bytes == 10 * 2 * 2 * 36 * 2  # fp16 has no such limit
+    with pytest.raises(ConfigError, match=r"residual .* got residual=-1"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="k4v2", residual=-1)
+
+
 # --- largest context and batch ------------------------------------------------------------------------
 
 FIT_CASES = [
@@ -365,6 +474,9 @@ FIT_CASES = [
     ("gemma-3-12b", "40GB", 8, "fp16", None),
     ("gemma-3-4b", "9GB", 16, "int8", 2000),
     ("qwen2.5-7b", "18GB", 1, "int4", None),
+    ("llama-3.1-8b", "24GB", 2, "k4v2", None),
+    ("gemma-3-27b", "80GB", 1, "k3v2", None),
+    ("gemma-3-4b", "8.2GB", 16, "k2v2", 2000),
 ]
 
 
@@ -577,6 +689,39 @@ def test_cli_prints_a_table_per_format_and_writes_json(tmp_path, capsys):
     assert int4["max_batch"] == planner.max_batch("llama-3.1-8b", "24GB", 32768, kv_format="int4")
 
 
+def test_cli_compares_rotated_formats(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["llama-3.1-8b", "--format", "fp16", "int4", "k4v2", "K3V2", "k8v1", "--memory", "80GB"]
+    assert cli(*argv, "--json", str(path)) == 0
+    out = capsys.readouterr().out
+    names = ["fp16", "int4", "k4v2", "k3v2", "k8v1"]
+    rows = {line.split()[1]: line for line in out.splitlines() if set(line.split()[1:2]) & set(names)}
+    assert list(rows) == names
+    assert rows["k4v2"].split()[2:6] == ["32,768", "1", "26,012", "25,600"] and "0.195" in rows["k4v2"]
+    assert "k4v2/k3v2/k8v1: rotated" in out and "one fp16 norm per vector" in " ".join(out.split())
+    record = json.loads(path.read_text())["plans"][2]
+    assert record["kv_format"] == "k4v2" and record["group_size"] is None and record["residual"] == 128
+    assert record["kv_bytes"] == 32 * 8 * rotated_bytes_per_head(32768 - 128, 128, 128, 4, 2)
+    assert record["max_context"] == planner.max_context("llama-3.1-8b", "80GB", kv_format="k4v2")
+    assert record["max_batch"] == planner.max_batch("llama-3.1-8b", "80GB", 32768, kv_format="k4v2")
+    # one --group-size for a mix: the KIVI formats take it, the rotated ones have no groups
+    assert cli("llama-3.1-8b", "--format", "int4", "k4v2", "--group-size", "64", "--json", "-") == 0
+    out = capsys.readouterr().out
+    plans = json.loads(out[out.index("{") :])["plans"]
+    assert [(p["kv_format"], p["group_size"]) for p in plans] == [("int4", 64), ("k4v2", None)]
+    assert "(--group-size does not apply)" in " ".join(out.split())
+
+
+def test_cli_refuses_bad_rotated_formats(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli("llama-3.1-8b", "--format", "fp16", "k5v2")
+    assert "KV cache format 'k5v2': key_bits must be one of (1, 2, 3, 4, 8)" in capsys.readouterr().err
+    odd = LlamaConfig(hidden_size=144, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    odd.save_pretrained(tmp_path)
+    assert cli(str(tmp_path), "--format", "fp16", "k4v2") == 2
+    assert "k4v2: head_dim 36 is not a multiple of 8" in capsys.readouterr().err
+
+
 def test_cli_reports_bounded_caches_and_weights_that_do_not_fit(capsys):
     assert cli("gemma-3-27b", "--budget", "1024", "--memory", "80GB") == 0
     assert "any (bounded KV)" in capsys.readouterr().out
@@ -598,7 +743,7 @@ def test_cli_errors(capsys):
 # --- tensor parallel ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_format", ["fp16", "int4"])
+@pytest.mark.parametrize("kv_format", ["fp16", "int4", "k4v2"])
 def test_tp_splits_the_kv_heads_and_weights_per_rank(kv_format):
     """Llama 3.1 8B has 8 KV heads: over 2 ranks each holds 4 of every layer's, so half of every KV byte, and
     half the weights (rounded up)."""

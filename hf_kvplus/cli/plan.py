@@ -1,6 +1,7 @@
 """``kvplus plan``: weights + KV-cache memory of a model, one row per cache format.
 
     kvplus plan llama-3.1-8b --context 32768 --format fp16 int8 int4 int2 fp8 --memory 24GB
+    kvplus plan llama-3.1-8b --format fp16 int4 k4v2 k3v2 --memory 80GB   # rotated formats: k<X>v<Y>
 
 `register(subparsers)` adds the subcommand to a parser's subparsers; `run(args)` executes it and returns
 the exit status (2, with the message on stderr, for inputs the planner refuses).
@@ -24,6 +25,7 @@ from ..planner import (
     WEIGHT_BITS,
     Plan,
     format_bytes,
+    kv_format,
     load_config,
     max_batch,
     max_context,
@@ -41,6 +43,14 @@ WEIGHTS_TOO_BIG = "weights > memory"
 def _memory(text: str) -> int:
     try:
         return parse_memory(text)
+    except KVPlusError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _format(text: str) -> str:
+    """A KV format's canonical name (any rotated k<X>v<Y>, not only the listed ones)."""
+    try:
+        return kv_format(text).name
     except KVPlusError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
 
@@ -64,9 +74,12 @@ def register(subparsers) -> argparse.ArgumentParser:
         dest="formats",
         nargs="+",
         default=["fp16"],
-        choices=list(KV_FORMATS),
+        type=_format,
         metavar="FORMAT",
-        help=f"KV cache format(s), several to compare: {', '.join(KV_FORMATS)} (default fp16)",
+        help=(
+            f"KV cache format(s), several to compare: {', '.join(KV_FORMATS)}, or any rotated k<X>v<Y> "
+            "(X-bit keys, Y-bit values, each 1, 2, 3, 4 or 8) (default fp16)"
+        ),
     )
     defaults = ", ".join(f"{name} {size}" for name, size in DEFAULT_GROUP_SIZE.items())
     parser.add_argument(
@@ -74,9 +87,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=(
-            "quantized formats (int8/int4/int2/fp8, as QuantizedCache stores them): tokens per key group, "
+            "KIVI formats (int8/int4/int2/fp8, as QuantizedCache stores them): tokens per key group, "
             "channels per value group; must divide head_dim (default: the cache's, the gcd of "
-            f"{defaults} with the head dims)"
+            f"{defaults} with the head dims); the other formats (fp16..., rotated kXvY) have no groups and "
+            "ignore it"
         ),
     )
     parser.add_argument(
@@ -84,7 +98,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_RESIDUAL,
         help=(
-            "quantized formats: most recent tokens kept at full precision, counted as fp16 "
+            "quantized formats (KIVI and rotated): most recent tokens kept at full precision, counted as fp16 "
             f"(default {DEFAULT_RESIDUAL}, the cache's window)"
         ),
     )
@@ -235,6 +249,15 @@ def _notes(args, rows, first: Plan, beyond: bool) -> list[str]:
             f"{'/'.join(p.kv_format for p in quantized)}: as QuantizedCache stores them, KIVI groups of G "
             f"({groups}): keys per channel over groups of G tokens, values per token over groups of G "
             f"channels; {'; '.join(kinds)}; the last {args.residual} tokens at full precision, counted as fp16."
+        )
+    rotated = [r[0] for r in rows if kv_format(r[0].kv_format).is_rotated]
+    if rotated:
+        ignored = " (--group-size does not apply)" if args.group_size is not None else ""
+        notes.append(
+            f"{'/'.join(p.kv_format for p in rotated)}: rotated (TurboQuant class), as QuantizedCache stores "
+            "them: kXvY codes every key with X and every value with Y bits per channel after a seeded rotation, "
+            f"plus one fp16 norm per vector, no groups{ignored}; the last {args.residual} tokens at full "
+            "precision, counted as fp16."
         )
     if args.memory is not None:
         notes.append(

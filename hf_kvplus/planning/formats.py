@@ -1,7 +1,8 @@
 """Bytes of each KV-cache storage format and of each weight dtype.
 
 The quantized formats are exactly what :class:`hf_kvplus.quantized_cache.QuantizedCache` holds: the
-byte layout is :class:`hf_kvplus.kernels.quant_format.QuantFormat` (imported here, not restated) and the
+byte layouts are :class:`hf_kvplus.kernels.quant_format.QuantFormat` (KIVI) and
+:class:`hf_kvplus.kernels.rotated_format.RotatedFormat` (rotated), imported here, not restated, and the
 default group sizes are the cache's ``DEFAULT_GROUP``.
 
 Layouts, per layer, per batch row, per KV head, for a head of `D = head_dim` channels:
@@ -17,27 +18,39 @@ Layouts, per layer, per batch row, per KV head, for a head of `D = head_dim` cha
   bytes per token for int, ``2 x D / G`` for fp8; ``G`` must divide ``D``).
 - Default ``G`` (``group_size=None``): the cache's, ``gcd(DEFAULT_GROUP[format], *head_dims)`` with
   ``DEFAULT_GROUP`` int8 64, int4 32, int2 32, fp8 32. An explicit group size applies to every
-  quantized format and must divide every head_dim.
+  grouped format (int8/int4/int2/fp8) and must divide every head_dim.
+- ``k<X>v<Y>`` (rotated, the TurboQuant class; any ``X``, ``Y`` in 1, 2, 3, 4, 8, such as ``k4v4``,
+  ``k4v2``, ``k3v2``, ``k2v2``): each token's key and value of a head are rotated and coded ``X`` (keys)
+  and ``Y`` (values) bits per channel, packed ``D x X / 8`` and ``D x Y / 8`` bytes, plus one fp16 norm
+  each: ``D x (X + Y) / 8 + 4`` bytes per token, ``RotatedFormat.bytes_per_token``. No groups and no
+  scales: like fp16, a rotated format ignores ``group_size`` (the resolved group size is None).
+  ``D`` must be a multiple of 8 (codes fill whole bytes).
 - The most recent ``residual`` tokens (default 128, the cache's ``window``) of every quantized format
-  are held at full precision, counted as fp16 (``2 x D x 2`` bytes per token; the cache holds them
-  in the model's dtype, so a float32 model holds twice that), and quantized once they leave that
-  window. The cache keeps between ``window`` and ``window + G - 1`` recent tokens (it quantizes whole
-  groups); the planner counts exactly ``min(held, residual)``, so at most ``G - 1`` tokens per layer
-  that the cache still holds at full precision are counted at the quantized rate.
+  (KIVI and rotated) are held at full precision, counted as fp16 (``2 x D x 2`` bytes per token; the
+  cache holds them in the model's dtype, so a float32 model holds twice that), and quantized once they
+  leave that window. For the KIVI formats the cache keeps between ``window`` and ``window + G - 1``
+  recent tokens (it quantizes whole groups); the planner counts exactly ``min(held, residual)``, so at
+  most ``G - 1`` tokens per layer that the cache still holds at full precision are counted at the
+  quantized rate. A rotated format quantizes every token on its own as it leaves the window: the cache
+  holds exactly ``min(held, window)`` at full precision, as counted.
 
 Bytes per token over fp16, scales and zero points included, the fp16 window excluded, are therefore
 ``b / 16 + 2 / G`` for int and ``1 / 2 + 1 / G`` for fp8, whatever ``D``: at the default groups
-int8 0.53125 (``G = 64``), int4 0.3125, int2 0.1875, fp8 0.53125 (``G = 32``).
+int8 0.53125 (``G = 64``), int4 0.3125, int2 0.1875, fp8 0.53125 (``G = 32``); and
+``(X + Y) / 32 + 1 / D`` for ``kXvY``: at ``D = 128`` k4v4 0.2578125, k4v2 0.1953125, k3v2 0.1640625,
+k2v2 0.1328125.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..formats import DEFAULT_GROUP
 from ..kernels.quant_format import QuantFormat
+from ..kernels.rotated_format import ROTATED_BITS, RotatedFormat
 from ..storage.quantized import DEFAULT_WINDOW
 
 #: Bytes of one scale or zero point (fp16).
@@ -54,33 +67,67 @@ DEFAULT_GROUP_SIZE: dict[str, int] = {
 }
 #: Default number of most recent tokens the quantized formats hold at full precision (the cache's window).
 DEFAULT_RESIDUAL = DEFAULT_WINDOW
+#: A rotated format's name: "k<key bits>v<value bits>" (the bits checked against `ROTATED_BITS`).
+_ROTATED_NAME = re.compile(r"k(\d+)v(\d+)")
 
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one KV head's keys and values are stored: `kind` is "float", "fp8" or "int"."""
+    """How one KV head's keys and values are stored: `kind` is "float", "fp8", "int" or "rotated".
+
+    `bits` is the bits per key code, and per value code unless `value_bits` is given (a rotated format's
+    values, ``KVFormat("k4v2", 4, "rotated", value_bits=2)``); `value_bits` is filled in from `bits` otherwise.
+    """
 
     name: str
     bits: int
     kind: str
+    value_bits: int | None = None
+
+    def __post_init__(self):
+        if self.value_bits is None:
+            object.__setattr__(self, "value_bits", self.bits)
+
+    @property
+    def key_bits(self) -> int:
+        return self.bits
 
     @property
     def is_grouped(self) -> bool:
-        """The quantized formats (int8/int4/int2/fp8): group scales and a full-precision recent window."""
+        """The KIVI formats (int8/int4/int2/fp8): group scales, so a group size."""
         return self.kind in ("int", "fp8")
 
     @property
+    def is_rotated(self) -> bool:
+        """The rotated formats (kXvY): codes and one fp16 norm per vector, no groups."""
+        return self.kind == "rotated"
+
+    @property
+    def is_quantized(self) -> bool:
+        """The formats `QuantizedCache` stores (KIVI and rotated): a full-precision recent window."""
+        return self.is_grouped or self.is_rotated
+
+    @property
     def cache_bits(self) -> int | str | None:
-        """The `bits` argument of `QuantizedCache` for this format (8, 4, 2, "fp8"); None if unquantized."""
+        """The `bits` argument of `QuantizedCache` for this format (8, 4, 2, "fp8", "k4v2"); None if
+        unquantized."""
         if self.kind == "fp8":
             return "fp8"
+        if self.is_rotated:
+            return self.name
         return self.bits if self.kind == "int" else None
 
     def quant_format(self, group_size: int) -> QuantFormat:
-        """The cache's byte layout of this quantized format at `group_size`."""
+        """The cache's byte layout of this KIVI format at `group_size`."""
         if not self.is_grouped:
-            raise ConfigError(f"{self.name} is not a quantized format: it has no group layout")
+            raise ConfigError(f"{self.name} is not a grouped format: it has no group layout")
         return QuantFormat(self.cache_bits, group_size)
+
+    def rotated_format(self) -> RotatedFormat:
+        """The cache's byte layout of this rotated format (the rotation seed changes no byte)."""
+        if not self.is_rotated:
+            raise ConfigError(f"{self.name} is not a rotated format")
+        return RotatedFormat(self.key_bits, self.value_bits)
 
     def default_group_size(self, head_dims) -> int | None:
         """The group size `QuantizedCache` picks when given none: gcd(DEFAULT_GROUP, every head_dim)."""
@@ -89,15 +136,18 @@ class KVFormat:
         return math.gcd(DEFAULT_GROUP[self.cache_bits], *head_dims)
 
     def row_bytes(self, head_dim: int) -> int:
-        """Payload bytes of one token's keys (or values) for one KV head, packed."""
+        """Payload bytes of one token's keys (or values) for one KV head, packed (keys' for a rotated format)."""
         return math.ceil(head_dim * self.bits / 8)
 
     def stored_bytes(self, tokens: int, head_dim: int, group_size: int | None) -> int:
         """Keys + values bytes of `tokens` tokens of one KV head in this format (no fp16 window).
 
-        Quantized formats: codes, plus the key scales (and zeros) of ``ceil(tokens / G)`` token groups and
-        the value scales (and zeros) of every token's ``D / G`` channel groups.
+        KIVI formats: codes, plus the key scales (and zeros) of ``ceil(tokens / G)`` token groups and the
+        value scales (and zeros) of every token's ``D / G`` channel groups. Rotated formats: every token on its
+        own, `RotatedFormat.bytes_per_token` (codes and two fp16 norms); `group_size` is not used.
         """
+        if self.is_rotated:
+            return tokens * int(self.rotated_format().bytes_per_token(head_dim))
         if not self.is_grouped:
             return 2 * tokens * self.row_bytes(head_dim)
         fmt = self.quant_format(group_size)
@@ -109,7 +159,8 @@ class KVFormat:
 
     def bytes_per_token(self, head_dim: int, group_size: int | None) -> int | float:
         """Keys + values bytes one stored token costs one KV head, scales included, fp16 window excluded:
-        `QuantFormat.bytes_per_token` for the quantized formats (an integer when ``G`` divides ``D``)."""
+        `QuantFormat.bytes_per_token` for the KIVI formats (an integer when ``G`` divides ``D``),
+        `RotatedFormat.bytes_per_token` for the rotated ones."""
         if not self.is_grouped:
             return self.stored_bytes(1, head_dim, group_size)
         exact = self.quant_format(group_size).bytes_per_token(head_dim)
@@ -129,6 +180,11 @@ KV_FORMATS: dict[str, KVFormat] = {
     "int8": KVFormat("int8", 8, "int"),
     "int4": KVFormat("int4", 4, "int"),
     "int2": KVFormat("int2", 2, "int"),
+    # Rotated formats: `kv_format` takes any "k<X>v<Y>" (X, Y in ROTATED_BITS); these are the common ones.
+    "k4v4": KVFormat("k4v4", 4, "rotated", value_bits=4),
+    "k4v2": KVFormat("k4v2", 4, "rotated", value_bits=2),
+    "k3v2": KVFormat("k3v2", 3, "rotated", value_bits=2),
+    "k2v2": KVFormat("k2v2", 2, "rotated", value_bits=2),
 }
 
 #: Bits per weight. Nominal: the scales of quantized weights are not counted.
@@ -151,13 +207,27 @@ def _canonical(name: str) -> str:
 
 
 def kv_format(name: str | KVFormat) -> KVFormat:
-    """The KV format called `name` (fp32, fp16, bf16, fp8, int8, int4, int2)."""
+    """The KV format called `name`: fp32, fp16, bf16, fp8, int8, int4, int2, or a rotated "k<X>v<Y>" with X-bit
+    keys and Y-bit values, X and Y each in 1, 2, 3, 4, 8 (any pair, not only those in `KV_FORMATS`)."""
     if isinstance(name, KVFormat):
         return name
-    found = KV_FORMATS.get(_canonical(name))
-    if found is None:
-        raise ConfigError(f"unknown KV cache format {name!r}; known formats: {', '.join(KV_FORMATS)}")
-    return found
+    key = _canonical(name)
+    found = KV_FORMATS.get(key)
+    if found is not None:
+        return found
+    rotated = _ROTATED_NAME.fullmatch(key)
+    if rotated is not None:
+        key_bits, value_bits = (int(b) for b in rotated.groups())
+        try:
+            RotatedFormat(key_bits, value_bits)
+        except ConfigError as error:
+            raise ConfigError(f"KV cache format {name!r}: {error}") from error
+        return KVFormat(key, key_bits, "rotated", value_bits=value_bits)
+    bits = "/".join(str(b) for b in ROTATED_BITS)
+    raise ConfigError(
+        f"unknown KV cache format {name!r}; known formats: {', '.join(KV_FORMATS)}, or any rotated "
+        f"k<key bits>v<value bits> with bits in {bits}"
+    )
 
 
 def weight_bits(dtype: str) -> int:
@@ -171,7 +241,10 @@ def weight_bits(dtype: str) -> int:
 def resolve_group_size(fmt: KVFormat, group_size: int | None, head_dims: set[int]) -> int | None:
     """The group size a `QuantizedCache` in `fmt` would use: `group_size`, or the cache's default for the
     format when None (see `KVFormat.default_group_size`); checked against every head_dim. None for the
-    unquantized formats, whatever `group_size` is."""
+    formats without groups (unquantized and rotated), whatever `group_size` is; a rotated format's head dims
+    are checked (multiples of 8)."""
+    if fmt.is_rotated:
+        check_rotated_head_dims(fmt, head_dims)
     if not fmt.is_grouped:
         return None
     if group_size is None:
@@ -199,3 +272,14 @@ def check_group_size(fmt: KVFormat, group_size: int, head_dims: set[int]) -> Non
             raise ConfigError(
                 f"head_dim {head_dim} is not a multiple of {per_byte}: {fmt.name} packs {per_byte} codes per byte"
             )
+
+
+def check_rotated_head_dims(fmt: KVFormat, head_dims: set[int]) -> None:
+    """A rotated format packs 8 codes into whole bytes: every head_dim must be a multiple of 8
+    (`RotatedFormat.check_head_dim`, the cache's own check)."""
+    layout = fmt.rotated_format()
+    for head_dim in sorted(head_dims):
+        try:
+            layout.check_head_dim(head_dim)
+        except ConfigError as error:
+            raise ConfigError(f"{fmt.name}: {error}") from error

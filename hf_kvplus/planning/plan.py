@@ -8,11 +8,12 @@ Tokens held per layer, per batch row, at a context of ``n`` tokens:
 - an eviction ``budget`` (sinks + recent window + heavy hitters: everything an evicting cache keeps)
   caps every layer at ``budget`` tokens.
 
-Of the tokens a layer holds, the quantized formats (int8/int4/int2/fp8, as `QuantizedCache` stores
-them) keep the most recent ``min(held, residual)`` at full precision, counted as fp16, and the rest
-quantized (see :mod:`hf_kvplus.planning.formats` for the layouts, and for the up to ``G - 1`` extra
-full-precision tokens the cache may hold). ``group_size=None`` means the cache's default group for the
-format. KV bytes are payload, scales and zero points, exactly; growth headroom a cache may allocate
+Of the tokens a layer holds, the quantized formats (KIVI int8/int4/int2/fp8 and rotated kXvY, as
+`QuantizedCache` stores them) keep the most recent ``min(held, residual)`` at full precision, counted as
+fp16, and the rest quantized (see :mod:`hf_kvplus.planning.formats` for the layouts, and for the up to
+``G - 1`` extra full-precision tokens the cache may hold with a KIVI format). ``group_size=None`` means the
+cache's default group for a KIVI format; the formats without groups (fp32/fp16/bf16 and the rotated ones)
+ignore `group_size`. KV bytes are payload, scales and zero points, exactly; growth headroom a cache may allocate
 ahead (``DenseCache`` rounds its buffers up and grows them by an eighth) and block-table metadata are
 not counted, nor are activations, the CUDA context or allocator fragmentation: leave a margin for them.
 """
@@ -82,7 +83,8 @@ class Plan:
     - `ratio_to_fp16`: `kv_bytes_per_token_excl_residual` over the same figure in fp16.
 
     `group_size` is the group size in use (the cache's default for the format unless one was given);
-    it is None and `residual` 0 for the unquantized formats (fp32/fp16/bf16).
+    it is None for the formats without groups (fp32/fp16/bf16 and the rotated kXvY), and `residual` is 0 for
+    the unquantized ones (fp32/fp16/bf16).
     `total_bytes` is ``weights_bytes + kv_bytes``. With `tp` > 1 (tensor parallel ranks) every byte figure is
     one rank's: each holds `num_kv_heads / tp` KV heads of every layer, and a `tp`-th of the weights (nominal:
     Transformers' plans shard the projections, embeddings and head; the norms, replicated, are negligible).
@@ -191,11 +193,11 @@ def _settings(model: _Model, kv_format_name, group_size, residual, budget, weigh
     group_size = resolve_group_size(fmt, group_size, {g.head_dim for g in model.groups})
     if budget is not None and (not _is_int(budget) or budget < 1):
         raise ConfigError(f"an eviction budget must keep at least 1 token per layer, got budget={budget!r}")
-    if fmt.is_grouped and (not _is_int(residual) or residual < 0):
+    if fmt.is_quantized and (not _is_int(residual) or residual < 0):
         raise ConfigError(
             f"residual (fp16 recent window) must be 0 or more tokens, got residual={residual!r}"
         )
-    return _Settings(fmt, group_size, residual if fmt.is_grouped else 0, budget, str(weights_dtype).lower())
+    return _Settings(fmt, group_size, residual if fmt.is_quantized else 0, budget, str(weights_dtype).lower())
 
 
 def _check_context(context) -> None:
@@ -285,9 +287,11 @@ def plan(
     """Weights + KV bytes of `config` holding `context` tokens for each of `batch` sequences.
 
     `config`: a config object, a shipped short name (``"llama-3.1-8b"``), a path to a config.json or its
-    folder, or a hub id. `kv_format`: fp32, fp16, bf16, fp8, int8, int4, int2. `group_size` and
-    `residual` (full-precision recent window, default 128 tokens) apply to the quantized formats
-    (int8/int4/int2/fp8, as `QuantizedCache` stores them); `group_size=None` is the cache's default,
+    folder, or a hub id. `kv_format`: fp32, fp16, bf16, fp8, int8, int4, int2, or a rotated ``"k<X>v<Y>"``
+    (X-bit keys, Y-bit values, each 1, 2, 3, 4 or 8: k4v4, k4v2, k3v2, k2v2, ...). `residual` (full-precision
+    recent window, default 128 tokens) applies to the quantized formats (KIVI int8/int4/int2/fp8 and rotated, as
+    `QuantizedCache` stores them); `group_size` to the KIVI ones only (the others have no groups and ignore
+    it); `group_size=None` is the cache's default,
     ``gcd(DEFAULT_GROUP_SIZE[format], *head_dims)`` (int8 64, int4/int2/fp8 32). `budget`:
     tokens an evicting cache keeps per layer (sinks + recent), None for no eviction. `weights_dtype`:
     fp32, fp16, bf16, fp8, int8, int4 (nominal bits per weight, no quantization scales). `tp`: tensor-parallel
