@@ -31,6 +31,12 @@ specialization. The launches:
   each dtype x head dim 64/128/256 x query-group tile the planner picks x with and without a mask;
 - the paged store (one decode token) and the quantize-and-pack kernels (keys; values at every token
   tile the launch picks, for fp16, and the largest for bf16/fp32): each dtype x head dim (x format);
+- rotated formats: decode attention in the rotated space (q float32; its residual runs the dense split
+  kernel) for k4v2 and k3v2, dense and paged at the default block size, each head dim x query-group tile
+  x with and without a mask x with and without the mass, and every other bit width once (head dim 128,
+  dense, mask); quantize-and-pack (its kernel reads the float32 rotated vectors, whatever x's dtype)
+  for each bit width x head dim at the largest token tile, every tile at head dim 128, and one token
+  per row into slots;
 - on one representative (fp16, head dim 128, mask): every other paged block size and query groups
   past one tile (values that only enter index arithmetic).
 
@@ -72,8 +78,16 @@ from triton.runtime.jit import KernelInterface
 
 from hf_kvplus.errors import ConfigError
 from hf_kvplus.formats import DEFAULT_GROUP
-from hf_kvplus.kernels import decode_attention, paged_attention, quant_attention, quant_pack
+from hf_kvplus.kernels import (
+    decode_attention,
+    paged_attention,
+    quant_attention,
+    quant_pack,
+    rotated_attention,
+    rotated_pack,
+)
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
+from hf_kvplus.kernels.rotated_format import ROTATED_BITS, RotatedFormat
 from hf_kvplus.paging import DEFAULT_BLOCK_SIZE
 
 __all__ = [
@@ -88,7 +102,9 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 #: float8 e4m3 (``tl.float8e4nv``) exists from sm_89 on.
 FP8_ARCH = 89
 HEAD_DIMS = (64, 128, 256)
-KERNEL_MODULES = (decode_attention, paged_attention, quant_attention, quant_pack)
+KERNEL_MODULES = (decode_attention, paged_attention, quant_attention, quant_pack, rotated_attention, rotated_pack)
+#: The rotated formats the gate sweeps over every head dim and option (other bit widths: once each).
+ROTATED_FORMATS = (RotatedFormat(4, 2), RotatedFormat(3, 2))
 # The representative launch shapes (see the module doc).
 BATCH, KV_HEADS, KEYS, RESIDUAL = 2, 2, 4099, 17
 # One-at-a-time sweeps run on this representative (with a mask).
@@ -394,6 +410,59 @@ def _pack_at(dtype, fmt, head_dim) -> list[Spec]:
     )
 
 
+def _rotated(fmt, head_dim, group, mask, block_size, mass) -> list[Spec]:
+    """Rotated-format decode attention over KEYS coded tokens (dense, or paged when ``block_size``) plus a
+    residual, as ``quant_attention``'s dispatcher launches it: q and the residual rotated, float32."""
+    q = _meta(BATCH, KV_HEADS * group, head_dim, dtype=torch.float32)
+    residual = _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=torch.float32)
+    if block_size is None:
+        table, rows, tokens = None, BATCH, KEYS
+    else:
+        (table, rows), tokens = _table(block_size), block_size
+    k = _meta(rows, KV_HEADS, tokens, fmt.code_dim(head_dim, "keys"), dtype=torch.uint8)
+    v = _meta(rows, KV_HEADS, tokens, fmt.code_dim(head_dim, "values"), dtype=torch.uint8)
+    norms = _meta(rows, KV_HEADS, tokens, 1)
+    storage = "dense" if block_size is None else f"paged bs{block_size}"
+    flags = f"{' mask' if mask else ''}{' scores' if mass else ''}"
+    return _record(
+        lambda: rotated_attention.rotated_decode_attention_triton(
+            q, PackedKV(k, norms, None, v, norms, None), fmt, start=0, length=KEYS, scale=0.125, residual_k=residual,
+            residual_v=residual, mask=_mask(mask, KEYS + RESIDUAL), block_table=table, with_mass=mass,
+        ),
+        {
+            "_rotated_split_kernel": f"fp32 d{head_dim} {fmt} {storage}{flags}",
+            "_decode_split_kernel": f"fp32 d{head_dim} dense{flags}",
+            "_decode_merge_kernel": f"fp32 dv{head_dim}{' lse' if mass else ''}",
+        },
+    )
+
+
+def _rotated_pack(bits, head_dim) -> list[Spec]:
+    """Rotated quantize-and-pack at the token tiles the launch picks (the token count doubles until the tile stops
+    growing): every tile at the representative head dim, the largest at the others; and one token per row and head
+    into its slot of slot buffers (an evicting cache's refill)."""
+    fmt = RotatedFormat(bits, bits)
+    name = f"{bits}-bit d{head_dim}"
+    tiles: list[Spec] = []
+    tokens = 1
+    while True:
+        x = _meta(BATCH, KV_HEADS, tokens, head_dim)
+        (spec,) = _record(functools.partial(rotated_pack.quantize_rotated_triton, x, fmt, "keys"),
+                          {"_rotated_pack_kernel": name})  # fmt: skip
+        if tiles and spec.key() == tiles[-1].key():
+            break
+        tiles.append(spec)
+        tokens *= 2
+    x, slots = _meta(BATCH, KV_HEADS, 1, head_dim), _meta(BATCH, KV_HEADS, 1, dtype=torch.int64)
+    out = (_meta(BATCH, KV_HEADS, KEYS, fmt.code_dim(head_dim, "keys"), dtype=torch.uint8),
+           _meta(BATCH, KV_HEADS, KEYS, 1), None)  # fmt: skip
+    at = _record(
+        lambda: rotated_pack.quantize_rotated_triton(x, fmt, "keys", out, slots),
+        {"_rotated_pack_kernel": f"{name} slots"},
+    )
+    return (tiles if head_dim == REP_HEAD_DIM else tiles[-1:]) + at
+
+
 def specializations() -> list[Spec]:
     """Every specialization of the gate, in table order, without duplicates (see the module doc)."""
     dtypes = decode_attention.SUPPORTED_DTYPES
@@ -415,6 +484,14 @@ def specializations() -> list[Spec]:
     for dt, bits, d in itertools.product(dtypes, BIT_WIDTHS, HEAD_DIMS):
         specs += _pack(dt, _default_format(bits, d), d)
         specs += _pack_at(dt, _default_format(bits, d), d)
+    for fmt, d, g, mask, mass in itertools.product(ROTATED_FORMATS, HEAD_DIMS, groups, flags, flags):
+        specs += _rotated(fmt, d, g, mask, None, mass) + _rotated(fmt, d, g, mask, DEFAULT_BLOCK_SIZE, mass)
+    for bits in ROTATED_BITS:
+        fmt = RotatedFormat(bits, bits)
+        if fmt not in ROTATED_FORMATS:
+            specs += _rotated(fmt, REP_HEAD_DIM, groups[0], True, None, False)
+    for bits, d in itertools.product(ROTATED_BITS, HEAD_DIMS):
+        specs += _rotated_pack(bits, d)
 
     rep = (REP_DTYPE, REP_HEAD_DIM)
     for bs in PAGED_BLOCK_SIZES:

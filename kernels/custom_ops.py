@@ -16,8 +16,16 @@ figures: BENCHMARKS.md, compiled decode, stops 25 and 26).
 
 Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and
-``int group_size``. Ints are ``SymInt`` (``start`` and ``length`` change every decode step). The
-quantize ops write into given ``codes``, ``scale``, ``zero`` (declared mutated) and return nothing.
+``int group_size``, a ``RotatedFormat`` as ``int key_bits``, ``int value_bits`` and ``int seed`` (its
+PackedKV as four tensors: codes and norms, no zeros). Ints are ``SymInt`` (``start`` and ``length``
+change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
+``codes``, ``norms``; declared mutated) and return nothing.
+
+The rotated attention ops run ``rotated_attention``'s kernel in the rotated space: q and the residual
+come rotated and the output stays rotated (the rotations are plain matmuls the graph keeps around the
+op); their twin is ``quantized_decode_attention_torch`` on those rotated inputs. ``quantize_rotated``
+runs ``rotated_pack``'s kernel (twin: ``rotated_format.quantize_rotated``, copied or, with ``slots``,
+scattered into the given tensors).
 """
 
 import functools
@@ -28,9 +36,11 @@ from torch import Tensor
 from hf_kvplus.kernels import decode_attention as dense
 from hf_kvplus.kernels import paged_attention as paged
 from hf_kvplus.kernels import quant_attention as quant
-from hf_kvplus.kernels import quant_format
+from hf_kvplus.kernels import quant_format, rotated_attention, rotated_pack
 from hf_kvplus.kernels import quant_pack as pack
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
+from hf_kvplus.kernels.rotated_format import RotatedFormat
+from hf_kvplus.kernels.rotated_format import quantize_rotated as quantize_rotated_twin
 
 
 def format_args(fmt: QuantFormat) -> tuple[str, int]:
@@ -307,4 +317,137 @@ def quantize_values_at_cuda(x, bits, group_size, codes, scale, zero, slots):
 
 @quantize_values_at.register_fake
 def _(x, bits, group_size, codes, scale, zero, slots):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotated formats: decode attention in the rotated space, quantize-and-pack
+# ---------------------------------------------------------------------------------------------------
+
+
+def _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
+                    mask, block_table):  # fmt: skip
+    """(PackedKV, RotatedFormat, keywords) of the rotated attention ops' arguments."""
+    kw = dict(
+        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+        block_table=block_table, check=False,
+    )  # fmt: skip
+    return PackedKV(k, k_norm, None, v, v_norm, None), RotatedFormat(key_bits, value_bits, seed), kw
+
+
+@torch.library.custom_op("kvplus::rotated_decode_attention", mutates_args=())
+def rotated_decode_attention(
+    q: Tensor,
+    k: Tensor,
+    k_norm: Tensor,
+    v: Tensor,
+    v_norm: Tensor,
+    key_bits: int,
+    value_bits: int,
+    seed: int,
+    start: int,
+    length: int,
+    scale: float,
+    residual_k: Tensor | None,
+    residual_v: Tensor | None,
+    mask: Tensor | None,
+    block_table: Tensor | None,
+    num_splits: int | None,
+) -> Tensor:
+    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
+                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+    return quant.quantized_decode_attention_torch(q, packed, fmt, **kw)
+
+
+@rotated_decode_attention.register_kernel("cuda")
+def rotated_decode_attention_cuda(
+    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
+    block_table, num_splits,
+):  # fmt: skip
+    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
+                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+    return rotated_attention.rotated_decode_attention_triton(q, packed, fmt, num_splits=num_splits, **kw)[0]
+
+
+@rotated_decode_attention.register_fake
+def _(
+    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
+    block_table, num_splits,
+):  # fmt: skip
+    return _attention_out(q, v.shape[-1] * 8 // value_bits)
+
+
+@torch.library.custom_op("kvplus::rotated_decode_attention_with_mass", mutates_args=())
+def rotated_decode_attention_with_mass(
+    q: Tensor,
+    k: Tensor,
+    k_norm: Tensor,
+    v: Tensor,
+    v_norm: Tensor,
+    key_bits: int,
+    value_bits: int,
+    seed: int,
+    start: int,
+    length: int,
+    scale: float,
+    residual_k: Tensor | None,
+    residual_v: Tensor | None,
+    mask: Tensor | None,
+    block_table: Tensor | None,
+    num_splits: int | None,
+) -> tuple[Tensor, Tensor]:
+    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
+                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+    return quant.quantized_decode_attention_with_mass_torch(q, packed, fmt, **kw)
+
+
+@rotated_decode_attention_with_mass.register_kernel("cuda")
+def rotated_decode_attention_with_mass_cuda(
+    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
+    block_table, num_splits,
+):  # fmt: skip
+    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
+                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+    return rotated_attention.rotated_decode_attention_triton(
+        q, packed, fmt, num_splits=num_splits, with_mass=True, **kw
+    )
+
+
+@rotated_decode_attention_with_mass.register_fake
+def _(
+    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
+    block_table, num_splits,
+):  # fmt: skip
+    keys = length + (0 if residual_k is None else residual_k.shape[2])
+    mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)
+    return _attention_out(q, v.shape[-1] * 8 // value_bits), mass
+
+
+@torch.library.custom_op("kvplus::quantize_rotated", mutates_args=("codes", "norms"))
+def quantize_rotated(
+    x: Tensor,
+    key_bits: int,
+    value_bits: int,
+    seed: int,
+    side: str,
+    codes: Tensor,
+    norms: Tensor,
+    slots: Tensor | None,
+) -> None:
+    for dst, src in zip((codes, norms), quantize_rotated_twin(x, RotatedFormat(key_bits, value_bits, seed), side),
+                        strict=True):  # fmt: skip
+        if slots is None:
+            dst.copy_(src)
+        else:
+            dst.scatter_(2, slots[..., None].expand(*src.shape), src)
+
+
+@quantize_rotated.register_kernel("cuda")
+def quantize_rotated_cuda(x, key_bits, value_bits, seed, side, codes, norms, slots):
+    fmt = RotatedFormat(key_bits, value_bits, seed)
+    rotated_pack.quantize_rotated_triton(x, fmt, side, (codes, norms, None), slots, check=False)
+
+
+@quantize_rotated.register_fake
+def _(x, key_bits, value_bits, seed, side, codes, norms, slots):
     return None

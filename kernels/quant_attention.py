@@ -350,16 +350,25 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
     r_k, r_v = rotation(D, fmt.seed, q.device), rotation(Dv, fmt.seed, q.device)
     if kw["residual_k"] is not None:
         kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
-    path = "triton" if (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda else "torch"
-    if path == "torch":
-        result = _twin(q.float() @ r_k, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=name.endswith("mass"))
-    else:
-        from hf_kvplus.kernels import rotated_attention  # noqa: PLC0415 - CUDA only
+    with_mass, q_rot = name.endswith("mass"), q.float() @ r_k
+    if torch.compiler.is_compiling() and not kw["check"] and q.is_cuda:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
-        result = rotated_attention.rotated_decode_attention_triton(q.float() @ r_k, packed, fmt, **kw,
-                                                                   with_mass=name.endswith("mass"))  # fmt: skip
+        p = packed
+        op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
+        result = op(
+            q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
+            *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
+        )  # fmt: skip
+        result = result if with_mass else (result, None)
+    elif (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda:
+        from hf_kvplus.kernels import rotated_attention  # imported here: it imports this module
+
+        result = rotated_attention.rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
+    else:
+        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass)
     out = (result[0] @ r_v.T).to(q.dtype)
-    return (out, result[1]) if name.endswith("mass") else out
+    return (out, result[1]) if with_mass else out
 
 
 #: `_twin`'s positional arguments after (q, packed, fmt), by keyword name.

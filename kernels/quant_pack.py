@@ -74,6 +74,7 @@ from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, 
 from hf_kvplus.kernels.quant_format import quantize_keys as quantize_keys_torch
 from hf_kvplus.kernels.quant_format import quantize_values as quantize_values_torch
 from hf_kvplus.kernels.rotated_format import RotatedFormat
+from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 try:
     import triton
@@ -184,6 +185,8 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 
 
 def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
+    if isinstance(fmt, RotatedFormat) and isinstance(x, torch.Tensor) and x.is_cuda:
+        return _rotated_cuda(x, fmt, out, kind, None, check)
     if torch.compiler.is_compiling() and not check and x.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
@@ -206,6 +209,17 @@ def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
     return codes, scale, zero
 
 
+def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, check: bool):
+    """A rotated format on CUDA: the custom operator while compiling (``check=False``), else the Triton kernel."""
+    if torch.compiler.is_compiling() and not check:
+        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
+
+        codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
+        custom_ops.quantize_rotated(x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots)
+        return codes, norms, None
+    return quantize_rotated_triton(x, fmt, side, out, slots, check=check)
+
+
 def quantize_keys(x, fmt: QuantFormat, out=None, *, check: bool = True):
     """Keys [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
@@ -224,6 +238,8 @@ def quantize_values_at(x, fmt: QuantFormat, out, slots, *, check: bool = True):
     quantizing then scattering each of the three tensors would be four. Slots must be distinct per (b, h) and
     in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
     CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
+    if isinstance(fmt, RotatedFormat) and isinstance(x, torch.Tensor) and x.is_cuda:
+        return _rotated_cuda(x, fmt, out, "values", slots, check)
     if torch.compiler.is_compiling() and not check and x.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 

@@ -3,8 +3,8 @@
 The interpreter runs of the other kernel tests accept code that a GPU build rejects; these tests
 compile through triton's AOT path with the ptxas of the triton wheel. CI compiles the gate's covering
 subset for sm_90 (each kernel with each constexpr value, pointer-type combination and option set at
-least once: about a minute on 2 cores); the whole enumeration (about 550 specializations, tens of
-minutes on 2 cores) runs with ``-m slow``.
+least once: about 65 specializations, a minute and a half on 2 cores); the whole enumeration (about
+1,000 specializations, tens of minutes on 2 cores) runs with ``-m slow``.
 """
 
 from __future__ import annotations

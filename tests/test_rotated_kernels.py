@@ -1,0 +1,341 @@
+"""Rotated formats' Triton kernels (under TRITON_INTERPRET=1 on the CPU): decode attention in the rotated space,
+quantize-and-pack, and their custom operators.
+
+Attention. Random K/V are coded with the twin ``quantize_rotated`` (dense: buffers [B, Hkv, T, ...]; paged: a
+pool of blocks and a shuffled table whose rows share their first block); the reference is float64 softmax(q k^T *
+scale + mask) v over ``dequantize_rotated(..., rotated_space=True)`` of the attended tokens (taken before any
+poisoning), then the float32 residual, with ``kernel_checks``' float32 bounds (q is float32 in the rotated space).
+Poison: codes of unattended tokens 0xFF and their norms NaN, table columns not read -1, every buffer the function
+allocates NaN (``poisoned_empty``): reading any of them shows. The mass is checked against float64 as well.
+
+Quantize-and-pack: the codes equal the twin's bit for bit, the norms to a float16 ulp (see rotated_pack's doc);
+with ``out`` views of larger buffers nothing around them is written, with ``slots`` only the named rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_checks import check, check_mass, left_padding, reference
+from test_kernel_unchecked import assert_same
+
+import hf_kvplus.kernels.custom_ops as ops
+from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
+from hf_kvplus.kernels.quant_format import PackedKV
+from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
+from hf_kvplus.kernels.rotated_format import RotatedFormat, dequantize_rotated, quantize_rotated
+from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
+
+POISON_CODE = 0xFF
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------------
+
+
+def coded(fmt, L, Hkv, T, D, Dv):
+    """PackedKV of random keys/values [L, Hkv, T, D/Dv] coded by the twin, and their rotated float64 decodings."""
+    kc, kn = quantize_rotated(torch.randn(L, Hkv, T, D), fmt, "keys")
+    vc, vn = quantize_rotated(torch.randn(L, Hkv, T, Dv), fmt, "values")
+    k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, rotated_space=True)
+    v_hat = dequantize_rotated(vc, vn, fmt, "values", torch.float64, rotated_space=True)
+    return PackedKV(kc, kn, None, vc, vn, None), k_hat, v_hat
+
+
+class Layout:
+    """Tokens start .. start + length - 1 of B rows: dense buffers (``bs`` None, 3 spare tokens after them), or a
+    pool of blocks of ``bs`` tokens with a table (row b > 0 shares row 0's first block, 2 spare blocks, 2 spare
+    columns of -1). k_hat / v_hat [B, Hkv, length, D/Dv]: the attended tokens' rotated decodings; all else poisoned."""
+
+    def __init__(self, fmt, B, Hkv, D, Dv, start, length, bs=None):
+        if bs is None:
+            T = start + length + 3
+            packed, k_hat, v_hat = coded(fmt, B, Hkv, T, D, Dv)
+            live = torch.zeros(B, T, dtype=torch.bool)
+            live[:, start : start + length] = True
+            self.block_table = None
+            self.k_hat, self.v_hat = k_hat[:, :, start : start + length], v_hat[:, :, start : start + length]
+        else:
+            first, last = start // bs, (start + length - 1) // bs
+            used = last - first + 1
+            nb = used + (B - 1) * (used - 1) + 2
+            ids = torch.randperm(nb).to(torch.int32)
+            table = torch.full((B, last + 3), -1, dtype=torch.int32)
+            table[:, first] = ids[0]
+            table[:, first + 1 : last + 1] = ids[1 : 1 + B * (used - 1)].view(B, used - 1)
+            packed, k_hat, v_hat = coded(fmt, nb, Hkv, bs, D, Dv)
+            tokens = torch.arange(start, start + length)
+            blocks, offs = table[:, tokens // bs].long(), tokens % bs  # [B, length], [length]
+            live = torch.zeros(nb, bs, dtype=torch.bool)
+            live[blocks, offs.expand_as(blocks)] = True
+            self.block_table = table
+            self.k_hat = k_hat[blocks, :, offs.expand_as(blocks)].permute(0, 2, 1, 3)  # [B, Hkv, length, D]
+            self.v_hat = v_hat[blocks, :, offs.expand_as(blocks)].permute(0, 2, 1, 3)
+        for t in (packed.k, packed.v):
+            t.permute(0, 2, 1, 3)[~live] = POISON_CODE
+        for t in (packed.k_scale, packed.v_scale):
+            t.permute(0, 2, 1, 3)[~live] = float("nan")
+        self.packed, self.start, self.length = packed, start, length
+
+
+def residual(B, Hkv, R, D, Dv):
+    """Rotated-space residual K/V (float32) as strided views along the token dim, or (None, None)."""
+    if R is None:
+        return None, None
+    return torch.randn(B, Hkv, R + 4, D)[:, :, 1 : 1 + R], torch.randn(B, R + 2, Hkv, Dv)[:, 2:].transpose(1, 2)
+
+
+def attend(q, fmt, lay, rk, rv, mask, scale, **kw):
+    return rotated_decode_attention_triton(
+        q, lay.packed, fmt, start=lay.start, length=lay.length, scale=scale, residual_k=rk, residual_v=rv,
+        mask=mask, block_table=lay.block_table, **kw,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------
+
+# key bits, value bits, D, Dv, B, Hkv, G, block size (None: dense), start, length, R, pads, num_splits
+ATTENTION_CASES = [
+    (4, 2, 64, 64, 2, 2, 2, None, 5, 60, 5, (0, 20), 2),
+    (3, 2, 96, 96, 2, 2, 1, None, 0, 64, None, None, None),  # 3 bits straddle bytes; D_PAD 128
+    (2, 2, 64, 64, 2, 2, 2, 16, 3, 50, 4, (0, 999), 3),  # row 1 fully masked
+    (4, 4, 96, 96, 2, 2, 1, 8, 7, 33, None, (4, 0), None),
+    (8, 8, 64, 64, 2, 2, 2, None, 10, 30, 3, None, 1),
+    (1, 1, 96, 96, 2, 2, 2, None, 0, 40, None, (0, 7), 2),
+    (3, 2, 64, 64, 2, 2, 2, 16, 0, 45, 6, (2, 0), None),
+    (8, 8, 96, 96, 2, 2, 1, 8, 5, 20, 2, (0, 999), 2),
+    (1, 1, 64, 64, 1, 2, 2, 16, 9, 30, 3, None, None),
+    (4, 2, 96, 64, 2, 2, 2, None, 2, 30, 3, (1, 0), 2),  # value head dim != key head dim
+    (2, 2, 96, 96, 2, 2, 1, None, 4, 25, 5, (0, 27), None),  # row 1: only the last residual keys
+]
+
+
+def _case_id(c):
+    return f"k{c[0]}v{c[1]}-d{c[2]}-{'dense' if c[7] is None else f'bs{c[7]}'}-g{c[6]}"
+
+
+@pytest.mark.parametrize("with_mass", [False, True], ids=["out", "mass"])
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=[_case_id(c) for c in ATTENTION_CASES])
+def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
+    kb, vb, D, Dv, B, Hkv, G, bs, start, length, R, pads, num_splits = case
+    fmt = RotatedFormat(kb, vb, seed=3)
+    lay = Layout(fmt, B, Hkv, D, Dv, start, length, bs)
+    q = torch.randn(B, Hkv * G, D)
+    rk, rv = residual(B, Hkv, R, D, Dv)
+    n = length + (R or 0)
+    mask = None if pads is None else left_padding(B, n, [min(p, n) for p in pads])
+    scale = 1.0 / math.sqrt(D)
+    before = [t.clone() for t in (lay.packed.k, lay.packed.k_scale, lay.packed.v, lay.packed.v_scale)]
+
+    out, mass = attend(q, fmt, lay, rk, rv, mask, scale, num_splits=num_splits, with_mass=with_mass)
+    keys, values = lay.k_hat, lay.v_hat
+    if rk is not None:
+        keys, values = torch.cat([keys, rk.double()], dim=2), torch.cat([values, rv.double()], dim=2)
+    what = f"{fmt} {_case_id(case)}"
+    check(out, q, Dv, reference(q, keys, values, scale, mask), seed, what)
+    if mask is not None:
+        for b in torch.nonzero(~mask.any(dim=1)).flatten().tolist():
+            assert torch.equal(out[b], torch.zeros_like(out[b])), f"{what}: fully masked row {b} not zeros"
+    if with_mass:
+        check_mass(mass, q, keys, scale, mask, seed, what)
+    else:
+        assert mass is None
+    after = (lay.packed.k, lay.packed.k_scale, lay.packed.v, lay.packed.v_scale)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before, strict=True))
+
+
+def test_attention_residual_only_and_all_masked(seed, poisoned_empty):
+    # length 0: the coded buffers are all poison and only the residual counts; every key masked: zeros, zero mass.
+    fmt = RotatedFormat(4, 2)
+    lay = Layout(fmt, 2, 2, 64, 64, 0, 0)
+    q = torch.randn(2, 4, 64)
+    rk, rv = residual(2, 2, 9, 64, 64)
+    mask = left_padding(2, 9, (0, 3))
+    out, mass = attend(q, fmt, lay, rk, rv, mask, 0.125, with_mass=True)
+    check(out, q, 64, reference(q, rk, rv, 0.125, mask), seed, "residual only")
+    check_mass(mass, q, rk, 0.125, mask, seed, "residual only")
+    lay = Layout(fmt, 2, 2, 64, 64, 3, 20, bs=8)
+    out, mass = attend(q, fmt, lay, rk, rv, torch.zeros(2, 29, dtype=torch.bool), 0.125, with_mass=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(mass, torch.zeros(2, 2, 29))
+
+
+def test_attention_bad_block_id_is_masked(seed, poisoned_empty):
+    # No host read of the table: a block id outside the pool in a column that is read counts as masked keys.
+    fmt = RotatedFormat(4, 2)
+    lay = Layout(fmt, 2, 1, 64, 64, 4, 30, bs=8)
+    q = torch.randn(2, 2, 64)
+    lay.block_table[1, 1] = lay.packed.k.shape[0]  # tokens 8..15 of row 1: keys 4..11
+    lay.block_table[1, 2] = -1  # tokens 16..23: keys 12..19
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, 4:20] = False
+    out, _ = attend(q, fmt, lay, None, None, None, 0.2)
+    check(out, q, 64, reference(q, lay.k_hat, lay.v_hat, 0.2, mask), seed, "bad block ids")
+
+
+def test_attention_validates(seed):
+    fmt = RotatedFormat(4, 2)
+    lay = Layout(fmt, 1, 2, 64, 64, 0, 16)
+    q = torch.randn(1, 4, 64)
+    kw = dict(start=0, length=16, scale=0.125)
+    with pytest.raises(ConfigError, match="RotatedFormat"):
+        rotated_decode_attention_triton(q, lay.packed, "k4v2", **kw)
+    bad = PackedKV(lay.packed.k, lay.packed.k_scale.float(), None, lay.packed.v, lay.packed.v_scale, None)
+    with pytest.raises(DTypeError, match="float16"):
+        rotated_decode_attention_triton(q, bad, fmt, **kw)
+    with pytest.raises(ShapeError, match="32 bytes per token"):  # 3-bit keys of D=64 need 24 bytes
+        rotated_decode_attention_triton(q, lay.packed, RotatedFormat(3, 2), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantize-and-pack
+# ---------------------------------------------------------------------------------------------------
+
+
+def assert_matches_twin(codes, norms, x, fmt, side, what):
+    """Codes bit for bit, norms to one float16 ulp (and nearly all exactly)."""
+    want_codes, want_norms = quantize_rotated(x, fmt, side)
+    assert codes.dtype == torch.uint8 and norms.dtype == torch.float16
+    assert torch.equal(codes, want_codes), f"{what}: codes differ from the twin's"
+    ulps = (norms.view(torch.int16).int() - want_norms.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps > 0).sum() <= max(1, ulps.numel() // 100), f"{what}: norms off by {ulps.max()}"
+
+
+# bits, D, dtype, B, H, T
+PACK_CASES = [
+    (1, 64, torch.float32, 2, 2, 19),
+    (2, 96, torch.float16, 1, 3, 40),
+    (3, 64, torch.bfloat16, 2, 1, 33),
+    (3, 96, torch.float32, 1, 2, 17),
+    (4, 64, torch.float16, 2, 2, 16),
+    (4, 96, torch.bfloat16, 1, 1, 5),
+    (8, 64, torch.float32, 1, 2, 24),
+    (8, 96, torch.float16, 2, 1, 9),
+]
+
+
+@pytest.mark.parametrize("case", PACK_CASES, ids=[f"{c[0]}bit-d{c[1]}-{str(c[2])[6:]}" for c in PACK_CASES])
+def test_quantize_matches_twin(seed, poisoned_empty, case):
+    bits, D, dtype, B, H, T = case
+    x = (torch.randn(B, H, T, D) * 3).to(dtype)
+    x[0, 0, 0] = 0  # a zero vector: norm 0
+    for side, fmt in (("keys", RotatedFormat(bits, 2, seed=7)), ("values", RotatedFormat(2, bits, seed=7))):
+        codes, norms, zero = quantize_rotated_triton(x, fmt, side)
+        assert zero is None and codes.shape == (B, H, T, D * bits // 8) and norms.shape == (B, H, T, 1)
+        assert_matches_twin(codes, norms, x, fmt, side, f"{side} {fmt} {dtype}")
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_quantize_into_out_views(seed, bits):
+    # x a strided view (tokens along dim 1 of its buffer); out = token slices of larger buffers, sentinels around.
+    fmt, D, B, H, T = RotatedFormat(bits, bits, seed=1), 64, 2, 2, 21
+    x = torch.randn(B, T + 2, H, D)[:, 1 : 1 + T].transpose(1, 2)
+    codes_buf = torch.full((B, H, T + 10, D * bits // 8 + 4), 0xAB, dtype=torch.uint8)
+    norms_buf = torch.full((B, H, T + 10, 3), -7.0, dtype=torch.float16)
+    codes, norms = codes_buf[:, :, 4 : 4 + T, 2 : 2 + D * bits // 8], norms_buf[:, :, 4 : 4 + T, 1:2]
+    got = quantize_rotated_triton(x, fmt, "values", out=(codes, norms, None))
+    assert got[0] is codes and got[1] is norms and got[2] is None
+    assert_matches_twin(codes, norms, x, fmt, "values", "out views")
+    codes_buf[:, :, 4 : 4 + T, 2 : 2 + D * bits // 8] = 0xAB
+    norms_buf[:, :, 4 : 4 + T, 1:2] = -7.0
+    assert (codes_buf == 0xAB).all() and (norms_buf == -7.0).all(), "wrote outside the out views"
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_into_slots(seed, bits):
+    fmt, D, B, H, T, N = RotatedFormat(bits, 2, seed=2), 96, 2, 2, 6, 15
+    x = torch.randn(B, H, T, D, dtype=torch.float16)
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    codes = torch.full((B, H, N, D * bits // 8), 0xAB, dtype=torch.uint8)
+    norms = torch.full((B, H, N, 1), -7.0, dtype=torch.float16)
+    quantize_rotated_triton(x, fmt, "keys", out=(codes, norms, None), slots=slots)
+    index = slots[..., None]
+    assert_matches_twin(
+        codes.gather(2, index.expand(B, H, T, codes.shape[-1])), norms.gather(2, index), x, fmt, "keys", "slots"
+    )
+    written = torch.zeros(B, H, N, dtype=torch.bool).scatter_(2, slots, True)
+    assert (codes[~written] == 0xAB).all() and (norms[~written] == -7.0).all(), "wrote rows no slot names"
+
+
+def test_quantize_validates():
+    fmt = RotatedFormat(4, 2)
+    x = torch.randn(1, 2, 3, 64)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        quantize_rotated_triton(torch.randn(1, 2, 3, 60), fmt, "keys")
+    with pytest.raises(ConfigError, match="side"):
+        quantize_rotated_triton(x, fmt, "queries")
+    with pytest.raises(ShapeError, match=r"\[1, 2, 3, 32\]"):
+        quantize_rotated_triton(x, fmt, "keys", out=(torch.empty(1, 2, 3, 16, dtype=torch.uint8),
+                                                     torch.empty(1, 2, 3, 1, dtype=torch.float16), None))  # fmt: skip
+    with pytest.raises(ShapeError, match="int64"):
+        out = (torch.empty(1, 2, 9, 32, dtype=torch.uint8), torch.empty(1, 2, 9, 1, dtype=torch.float16), None)
+        quantize_rotated_triton(x, fmt, "keys", out=out, slots=torch.zeros(1, 2, 3, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Custom operators
+# ---------------------------------------------------------------------------------------------------
+
+
+def attention_op_args(fmt, lay, q, rk, rv, mask, scale, num_splits=2):
+    p = lay.packed
+    return (
+        q, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed, lay.start, lay.length, scale,
+        rk, rv, mask, lay.block_table, num_splits,
+    )  # fmt: skip
+
+
+def attention_inputs(paged):
+    fmt = RotatedFormat(3, 2, seed=5)
+    lay = Layout(fmt, 2, 2, 64, 64, 3, 30, bs=8 if paged else None)
+    rk, rv = residual(2, 2, 4, 64, 64)
+    return fmt, lay, torch.randn(2, 4, 64), rk, rv, left_padding(2, 34, (0, 5))
+
+
+def quantize_op_args(with_slots):
+    fmt, B, H, T, N = RotatedFormat(3, 4, seed=1), 2, 2, 5, 9
+    x = torch.randn(B, H, T, 64)
+    rows = N if with_slots else T
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T) if with_slots else None
+    codes = torch.zeros(B, H, rows, 64 * 4 // 8, dtype=torch.uint8)
+    norms = torch.zeros(B, H, rows, 1, dtype=torch.float16)
+    return x, fmt.key_bits, fmt.value_bits, fmt.seed, "values", codes, norms, slots
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("op", ["rotated_decode_attention", "rotated_decode_attention_with_mass"])
+def test_opcheck_attention(seed, op, paged):
+    args = attention_op_args(*attention_inputs(paged), 0.125)
+    results = torch.library.opcheck(getattr(ops, op), args)
+    assert set(results.values()) == {"SUCCESS"}, f"{op}: {results} (seed {seed})"
+
+
+@pytest.mark.parametrize("with_slots", [False, True], ids=["out", "slots"])
+def test_opcheck_quantize(seed, with_slots):
+    results = torch.library.opcheck(ops.quantize_rotated, quantize_op_args(with_slots))
+    assert set(results.values()) == {"SUCCESS"}, f"quantize_rotated: {results} (seed {seed})"
+
+
+def test_cuda_implementations_match_the_triton_paths(seed):
+    # Run here under the interpreter: the ops' CUDA bodies call the Triton entry points with the right arguments.
+    fmt, lay, q, rk, rv, mask = attention_inputs(paged=True)
+    kw = dict(start=lay.start, length=lay.length, scale=0.125, residual_k=rk, residual_v=rv, mask=mask,
+              block_table=lay.block_table, num_splits=2, check=False)  # fmt: skip
+    args = attention_op_args(fmt, lay, q, rk, rv, mask, 0.125)
+    want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw, with_mass=True)
+    assert_same(ops.rotated_decode_attention_cuda(*args), want[0], seed, "rotated attention")
+    assert_same(ops.rotated_decode_attention_with_mass_cuda(*args), want, seed, "rotated attention with mass")
+    # The CPU implementation (the twin in the rotated space) agrees to float32 rounding.
+    check(ops.rotated_decode_attention(*args), q, 64, want[0].double(), seed, "twin op")
+
+    for with_slots in (False, True):
+        x, kb, vb, s, side, codes, norms, slots = quantize_op_args(with_slots)
+        codes2, norms2 = codes.clone(), norms.clone()
+        ops.quantize_rotated_cuda(x, kb, vb, s, side, codes, norms, slots)
+        quantize_rotated_triton(x, RotatedFormat(kb, vb, s), side, (codes2, norms2, None), slots, check=False)
+        assert_same((codes, norms), (codes2, norms2), seed, f"quantize_rotated slots={with_slots}")
+        assert (norms != 0).sum() == x.shape[0] * x.shape[1] * x.shape[2], "norms not written"
