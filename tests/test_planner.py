@@ -343,11 +343,7 @@ def test_plan_matches_what_a_quantized_cache_holds(kv_format, bits):
         hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
     )
     context = 128 + 64 * 13
-    cache = QuantizedCache(config, bits=bits)
-    generator = torch.Generator().manual_seed(0)
-    for layer in range(config.num_hidden_layers):
-        k, v = (torch.randn(1, 2, context, 64, generator=generator, device="cpu").half() for _ in range(2))
-        cache.update(k, v, layer)
+    cache = _filled(QuantizedCache(config, bits=bits), config, context)
     report = cache.memory_report()
     assert report.tokens_held == context
     p = planner.plan(config, context, 1, kv_format=kv_format)
@@ -416,11 +412,7 @@ def test_plan_matches_what_a_rotated_cache_holds(kv_format, window):
         hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
     )
     context = 128 + 837  # not a multiple of anything
-    cache = QuantizedCache(config, bits=kv_format, window=window)
-    generator = torch.Generator().manual_seed(0)
-    for layer in range(config.num_hidden_layers):
-        k, v = (torch.randn(1, 2, context, 64, generator=generator, device="cpu").half() for _ in range(2))
-        cache.update(k, v, layer)
+    cache = _filled(QuantizedCache(config, bits=kv_format, window=window), config, context)
     report = cache.memory_report()
     assert report.tokens_held == context
     p = planner.plan(config, context, 1, kv_format=kv_format, residual=window)
@@ -776,3 +768,12 @@ def test_tp_that_does_not_divide_the_heads_is_refused(capsys):
     assert cli("llama-3.1-8b", "--tp", "2", "--memory", "24GB") == 0
     out = capsys.readouterr().out
     assert "per rank of tp=2" in out and "on each of 2 ranks" in out
+
+
+def _filled(cache, config, context: int):
+    """`cache` after one update of `context` random float16 tokens per layer (2 KV heads, head_dim 64)."""
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(config.num_hidden_layers):
+        k, v = (torch.randn(1, 2, context, 64, generator=generator, device="cpu").half() for _ in range(2))
+        cache.update(k, v, layer)
+    return cache

@@ -73,17 +73,19 @@ def test_fp8_and_the_default_group_follow_the_head_dim():
     assert cache.quantized_report()["ratio_to_fp16"] == pytest.approx(1 / 2 + 1 / 32)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2, "fp8"])
+@pytest.mark.parametrize("bits", [8, 4, 2, "fp8", "k4v2", "k3v3", "k8v8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_fused_decode_matches_the_dense_path(arch, bits):
-    """sdpa (fused kernel over the packed codes) and eager (dense dequantized views) see the same stored values."""
+    """sdpa (fused kernel over the packed codes; rotated: in the rotated space) and eager (dense dequantized views)
+    see the same stored values."""
     model = get_model(arch)
     prompt = make_prompt(40, seed=3)
     logits = {}
     for impl in ("sdpa", "eager"):
         model.set_attn_implementation(impl)
         try:
-            cache = QuantizedCache(model.config, bits=bits, group_size=4, window=4)
+            groups = {} if str(bits).startswith("k") else {"group_size": 4}  # rotated formats have none
+            cache = QuantizedCache(model.config, bits=bits, window=4, **groups)
             out = model.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=cache,
                                  output_logits=True, return_dict_in_generate=True)
         finally:
