@@ -25,13 +25,13 @@ def test_bits_per_coordinate_from_first_principles(bits, limit):
     cfg = config()
     cache = QuantizedCache(cfg, key_bits=bits[0], value_bits=bits[1])
     for layer in range(2):
-        shape = (1, 2, 128 + 300, 64)
+        shape = (1, 2, 128 + 320, 64)
         cache.update(torch.randn(shape, dtype=torch.float16), torch.randn(shape, dtype=torch.float16), layer)
     report = cache.quantized_report()
     # kb + vb bits per coordinate pair, plus a float16 norm per vector of 64: over float16's 2 x 16 bits.
     assert report["ratio_to_fp16"] == pytest.approx((bits[0] + bits[1]) / 32 + 1 / 64)
     assert 16 * report["ratio_to_fp16"] <= limit
-    assert report["quantized_tokens"] == 300 and report["format"] == f"k{bits[0]}v{bits[1]}"
+    assert report["quantized_tokens"] == 320 and report["format"] == f"k{bits[0]}v{bits[1]}"
 
 
 def test_named_by_key_and_value_bits_and_by_spec_strings():
@@ -63,10 +63,10 @@ def test_bad_rotated_settings_are_refused_with_the_numbers(kwargs, match):
 
 CACHES = {
     "quantized": lambda cfg, bits: QuantizedCache(cfg, bits=bits, window=4),
-    "static": lambda cfg, bits: QuantizedCache(cfg, bits=bits, window=4, max_tokens=64),
+    "static": lambda cfg, bits: QuantizedCache(cfg, bits=bits, window=4, max_tokens=128),
     "paged": lambda cfg, bits: PagedCache(cfg, bits=bits, window=4, block_size=8),
-    "sink": lambda cfg, bits: SinkCache(cfg, num_sinks=2, window=60, bits=bits),
-    "h2o": lambda cfg, bits: H2OCache(cfg, budget=60, bits=bits),
+    "sink": lambda cfg, bits: SinkCache(cfg, num_sinks=2, window=100, bits=bits),
+    "h2o": lambda cfg, bits: H2OCache(cfg, budget=100, bits=bits),
     "offloaded": lambda cfg, bits: OffloadedCache(cfg, bits=bits, window=4),
 }
 

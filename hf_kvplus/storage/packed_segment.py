@@ -12,6 +12,12 @@ from .base import widened
 from .quantized import QuantizedSegment
 from .reads import Read, quantized_read
 
+#: Tokens a rotated format's window hands over at a time (fewer for a window under 32: as many as it holds). Its
+#: tokens are coded one by one, but a hand-over every step would cost each decode step two quantize calls and the
+#: window's bookkeeping: 32 at a time costs what KIVI int4's groups do (the window holds `window` to
+#: `window + 31` exact tokens). The codes do not change.
+ROTATED_FLUSH = 32
+
 
 class PackedSegment(QuantizedSegment):
     """Quantized tokens as `[batch, kv_heads, capacity, ...]` code buffers in the `kernels.quant_format`
@@ -34,6 +40,9 @@ class PackedSegment(QuantizedSegment):
     @property
     def length(self) -> int:
         return self.end - self.start
+
+    def flush_tokens(self, window: int) -> int:
+        return min(ROTATED_FLUSH, window) if self.fmt.rotated else self.unit
 
     @property
     def front_offset(self) -> int:

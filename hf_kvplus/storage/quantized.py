@@ -70,6 +70,10 @@ class QuantizedSegment(ABC):
         """Tokens per append: whole groups (a paged segment appends whole blocks)."""
         return self.fmt.group_size
 
+    def flush_tokens(self, window: int) -> int:
+        """Tokens a full-precision window of `window` tokens hands over at a time: a multiple of `unit`."""
+        return self.unit
+
     def group_start(self, token: int) -> int:
         """The first token of the appended unit holding `token` (units stay aligned to appends)."""
         return token - (token + self.front_offset) % self.unit
@@ -159,7 +163,7 @@ class QuantizedStorage(KVStorage):
         self.segment.begin_update()
         self.recent.append(keys, values)
         self._fresh = (keys, values)
-        unit = self.segment.unit
+        unit = self.segment.flush_tokens(self.window)
         flush = (self.recent.length - self.window) // unit * unit
         if flush > 0:
             old_k, old_v = self.recent.view(self.recent.length)
