@@ -61,7 +61,7 @@ def test_bench_and_demo_write_tables_and_plots(local_model, tmp_path, capsys):
                  "--depths", "0.2", "0.8", "--new-tokens", "4", "--out", str(tmp_path / "d")]) == 0
     demo = json.loads((tmp_path / "d" / "demo.json").read_text())
     rows = {r["cache"]: r for r in demo["rows"]}
-    assert next(iter(rows)) == "dynamic" and {"dense", "quantized:int4", "sink:4:508"} <= set(rows)
+    assert next(iter(rows)) == "dynamic" and {"dense", "quantized:int4", "quantized:k4v2", "sink:4:508"} <= set(rows)
     assert rows["dense"]["ppl_delta_pct"] == pytest.approx(0, abs=1e-2)
     assert rows["dense"]["same_tokens_as_baseline"] and rows["dense"]["needle_right"] == rows["dynamic"]["needle_right"]
     assert rows["dynamic"]["decode_vs_baseline"] == rows["dynamic"]["bytes_vs_baseline"] == 1.0

@@ -11,7 +11,12 @@ at that depth, then the question. Each prompt is fed through a fresh cache in ch
 - greedy decode speed after the prompt (`--new-tokens` steps), and its ratio to the baseline's in the same run;
   lossless caches must give the baseline's tokens.
 
-One pass over the context per cache and depth keeps the demo to about two minutes on two cores (BENCHMARKS.md).
+The quantized family shows KIVI's int4 and int2 next to two rotated formats (the TurboQuant class,
+`kernels/rotated_format.py`): `quantized:k4v2` and `quantized:k3v2`, 3.25 and 2.75 bits per coordinate at head
+dim 64 against int4's 5.0 and int2's 3.0, keys given more bits than values.
+
+One pass over the context per cache and depth keeps the demo to about two and a half minutes on two cores
+(BENCHMARKS.md has a run of the ten caches before the rotated two: 125 s).
 A table, a plot grouped by family with the baseline marked, and JSON of numbers.
 """
 
@@ -43,11 +48,12 @@ COLUMNS = [
 ]
 #: The demo's pass keys: fixed, so every cache answers the same prompts.
 KEYS = ("58213", "90476", "31785", "66042")
-#: The caches the demo compares by default: one or two per family (evicting ones at an eighth of the context);
-#: about 13 s each on two cores (36 s on a slower host). `--cache` picks others (`kvplus bench`, `ppl` and `needle` run any list).
+#: The caches the demo compares by default: one or two per family (evicting ones at an eighth of the context;
+#: quantized: KIVI int4/int2 and the rotated k4v2/k3v2); about 13 s each on two cores (36 s on a slower host).
+#: `--cache` picks others (`kvplus bench`, `ppl` and `needle` run any list).
 DEFAULT_SPECS = [
-    "dynamic", "dense", "paged", "quantized:int4", "quantized:int2", "hf-quantized:quanto:4",
-    "sink:4:508", "h2o:512", "snapkv:512", "offloaded",
+    "dynamic", "dense", "paged", "quantized:int4", "quantized:int2", "quantized:k4v2", "quantized:k3v2",
+    "hf-quantized:quanto:4", "sink:4:508", "h2o:512", "snapkv:512", "offloaded",
 ]  # fmt: skip
 
 
