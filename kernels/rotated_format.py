@@ -54,7 +54,8 @@ __all__ = [
 ROTATED_BITS = (1, 2, 3, 4, 8)
 #: Head dims whose Lloyd-Max codebooks ship in `rotated_codebooks.json`.
 SHIPPED_HEAD_DIMS = (64, 128, 256)
-#: Store |x| / |codebook[codes]| (the decoded vector keeps x's norm) rather than |x|: see BENCHMARKS.md.
+#: Store |x| / |codebook[codes]| (the decoded vector keeps x's norm) rather than |x|: see BENCHMARKS.md. An
+#: ablation switch of the twins (eval/compare_turboquant.py --no-renorm); the Triton kernel always re-normalizes.
 RENORMALIZE = True
 #: Half-width of the uniform 8-bit grid, in standard deviations of a coordinate (1 / sqrt(D)).
 UNIFORM_SIGMAS = 6.5
