@@ -104,7 +104,8 @@ def test_dry_run_of_the_whole_pass_on_the_cpu(tmp_path):
     assert merged["env"]["bandwidth"]["copy_gb_per_s"] > 0
     assert merged["tests"]["passed"] > 0 and merged["tests"]["failures"] == merged["tests"]["errors"] == 0
     kernels = {row["kernel"] for row in merged["kernels"]["rows"]}
-    assert kernels == {"sdpa (enable_gqa)", "dense", "dense+mass", "paged", "int8", "int4", "int2", "fp8"}
+    assert kernels == {"sdpa (enable_gqa)", "dense", "dense+mass", "paged", "int8", "int4", "int2", "fp8", "k4v2", "k3v2",
+                       "k2v2"}
     assert all(row["ok"] for row in merged["kernels"]["rows"] if "ok" in row)
     for step in ("e2e_b1", "e2e_b8"):
         rows = merged[step]["rows"]
