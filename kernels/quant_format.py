@@ -88,7 +88,7 @@ class QuantFormat:
 
     def code_dim(self, head_dim: int, side: str) -> int:
         """Bytes of one token's codes (keys and values alike)."""
-        return head_dim // self.per_byte
+        return self.packed_dim(head_dim)
 
     def channels(self, code_bytes: int, side: str) -> int:
         """The head dim of `code_bytes` bytes of codes per token."""

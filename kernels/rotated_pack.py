@@ -116,7 +116,7 @@ def _check(x, fmt, side, out, slots) -> None:
     codes = out[0]
     rows = codes.shape[2] if slots is not None and isinstance(codes, torch.Tensor) and codes.dim() == 4 else T
     want = (
-        ("codes", torch.uint8, (B, H, rows, D * fmt.bits_of(side) // 8)),
+        ("codes", torch.uint8, (B, H, rows, fmt.code_dim(D, side))),
         ("norms", torch.float16, (B, H, rows, 1)),
     )
     for t, (name, dtype, shape) in zip(out, want, strict=False):
