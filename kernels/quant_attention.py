@@ -471,39 +471,44 @@ def _quant_triton(
             )
     else:
         info = _dims(q, packed, fmt, residual_k, block_table)
+
+    def launch(q, partials, plan, scores):
+        _launch_quant_split(
+            q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, keys_per_token, scores
+        )  # fmt: skip
+
+    return split_decode(q, info, launch, length, scale, residual_k, residual_v, mask, num_splits, with_mass, q.dtype)
+
+
+def split_decode(q, info, launch, length, scale, residual_k, residual_v, mask, num_splits, with_mass, out_dtype):
+    """Split-KV decoding of a coded segment and the residual, shared by every coded format: ``launch(q, partials,
+    plan, scores)`` runs kernel 1 over the `length` coded keys into splits 0 .. plan.num_splits - 1 (its format's
+    kernel), the residual runs ``decode_attention``'s split kernel on the splits after them, and the merge kernel
+    combines them. (output `out_dtype` [B, Hq, Dv], mass float32 [B, Hkv, length + R] or None)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     R, Dv = info.R, info.Dv
-
-    quant_plan = res_plan = None
-    if length > 0:
-        quant_plan = _quant_plan(q, info, length, num_splits)
-    if R > 0:
-        res_plan = _plan_splits(q, info.Hkv, Dv, R, num_splits)
+    quant_plan = _quant_plan(q, info, length, num_splits) if length > 0 else None
+    res_plan = _plan_splits(q, info.Hkv, Dv, R, num_splits) if R > 0 else None
     s_quant = quant_plan.num_splits if quant_plan else 0
-    s_res = res_plan.num_splits if res_plan else 0
-    partials = _alloc_partials(q, Dv, s_quant + s_res)
+    partials = _alloc_partials(q, Dv, s_quant + (res_plan.num_splits if res_plan else 0))
     B, Hq = q.shape[:2]
     scores = torch.empty((B, Hq, length + R), dtype=torch.float32, device=q.device) if with_mass else None
 
     if quant_plan is not None:
-        _launch_quant_split(
-            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table, keys_per_token,
-            None if scores is None else scores[:, :, :length],
-        )  # fmt: skip
+        launch(q, partials, quant_plan, None if scores is None else scores[:, :, :length])
     if res_plan is not None:
         rk = residual_k if residual_k.stride(-1) == 1 else residual_k.contiguous()
         rv = residual_v if residual_v.stride(-1) == 1 else residual_v.contiguous()
-        rmask = None if mask is None else mask[:, length:]
         _launch_split(
-            q, rk, rv, rmask, partials, res_plan, scale=scale, n_keys=R, split_offset=s_quant,
-            scores=None if scores is None else scores[:, :, length:],
+            q, rk, rv, None if mask is None else mask[:, length:], partials, res_plan, scale=scale, n_keys=R,
+            split_offset=s_quant, scores=None if scores is None else scores[:, :, length:],
         )  # fmt: skip
     dv_pad = max(16, triton.next_power_of_2(Dv))
     if scores is None:
-        return _merge_partials(partials, q.dtype, dv_pad), None
+        return _merge_partials(partials, out_dtype, dv_pad), None
     lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
-    out = _merge_partials(partials, q.dtype, dv_pad, lse=lse)
+    out = _merge_partials(partials, out_dtype, dv_pad, lse=lse)
     return out, torch.exp2(scores - lse[..., None]).view(B, info.Hkv, info.G, -1).sum(dim=2)
 
 
@@ -545,19 +550,9 @@ def _launch_quant_split(
     mid_o, mid_m, mid_l = partials
     per = fmt.per_byte
     pk, pv = D // per, info.Dv // per
-    if mask is None:
-        mask_arg, smb, smn = q, 0, 0  # never read (HAS_MASK=False)
-    else:
-        mask_arg = mask.view(torch.uint8)  # same bytes; triton loads bytes more reliably than int1
-        smb, smn = mask_arg.stride()
-    if info.paged:
-        bt_arg, sbb, sbc = block_table, block_table.stride(0), block_table.stride(1)
-    else:
-        bt_arg, sbb, sbc = q, 0, 0  # never read (PAGED=False)
-    if scores is None:
-        scores_arg, ssb, ssh, ssn = mid_m, 0, 0, 0  # never written (STORE_SCORES=False)
-    else:
-        scores_arg, (ssb, ssh, ssn) = scores, scores.stride()
+    (mask_arg, smb, smn), (bt_arg, sbb, sbc), (scores_arg, ssb, ssh, ssn) = optional_args(
+        q, mask, block_table if info.paged else None, scores, mid_m
+    )  # fmt: skip
     # fp8 has no zero points: pass the scales in their place (never read, IS_FP8=True).
     k_zero = packed.k_scale if packed.k_zero is None else packed.k_zero
     v_zero = packed.v_scale if packed.v_zero is None else packed.v_zero
@@ -588,6 +583,16 @@ def _launch_quant_split(
         enable_fp_fusion=True,
     )
     # fmt: on
+
+
+def optional_args(q, mask, block_table, scores, mid_m):
+    """Kernel 1's (tensor, strides) of its optional inputs, with a stand-in (never read or written: HAS_MASK,
+    PAGED, STORE_SCORES false) where one is None: (mask, sb, sn), (block table, sb, sc), (scores, sb, sh, sn)."""
+    # Masks as uint8: the same bytes; triton loads bytes more reliably than int1.
+    mask_args = (q, 0, 0) if mask is None else (mask.view(torch.uint8), *mask.stride())
+    table_args = (q, 0, 0) if block_table is None else (block_table, *block_table.stride())
+    score_args = (mid_m, 0, 0, 0) if scores is None else (scores, *scores.stride())
+    return mask_args, table_args, score_args
 
 
 if triton is not None:

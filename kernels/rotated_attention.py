@@ -25,14 +25,8 @@ from __future__ import annotations
 import torch
 
 from hf_kvplus.errors import ConfigError, KernelUnavailableError
-from hf_kvplus.kernels.decode_attention import (
-    _alloc_partials,
-    _is_interpreted,
-    _launch_split,
-    _merge_partials,
-    _plan_splits,
-)
-from hf_kvplus.kernels.quant_attention import LOG2E, _check_inputs, _dims, _quant_plan
+from hf_kvplus.kernels.decode_attention import _is_interpreted
+from hf_kvplus.kernels.quant_attention import LOG2E, _check_inputs, _dims, optional_args, split_decode
 from hf_kvplus.kernels.rotated_format import RotatedFormat, codebook
 
 try:
@@ -78,35 +72,13 @@ def rotated_decode_attention_triton(
             )
     else:
         info = _dims(q, packed, fmt, residual_k, block_table)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    B, Hq = q.shape[:2]
-    R, Dv = info.R, info.Dv
 
-    quant_plan = _quant_plan(q, info, length, num_splits) if length > 0 else None
-    res_plan = _plan_splits(q, info.Hkv, Dv, R, num_splits) if R > 0 else None
-    s_quant = quant_plan.num_splits if quant_plan else 0
-    partials = _alloc_partials(q, Dv, s_quant + (res_plan.num_splits if res_plan else 0))
-    scores = torch.empty((B, Hq, length + R), dtype=torch.float32, device=q.device) if with_mass else None
+    def launch(q, partials, plan, scores):
+        _launch_rotated_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores)
 
-    if quant_plan is not None:
-        _launch_rotated_split(
-            q, packed, fmt, info, mask, partials, quant_plan, scale, start, length, block_table,
-            None if scores is None else scores[:, :, :length],
-        )  # fmt: skip
-    if res_plan is not None:
-        rk = residual_k if residual_k.stride(-1) == 1 else residual_k.contiguous()
-        rv = residual_v if residual_v.stride(-1) == 1 else residual_v.contiguous()
-        _launch_split(
-            q, rk, rv, None if mask is None else mask[:, length:], partials, res_plan, scale=scale, n_keys=R,
-            split_offset=s_quant, scores=None if scores is None else scores[:, :, length:],
-        )  # fmt: skip
-    dv_pad = max(16, triton.next_power_of_2(Dv))
-    if scores is None:
-        return _merge_partials(partials, torch.float32, dv_pad), None
-    lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
-    out = _merge_partials(partials, torch.float32, dv_pad, lse=lse)
-    return out, torch.exp2(scores - lse[..., None]).view(B, info.Hkv, info.G, -1).sum(dim=2)
+    return split_decode(
+        q, info, launch, length, scale, residual_k, residual_v, mask, num_splits, with_mass, torch.float32
+    )  # fmt: skip
 
 
 def _launch_rotated_split(
@@ -116,19 +88,9 @@ def _launch_rotated_split(
     float32 [B, Hq, length] (any strides) that receives the log2-domain logits (-inf where masked)."""
     B, Hq, D = q.shape
     mid_o, mid_m, mid_l = partials
-    if mask is None:
-        mask_arg, smb, smn = q, 0, 0  # never read (HAS_MASK=False)
-    else:
-        mask_arg = mask.view(torch.uint8)  # same bytes; triton loads bytes more reliably than int1
-        smb, smn = mask_arg.stride()
-    if info.paged:
-        bt_arg, sbb, sbc = block_table, block_table.stride(0), block_table.stride(1)
-    else:
-        bt_arg, sbb, sbc = q, 0, 0  # never read (PAGED=False)
-    if scores is None:
-        scores_arg, ssb, ssh, ssn = mid_m, 0, 0, 0  # never written (STORE_SCORES=False)
-    else:
-        scores_arg, (ssb, ssh, ssn) = scores, scores.stride()
+    (mask_arg, smb, smn), (bt_arg, sbb, sbc), (scores_arg, ssb, ssh, ssn) = optional_args(
+        q, mask, block_table if info.paged else None, scores, mid_m
+    )  # fmt: skip
     k_book = codebook(D, fmt.key_bits, q.device)[0]
     v_book = codebook(info.Dv, fmt.value_bits, q.device)[0]
     # fmt: off
