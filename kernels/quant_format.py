@@ -44,7 +44,7 @@ __all__ = [
     "pack_codes",
     "quantize_keys",
     "quantize_values",
-    "unpack_codes",
+    "unpack_planes",
 ]
 
 #: Largest finite float8 e4m3fn value.
@@ -174,15 +174,17 @@ def pack_codes(codes: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return packed
 
 
-def unpack_codes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """Packed bytes ``[..., P]`` to uint8 codes ``[..., P * per]``, channels in order.
+def unpack_planes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Packed bytes ``[..., P]`` to uint8 codes ``[..., per, P]``: plane i holds channels ``i * P .. (i + 1) * P - 1``
+    (``flatten(-2)`` puts them in channel order).
 
-    One shift by ``[per, 1]`` amounts and one mask, whatever ``per`` (two ops: a decode step's host cost)."""
+    One shift by ``[per, 1]`` amounts and one mask, whatever ``per`` (two ops: a decode step's host cost). The
+    dequantizers decode in this shape and flatten last: compiled, a loop over the channels in order would index
+    the bytes by ``channel % P`` and the shifts by ``channel // P``, which inductor runs element by element."""
     per = fmt.per_byte
     if per == 1:
-        return packed
-    parts = (packed.unsqueeze(-2) >> _shifts(per, fmt.code_bits, packed.device)) & fmt.qmax  # [..., per, P]
-    return parts.flatten(-2)
+        return packed.unsqueeze(-2)
+    return (packed.unsqueeze(-2) >> _shifts(per, fmt.code_bits, packed.device)) & fmt.qmax
 
 
 _SHIFTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -271,10 +273,9 @@ def dequantize_keys(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *
     rotated)."""
     if fmt.rotated:
         return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space)
-    q = unpack_codes(codes, fmt).unflatten(-2, (scale.shape[-2], fmt.group_size))
-    s = scale.unsqueeze(-2)
-    z = None if zero is None else zero.unsqueeze(-2)
-    return _decode(q, s, z, fmt).flatten(-3, -2).to(dtype)
+    q = unpack_planes(codes, fmt).unflatten(-3, (scale.shape[-2], fmt.group_size))  # [..., groups, G, per, P]
+    s, z = (None if t is None else t.unflatten(-1, q.shape[-2:]).unsqueeze(-3) for t in (scale, zero))
+    return _decode(q, s, z, fmt).flatten(-2).flatten(-3, -2).to(dtype)
 
 
 def dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False) -> torch.Tensor:
@@ -282,7 +283,13 @@ def dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32,
     rotated)."""
     if fmt.rotated:
         return dequantize_rotated(codes, scale, fmt, "values", dtype, rotated_space=rotated_space)
-    q = unpack_codes(codes, fmt).unflatten(-1, (scale.shape[-1], fmt.group_size))
-    s = scale.unsqueeze(-1)
-    z = None if zero is None else zero.unsqueeze(-1)
-    return _decode(q, s, z, fmt).flatten(-2).to(dtype)
+    q, G = unpack_planes(codes, fmt), fmt.group_size
+    per, P = q.shape[-2:]
+    if P % G == 0:  # whole groups in each plane: codes [..., T, per, P / G, G], params [..., T, per, P / G, 1]
+        q, params = q.unflatten(-1, (P // G, G)), lambda t: t.unflatten(-1, (per, P // G)).unsqueeze(-1)
+    elif G % P == 0:  # whole planes in each group: codes [..., T, groups, G / P, P], params [..., T, groups, 1, 1]
+        q, params = q.unflatten(-2, (per * P // G, G // P)), lambda t: t[..., None, None]
+    else:  # neither: channels in order, codes [..., T, groups, G], params [..., T, groups, 1]
+        q, params = q.flatten(-2).unflatten(-1, (per * P // G, G)), lambda t: t.unsqueeze(-1)
+    x = _decode(q, params(scale), None if zero is None else params(zero), fmt)
+    return x.flatten(codes.dim() - 1).to(dtype)
