@@ -353,8 +353,9 @@ def _gather_chunk(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | No
     """
     nb, hkv, bs, dim = pool.shape
     B, c = ids.shape
-    if rows is not None:
-        return pool.view(nb * hkv, bs * dim).index_select(0, rows).view(B, hkv, c * bs, dim)
+    if rows is not None:  # [rows, bs, dim], not [rows, bs * dim]: compiled, the view to [B, hkv, c * bs, dim] then
+        # merges whole dims; from bs * dim, inductor copied the gathered keys again, element by element
+        return pool.view(nb * hkv, bs, dim).index_select(0, rows).view(B, hkv, c * bs, dim)
     picked = pool.index_select(0, ids.reshape(-1).long()).view(B, c, hkv, bs, dim)
     return picked.transpose(1, 2).reshape(B, hkv, c * bs, dim)
 
