@@ -182,7 +182,8 @@ def test_values_match_twin_and_bound(seed, bits, dtype):
         ("keys", 4, 1, 1, 18, 48, 6),  # group of 6 tokens, P = 24 bytes (padded to 32)
         ("keys", 2, 2, 1, 24, 96, 24),  # D = 96: P = 24 bytes
         ("values", 2, 1, 2, 5, 48, 12),  # value groups straddle the 4 parts of a byte (P = 12)
-        ("values", 4, 2, 1, 6, 96, 32),  # 3 groups, P = 48 (padded to 64)
+        ("values", 4, 2, 1, 6, 96, 32),  # 3 groups, P = 48 (padded to 64): neither holds the other
+        ("values", 2, 1, 2, 5, 64, 32),  # a group holds two of the 4 parts of a byte (P = 16)
         ("values", "fp8", 1, 1, 7, 80, 16),
         ("keys", "fp8", 1, 1, 16, 80, 8),
     ],
