@@ -18,7 +18,11 @@ calls the compiled forward. This times that, per context length, on the tiny 8-l
   cache is compiled and timed on its own, after `torch._dynamo.reset()` (one process, one cache, as users
   run it);
 - its ratio to StaticCache compiled the same way (`max_cache_len` = prompt + N2, so it attends over the
-  whole buffer, masked, as StaticCache does);
+  whole buffer, masked, as StaticCache does). With `--paired`, StaticCache is compiled beside each cache
+  (after the reset, the two graphs in one compiled forward) and the two are timed alternately, `--repeats`
+  pairs: the ratio is the median of the pairs' ratios, StaticCache's time the median over all pairs. On a
+  machine whose step time drifts by up to 2x over minutes (the 2-core VM), separate stretches give ratios
+  from 0.8 to 1.9 for one cache; pairs taken seconds apart agree within about 0.1;
 - DynamicCache and a SinkCache without `compile=on`, which generate() runs eagerly, as references.
 
 `--model llama-8b` builds Llama 3.1 8B's shape with random bfloat16 weights (`--layers` of them; the ratios
@@ -113,7 +117,9 @@ def markdown(result: dict) -> str:
         "",
         f"{model}, {a['device']}, "
         f"backend {a['backend']}, mode {a['mode']}, {a['threads']} thread(s); decode time from generate() of "
-        f"tokens {a['new'][0]} to {a['new'][1]} of one call, median of {a['repeats']}; {result['machine']}, {result['date']}",
+        f"tokens {a['new'][0]} to {a['new'][1]} of one call, median of {a['repeats']}"
+        + (" pairs with StaticCache, timed alternately" if a.get("paired") == "True" else "")
+        + f"; {result['machine']}, {result['date']}",
         "",
         "```",
         format_table(result["rows"], COLUMNS),
@@ -154,6 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (distinct prompts per row)")
     parser.add_argument("--new", type=int, nargs=2, default=[8, 72], metavar=("N1", "N2"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paired", action="store_true", help="time StaticCache beside each cache, alternately")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="inductor")
@@ -203,26 +210,35 @@ def main(argv=None) -> None:
             generator = torch.Generator().manual_seed(context * 100 + batch)
             prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator).to(args.device)
             times = {spec.text: [] for spec in specs}
-            for spec in tqdm(specs, desc=f"{context} tokens, batch {batch}", file=sys.stderr):
-                # Each cache compiles alone, as in a process that uses one cache: graphs of several caches under one
-                # compiled forward share its automatic-dynamic state, and inductor (torch 2.13, CPU) then generated
-                # code naming an unbound size symbol for H2O's graph after SinkCache's (NameError at run time).
+            ratios = {spec.text: [] for spec in specs}
+            static = next(spec for spec in specs if spec.text == "static")
+            timed = [spec for spec in specs if spec is not static] if args.paired else specs
+            for spec in tqdm(timed, desc=f"{context} tokens, batch {batch}", file=sys.stderr):
+                # Each cache compiles alone (or beside StaticCache, paired), as in a process that uses one cache:
+                # graphs of several caches under one compiled forward share its automatic-dynamic state, and
+                # inductor (torch 2.13, CPU) then generated code naming an unbound size symbol for H2O's graph
+                # after SinkCache's (NameError at run time).
                 torch._dynamo.reset()
                 gc.collect()
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
-                decode_seconds(model, spec, prompt, (n1, n2), context + n2, config)  # compiles every shape of the run
+                pair = (static, spec) if args.paired else (spec,)
+                for s in pair:  # compiles every shape of the run
+                    decode_seconds(model, s, prompt, (n1, n2), context + n2, config)
                 for _ in range(args.repeats):
-                    times[spec.text].append(decode_seconds(model, spec, prompt, (n1, n2), context + n2, config))
+                    took = [decode_seconds(model, s, prompt, (n1, n2), context + n2, config) for s in pair]
+                    for s, seconds in zip(pair, took, strict=True):
+                        times[s.text].append(seconds)
+                    ratios[spec.text].append(took[-1] / took[0])
+            base = statistics.median(times["static"])
             group = []
             for spec in specs:
                 compiled = spec.build(model.config, max_length=context + n2).is_compileable
+                seconds = statistics.median(times[spec.text])
+                paired = args.paired and spec is not static
                 group.append({"context": context, "batch": batch, "cache": spec.text,
-                              "compiled": "yes" if compiled else "no (eager)",
-                              "decode_ms": statistics.median(times[spec.text]) * 1e3})  # fmt: skip
-            base = next(r["decode_ms"] for r in group if r["cache"] == "static")
-            for row in group:
-                row["vs_static"] = row["decode_ms"] / base
+                              "compiled": "yes" if compiled else "no (eager)", "decode_ms": seconds * 1e3,
+                              "vs_static": statistics.median(ratios[spec.text]) if paired else seconds / base})  # fmt: skip
             rows += group
     result = {**stamp(), "args": {**{k: str(v) for k, v in vars(args).items()}, "new": args.new,
                                   "dry_run": args.dry_run}, "rows": rows}  # fmt: skip

@@ -1,0 +1,42 @@
+"""eval/bench_compile.py --paired: StaticCache timed beside each cache, and each ratio the median of its pairs'."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+EVAL = Path(__file__).resolve().parents[1] / "eval"
+
+
+def test_paired_ratio_is_the_median_of_pair_ratios(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EVAL))
+    import bench_compile
+
+    # Per cache, the seconds its successive runs take (a warm-up first): StaticCache drifts 1 -> 3 -> 1 -> ...
+    seconds = {"static": itertools.cycle([1.0, 1.0, 3.0]), "dense:compile=on": itertools.cycle([2.0, 2.0, 3.0])}
+    calls = []
+
+    def fake(model, spec, prompt, new, max_length, config):
+        calls.append(spec.text)
+        return next(seconds[spec.text])
+
+    monkeypatch.setattr(bench_compile, "decode_seconds", fake)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # main sets it
+    threads = torch.get_num_threads()
+    try:
+        bench_compile.main(["--out", str(tmp_path), "--paired", "--repeats", "2", "--contexts", "32", "--new", "2",
+                            "4", "--backend", "eager", "--threads", str(threads), "--specs", "static",
+                            "dense:compile=on"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+    # Warm-ups, then the two alternately: static, dense, static, dense.
+    assert calls == ["static", "dense:compile=on"] * 3
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "compile.json").read_text())["rows"]}
+    # Pairs (1, 2) and (3, 3): ratios 2 and 1, median 1.5 (medians' ratio: 2.5 / 2 = 1.25).
+    assert rows["dense:compile=on"]["vs_static"] == 1.5
+    assert rows["static"]["vs_static"] == 1.0 and rows["static"]["decode_ms"] == 2000.0
+    assert "pairs with StaticCache" in (tmp_path / "compile.md").read_text()
