@@ -925,10 +925,20 @@ def _twin(
     state = [None, None, None]  # running max, sum, accumulator
     logits = [] if with_mass else None
 
+    last = None  # the last chunk (index of its first key, K, V): the residual joins it when both fit one chunk
     for chunk in itertools.chain(head, chunks):
-        n0, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
+        if last is not None:
+            n0, k, v = last
+            _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
+        last = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
+    joined = 0  # residual keys that went with the last chunk
+    if last is not None:  # it ends at key `length`, where the residual starts
+        n0, k, v = last
+        if 0 < R <= TWIN_CHUNK_TOKENS - k.shape[2]:  # one step, not two (a tail chunk and the window, mostly)
+            k, v = torch.cat([k, residual_k.float()], dim=2), torch.cat([v, residual_v.float()], dim=2)
+            joined = R
         _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
-    for r0 in range(0, R, TWIN_CHUNK_TOKENS):
+    for r0 in range(joined, R, TWIN_CHUNK_TOKENS):
         r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
         k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()
         _online_step(state, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1], logits)

@@ -428,10 +428,12 @@ def test_with_mass_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
 @pytest.mark.parametrize("paged", [False, True])
-def test_twin_chunks_agree(seed, monkeypatch, paged):
-    # Chunks of one key group / one block (and residual chunks of 16) give the single-chunk result:
-    # rows whose first chunks are all padding, a random mask, a peaky softmax (scale 1).
+def test_twin_chunks_agree(seed, monkeypatch, paged, chunk):
+    # Chunks of 16 (one key group / one block; residual chunks of 16) or 64 (the last chunk's 25 keys and the 37 of
+    # the residual in one step) give the single-chunk result: rows whose first chunks are all padding, a random
+    # mask, a peaky softmax (scale 1).
     fmt = QuantFormat(4, 8)
     B, Hkv, G, D, length, R = 3, 2, 2, 32, 150, 37
     if paged:
@@ -446,9 +448,9 @@ def test_twin_chunks_agree(seed, monkeypatch, paged):
     ref = full_reference(q, lay, rk, rv, 1.0, mask)
     whole = run(quantized_decode_attention_torch, q, fmt, lay, 1.0, rk, rv, mask)
     check(whole, q, D, ref, seed, "one chunk")
-    monkeypatch.setattr(mod, "TWIN_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(mod, "TWIN_CHUNK_TOKENS", chunk)
     chunked = run(quantized_decode_attention_torch, q, fmt, lay, 1.0, rk, rv, mask)
-    check(chunked, q, D, ref, seed, "chunks of 16")
+    check(chunked, q, D, ref, seed, f"chunks of {chunk}")
     assert rel_err(chunked, whole.double()) < 1e-5
 
 
