@@ -68,7 +68,7 @@ def use_codebooks(kind: str) -> None:
 _lloyd_max_centroids = rotated_format._centroids
 
 
-def codebooks(args, model, ids, base) -> list[dict]:
+def codebooks(args, model, ids, base) -> tuple[list[dict], str]:
     head_dim = model.config.head_dim
     x, w = density(head_dim)
     for bits in (2, 3, 4):
@@ -94,7 +94,7 @@ def codebooks(args, model, ids, base) -> list[dict]:
     return rows, format_table(table, columns)
 
 
-def layer_bits(args, model, ids, base) -> list[dict]:
+def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
     up = parse_config(args.up)
     _, kb, vb = parse_config(args.base)
     rows = []

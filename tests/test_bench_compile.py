@@ -24,12 +24,12 @@ def test_paired_ratio_is_the_median_of_pair_ratios(tmp_path, monkeypatch):
         return next(seconds[spec.text])
 
     monkeypatch.setattr(bench_compile, "decode_seconds", fake)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # main sets it
     threads = torch.get_num_threads()
     try:
-        bench_compile.main(["--out", str(tmp_path), "--paired", "--repeats", "2", "--contexts", "32", "--new", "2",
-                            "4", "--backend", "eager", "--threads", str(threads), "--specs", "static",
-                            "dense:compile=on"])  # fmt: skip
+        with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # main sets it
+            bench_compile.main(["--out", str(tmp_path), "--paired", "--repeats", "2", "--contexts", "32", "--new", "2",
+                               "4", "--backend", "eager", "--threads", str(threads), "--specs", "static",
+                               "dense:compile=on"])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
