@@ -2,6 +2,7 @@
 
     python eval/rotated_ablations.py codebooks --out eval/results/rotated_ablations
     python eval/rotated_ablations.py layer-bits --out eval/results/rotated_ablations
+    python eval/rotated_ablations.py centering --out eval/results/rotated_ablations
 
 - `codebooks`: uniform codes after the rotation against the Lloyd-Max codebooks, same bytes. The uniform codebook
   has 2**bits evenly spaced levels, centred, with the step that minimises the mean squared error for the rotated
@@ -9,6 +10,15 @@
   codebooks in the same run. Also prints each codebook's distortion (MSE x head dim).
 - `layer-bits`: `--base` (k4v2) everywhere and one layer at `--up` (k8v8), for every layer in turn and none, one
   seed: how much of the loss each layer holds (the issue's "give the first and last layers more bits").
+- `centering`: where the loss is, and what a coder that subtracts a centre first would gain, simulated: a
+  DynamicLayer whose tokens are replaced, as they leave the window, by the rotated format's quantize-then-dequantize
+  (the same codes as `QuantizedCache`: `base` reproduces its perplexity exactly), with `--variants`:
+  `base`; `sinks` (the first 4 tokens never quantized, keys and values); `center+sinks` (keys coded as
+  mu + code(k - mu), mu the per-head mean key of the first quantized tokens but those 4, which stay exact: a shift
+  shared by every key of a head leaves the softmax unchanged when the window's keys are shifted alike); `choice`
+  (no exact tokens: each key coded as mu + code(k - mu) or code(k), whichever of k - mu and k is shorter, one bit
+  a token); `values-centered+sinks` (`center+sinks` on the values as well). `k16vY` rows keep keys exact: the
+  values' own share.
 
 SmolLM2-135M, the first 4096 tokens of Pride and Prejudice in chunks of 256, a 128-token window, perplexity change
 against DynamicCache on the same ids; writes `<ablation>.json` and `<ablation>.md` into `--out`.
@@ -18,20 +28,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
 import torch
 from compare_turboquant import parse_config
 from tqdm.auto import tqdm
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from hf_kvplus import QuantizedCache
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.kernels import rotated_format
-from hf_kvplus.kernels.rotated_format import RotatedFormat
+from hf_kvplus.kernels.rotated_format import RotatedFormat, dequantize_rotated, quantize_rotated
 from hf_kvplus.resolve import load_model, load_text
 
 
@@ -112,6 +124,77 @@ def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
     return rows, format_table(rows, columns)
 
 
+#: The `centering` variants, and the first tokens each keeps exact.
+VARIANTS = {"base": 0, "sinks": 4, "center+sinks": 4, "choice": 0, "values-centered+sinks": 4}
+
+
+def roundtrip(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
+    """``x`` through the rotated format's quantize then dequantize (float32); 16 bits: unchanged."""
+    if bits == 16:
+        return x.float()
+    fmt = RotatedFormat(bits, bits, seed)
+    codes, norms = quantize_rotated(x.float().contiguous(), fmt, "keys")
+    return dequantize_rotated(codes, norms, fmt, "keys")
+
+
+class CenteringLayer(DynamicLayer):
+    """Tokens older than the newest `window` replaced once by their coding under `variant` (see the module doc);
+    layer `index` rotates with `seed + index`, as `QuantizedCache`'s layers do."""
+
+    def __init__(self, index: int, key_bits: int, value_bits: int, seed: int, window: int, variant: str):
+        super().__init__()
+        self.bits, self.seed, self.window, self.variant = (key_bits, value_bits), seed + index, window, variant
+        self.coded = VARIANTS[variant]  # tokens before `coded` are done (the first ones kept exact)
+        self.centers: list[torch.Tensor | None] = [None, None]
+
+    def code(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks")
+        centered = keys_centered if side == 0 else self.variant == "values-centered+sinks"
+        if not centered or self.bits[side] == 16:
+            return roundtrip(x, self.bits[side], self.seed)
+        if self.centers[side] is None:  # the mean of the first tokens coded (those after the exact ones)
+            self.centers[side] = x.float().mean(dim=2, keepdim=True)
+        mu = self.centers[side]
+        shifted = mu + roundtrip(x - mu, self.bits[side], self.seed)
+        if self.variant != "choice":
+            return shifted
+        shorter = (x - mu).norm(dim=-1, keepdim=True) <= x.norm(dim=-1, keepdim=True)
+        return torch.where(shorter, shifted, roundtrip(x, self.bits[side], self.seed))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start = self.get_seq_length()
+        keys, values = super().update(key_states, value_states)
+        end = keys.shape[-2] - self.window
+        if end > self.coded:
+            part = slice(self.coded, end)
+            keys[:, :, part] = self.code(keys[:, :, part], 0).to(keys.dtype)
+            values[:, :, part] = self.code(values[:, :, part], 1).to(values.dtype)
+            self.coded = end
+        return torch.cat([keys[:, :, :start], key_states], -2), torch.cat([values[:, :, :start], value_states], -2)
+
+
+def centering(args, model, ids, base) -> tuple[list[dict], str]:
+    rows = []
+    plan = [(name, v, s) for name in args.configs for v in args.variants for s in args.seeds]
+    for name, variant, seed in tqdm(plan, desc="runs"):
+        kb, vb = map(int, re.fullmatch(r"k(\d+)v(\d+)", name).groups())
+        layers = [CenteringLayer(i, kb, vb, seed, args.window, variant) for i in range(model.config.num_hidden_layers)]
+        ppl = perplexity(model, ids, Cache(layers=layers), mode="chunked", chunk_size=args.chunk,
+                         label=f"{name} {variant} {seed}").perplexity  # fmt: skip
+        rows.append({"config": name, "variant": variant, "seed": seed, "perplexity": ppl,
+                     "delta_pct": 100 * (ppl / base - 1)})  # fmt: skip
+        tqdm.write(json.dumps(rows[-1]))
+    table = []
+    for name in args.configs:
+        for variant in args.variants:
+            deltas = [r["delta_pct"] for r in rows if r["config"] == name and r["variant"] == variant]
+            table.append({"config": name, "variant": variant, "mean": statistics.fmean(deltas),
+                          "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}", "runs": len(deltas)})  # fmt: skip
+    columns = [("config", "config", ""), ("variant", "variant", ""), ("mean", "delta % mean", "+.3f"),
+               ("range", "min .. max", ""), ("runs", "seeds", "d")]  # fmt: skip
+    return rows, format_table(table, columns)
+
+
 def measure(args, model, ids, base: float, cache, row: dict) -> dict:
     ppl = perplexity(model, ids, cache, mode="chunked", chunk_size=args.chunk, label=str(row)).perplexity
     row.update(perplexity=ppl, delta_pct=100 * (ppl / base - 1), bits=16 * cache.quantized_report()["ratio_to_fp16"])
@@ -121,14 +204,17 @@ def measure(args, model, ids, base: float, cache, row: dict) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ablation", choices=["codebooks", "layer-bits"])
+    parser.add_argument("ablation", choices=["codebooks", "layer-bits", "centering"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--configs", nargs="+", default=["k4v2", "k3v2", "k2v2"], help="codebooks: rotated configs")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="codebooks: rotation seeds")
+    parser.add_argument("--configs", nargs="+", default=["k4v2", "k3v2", "k2v2"],
+                        help="codebooks, centering: rotated configs (centering: k16vY keeps keys exact)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="codebooks, centering: rotation seeds")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="centering: coder variants")
     parser.add_argument("--base", default="k4v2", help="layer-bits: every layer's format")
     parser.add_argument("--up", default="k8v8", help="layer-bits: the one layer's format")
     parser.add_argument("--seed", type=int, default=0, help="layer-bits: rotation seed")
@@ -137,7 +223,8 @@ def main(argv=None) -> None:
     model, tokenizer = load_model("smollm2-135m")
     ids = tokenize(tokenizer, load_text("austen:prideprejudice"), args.tokens)
     base = perplexity(model, ids, DynamicCache(config=model.config), mode="chunked", chunk_size=args.chunk).perplexity
-    rows, table = (codebooks if args.ablation == "codebooks" else layer_bits)(args, model, ids, base)
+    run = {"codebooks": codebooks, "layer-bits": layer_bits, "centering": centering}[args.ablation]
+    rows, table = run(args, model, ids, base)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {**stamp(), "ablation": args.ablation, "args": {k: str(v) for k, v in vars(args).items()}, "dynamic": base}
     (args.out / f"{args.ablation}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
