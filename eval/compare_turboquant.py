@@ -26,7 +26,8 @@ its residual's), so ((X D + 16) + (Y D + 16)) / 2D = (X + Y) / 2 + 16 / D, or 8 
 reference itself keeps codes as int64 and norms as float32; the simulation uses its float32 norms as they are.
 
 `--no-renorm` sets `hf_kvplus.kernels.rotated_format.RENORMALIZE = False` (an ablation: the stored norm is |x|, not
-|x| / |decoded unit vector|, which is what the reference stores). Writes `turboquant.json` (every run),
+|x| / |decoded unit vector|, which is what the reference stores); `--no-center` sets `CENTER_KEYS = False` (keys
+coded without a centre, as before stop 34). Writes `turboquant.json` (every run),
 `turboquant.md` (the table) and `turboquant.png` (perplexity change against bits per coordinate) into `--out`.
 """
 
@@ -54,7 +55,7 @@ from hf_kvplus.resolve import load_model, load_text
 CONFIGS = ("kivi4", "kivi2", "k4v4", "k4v2", "k3v3", "k3v2", "k2v4", "k2v2", "k3v3+qjl")
 KIVI, ROTATED, REF_MSE, REF_QJL = ("hf_kvplus KIVI", "hf_kvplus rotated", "TurboQuant reference (MSE keys)",
                                    "TurboQuant reference (QJL keys)")  # fmt: skip
-NO_RENORM = " (no renorm)"
+NO_RENORM, NO_CENTER = " (no renorm)", " (no centre)"
 
 
 class ReferenceLayer(DynamicLayer):
@@ -110,7 +111,7 @@ def parse_config(name: str) -> tuple[str, int, int]:
 def plan(args, config) -> list[tuple[str, str, int | None, object]]:
     """(series, config, seed, cache factory) of every run, ours first."""
     ours, reference = [], []
-    rotated = ROTATED + (NO_RENORM if args.no_renorm else "")
+    rotated = ROTATED + (NO_RENORM if args.no_renorm else "") + (NO_CENTER if args.no_center else "")
     for name in args.configs:
         kind, kb, vb = parse_config(name)
         if kind == "kivi":
@@ -226,6 +227,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ours-only", action="store_true", help="skip the reference rows")
     parser.add_argument("--no-renorm", action="store_true", help="store |x| as the rotated formats' norm (ablation)")
+    parser.add_argument("--no-center", action="store_true", help="code the rotated formats' keys without a centre "
+                                                                  "(ablation)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="every row at a tiny size: 300 tokens, 1 seed, "
                                                                "window 32, chunks of 64")  # fmt: skip
     args = parser.parse_args(argv)
@@ -237,11 +240,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.no_renorm:
         rotated_format.RENORMALIZE = False
+    if args.no_center:
+        rotated_format.CENTER_KEYS = False
     model, tokenizer = load_model(args.model)
     ids = tokenize(tokenizer, load_text(args.text), args.tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {**stamp(), "model": args.model, "text": args.text, "tokens": ids.numel(), "chunk": args.chunk,
-            "window": args.window, "seeds": args.seeds, "renormalize": rotated_format.RENORMALIZE}  # fmt: skip
+            "window": args.window, "seeds": args.seeds, "renormalize": rotated_format.RENORMALIZE,
+            "center_keys": rotated_format.CENTER_KEYS}  # fmt: skip
     if not args.ours_only:
         meta["versions"]["turboquant-torch"] = __import__("turboquant").__version__
 

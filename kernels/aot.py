@@ -66,7 +66,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -87,7 +87,7 @@ from hf_kvplus.kernels import (
     rotated_pack,
 )
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
-from hf_kvplus.kernels.rotated_format import ROTATED_BITS, RotatedFormat
+from hf_kvplus.kernels.rotated_format import ROTATED_BITS, KeyCenter, RotatedFormat
 from hf_kvplus.paging import DEFAULT_BLOCK_SIZE
 
 __all__ = [
@@ -410,9 +410,16 @@ def _pack_at(dtype, fmt, head_dim) -> list[Spec]:
     )
 
 
+def _centered(fmt: RotatedFormat, head_dim: int) -> RotatedFormat:
+    """``fmt`` with a key centre, as a cache's layer has it (``RotatedFormat.for_layer``)."""
+    return replace(fmt, key_center=KeyCenter.given(_meta(KV_HEADS, head_dim, dtype=torch.float32), fmt.seed))
+
+
 def _rotated(fmt, head_dim, group, mask, block_size, mass) -> list[Spec]:
     """Rotated-format decode attention over KEYS coded tokens (dense, or paged when ``block_size``) plus a
-    residual, as ``quant_attention``'s dispatcher launches it: q and the residual rotated, float32."""
+    residual, as ``quant_attention``'s dispatcher launches it for a cache's layer (keys centred): q and the
+    residual rotated, float32."""
+    fmt = _centered(fmt, head_dim)
     q = _meta(BATCH, KV_HEADS * group, head_dim, dtype=torch.float32)
     residual = _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=torch.float32)
     if block_size is None:
@@ -437,12 +444,12 @@ def _rotated(fmt, head_dim, group, mask, block_size, mass) -> list[Spec]:
     )
 
 
-def _rotated_pack(bits, head_dim) -> list[Spec]:
+def _rotated_pack(bits, head_dim, centered) -> list[Spec]:
     """Rotated quantize-and-pack at the token tiles the launch picks (the token count doubles until the tile stops
     growing): every tile at the representative head dim, the largest at the others; and one token per row and head
-    into its slot of slot buffers (an evicting cache's refill)."""
-    fmt = RotatedFormat(bits, bits)
-    name = f"{bits}-bit d{head_dim}"
+    into its slot of slot buffers (an evicting cache's refill). `centered`: keys with a centre (signed norms)."""
+    fmt = _centered(RotatedFormat(bits, bits), head_dim) if centered else RotatedFormat(bits, bits)
+    name = f"{bits}-bit d{head_dim}{' centred' if centered else ''}"
     tiles: list[Spec] = []
     tokens = 1
     while True:
@@ -490,8 +497,8 @@ def specializations() -> list[Spec]:
         fmt = RotatedFormat(bits, bits)
         if fmt not in ROTATED_FORMATS:
             specs += _rotated(fmt, REP_HEAD_DIM, groups[0], True, None, False)
-    for bits, d in itertools.product(ROTATED_BITS, HEAD_DIMS):
-        specs += _rotated_pack(bits, d)
+    for bits, d, centered in itertools.product(ROTATED_BITS, HEAD_DIMS, flags):
+        specs += _rotated_pack(bits, d, centered)
 
     rep = (REP_DTYPE, REP_HEAD_DIM)
     for bs in PAGED_BLOCK_SIZES:

@@ -17,7 +17,8 @@ figures: BENCHMARKS.md, compiled decode, stops 25 and 26).
 Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and
 ``int group_size``, a ``RotatedFormat`` as ``int key_bits``, ``int value_bits`` and ``int seed`` (its
-PackedKV as four tensors: codes and norms, no zeros). Ints are ``SymInt`` (``start`` and ``length``
+PackedKV as four tensors: codes and norms, no zeros) and its centre as a ``Tensor?`` (the attention ops: the keys'
+centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded side's, ``KeyCenter.mu``). Ints are ``SymInt`` (``start`` and ``length``
 change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
 ``codes``, ``norms``; declared mutated) and return nothing.
 
@@ -39,7 +40,7 @@ from hf_kvplus.kernels import quant_attention as quant
 from hf_kvplus.kernels import quant_format, rotated_attention, rotated_pack
 from hf_kvplus.kernels import quant_pack as pack
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
-from hf_kvplus.kernels.rotated_format import RotatedFormat
+from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat
 from hf_kvplus.kernels.rotated_format import quantize_rotated as quantize_rotated_twin
 
 
@@ -326,13 +327,14 @@ def _(x, bits, group_size, codes, scale, zero, slots):
 
 
 def _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
-                    mask, block_table):  # fmt: skip
+                    mask, block_table, key_center):  # fmt: skip
     """(PackedKV, RotatedFormat, keywords) of the rotated attention ops' arguments."""
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, check=False,
     )  # fmt: skip
-    return PackedKV(k, k_norm, None, v, v_norm, None), RotatedFormat(key_bits, value_bits, seed), kw
+    fmt = RotatedFormat(key_bits, value_bits, seed, KeyCenter.given(key_center, seed, rotated=True))
+    return PackedKV(k, k_norm, None, v, v_norm, None), fmt, kw
 
 
 @torch.library.custom_op("kvplus::rotated_decode_attention", mutates_args=())
@@ -353,26 +355,27 @@ def rotated_decode_attention(
     mask: Tensor | None,
     block_table: Tensor | None,
     num_splits: int | None,
+    key_center: Tensor | None,
 ) -> Tensor:
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     return quant.quantized_decode_attention_torch(q, packed, fmt, **kw)
 
 
 @rotated_decode_attention.register_kernel("cuda")
 def rotated_decode_attention_cuda(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits,
+    block_table, num_splits, key_center,
 ):  # fmt: skip
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     return rotated_attention.rotated_decode_attention_triton(q, packed, fmt, num_splits=num_splits, **kw)[0]
 
 
 @rotated_decode_attention.register_fake
 def _(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits,
+    block_table, num_splits, key_center,
 ):  # fmt: skip
     return _attention_out(q, v.shape[-1] * 8 // value_bits)
 
@@ -395,19 +398,20 @@ def rotated_decode_attention_with_mass(
     mask: Tensor | None,
     block_table: Tensor | None,
     num_splits: int | None,
+    key_center: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     return quant.quantized_decode_attention_with_mass_torch(q, packed, fmt, **kw)
 
 
 @rotated_decode_attention_with_mass.register_kernel("cuda")
 def rotated_decode_attention_with_mass_cuda(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits,
+    block_table, num_splits, key_center,
 ):  # fmt: skip
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table)  # fmt: skip
+                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     return rotated_attention.rotated_decode_attention_triton(
         q, packed, fmt, num_splits=num_splits, with_mass=True, **kw
     )
@@ -416,7 +420,7 @@ def rotated_decode_attention_with_mass_cuda(
 @rotated_decode_attention_with_mass.register_fake
 def _(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits,
+    block_table, num_splits, key_center,
 ):  # fmt: skip
     keys = length + (0 if residual_k is None else residual_k.shape[2])
     mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)
@@ -433,9 +437,10 @@ def quantize_rotated(
     codes: Tensor,
     norms: Tensor,
     slots: Tensor | None,
+    center: Tensor | None,
 ) -> None:
-    for dst, src in zip((codes, norms), quantize_rotated_twin(x, RotatedFormat(key_bits, value_bits, seed), side),
-                        strict=True):  # fmt: skip
+    for dst, src in zip((codes, norms), quantize_rotated_twin(x, _side_format(key_bits, value_bits, seed, side, center),
+                                                              side), strict=True):  # fmt: skip
         if slots is None:
             dst.copy_(src)
         else:
@@ -443,11 +448,17 @@ def quantize_rotated(
 
 
 @quantize_rotated.register_kernel("cuda")
-def quantize_rotated_cuda(x, key_bits, value_bits, seed, side, codes, norms, slots):
-    fmt = RotatedFormat(key_bits, value_bits, seed)
+def quantize_rotated_cuda(x, key_bits, value_bits, seed, side, codes, norms, slots, center):
+    fmt = _side_format(key_bits, value_bits, seed, side, center)
     rotated_pack.quantize_rotated_triton(x, fmt, side, (codes, norms, None), slots, check=False)
 
 
 @quantize_rotated.register_fake
-def _(x, key_bits, value_bits, seed, side, codes, norms, slots):
+def _(x, key_bits, value_bits, seed, side, codes, norms, slots, center):
     return None
+
+
+def _side_format(key_bits: int, value_bits: int, seed: int, side: str, center: Tensor | None) -> RotatedFormat:
+    """The rotated format of the ops' arguments, ``center`` (``KeyCenter.mu``) on the coded side."""
+    given = KeyCenter.given(center, seed)
+    return RotatedFormat(key_bits, value_bits, seed, *((given, None) if side == "keys" else (None, given)))

@@ -356,9 +356,11 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
 
         p = packed
         op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
+        center = fmt.key_center
         result = op(
             q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
             *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
+            None if center is None else center.rotated,
         )  # fmt: skip
         result = result if with_mass else (result, None)
     elif (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda:

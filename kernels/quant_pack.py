@@ -215,7 +215,11 @@ def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, check: bool):
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
         codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
-        custom_ops.quantize_rotated(x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots)
+        center = fmt.center_of(side)
+        if center is not None:
+            center.observe(x, fmt.seed)  # the layer's first keys set its centre (once; see rotated_format)
+        mu = None if center is None else center.mu
+        custom_ops.quantize_rotated(x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu)
         return codes, norms, None
     return quantize_rotated_triton(x, fmt, side, out, slots, check=check)
 

@@ -6,7 +6,8 @@ back. Since ``q . k = (q @ R) . (k @ R)``, the softmax needs no rotation of the 
 are. Split-KV flash-decoding as ``quant_attention``'s KIVI path: kernel 1 (``_rotated_split_kernel``) walks one
 slice of the coded tokens per (batch row, KV head, split) for the whole query group, unpacking each token's bit
 stream in registers (each run of 8 codes is ``BITS`` bytes, read as one word: 3-bit codes straddle bytes) and
-decoding ``centroid[code] * norm`` (a gathered load from the codebook, 2**bits floats); the residual runs
+decoding ``centroid[code] * norm`` (a gathered load from the codebook, 2**bits floats; keys with a centre:
+``centroid[code] * |norm| + (norm >= 0) * mu_rot[head]``, the centre's row loaded once); the residual runs
 ``decode_attention``'s split kernel on its own splits; ``decode_attention``'s merge kernel combines them (and,
 for the mass, stores the log-sum-exp). Tiles come from ``quant_attention``'s planner (float32 q: FMA dots), so
 this kernel spills about where the KIVI kernel's float32 path does at sm_90: 32-row query tiles and head dim 256
@@ -16,7 +17,7 @@ Arguments as ``quantized_decode_attention_triton`` (its module docstring) with q
 residual_k/residual_v float32 [B, Hkv, R, D/Dv] already rotated; ``packed`` holds key codes [L, Hkv, T, D *
 key_bits / 8], key norms [L, Hkv, T, 1] float16, value codes and norms alike, zeros None (L = B dense, or the
 pool's blocks with ``block_table``). ``keys_per_token`` is accepted and ignored: a rotated format's keys are per
-token anyway. Returns (out float32 [B, Hq, Dv] in the rotated space, mass float32 [B, Hkv, length + R] with
+token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel. Returns (out float32 [B, Hq, Dv] in the rotated space, mass float32 [B, Hkv, length + R] with
 ``with_mass``, else None).
 """
 
@@ -93,9 +94,12 @@ def _launch_rotated_split(
     )  # fmt: skip
     k_book = codebook(D, fmt.key_bits, q.device)[0]
     v_book = codebook(info.Dv, fmt.value_bits, q.device)[0]
+    center = fmt.key_center
+    k_mu = None if center is None else center.rotated
     # fmt: off
     _rotated_split_kernel[(B, info.Hkv * plan.g_chunks, plan.num_splits)](
         q, packed.k, packed.k_scale, packed.v, packed.v_scale, k_book, v_book,
+        k_book if k_mu is None else k_mu,  # never read without a centre (KEY_CENTER=False)
         mask_arg, mid_o, mid_m, mid_l, bt_arg, scores_arg,
         length, info.G, D, info.Dv, Hq, mid_m.shape[-1], plan.tiles_per_split, start, info.num_blocks,
         float(scale) * LOG2E,
@@ -107,7 +111,7 @@ def _launch_rotated_split(
         ssb, ssh, ssn,
         HAS_MASK=mask is not None,
         PAGED=info.paged, BLOCK_SIZE=info.T if info.paged else 1,
-        STORE_SCORES=scores is not None,
+        STORE_SCORES=scores is not None, KEY_CENTER=k_mu is not None,
         KBITS=fmt.key_bits, VBITS=fmt.value_bits,
         G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
         BLOCK_N=plan.block_n,
@@ -122,11 +126,12 @@ if triton is not None:
 
     @triton.jit
     def _decode_rows(
-        C, rows, N_OK, BOOK, norm, WIDTH, stride_p, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-        WIDTH_PAD: tl.constexpr,
+        C, rows, N_OK, BOOK, norm, MU, WIDTH, stride_p, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDTH_PAD: tl.constexpr, CENTERED: tl.constexpr,
     ):  # fmt: skip
         # Tokens at byte offsets `rows` [BLOCK_N] of C (bit streams of WIDTH codes, byte stride stride_p) ->
-        # float32 centroid[code] * norm [BLOCK_N, WIDTH_PAD] (coordinates in order; masked entries 0). Below 8
+        # float32 centroid[code] * norm [BLOCK_N, WIDTH_PAD] (coordinates in order; masked entries 0); CENTERED:
+        # centroid[code] * |norm| plus the centre MU [WIDTH] where the norm is not negative. Below 8
         # bits, each run of 8 codes is read as BITS bytes, put together as one int32 word (at most 32 bits) and
         # cut into its 8 codes: a load per byte, not per code (a load per code needed ~2x the spills at sm_90).
         offs_c = tl.arange(0, WIDTH_PAD)
@@ -142,11 +147,15 @@ if triton is not None:
             word = tl.sum(byte << (offs_j * 8)[None, None, :], axis=2)  # disjoint bits: the sum is an or
             parts = (word[:, :, None] >> (tl.arange(0, 8) * BITS)[None, None, :]) & ((1 << BITS) - 1)
             code = tl.reshape(parts, [BLOCK_N, WIDTH_PAD])  # [N, runs, 8] row-major: coordinate r * 8 + i
+        if CENTERED:
+            mu = tl.load(MU + offs_c, mask=offs_c < WIDTH, other=0.0)
+            x = tl.load(BOOK + code) * tl.abs(norm)[:, None] + tl.where(norm >= 0, 1.0, 0.0)[:, None] * mu[None, :]
+            return tl.where(ok, x, 0.0)
         return tl.where(ok, tl.load(BOOK + code) * norm[:, None], 0.0)
 
     @triton.jit
     def _rotated_split_kernel(
-        Q, KC, KN, VC, VN, KBook, VBook, Mask, MidO, MidM, MidL, BT, Scores,
+        Q, KC, KN, VC, VN, KBook, VBook, KMu, Mask, MidO, MidM, MidL, BT, Scores,
         N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
         qk_scale,
         stride_qb, stride_qh,
@@ -159,7 +168,7 @@ if triton is not None:
         stride_sb, stride_sh, stride_sn,
         HAS_MASK: tl.constexpr,
         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        STORE_SCORES: tl.constexpr,
+        STORE_SCORES: tl.constexpr, KEY_CENTER: tl.constexpr,
         KBITS: tl.constexpr, VBITS: tl.constexpr,
         G_CHUNKS: tl.constexpr,
         BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,7 +176,8 @@ if triton is not None:
         # Key n (0 .. N-1) of row b is token t = START + n: dense, token t of the buffers of (b, head); paged,
         # block BT[b, t // BLOCK_SIZE] at offset t % BLOCK_SIZE (block ids outside 0..NUM_BLOCKS-1 count as
         # masked keys, never dereferenced). Its key is KBook[code] * KN[token] per coordinate, its value
-        # VBook[code] * VN[token]. STORE_SCORES: also write the log2-domain logits into Scores [B, HQ, N].
+        # VBook[code] * VN[token]; KEY_CENTER: keys relative to the centre KMu [Hkv, D] where KN >= 0 (see
+        # _decode_rows). STORE_SCORES: also write the log2-domain logits into Scores [B, HQ, N].
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -221,9 +231,11 @@ if triton is not None:
                 vc_rows, vn_rows = tok * stride_vcn, tok * stride_vnn
 
             k_norm = tl.load(kn_base + kn_rows, mask=n_ok, other=0.0).to(tl.float32)
-            k = _decode_rows(kc_base, kc_rows, n_ok, KBook, k_norm, D, stride_kcp, KBITS, BLOCK_N, D_PAD)
+            k = _decode_rows(kc_base, kc_rows, n_ok, KBook, k_norm, KMu + pid_h * D, D, stride_kcp, KBITS, BLOCK_N,
+                             D_PAD, KEY_CENTER)  # fmt: skip
             v_norm = tl.load(vn_base + vn_rows, mask=n_ok, other=0.0).to(tl.float32)
-            v = _decode_rows(vc_base, vc_rows, n_ok, VBook, v_norm, DV, stride_vcp, VBITS, BLOCK_N, DV_PAD)
+            v = _decode_rows(vc_base, vc_rows, n_ok, VBook, v_norm, VBook, DV, stride_vcp, VBITS, BLOCK_N, DV_PAD,
+                             False)  # fmt: skip
 
             # Scores in the log2 domain; masked keys are -inf, so exp2(-inf - finite max) = 0. q is float32:
             # "ieee" keeps float32 accuracy ("tf32" would round q, K and P to 11 bits).

@@ -18,6 +18,15 @@ Layout of one token's key (or value) of one head, head dim D (a multiple of 8):
   (re-normalized after decoding; measured in BENCHMARKS.md against storing ``|x|``).
 - decoding: ``x^ = (norm * codebook[codes]) @ R.T``. Attention stays in the rotated space: ``q . k =
   (q @ R) . (k @ R)``, and the weighted sum of rotated values is rotated back once.
+- keys, centred (a format made by ``for_layer``, with ``CENTER_KEYS``): a layer's keys share a large common
+  part per head (the same channels are large in every token), which the rotation spreads over every coordinate
+  and the norm then scales every code's error by. Each layer keeps one centre per KV head, ``mu`` [H, D], the
+  mean key of the first keys it quantizes, and codes each later key as ``mu + code(k - mu)`` or as ``code(k)``,
+  whichever of ``k - mu`` and ``k`` is shorter (the attention-sink token, far from the mean, keeps its plain
+  code): the choice is the sign of the stored norm (``>= 0``: centred; negative: plain, ``-|norm|``), so it costs
+  no byte. Decoding adds ``mu`` (``mu @ R`` in the rotated space) where the norm is not negative. The centre is
+  set before the first key is coded and never changes, so every code keeps its meaning. Measured in
+  BENCHMARKS.md ("centering").
 
 Bit widths 1 to 4 use Lloyd-Max codebooks (shipped for head dims 64, 128 and 256 in
 ``rotated_codebooks.json``, computed on first use for any other head dim, in float64 on a grid: no scipy);
@@ -40,6 +49,7 @@ from hf_kvplus.errors import ConfigError, ShapeError
 
 __all__ = [
     "ROTATED_BITS",
+    "KeyCenter",
     "RotatedFormat",
     "codebook",
     "dequantize_rotated",
@@ -57,9 +67,45 @@ SHIPPED_HEAD_DIMS = (64, 128, 256)
 #: Store |x| / |codebook[codes]| (the decoded vector keeps x's norm) rather than |x|: see BENCHMARKS.md. An
 #: ablation switch of the twins (eval/compare_turboquant.py --no-renorm); the Triton kernel always re-normalizes.
 RENORMALIZE = True
+#: Whether `RotatedFormat.for_layer` gives the layer's keys a centre (see the module doc). An ablation switch read
+#: when a cache builds its layers (eval/rotated_ablations.py); formats made directly have no centre.
+CENTER_KEYS = True
 #: Half-width of the uniform 8-bit grid, in standard deviations of a coordinate (1 / sqrt(D)).
 UNIFORM_SIGMAS = 6.5
 _TABLES = Path(__file__).with_name("rotated_codebooks.json")
+
+
+class KeyCenter:
+    """One layer's key centre: ``mu`` float32 [H, D] (and ``mu @ R`` as ``rotated``) per KV head, or None until the
+    layer's first keys are quantized (`observe`). Shared by every storage that holds the layer's codes (one paged
+    pool's caches and its prefix store), never changed once set, and kept across `reset` (any centre decodes the
+    codes made with it)."""
+
+    __slots__ = ("mu", "rotated")
+
+    def __init__(self):
+        self.mu: torch.Tensor | None = None
+        self.rotated: torch.Tensor | None = None
+
+    def observe(self, x: torch.Tensor, seed: int) -> None:
+        """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens); a
+        no-op after."""
+        if self.mu is None:
+            self.mu = x.float().mean(dim=(0, 2))
+            self.rotated = self.mu @ rotation(x.shape[-1], seed, x.device)
+
+    @staticmethod
+    def given(center: torch.Tensor | None, seed: int, *, rotated: bool = False) -> KeyCenter | None:
+        """A centre of a given tensor [H, D] (`rotated`: in the rotated space), or None (the custom ops' argument)."""
+        if center is None:
+            return None
+        made = KeyCenter()
+        r = rotation(center.shape[-1], seed, center.device)
+        made.mu, made.rotated = (center @ r.T, center) if rotated else (center, center @ r)
+        return made
+
+    def __repr__(self) -> str:
+        return f"KeyCenter({'unset' if self.mu is None else tuple(self.mu.shape)})"
 
 
 @dataclass(frozen=True)
@@ -67,11 +113,14 @@ class RotatedFormat:
     """Key and value bit widths (1, 2, 3, 4 or 8 each) of a rotated format, and the rotation's seed.
 
     Shares the interface the storages use with `QuantFormat`: one "group" is one token (a norm per vector), so
-    every token leaves the full-precision window on its own."""
+    every token leaves the full-precision window on its own. `key_center` / `value_center`: the centre that side's
+    codes are relative to (see the module doc; a layer's format from `for_layer` centres its keys), or None."""
 
     key_bits: int
     value_bits: int
     seed: int = 0
+    key_center: KeyCenter | None = field(default=None, repr=False, compare=False)
+    value_center: KeyCenter | None = field(default=None, repr=False, compare=False)
     group_size: int = field(default=1, init=False)
     is_float: bool = field(default=False, init=False, repr=False, compare=False)
     rotated: bool = field(default=True, init=False, repr=False, compare=False)
@@ -86,6 +135,9 @@ class RotatedFormat:
 
     def bits_of(self, side: str) -> int:
         return self.key_bits if side == "keys" else self.value_bits
+
+    def center_of(self, side: str) -> KeyCenter | None:
+        return self.key_center if side == "keys" else self.value_center
 
     def code_dim(self, head_dim: int, side: str) -> int:
         """Bytes of one token's codes."""
@@ -110,12 +162,14 @@ class RotatedFormat:
         return self.code_dim(head_dim, "keys") + self.code_dim(head_dim, "values") + 4
 
     def for_layer(self, index: int) -> RotatedFormat:
-        """This format with the rotation seed of layer `index` (each layer rotates differently)."""
-        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index)
+        """This format with the rotation seed of layer `index` (each layer rotates differently) and, with
+        `CENTER_KEYS`, a key centre of its own."""
+        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index, KeyCenter() if CENTER_KEYS else None)
 
     def side_formats(self) -> tuple[RotatedFormat, RotatedFormat]:
-        """(keys, values) as formats whose values-side functions code them: each side's bits on both sides."""
-        return (RotatedFormat(self.key_bits, self.key_bits, self.seed),
+        """(keys, values) as formats whose values-side functions code them: each side's bits (and centre) on both
+        sides."""
+        return (RotatedFormat(self.key_bits, self.key_bits, self.seed, self.key_center, self.key_center),
                 RotatedFormat(self.value_bits, self.value_bits, self.seed))  # fmt: skip
 
     def __str__(self) -> str:
@@ -251,18 +305,46 @@ def _offsets(count: int, step: int, device: torch.device) -> torch.Tensor:
 
 
 def quantize_rotated(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head vectors ``[..., T, D]`` to (codes uint8 ``[..., T, D * bits // 8]``, norms float16 ``[..., T, 1]``)."""
+    """Head vectors ``[..., T, D]`` to (codes uint8 ``[..., T, D * bits // 8]``, norms float16 ``[..., T, 1]``); a
+    side with a centre (x then [B, H, T, D]): relative to it where that is shorter, the norm negative where not."""
     D = x.shape[-1]
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
-    xf = x.float()
+    xf, sign = centered(x, fmt, side)
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     unit = (xf @ rotation(D, fmt.seed, x.device)) / norm.clamp_min(1e-30)
     codes = torch.bucketize(unit, boundaries)
     if RENORMALIZE:
         norm = norm / torch.linalg.vector_norm(centroids[codes], dim=-1, keepdim=True).clamp_min(1e-30)
-    return pack_bits(codes, bits), norm.to(torch.float16)
+    return pack_bits(codes, bits), signed_norms(norm.to(torch.float16), sign)
+
+
+#: The smallest float16 (a subnormal): a plain key's norm is at least this before it turns negative, so that a
+#: zero key's code still reads as plain.
+PLAIN_NORM = 2.0**-24
+
+
+def signed_norms(norm: torch.Tensor, sign: torch.Tensor | None) -> torch.Tensor:
+    """float16 norms with each plain code's (sign < 0) made negative: ``-max(norm, PLAIN_NORM)``."""
+    if sign is None:
+        return norm
+    return torch.where(sign < 0, -norm.clamp_min(PLAIN_NORM), norm)
+
+
+def centered(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(what a side's codes code, float32, and the sign of each token's norm [B, H, T, 1]: +1 relative to the
+    centre, -1 plain; None for a side without a centre). The side's first call sets its centre from its keys."""
+    center = fmt.center_of(side)
+    xf = x.float()
+    if center is None:
+        return xf, None
+    if x.dim() != 4:
+        raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
+    center.observe(x, fmt.seed)
+    shifted = xf - center.mu[:, None, :]
+    shorter = torch.linalg.vector_norm(shifted, dim=-1, keepdim=True) <= torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    return torch.where(shorter, shifted, xf), torch.where(shorter, 1.0, -1.0)
 
 
 def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
@@ -305,7 +387,13 @@ def dequantize_rotated(
     D = codes.shape[-1] * 8 // bits
     if codes.shape[-1] * 8 % bits:
         raise ShapeError(f"{codes.shape[-1]} bytes per token do not hold whole {bits}-bit codes")
-    x = decoded_units(codes, D, bits) * norms.float()
+    norms = norms.float()
+    center = fmt.center_of(side)
+    if center is None or center.mu is None:
+        x = decoded_units(codes, D, bits) * norms
+        return (x if rotated_space else x @ rotation(D, fmt.seed, codes.device).T).to(dtype)
+    x = decoded_units(codes, D, bits) * norms.abs()
+    mu = center.rotated if rotated_space else center.mu
     if not rotated_space:
         x = x @ rotation(D, fmt.seed, codes.device).T
-    return x.to(dtype)
+    return torch.where(norms >= 0, x + mu[:, None, :], x).to(dtype)

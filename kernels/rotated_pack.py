@@ -8,7 +8,10 @@ below it (a branchless binary search over the codebook's 2**bits - 1 boundaries:
 rounded to float16, and the bit stream (each run of 8 codes one int64 word of 8 * bits bits, stored as bits
 little-endian bytes). The norms' float32 sum of squares runs in another order than torch's, so a norm may
 differ from the twin's by one float16 ulp (rarely: none of 18,000 tokens on the CPU); the codes never do. The
-kernel always re-normalizes (``rotated_format.RENORMALIZE``, which is True).
+kernel always re-normalizes (``rotated_format.RENORMALIZE``, which is True). A side with a centre: torch picks what
+each token codes (``rotated_format.centered``: ``x - mu`` or ``x``, whichever is shorter) and passes the plain
+ones' lengths negative (``-max(|x|, 1e-30)``); the kernel codes ``|length|`` and stores the plain tokens' norms as
+``-max(norm, 2**-24)`` (``rotated_format.signed_norms``).
 
 x [B, H, T, D] float32, float16 or bfloat16, any strides, D a multiple of 8; ``side`` "keys" or "values" picks
 the bit width. Results: codes uint8 [B, H, T, D * bits // 8], norms float16 [B, H, T, 1], and None (a rotated
@@ -24,7 +27,7 @@ import torch
 
 from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.decode_attention import _is_interpreted
-from hf_kvplus.kernels.rotated_format import RotatedFormat, codebook, rotation
+from hf_kvplus.kernels.rotated_format import PLAIN_NORM, RotatedFormat, centered, codebook, rotation
 
 try:
     import triton
@@ -57,9 +60,11 @@ def quantize_rotated_triton(x, fmt: RotatedFormat, side: str, out=None, slots=No
     codes, norms, _ = out
     if B * H * T == 0:
         return out
-    xf = x.float()
+    xf, sign = centered(x, fmt, side)
     x_rot = xf @ rotation(D, fmt.seed, x.device)
     length = torch.linalg.vector_norm(xf, dim=-1)  # [B, H, T]
+    if sign is not None:  # plain codes: negative lengths
+        length = torch.where(sign[..., 0] < 0, -length.clamp_min(1e-30), length)
     centroids, boundaries = codebook(D, bits, x.device)
     runs = D // 8
     runs_pad = triton.next_power_of_2(runs)
@@ -71,7 +76,7 @@ def quantize_rotated_triton(x, fmt: RotatedFormat, side: str, out=None, slots=No
         *x_rot.stride(), *length.stride(),
         *codes.stride(), *norms.stride()[:3],
         *((0, 0, 0) if slots is None else slots.stride()),
-        HAS_SLOTS=slots is not None,
+        HAS_SLOTS=slots is not None, SIGNED=sign is not None, PLAIN=PLAIN_NORM,
         RUNS=runs, RUNS_PAD=runs_pad, BITS=bits, BYTES_PAD=triton.next_power_of_2(bits), BLOCK_T=block_t,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # every product rounded, as torch does
@@ -142,13 +147,14 @@ if triton is not None:
         stride_cb, stride_ch, stride_ct, stride_cp,
         stride_nb, stride_nh, stride_nt,
         stride_ib, stride_ih, stride_it,
-        HAS_SLOTS: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, SIGNED: tl.constexpr, PLAIN: tl.constexpr,
         RUNS: tl.constexpr, RUNS_PAD: tl.constexpr, BITS: tl.constexpr, BYTES_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr,
     ):  # fmt: skip
         # Program (row * H + head, token block). Tile [BLOCK_T, RUNS_PAD, 8]: element [t, r, i] is coordinate
-        # r * 8 + i of token t0 + t (XR [B, H, T, D], Len [B, H, T]: x @ R and |x|). HAS_SLOTS (compile time):
-        # token t of (b, h) is written to row Slots[b, h, t] of C and Nrm instead of row t.
+        # r * 8 + i of token t0 + t (XR [B, H, T, D], Len [B, H, T]: x @ R and |x|, negative for a plain code
+        # when SIGNED). HAS_SLOTS (compile time): token t of (b, h) is written to row Slots[b, h, t] of C and Nrm
+        # instead of row t.
         pid_bh = tl.program_id(0).to(tl.int64)
         pid_t = tl.program_id(1)
         b = pid_bh // H
@@ -163,7 +169,8 @@ if triton is not None:
         coord = offs_r[:, None] * 8 + offs_i[None, :]  # [RUNS_PAD, 8]
         x_row = XR + b * stride_xb + h * stride_xh + tok * stride_xt
         xr = tl.load(x_row[:, None, None] + (coord * stride_xd)[None, :, :], mask=ok, other=0.0)
-        length = tl.load(Len + b * stride_lb + h * stride_lh + tok * stride_lt, mask=t_ok, other=0.0)
+        signed = tl.load(Len + b * stride_lb + h * stride_lh + tok * stride_lt, mask=t_ok, other=0.0)
+        length = tl.abs(signed)
         unit = tl.math.div_rn(xr, tl.maximum(length, 1e-30)[:, None, None] + tl.zeros_like(xr))
 
         # code = #{boundaries < unit}: binary search over the 2**BITS - 1 sorted boundaries.
@@ -175,6 +182,8 @@ if triton is not None:
         centroid = tl.where(ok, tl.load(Book + code), 0.0)
         decoded = tl.sqrt_rn(tl.sum(tl.sum(centroid * centroid, axis=2), axis=1))
         norm = tl.math.div_rn(length, tl.maximum(decoded, 1e-30)).to(tl.float16)
+        if SIGNED:  # a plain code's norm: -max(norm, PLAIN), so that even a zero vector's reads as plain
+            norm = tl.where(signed < 0, -tl.maximum(norm, tl.full([BLOCK_T], PLAIN, tl.float16)), norm)
 
         # Each run of 8 codes: one word of 8 * BITS bits (disjoint, so the sum is an or), BITS bytes of it.
         shifts = (offs_i * BITS).to(tl.int64)

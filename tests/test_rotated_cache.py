@@ -93,3 +93,52 @@ def test_every_quantized_storage_takes_the_rotated_formats(kind, arch):
     # The tiny models' head_dim is 16: a rotated format codes few coordinates per norm there.
     assert 0 < errors["k8v8"] < errors["k4v4"] < errors["k2v2"]
     assert errors["k8v8"] < 0.1 * ref.abs().max()
+
+
+def offset_keys(batch, tokens, seed, heads=2, head_dim=64):
+    """Keys [batch, heads, tokens, head_dim] sharing a large offset per head, token 0 (a sink) opposite to it: farther
+    from the offset than from 0."""
+    g = torch.Generator().manual_seed(seed)
+    offset = 4 * torch.randn(heads, 1, head_dim, generator=g)
+    keys = torch.randn(batch, heads, tokens, head_dim, generator=g) + offset
+    keys[:, :, 0] = torch.randn(batch, heads, head_dim, generator=g) - 3 * offset[:, 0]
+    return keys
+
+
+@pytest.mark.parametrize("kind", ["quantized", "static", "paged", "offloaded"])
+def test_keys_are_coded_relative_to_a_centre(kind, monkeypatch):
+    """With a common offset per head, centred keys decode closer than plain ones (same bytes); the far-off sink is
+    coded plainly, not relative to the centre, and decodes no worse than a plain code would."""
+    from hf_kvplus.kernels import rotated_format
+
+    keys, values = offset_keys(2, 120, seed=1), torch.randn(2, 2, 120, 64)
+    errors = {}
+    for centred in (True, False):
+        monkeypatch.setattr(rotated_format, "CENTER_KEYS", centred)
+        cache = CACHES[kind](config(), "k2v2")
+        cache.update(keys, values, 0)
+        held = cache.layers[0].keys
+        errors[centred] = ((held - keys).norm(dim=-1) / keys.norm(dim=-1))[:, :, :100]  # the window is exact
+        assert cache.layers[0].storage.fmt.key_center is (cache.layers[0].storage.fmt.key_center if centred else None)
+    assert errors[True][:, :, 1:].mean() < 0.5 * errors[False][:, :, 1:].mean(), errors
+    assert torch.allclose(errors[True][:, :, 0], errors[False][:, :, 0]), "the sink was coded relative to the centre"
+
+
+def test_a_centre_is_set_once_and_shared_by_a_pools_caches():
+    """The first keys a layer quantizes set its centre; later keys, another cache of the same paged pool and a reset
+    leave it as it was, so every stored code (a reused prefix block included) keeps its meaning."""
+    from hf_kvplus import PagedPool
+
+    cfg = config()
+    pool = PagedPool(cfg, bits="k3v2", block_size=8)
+    first, second = PagedCache(cfg, pool=pool, window=8), PagedCache(cfg, pool=pool, window=8)
+    first.update(offset_keys(1, 64, seed=2), torch.randn(1, 2, 64, 64), 0)
+    center = first.layers[0].storage.fmt.key_center
+    mu = center.mu.clone()
+    held = first.layers[0].keys.clone()
+    second.update(offset_keys(1, 64, seed=3) + 5, torch.randn(1, 2, 64, 64), 0)
+    first.update(offset_keys(1, 40, seed=4) - 5, torch.randn(1, 2, 40, 64), 0)
+    assert second.layers[0].storage.fmt.key_center is center and torch.equal(center.mu, mu)
+    assert torch.equal(first.layers[0].keys[:, :, :48], held[:, :, :48]), "codes changed meaning"
+    first.reset()
+    assert first.layers[0].storage.fmt.key_center is center and torch.equal(center.mu, mu)

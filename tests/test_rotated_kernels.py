@@ -8,6 +8,9 @@ poisoning), then the float32 residual, with ``kernel_checks``' float32 bounds (q
 Poison: codes of unattended tokens 0xFF and their norms NaN, table columns not read -1, every buffer the function
 allocates NaN (``poisoned_empty``): reading any of them shows. The mass is checked against float64 as well.
 
+Keys of a centred format (a cache layer's, ``for_layer``) have a common offset per head and a far-off first token,
+so their codes mix both signs of norm (relative to the centre, and plain).
+
 Quantize-and-pack: the codes equal the twin's bit for bit, the norms to a float16 ulp (see rotated_pack's doc);
 with ``out`` views of larger buffers nothing around them is written, with ``slots`` only the named rows.
 """
@@ -25,7 +28,7 @@ import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
-from hf_kvplus.kernels.rotated_format import RotatedFormat, dequantize_rotated, quantize_rotated
+from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat, dequantize_rotated, quantize_rotated
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 POISON_CODE = 0xFF
@@ -36,9 +39,18 @@ POISON_CODE = 0xFF
 # ---------------------------------------------------------------------------------------------------
 
 
+def offset_keys(L, Hkv, T, D):
+    """Keys [L, Hkv, T, D] around a common offset per head, token 0 far from it (a centred format codes both)."""
+    keys = torch.randn(L, Hkv, T, D) + 2 * torch.randn(Hkv, 1, D)
+    keys[:, :, 0] = 6 * torch.randn(L, Hkv, D)
+    return keys
+
+
 def coded(fmt, L, Hkv, T, D, Dv):
     """PackedKV of random keys/values [L, Hkv, T, D/Dv] coded by the twin, and their rotated float64 decodings."""
-    kc, kn = quantize_rotated(torch.randn(L, Hkv, T, D), fmt, "keys")
+    kc, kn = quantize_rotated(offset_keys(L, Hkv, T, D), fmt, "keys")
+    if fmt.key_center is not None and T >= 8:
+        assert (kn < 0).any() and (kn >= 0).any(), "a centred format coded every key alike"
     vc, vn = quantize_rotated(torch.randn(L, Hkv, T, Dv), fmt, "values")
     k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, rotated_space=True)
     v_hat = dequantize_rotated(vc, vn, fmt, "values", torch.float64, rotated_space=True)
@@ -99,31 +111,38 @@ def attend(q, fmt, lay, rk, rv, mask, scale, **kw):
 # Attention
 # ---------------------------------------------------------------------------------------------------
 
-# key bits, value bits, D, Dv, B, Hkv, G, block size (None: dense), start, length, R, pads, num_splits
+# key bits, value bits, D, Dv, B, Hkv, G, block size (None: dense), start, length, R, pads, num_splits, keys centred
 ATTENTION_CASES = [
-    (4, 2, 64, 64, 2, 2, 2, None, 5, 60, 5, (0, 20), 2),
-    (3, 2, 96, 96, 2, 2, 1, None, 0, 64, None, None, None),  # 3 bits straddle bytes; D_PAD 128
-    (2, 2, 64, 64, 2, 2, 2, 16, 3, 50, 4, (0, 999), 3),  # row 1 fully masked
-    (4, 4, 96, 96, 2, 2, 1, 8, 7, 33, None, (4, 0), None),
-    (8, 8, 64, 64, 2, 2, 2, None, 10, 30, 3, None, 1),
-    (1, 1, 96, 96, 2, 2, 2, None, 0, 40, None, (0, 7), 2),
-    (3, 2, 64, 64, 2, 2, 2, 16, 0, 45, 6, (2, 0), None),
-    (8, 8, 96, 96, 2, 2, 1, 8, 5, 20, 2, (0, 999), 2),
-    (1, 1, 64, 64, 1, 2, 2, 16, 9, 30, 3, None, None),
-    (4, 2, 96, 64, 2, 2, 2, None, 2, 30, 3, (1, 0), 2),  # value head dim != key head dim
-    (2, 2, 96, 96, 2, 2, 1, None, 4, 25, 5, (0, 27), None),  # row 1: only the last residual keys
+    (4, 2, 64, 64, 2, 2, 2, None, 5, 60, 5, (0, 20), 2, True),
+    (3, 2, 96, 96, 2, 2, 1, None, 0, 64, None, None, None, False),  # 3 bits straddle bytes; D_PAD 128
+    (2, 2, 64, 64, 2, 2, 2, 16, 3, 50, 4, (0, 999), 3, True),  # row 1 fully masked
+    (4, 4, 96, 96, 2, 2, 1, 8, 7, 33, None, (4, 0), None, False),
+    (8, 8, 64, 64, 2, 2, 2, None, 10, 30, 3, None, 1, True),
+    (1, 1, 96, 96, 2, 2, 2, None, 0, 40, None, (0, 7), 2, False),
+    (3, 2, 64, 64, 2, 2, 2, 16, 0, 45, 6, (2, 0), None, True),
+    (8, 8, 96, 96, 2, 2, 1, 8, 5, 20, 2, (0, 999), 2, False),
+    (1, 1, 64, 64, 1, 2, 2, 16, 9, 30, 3, None, None, True),
+    (4, 2, 96, 64, 2, 2, 2, None, 2, 30, 3, (1, 0), 2, False),  # value head dim != key head dim
+    (2, 2, 96, 96, 2, 2, 1, None, 4, 25, 5, (0, 27), None, True),  # row 1: only the last residual keys
+    (3, 3, 96, 96, 2, 2, 2, 8, 0, 30, 2, (3, 0), 2, True),
 ]
 
 
 def _case_id(c):
-    return f"k{c[0]}v{c[1]}-d{c[2]}-{'dense' if c[7] is None else f'bs{c[7]}'}-g{c[6]}"
+    return f"k{c[0]}v{c[1]}-d{c[2]}-{'dense' if c[7] is None else f'bs{c[7]}'}-g{c[6]}{'-centred' if c[13] else ''}"
+
+
+def layer_format(key_bits, value_bits, seed, centred=True):
+    """A cache layer's format (its keys centred, the centre set by the first keys it codes), or a plain one."""
+    fmt = RotatedFormat(key_bits, value_bits, seed)
+    return fmt.for_layer(0) if centred else fmt
 
 
 @pytest.mark.parametrize("with_mass", [False, True], ids=["out", "mass"])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[_case_id(c) for c in ATTENTION_CASES])
 def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
-    kb, vb, D, Dv, B, Hkv, G, bs, start, length, R, pads, num_splits = case
-    fmt = RotatedFormat(kb, vb, seed=3)
+    kb, vb, D, Dv, B, Hkv, G, bs, start, length, R, pads, num_splits, centred = case
+    fmt = layer_format(kb, vb, 3, centred)
     lay = Layout(fmt, B, Hkv, D, Dv, start, length, bs)
     q = torch.randn(B, Hkv * G, D)
     rk, rv = residual(B, Hkv, R, D, Dv)
@@ -151,7 +170,7 @@ def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
 
 def test_attention_residual_only_and_all_masked(seed, poisoned_empty):
     # length 0: the coded buffers are all poison and only the residual counts; every key masked: zeros, zero mass.
-    fmt = RotatedFormat(4, 2)
+    fmt = layer_format(4, 2, 0)
     lay = Layout(fmt, 2, 2, 64, 64, 0, 0)
     q = torch.randn(2, 4, 64)
     rk, rv = residual(2, 2, 9, 64, 64)
@@ -166,7 +185,7 @@ def test_attention_residual_only_and_all_masked(seed, poisoned_empty):
 
 def test_attention_bad_block_id_is_masked(seed, poisoned_empty):
     # No host read of the table: a block id outside the pool in a column that is read counts as masked keys.
-    fmt = RotatedFormat(4, 2)
+    fmt = layer_format(4, 2, 0)
     lay = Layout(fmt, 2, 1, 64, 64, 4, 30, bs=8)
     q = torch.randn(2, 2, 64)
     lay.block_table[1, 1] = lay.packed.k.shape[0]  # tokens 8..15 of row 1: keys 4..11
@@ -229,6 +248,27 @@ def test_quantize_matches_twin(seed, poisoned_empty, case):
         assert_matches_twin(codes, norms, x, fmt, side, f"{side} {fmt} {dtype}")
 
 
+@pytest.mark.parametrize("case", PACK_CASES[::2], ids=[f"{c[0]}bit-d{c[1]}-{str(c[2])[6:]}" for c in PACK_CASES[::2]])
+def test_quantize_centred_matches_twin(seed, poisoned_empty, case):
+    # Keys relative to a given centre: x = 0 codes plain (norm -2**-24, decoded 0), x = mu relative to it (norm 0,
+    # decoded mu); the far-off token 0 of row 1 plain, the rest relative to the centre.
+    bits, D, dtype, B, H, T = case
+    x = offset_keys(B, H, T, D).to(dtype)
+    mu = x.float()[:, :, 1:].mean(dim=(0, 2))
+    fmt = RotatedFormat(bits, 2, 7, KeyCenter.given(mu, 7))
+    x[0, 0, 0], x[0, 0, 1] = 0, mu[0].to(dtype)
+    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys")
+    assert_matches_twin(codes, norms, x, fmt, "keys", f"centred {bits} bits {dtype}")
+    rounding = (x[0, 0, 1].float() - mu[0]).norm()  # of mu to x's dtype
+    assert norms[0, 0, 0].item() == -(2.0**-24) and 0 <= norms[0, 0, 1].item() <= 2 * rounding + 1e-6
+    assert (norms[1:, :, 0] < 0).all() and (norms[..., 2:, :] >= 0).float().mean() > 0.9, "signs of norms"
+    decoded = dequantize_rotated(codes, norms, fmt, "keys")
+    assert decoded[0, 0, 0].abs().max() < 1e-4 and (decoded[0, 0, 1] - mu[0]).norm() <= 3 * rounding + 1e-5
+    plain = RotatedFormat(bits, 2, 7)
+    err = [(dequantize_rotated(*quantize_rotated(x, f, "keys"), f, "keys") - x.float())[..., 2:, :].norm() for f in (fmt, plain)]
+    assert err[0] < err[1], f"centred keys coded worse than plain ones: {err}"
+
+
 @pytest.mark.parametrize("bits", [3, 8])
 def test_quantize_into_out_views(seed, bits):
     # x a strided view (tokens along dim 1 of its buffer); out = token slices of larger buffers, sentinels around.
@@ -247,8 +287,8 @@ def test_quantize_into_out_views(seed, bits):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_quantize_into_slots(seed, bits):
-    fmt, D, B, H, T, N = RotatedFormat(bits, 2, seed=2), 96, 2, 2, 6, 15
-    x = torch.randn(B, H, T, D, dtype=torch.float16)
+    fmt, D, B, H, T, N = layer_format(bits, 2, 2), 96, 2, 2, 6, 15
+    x = offset_keys(B, H, T, D).to(torch.float16)
     slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
     codes = torch.full((B, H, N, D * bits // 8), 0xAB, dtype=torch.uint8)
     norms = torch.full((B, H, N, 1), -7.0, dtype=torch.float16)
@@ -285,25 +325,27 @@ def attention_op_args(fmt, lay, q, rk, rv, mask, scale, num_splits=2):
     p = lay.packed
     return (
         q, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed, lay.start, lay.length, scale,
-        rk, rv, mask, lay.block_table, num_splits,
+        rk, rv, mask, lay.block_table, num_splits, fmt.key_center.rotated,
     )  # fmt: skip
 
 
 def attention_inputs(paged):
-    fmt = RotatedFormat(3, 2, seed=5)
+    fmt = layer_format(3, 2, 5)
     lay = Layout(fmt, 2, 2, 64, 64, 3, 30, bs=8 if paged else None)
     rk, rv = residual(2, 2, 4, 64, 64)
     return fmt, lay, torch.randn(2, 4, 64), rk, rv, left_padding(2, 34, (0, 5))
 
 
-def quantize_op_args(with_slots):
+def quantize_op_args(with_slots, centred=False):
+    """The quantize op's arguments: 4-bit values (of a format with 3-bit keys), with a centre when `centred`."""
     fmt, B, H, T, N = RotatedFormat(3, 4, seed=1), 2, 2, 5, 9
-    x = torch.randn(B, H, T, 64)
+    x = offset_keys(B, H, T, 64)
     rows = N if with_slots else T
     slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T) if with_slots else None
     codes = torch.zeros(B, H, rows, 64 * 4 // 8, dtype=torch.uint8)
     norms = torch.zeros(B, H, rows, 1, dtype=torch.float16)
-    return x, fmt.key_bits, fmt.value_bits, fmt.seed, "values", codes, norms, slots
+    center = x[:, :, 1:].mean(dim=(0, 2)) if centred else None
+    return x, fmt.key_bits, fmt.value_bits, fmt.seed, "values", codes, norms, slots, center
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
@@ -314,9 +356,10 @@ def test_opcheck_attention(seed, op, paged):
     assert set(results.values()) == {"SUCCESS"}, f"{op}: {results} (seed {seed})"
 
 
+@pytest.mark.parametrize("centred", [False, True], ids=["plain", "centred"])
 @pytest.mark.parametrize("with_slots", [False, True], ids=["out", "slots"])
-def test_opcheck_quantize(seed, with_slots):
-    results = torch.library.opcheck(ops.quantize_rotated, quantize_op_args(with_slots))
+def test_opcheck_quantize(seed, with_slots, centred):
+    results = torch.library.opcheck(ops.quantize_rotated, quantize_op_args(with_slots, centred))
     assert set(results.values()) == {"SUCCESS"}, f"quantize_rotated: {results} (seed {seed})"
 
 
@@ -332,10 +375,13 @@ def test_cuda_implementations_match_the_triton_paths(seed):
     # The CPU implementation (the twin in the rotated space) agrees to float32 rounding.
     check(ops.rotated_decode_attention(*args), q, 64, want[0].double(), seed, "twin op")
 
-    for with_slots in (False, True):
-        x, kb, vb, s, side, codes, norms, slots = quantize_op_args(with_slots)
+    for with_slots, centred in ((False, False), (True, False), (False, True), (True, True)):
+        x, kb, vb, s, side, codes, norms, slots, center = quantize_op_args(with_slots, centred)
         codes2, norms2 = codes.clone(), norms.clone()
-        ops.quantize_rotated_cuda(x, kb, vb, s, side, codes, norms, slots)
-        quantize_rotated_triton(x, RotatedFormat(kb, vb, s), side, (codes2, norms2, None), slots, check=False)
-        assert_same((codes, norms), (codes2, norms2), seed, f"quantize_rotated slots={with_slots}")
+        ops.quantize_rotated_cuda(x, kb, vb, s, side, codes, norms, slots, center)
+        fmt = RotatedFormat(kb, vb, s, value_center=KeyCenter.given(center, s))
+        quantize_rotated_triton(x, fmt, side, (codes2, norms2, None), slots, check=False)
+        what = f"quantize_rotated slots={with_slots} centred={centred}"
+        assert_same((codes, norms), (codes2, norms2), seed, what)
         assert (norms != 0).sum() == x.shape[0] * x.shape[1] * x.shape[2], "norms not written"
+        assert (norms < 0).any() == centred, f"{what}: signs of norms"

@@ -103,9 +103,10 @@ class TokenQuantCodec:
         self._fields = {name: (name, f"{name}_scale", f"{name}_zero") for name in self.payload}  # per quantize call
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Both quantized by one call when they have the same shape (tokens stand alone, so the codes are those
-        of two calls; a decode step's ops are its host cost), then split."""
-        if keys.shape != values.shape or self._formats["k"] != self._formats["v"]:
+        """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
+        stand alone, so the codes are those of two calls; a decode step's ops are its host cost), then split."""
+        k_fmt, v_fmt = self._formats["k"], self._formats["v"]
+        if keys.shape != values.shape or k_fmt != v_fmt or getattr(k_fmt, "value_center", None) is not None:
             return {**self._encode("k", keys), **self._encode("v", values)}
         n = keys.shape[2]
         both = self._encode("kv", torch.cat([keys, values], dim=2))  # fields kv, kv_scale, kv_zero: [.., 2n, ..]
