@@ -150,7 +150,8 @@ class Case:
 
         bits = parse_bits(kind)
         if isinstance(bits, str) and bits.startswith("k"):
-            fmt, attend = RotatedFormat(int(bits[1]), int(bits[3])), quantized_decode_attention
+            # A cache layer's format (keys centred), through the dispatcher that rotates q and the output.
+            fmt, attend = RotatedFormat(int(bits[1]), int(bits[3])).for_layer(0), quantized_decode_attention
         else:
             fmt, attend = QuantFormat(bits, DEFAULT_GROUP[bits]), quantized_decode_attention_triton
         kc, ks, kz = quantize_keys(self.k, fmt)

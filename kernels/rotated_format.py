@@ -389,11 +389,10 @@ def dequantize_rotated(
         raise ShapeError(f"{codes.shape[-1]} bytes per token do not hold whole {bits}-bit codes")
     norms = norms.float()
     center = fmt.center_of(side)
-    if center is None or center.mu is None:
-        x = decoded_units(codes, D, bits) * norms
-        return (x if rotated_space else x @ rotation(D, fmt.seed, codes.device).T).to(dtype)
-    x = decoded_units(codes, D, bits) * norms.abs()
-    mu = center.rotated if rotated_space else center.mu
+    centred = center is not None and center.mu is not None
+    x = decoded_units(codes, D, bits) * (norms.abs() if centred else norms)
     if not rotated_space:
         x = x @ rotation(D, fmt.seed, codes.device).T
-    return torch.where(norms >= 0, x + mu[:, None, :], x).to(dtype)
+    if centred:  # one pass: the centre added where the norm is not negative
+        x = x.addcmul_((norms >= 0).float(), (center.rotated if rotated_space else center.mu)[:, None, :])
+    return x.to(dtype)

@@ -178,6 +178,7 @@ def test_attention_residual_only_and_all_masked(seed, poisoned_empty):
     out, mass = attend(q, fmt, lay, rk, rv, mask, 0.125, with_mass=True)
     check(out, q, 64, reference(q, rk, rv, 0.125, mask), seed, "residual only")
     check_mass(mass, q, rk, 0.125, mask, seed, "residual only")
+    fmt = layer_format(4, 2, 0)  # a centre of its own: new keys
     lay = Layout(fmt, 2, 2, 64, 64, 3, 20, bs=8)
     out, mass = attend(q, fmt, lay, rk, rv, torch.zeros(2, 29, dtype=torch.bool), 0.125, with_mass=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(mass, torch.zeros(2, 2, 29))
@@ -251,12 +252,12 @@ def test_quantize_matches_twin(seed, poisoned_empty, case):
 @pytest.mark.parametrize("case", PACK_CASES[::2], ids=[f"{c[0]}bit-d{c[1]}-{str(c[2])[6:]}" for c in PACK_CASES[::2]])
 def test_quantize_centred_matches_twin(seed, poisoned_empty, case):
     # Keys relative to a given centre: x = 0 codes plain (norm -2**-24, decoded 0), x = mu relative to it (norm 0,
-    # decoded mu); the far-off token 0 of row 1 plain, the rest relative to the centre.
+    # decoded mu); token 0 of the other rows, -2 mu, plain; the rest (around mu) relative to the centre.
     bits, D, dtype, B, H, T = case
     x = offset_keys(B, H, T, D).to(dtype)
     mu = x.float()[:, :, 1:].mean(dim=(0, 2))
     fmt = RotatedFormat(bits, 2, 7, KeyCenter.given(mu, 7))
-    x[0, 0, 0], x[0, 0, 1] = 0, mu[0].to(dtype)
+    x[0, 0, 0], x[0, 0, 1], x[1:, :, 0] = 0, mu[0].to(dtype), (-2 * mu).to(dtype)
     codes, norms, _ = quantize_rotated_triton(x, fmt, "keys")
     assert_matches_twin(codes, norms, x, fmt, "keys", f"centred {bits} bits {dtype}")
     rounding = (x[0, 0, 1].float() - mu[0]).norm()  # of mu to x's dtype
