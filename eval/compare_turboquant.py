@@ -27,7 +27,7 @@ reference itself keeps codes as int64 and norms as float32; the simulation uses 
 
 `--no-renorm` sets `hf_kvplus.kernels.rotated_format.RENORMALIZE = False` (an ablation: the stored norm is |x|, not
 |x| / |decoded unit vector|, which is what the reference stores); `--no-center` sets `CENTER_KEYS = False` (keys
-coded without a centre, as before stop 34). Writes `turboquant.json` (every run),
+coded without a centre, as before stop 33's centred keys). Writes `turboquant.json` (every run),
 `turboquant.md` (the table) and `turboquant.png` (perplexity change against bits per coordinate) into `--out`.
 """
 

@@ -95,15 +95,20 @@ def codebooks(args, model, ids, base) -> tuple[list[dict], str]:
         cache = QuantizedCache(model.config, key_bits=kb, value_bits=vb, window=args.window, rotation_seed=seed)
         rows.append(measure(args, model, ids, base, cache, {"codebook": kind, "config": name, "seed": seed}))
     use_codebooks("lloyd-max")
+    return rows, over_seeds(rows, args.configs, "codebook", ("lloyd-max", "uniform"))
+
+
+def over_seeds(rows: list[dict], configs, column: str, kinds) -> str:
+    """The table of each (config, kind in `column`): its delta's mean, min and max over the seeds."""
     table = []
-    for name in args.configs:
-        for kind in ("lloyd-max", "uniform"):
-            deltas = [r["delta_pct"] for r in rows if r["config"] == name and r["codebook"] == kind]
-            table.append({"config": name, "codebook": kind, "mean": statistics.fmean(deltas),
+    for name in configs:
+        for kind in kinds:
+            deltas = [r["delta_pct"] for r in rows if r["config"] == name and r[column] == kind]
+            table.append({"config": name, column: kind, "mean": statistics.fmean(deltas),
                           "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}", "runs": len(deltas)})  # fmt: skip
-    columns = [("config", "config", ""), ("codebook", "codebook", ""), ("mean", "delta % mean", "+.3f"),
+    columns = [("config", "config", ""), (column, column, ""), ("mean", "delta % mean", "+.3f"),
                ("range", "min .. max", ""), ("runs", "seeds", "d")]  # fmt: skip
-    return rows, format_table(table, columns)
+    return format_table(table, columns)
 
 
 def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
@@ -184,15 +189,7 @@ def centering(args, model, ids, base) -> tuple[list[dict], str]:
         rows.append({"config": name, "variant": variant, "seed": seed, "perplexity": ppl,
                      "delta_pct": 100 * (ppl / base - 1)})  # fmt: skip
         tqdm.write(json.dumps(rows[-1]))
-    table = []
-    for name in args.configs:
-        for variant in args.variants:
-            deltas = [r["delta_pct"] for r in rows if r["config"] == name and r["variant"] == variant]
-            table.append({"config": name, "variant": variant, "mean": statistics.fmean(deltas),
-                          "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}", "runs": len(deltas)})  # fmt: skip
-    columns = [("config", "config", ""), ("variant", "variant", ""), ("mean", "delta % mean", "+.3f"),
-               ("range", "min .. max", ""), ("runs", "seeds", "d")]  # fmt: skip
-    return rows, format_table(table, columns)
+    return rows, over_seeds(rows, args.configs, "variant", args.variants)
 
 
 def measure(args, model, ids, base: float, cache, row: dict) -> dict:
