@@ -356,7 +356,9 @@ def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor
         index = torch.stack([word & 4095, word >> 12], dim=-1)
     else:
         index = codes.int()
-    return _byte_table(head_dim, bits, codes.device)[index].flatten(-3 if bits == 3 else -2)
+    table = _byte_table(head_dim, bits, codes.device)  # index_select: a third of advanced indexing's time on a CPU
+    looked_up = table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[1])
+    return looked_up.flatten(-3 if bits == 3 else -2)
 
 
 _BYTE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
