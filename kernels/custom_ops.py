@@ -17,9 +17,9 @@ figures: BENCHMARKS.md, compiled decode, stops 25 and 26).
 Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tensors (the zeros as
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and
 ``int group_size``, a ``RotatedFormat`` as ``int key_bits``, ``int value_bits`` and ``int seed`` (its
-PackedKV as four tensors: codes and norms, no zeros) and its centre as a ``Tensor?`` (the attention ops: the keys'
-centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded side's, ``KeyCenter.mu``). Ints are ``SymInt`` (``start`` and ``length``
-change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
+PackedKV as four tensors: codes and norms, no zeros) and its centre as a ``Tensor?`` (the attention ops: the
+keys' centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded side's,
+``KeyCenter.mu``). Ints are ``SymInt`` (``start`` and ``length`` change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
 ``codes``, ``norms``; declared mutated) and return nothing.
 
 The rotated attention ops run ``rotated_attention``'s kernel in the rotated space: q and the residual

@@ -17,8 +17,9 @@ Arguments as ``quantized_decode_attention_triton`` (its module docstring) with q
 residual_k/residual_v float32 [B, Hkv, R, D/Dv] already rotated; ``packed`` holds key codes [L, Hkv, T, D *
 key_bits / 8], key norms [L, Hkv, T, 1] float16, value codes and norms alike, zeros None (L = B dense, or the
 pool's blocks with ``block_table``). ``keys_per_token`` is accepted and ignored: a rotated format's keys are per
-token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel. Returns (out float32 [B, Hq, Dv] in the rotated space, mass float32 [B, Hkv, length + R] with
-``with_mass``, else None).
+token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel.
+Returns (out float32 [B, Hq, Dv] in the rotated space, mass float32 [B, Hkv, length + R] with ``with_mass``,
+else None).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Layout of one token's key (or value) of one head, head dim D (a multiple of 8):
   code): the choice is the sign of the stored norm (``>= 0``: centred; negative: plain, ``-|norm|``), so it costs
   no byte. Decoding adds ``mu`` (``mu @ R`` in the rotated space) where the norm is not negative. The centre is
   set before the first key is coded and never changes, so every code keeps its meaning. Measured in
-  BENCHMARKS.md ("centering").
+  BENCHMARKS.md ("Rotated formats with centred keys").
 
 Bit widths 1 to 4 use Lloyd-Max codebooks (shipped for head dims 64, 128 and 256 in
 ``rotated_codebooks.json``, computed on first use for any other head dim, in float64 on a grid: no scipy);
