@@ -311,8 +311,7 @@ def quantize_rotated(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[to
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
-    xf, sign = centered(x, fmt, side)
-    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    xf, norm, sign = centered(x, fmt, side)
     unit = (xf @ rotation(D, fmt.seed, x.device)) / norm.clamp_min(1e-30)
     codes = torch.bucketize(unit, boundaries)
     if RENORMALIZE:
@@ -332,19 +331,25 @@ def signed_norms(norm: torch.Tensor, sign: torch.Tensor | None) -> torch.Tensor:
     return torch.where(sign < 0, -norm.clamp_min(PLAIN_NORM), norm)
 
 
-def centered(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(what a side's codes code, float32, and the sign of each token's norm [B, H, T, 1]: +1 relative to the
-    centre, -1 plain; None for a side without a centre). The side's first call sets its centre from its keys."""
+def centered(
+    x: torch.Tensor, fmt: RotatedFormat, side: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(what a side's codes code, float32; its length [..., T, 1]; the sign of each token's norm: +1 relative to the
+    centre, -1 plain, or None for a side without a centre). The side's first call sets its centre from its keys
+    (x then [B, H, T, D])."""
     center = fmt.center_of(side)
     xf = x.float()
     if center is None:
-        return xf, None
+        return xf, torch.linalg.vector_norm(xf, dim=-1, keepdim=True), None
     if x.dim() != 4:
         raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
     center.observe(x, fmt.seed)
     shifted = xf - center.mu[:, None, :]
-    shorter = torch.linalg.vector_norm(shifted, dim=-1, keepdim=True) <= torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-    return torch.where(shorter, shifted, xf), torch.where(shorter, 1.0, -1.0)
+    shifted_length = torch.linalg.vector_norm(shifted, dim=-1, keepdim=True)
+    length = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    shorter = shifted_length <= length
+    return (torch.where(shorter, shifted, xf), torch.where(shorter, shifted_length, length),
+            torch.where(shorter, 1.0, -1.0))  # fmt: skip
 
 
 def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:

@@ -60,9 +60,9 @@ def quantize_rotated_triton(x, fmt: RotatedFormat, side: str, out=None, slots=No
     codes, norms, _ = out
     if B * H * T == 0:
         return out
-    xf, sign = centered(x, fmt, side)
+    xf, length, sign = centered(x, fmt, side)
     x_rot = xf @ rotation(D, fmt.seed, x.device)
-    length = torch.linalg.vector_norm(xf, dim=-1)  # [B, H, T]
+    length = length[..., 0]  # [B, H, T]
     if sign is not None:  # plain codes: negative lengths
         length = torch.where(sign[..., 0] < 0, -length.clamp_min(1e-30), length)
     centroids, boundaries = codebook(D, bits, x.device)
