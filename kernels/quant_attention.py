@@ -937,7 +937,7 @@ def _twin(
     if last is not None:  # it ends at key `length`, where the residual starts
         n0, k, v = last
         if 0 < R <= TWIN_CHUNK_TOKENS - k.shape[2]:  # one step, not two (a tail chunk and the window, mostly)
-            k, v = torch.cat([k, residual_k.float()], dim=2), torch.cat([v, residual_v.float()], dim=2)
+            k, v = _cat_tokens(fmt, [k, residual_k.float()]), _cat_tokens(fmt, [v, residual_v.float()])
             joined = R
         _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
     for r0 in range(joined, R, TWIN_CHUNK_TOKENS):
@@ -979,7 +979,18 @@ def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per
     if info.R:
         ks.append(residual_k.float())
         vs.append(residual_v.float())
-    return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=2), torch.cat(vs, dim=2))
+    return (ks[0], vs[0]) if len(ks) == 1 else (_cat_tokens(fmt, ks), _cat_tokens(fmt, vs))
+
+
+def _cat_tokens(fmt, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Dequantized tokens and exact ones `[B, Hkv, n, D]` joined along the tokens, through the code planes'
+    shape `[..., per, D / per]` (the same memory): compiled, the join then loops over the planes, whose shift is
+    the same for a whole row of bytes, and not over channels in order (`channel // P` shifts, `channel % P`
+    bytes: inductor runs that element by element)."""
+    per = 1 if fmt.rotated else fmt.per_byte
+    if per == 1 or not torch.compiler.is_compiling():  # eager: the views would only add host work
+        return torch.cat(parts, dim=2)
+    return torch.cat([t.unflatten(-1, (per, -1)) for t in parts], dim=2).flatten(-2)
 
 
 def _online_step(state, qg, k, v, bias, logits=None) -> None:
