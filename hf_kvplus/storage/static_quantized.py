@@ -23,9 +23,10 @@ class StaticQuantizedStorage(KVStorage):
     what is quantized when: once `n` tokens are held, the groups before `frontier(n) = (n - window) // G * G`
     are quantized, the rest are exact. Exact tokens live in a ring of `window + 2G` slots (token p in slot
     p % ring), which also keeps the last quantized group's tokens. A decode step writes its token into the
-    ring and quantizes the newest group that has left the window, from the ring, at a position computed on the
-    device: a step that completes a group and one that does not run the same ops (re-quantizing a group
-    gives the same codes), so one compiled graph serves every step.
+    ring and quantizes, from the ring, the newest key group that has left the window and the one value that
+    has just left it (values are coded as they leave, ahead of the frontier that makes them read), at
+    positions computed on the device: a step that completes a group and one that does not run the same ops
+    (re-quantizing a group gives the same codes), so one compiled graph serves every step.
 
     Attention reads all positions every step: codes `0 .. max_tokens - 1` then the ring, with a mask of its own
     (codes before the frontier, ring slots holding a token at or past it) combined with the model's (padding).
@@ -86,50 +87,59 @@ class StaticQuantizedStorage(KVStorage):
         self.end += new
 
     def _decode_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One token: into the ring, then the newest group out of the window quantized, all at tensor positions."""
+        """One token: into the ring; then, from the ring, the newest key group out of the window quantized and the
+        value that has just left it (values are coded per token: one, not a group), all at tensor positions."""
         g, ring = self.fmt.group_size, self.ring
-        _, _, group = self._aranges
+        _, _, group = self._ranges()
         token = torch.arange(self.end, self.end + 1, device=keys.device)
         slot = token % ring
         self.ring_k.index_copy_(2, slot, keys)
         self.ring_v.index_copy_(2, slot, values)
-        # Before the first group leaves the window this re-quantizes group 0 from whatever the ring holds: those
-        # codes are masked (the frontier is 0) and written again, exactly, once the group is whole.
+        # Before the first group leaves the window this re-quantizes key group 0 from whatever the ring holds, and
+        # value 0 from token 0: those codes are masked (the frontier is 0) and written again once they have left.
         index = ((token + 1 - self.window) // g - 1).clamp_(min=0)
         tokens = index * g + group
-        self._quantize(self.ring_k.index_select(2, tokens % ring), self.ring_v.index_select(2, tokens % ring),
-                       tokens, index)  # fmt: skip
+        self._quantize_keys(self.ring_k.index_select(2, tokens % ring), tokens, index)
+        left = (token - self.window).clamp_(min=0)
+        self._quantize_values(self.ring_v.index_select(2, left % ring), left)
 
     def _chunk_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Prefill or a chunk (eager): the groups it completes quantized from the ring and the chunk, which then
-        leaves its last `ring` tokens in the ring."""
+        """Prefill or a chunk (eager): the key groups it completes and the values that leave the window quantized
+        from the ring and the chunk, which then leaves its last `ring` tokens in the ring."""
         g, new, ring = self.fmt.group_size, keys.shape[2], self.ring
         first, end = self.end, self.end + new
         lo = max(0, self.frontier(first) - g)  # the last group quantized may be completed by this chunk
-        hi = self.frontier(end)
-        if hi > lo:
+        hi, left = self.frontier(end), max(0, end - self.window)  # hi <= left: values are coded up to `left`
+        if left > lo:
             old = torch.arange(lo, first, device=keys.device) % ring
             source_k = torch.cat([self.ring_k.index_select(2, old), keys], dim=2)[:, :, : hi - lo]
-            source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : hi - lo]
-            tokens = torch.arange(lo, hi, device=keys.device)
-            self._quantize(source_k, source_v, tokens, tokens[::g] // g)
+            source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : left - lo]
+            tokens = torch.arange(lo, left, device=keys.device)
+            if hi > lo:
+                self._quantize_keys(source_k, tokens[: hi - lo], tokens[: hi - lo : g] // g)
+            self._quantize_values(source_v, tokens)
         self._fresh = (keys, values)
         kept = min(new, ring)
         slots = torch.arange(end - kept, end, device=keys.device) % ring
         self.ring_k.index_copy_(2, slots, keys[:, :, new - kept :])
         self.ring_v.index_copy_(2, slots, values[:, :, new - kept :])
 
-    def _quantize(self, keys, values, tokens: torch.Tensor, groups: torch.Tensor) -> None:
-        """Quantizes whole groups of exact tokens into code positions `tokens` (key groups `groups`)."""
+    def _quantize_keys(self, keys: torch.Tensor, tokens: torch.Tensor, groups: torch.Tensor) -> None:
+        """Quantizes whole groups of exact keys into code positions `tokens` (key groups `groups`)."""
         b = self.buffers
         k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.fmt, check=False)
-        v, v_scale, v_zero = quantize_values(values.contiguous(), self.fmt, check=False)
         b.k.index_copy_(2, tokens, k)
         b.k_scale.index_copy_(2, groups, k_scale)
-        b.v.index_copy_(2, tokens, v)
-        b.v_scale.index_copy_(2, tokens, v_scale)
         if b.k_zero is not None:
             b.k_zero.index_copy_(2, groups, k_zero)
+
+    def _quantize_values(self, values: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Quantizes exact values into code positions `tokens`."""
+        b = self.buffers
+        v, v_scale, v_zero = quantize_values(values.contiguous(), self.fmt, check=False)
+        b.v.index_copy_(2, tokens, v)
+        b.v_scale.index_copy_(2, tokens, v_scale)
+        if b.v_zero is not None:
             b.v_zero.index_copy_(2, tokens, v_zero)
 
     # ------------------------------------------------------------------ reads
@@ -146,7 +156,7 @@ class StaticQuantizedStorage(KVStorage):
     def _mask(self, model_mask: torch.Tensor | None) -> torch.Tensor:
         """The decode kernel's `[batch, positions + ring]` mask: codes before the frontier, ring slots holding a
         token at or past it, each where the model's mask (causal, padding) allows that token."""
-        positions, slots, _ = self._aranges
+        positions, slots, _ = self._ranges()
         g, ring = self.fmt.group_size, self.ring
         token = torch.arange(self.end - 1, self.end, device=positions.device)  # the query's position
         frontier = ((token + 1 - self.window) // g * g).clamp_(min=0)
@@ -156,6 +166,15 @@ class StaticQuantizedStorage(KVStorage):
             return torch.cat([coded, exact]).expand(self.batch_size, -1)
         allowed = model_mask.gather(1, held.clamp(min=0).expand(model_mask.shape[0], -1))
         return torch.cat([model_mask[:, : self.positions] & coded, allowed & exact], dim=1)
+
+    def _ranges(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`arange`s of the code positions, the ring's slots and a group's tokens. Kept between eager steps; made
+        inside a compiled graph, where inductor folds them into its loops' indices (kept ones would be inputs,
+        guarded at every step, and inductor fuses the decode step's kernels less well around them)."""
+        if not torch.compiler.is_compiling():
+            return self._aranges
+        device = self.ring_k.device
+        return tuple(torch.arange(n, device=device) for n in (self.positions, self.ring, self.fmt.group_size))
 
     def _dense(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All `static_length` positions densely: tokens at their positions (codes dequantized before the
