@@ -94,7 +94,7 @@ from hf_kvplus.kernels.decode_attention import (
 )
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
-from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation
+from hf_kvplus.kernels.rotated_format import RotatedFormat, plane_order, planes_of, rotation
 
 try:
     import triton
@@ -348,6 +348,12 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
         raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
     Dv = fmt.channels(packed.v.shape[-1], "values")
     r_k, r_v = rotation(D, fmt.seed, q.device), rotation(Dv, fmt.seed, q.device)
+    # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
+    # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
+    # output unchanged, so the rotations' columns are permuted to match.
+    planes = torch.compiler.is_compiling() and not q.is_cuda
+    if planes:
+        r_k, r_v = r_k[:, plane_order(D, fmt.key_bits, q.device)], r_v[:, plane_order(Dv, fmt.value_bits, q.device)]
     if kw["residual_k"] is not None:
         kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
     with_mass, q_rot = name.endswith("mass"), q.float() @ r_k
@@ -368,7 +374,7 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
 
         result = rotated_attention.rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
     else:
-        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass)
+        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=planes)
     out = (result[0] @ r_v.T).to(q.dtype)
     return (out, result[1]) if with_mass else out
 
@@ -890,9 +896,9 @@ def quantized_decode_attention_with_mass_torch(
 
 def _twin(
     q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
-    check, *, with_mass,
+    check, *, with_mass, planes=False,
 ):  # fmt: skip
-    """Both twins: (output, mass or None)."""
+    """Both twins: (output, mass or None); `planes`: a rotated format's channels in plane order (see `_rotated`)."""
     if check:
         info = _check_inputs(
             q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
@@ -911,7 +917,8 @@ def _twin(
     chunks = _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token) if length > 0 else iter(())
     head = list(itertools.islice(chunks, 2))
     if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2:
-        k, v = _one_chunk(fmt, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token)
+        k, v = _one_chunk(fmt, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token,
+                          planes)  # fmt: skip
         if with_mass:
             return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=False)
         return grouped_sdpa(q.float(), k, v, mask, scale).to(q.dtype), None
@@ -932,12 +939,13 @@ def _twin(
         if last is not None:
             n0, k, v = last
             _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
-        last = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
+        last = _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes)
     joined = 0  # residual keys that went with the last chunk
     if last is not None:  # it ends at key `length`, where the residual starts
         n0, k, v = last
         if 0 < R <= TWIN_CHUNK_TOKENS - k.shape[2]:  # one step, not two (a tail chunk and the window, mostly)
-            k, v = _cat_tokens(fmt, [k, residual_k.float()]), _cat_tokens(fmt, [v, residual_v.float()])
+            k = _cat_tokens(_plane_count(fmt, "keys", planes, D), [k, residual_k.float()])
+            v = _cat_tokens(_plane_count(fmt, "values", planes, Dv), [v, residual_v.float()])
             joined = R
         _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
     for r0 in range(joined, R, TWIN_CHUNK_TOKENS):
@@ -956,38 +964,48 @@ def _twin(
     return out, torch.exp2(torch.cat(logits, dim=-1).sub_(lse[..., None])).sum(dim=2)
 
 
-def _dequantized_chunk(chunk, fmt, start, length, keys_per_token):
+def _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes=False):
     """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys
     (a rotated format's left in the rotated space: its per-token keys are coded with the key bits)."""
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
-    space = {"rotated_space": True} if fmt.rotated else {}
+    space = {"rotated_space": True, "planes": planes} if fmt.rotated else {}
     k = (dequantize_values if keys_per_token and not fmt.rotated else dequantize_keys)(kc, ks, kz, fmt, **space)
     if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
         k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]
     return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt, **space)
 
 
-def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per_token):
+def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per_token, planes=False):
     """All keys in one chunk: K, V float32, dequantized with the residual appended, for one float32 SDPA (a
     short context's host cost is its op count, about half the online-softmax path's)."""
     ks, vs = [], []
     if chunk is not None:
-        _, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token)
+        _, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes)
         ks.append(k)
         vs.append(v)
     if info.R:
         ks.append(residual_k.float())
         vs.append(residual_v.float())
-    return (ks[0], vs[0]) if len(ks) == 1 else (_cat_tokens(fmt, ks), _cat_tokens(fmt, vs))
+    if len(ks) == 1:
+        return ks[0], vs[0]
+    keys = _cat_tokens(_plane_count(fmt, "keys", planes, info.D), ks)
+    return keys, _cat_tokens(_plane_count(fmt, "values", planes, info.Dv), vs)
 
 
-def _cat_tokens(fmt, parts: list[torch.Tensor]) -> torch.Tensor:
+def _plane_count(fmt, side: str, planes: bool, head_dim: int) -> int:
+    """The planes a side's dequantized channels come in (1: none to keep): KIVI's codes per byte (plane i holds
+    channels `i * P ..`), a rotated format's in plane order (`rotated_format.planes_of`), else 1."""
+    if fmt.rotated:
+        return planes_of(head_dim, fmt.bits_of(side)) if planes else 1
+    return fmt.per_byte
+
+
+def _cat_tokens(per: int, parts: list[torch.Tensor]) -> torch.Tensor:
     """Dequantized tokens and exact ones `[B, Hkv, n, D]` joined along the tokens, through the code planes'
-    shape `[..., per, D / per]` (the same memory): compiled, the join then loops over the planes, whose shift is
-    the same for a whole row of bytes, and not over channels in order (`channel // P` shifts, `channel % P`
-    bytes: inductor runs that element by element)."""
-    per = 1 if fmt.rotated else fmt.per_byte
+    shape `[..., per, D / per]` (the same memory): compiled, the join then loops over the planes, whose shift (or
+    table column) is the same for a whole row of bytes, and not over channels in order (`channel // P` shifts,
+    `channel % P` bytes: inductor runs that element by element)."""
     if per == 1 or not torch.compiler.is_compiling():  # eager: the views would only add host work
         return torch.cat(parts, dim=2)
     return torch.cat([t.unflatten(-1, (per, -1)) for t in parts], dim=2).flatten(-2)

@@ -268,21 +268,25 @@ def quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, to
     return pack_codes(codes, fmt), scale, zero
 
 
-def dequantize_keys(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False) -> torch.Tensor:
+def dequantize_keys(
+    codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False, planes=False
+) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
     rotated)."""
     if fmt.rotated:
-        return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space)
+        return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space, planes=planes)
     q = unpack_planes(codes, fmt).unflatten(-3, (scale.shape[-2], fmt.group_size))  # [..., groups, G, per, P]
     s, z = (None if t is None else t.unflatten(-1, q.shape[-2:]).unsqueeze(-3) for t in (scale, zero))
     return _decode(q, s, z, fmt).flatten(-2).flatten(-3, -2).to(dtype)
 
 
-def dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False) -> torch.Tensor:
+def dequantize_values(
+    codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False, planes=False
+) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
     rotated)."""
     if fmt.rotated:
-        return dequantize_rotated(codes, scale, fmt, "values", dtype, rotated_space=rotated_space)
+        return dequantize_rotated(codes, scale, fmt, "values", dtype, rotated_space=rotated_space, planes=planes)
     q, G = unpack_planes(codes, fmt), fmt.group_size
     per, P = q.shape[-2:]
     if P % G == 0:  # whole groups in each plane: codes [..., T, per, P / G, G], params [..., T, per, P / G, 1]

@@ -366,6 +366,33 @@ def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor
     return looked_up.flatten(-3 if bits == 3 else -2)
 
 
+def planes_of(head_dim: int, bits: int) -> int:
+    """How many planes a decode in plane order splits a vector into: the codes of one byte, so plane e holds
+    channels ``p * planes + e``. 1 (channels in order) for 3-bit codes, which straddle bytes, and where a plane
+    would be shorter than 16 channels, one vector: measured on the CPU, both were slower in plane order."""
+    k = 1 if bits == 3 else 8 // bits
+    return k if head_dim // k >= 16 else 1
+
+
+def plane_order(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
+    """int64 [D]: the channels in plane order (``x[..., plane_order]`` is ``x`` as :func:`decoded_planes` lays it
+    out)."""
+    k = planes_of(head_dim, bits)
+    return torch.arange(head_dim, device=device).view(head_dim // k, k).t().reshape(-1)
+
+
+def decoded_planes(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
+    """The codebook values of packed codes ``[..., P]`` (not 3 bits) as float32 ``[..., planes, P]``, plane e
+    holding channels ``p * planes + e``: one gather per plane from the byte table's column e. Compiled, the
+    planes keep a loop of their own and each plane's lookup runs over the bytes in order, where
+    :func:`decoded_units`' channels in order made inductor index the bytes by ``channel // planes`` and the
+    table by ``channel % planes``, one element at a time."""
+    index = codes.int()
+    table = _byte_table(head_dim, bits, codes.device)
+    planes = [table[:, e].index_select(0, index.reshape(-1)).view_as(index) for e in range(table.shape[1])]
+    return torch.stack(planes, dim=-2)
+
+
 _BYTE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
@@ -386,10 +413,11 @@ def _byte_table(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
 
 def dequantize_rotated(
     codes: torch.Tensor, norms: torch.Tensor, fmt: RotatedFormat, side: str, dtype=torch.float32, *,
-    rotated_space: bool = False,
+    rotated_space: bool = False, planes: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Inverse of :func:`quantize_rotated`: ``[..., T, D]`` in `dtype`; with `rotated_space`, left rotated
-    (``x^ @ R``: what attention in the rotated space reads)."""
+    (``x^ @ R``: what attention in the rotated space reads); with `planes` too, its channels in plane order
+    (:func:`plane_order`)."""
     bits = fmt.bits_of(side)
     D = codes.shape[-1] * 8 // bits
     if codes.shape[-1] * 8 % bits:
@@ -397,6 +425,12 @@ def dequantize_rotated(
     norms = norms.float()
     center = fmt.center_of(side)
     centred = center is not None and center.mu is not None
+    if planes and rotated_space and planes_of(D, bits) > 1:  # decoded, scaled, centred in [..., planes, P]; flattened last
+        x = decoded_planes(codes, D, bits) * (norms.abs() if centred else norms)[..., None]
+        if centred:
+            mu = center.rotated[:, plane_order(D, bits, codes.device)]
+            x = x + (norms >= 0).float()[..., None] * mu.view(mu.shape[0], 1, planes_of(D, bits), -1)
+        return x.to(dtype).flatten(-2)
     x = decoded_units(codes, D, bits) * (norms.abs() if centred else norms)
     if not rotated_space:
         x = x @ rotation(D, fmt.seed, codes.device).T

@@ -28,7 +28,14 @@ import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
-from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat, dequantize_rotated, quantize_rotated
+from hf_kvplus.kernels.rotated_format import (
+    KeyCenter,
+    RotatedFormat,
+    dequantize_rotated,
+    plane_order,
+    planes_of,
+    quantize_rotated,
+)
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 POISON_CODE = 0xFF
@@ -386,3 +393,20 @@ def test_cuda_implementations_match_the_triton_paths(seed):
         assert_same((codes, norms), (codes2, norms2), seed, what)
         assert (norms != 0).sum() == x.shape[0] * x.shape[1] * x.shape[2], "norms not written"
         assert (norms < 0).any() == centred, f"{what}: signs of norms"
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("centred", [False, True])
+def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, centred):
+    # What the compiled CPU twin reads (`planes=True`) against the eager decode, both in the rotated space: the same
+    # numbers, channels in `plane_order`; a format whose planes would be short (or 3 bits) keeps channel order.
+    x = offset_keys(2, 3, 9, D)
+    fmt = RotatedFormat(bits, 2, 5, KeyCenter.given(x[:, :, 1:].mean(dim=(0, 2)), 5) if centred else None)
+    codes, norms = quantize_rotated(x, fmt, "keys")[:2]
+    plain = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True)
+    planes = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, planes=True)
+    order = plane_order(D, bits, x.device)
+    assert sorted(order.tolist()) == list(range(D))
+    assert torch.equal(planes, plain[..., order]), f"{bits} bits, D {D}"
+    assert (planes_of(D, bits) > 1) == (bits in (1, 2, 4) and D * bits // 8 >= 16)
