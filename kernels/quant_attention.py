@@ -94,7 +94,7 @@ from hf_kvplus.kernels.decode_attention import (
 )
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
-from hf_kvplus.kernels.rotated_format import RotatedFormat, plane_order, planes_of, rotation
+from hf_kvplus.kernels.rotated_format import RotatedFormat, columns_in_plane_order, planes_of, rotation
 
 try:
     import triton
@@ -353,7 +353,7 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
     # output unchanged, so the rotations' columns are permuted to match.
     planes = torch.compiler.is_compiling() and not q.is_cuda
     if planes:
-        r_k, r_v = r_k[:, plane_order(D, fmt.key_bits, q.device)], r_v[:, plane_order(Dv, fmt.value_bits, q.device)]
+        r_k, r_v = columns_in_plane_order(r_k, fmt.key_bits), columns_in_plane_order(r_v, fmt.value_bits)
     if kw["residual_k"] is not None:
         kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
     with_mass, q_rot = name.endswith("mass"), q.float() @ r_k

@@ -381,6 +381,13 @@ def plane_order(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(head_dim, device=device).view(head_dim // k, k).t().reshape(-1)
 
 
+def columns_in_plane_order(matrix: torch.Tensor, bits: int) -> torch.Tensor:
+    """A rotation ``[D, D]`` whose columns are in plane order, so that it takes vectors straight into the order
+    :func:`decoded_planes` decodes in; the matrix itself where there are no planes (nothing to gather)."""
+    D = matrix.shape[1]
+    return matrix if planes_of(D, bits) == 1 else matrix[:, plane_order(D, bits, matrix.device)]
+
+
 def decoded_planes(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
     """The codebook values of packed codes ``[..., P]`` (not 3 bits) as float32 ``[..., planes, P]``, plane e
     holding channels ``p * planes + e``: one gather per plane from the byte table's column e. Compiled, the
@@ -425,11 +432,12 @@ def dequantize_rotated(
     norms = norms.float()
     center = fmt.center_of(side)
     centred = center is not None and center.mu is not None
-    if planes and rotated_space and planes_of(D, bits) > 1:  # decoded, scaled, centred in [..., planes, P]; flattened last
+    k = planes_of(D, bits) if planes and rotated_space else 1
+    if k > 1:  # decoded, scaled and centred in [..., planes, P]; flattened last
         x = decoded_planes(codes, D, bits) * (norms.abs() if centred else norms)[..., None]
         if centred:
             mu = center.rotated[:, plane_order(D, bits, codes.device)]
-            x = x + (norms >= 0).float()[..., None] * mu.view(mu.shape[0], 1, planes_of(D, bits), -1)
+            x = x + (norms >= 0).float()[..., None] * mu.view(mu.shape[0], 1, k, -1)
         return x.to(dtype).flatten(-2)
     x = decoded_units(codes, D, bits) * (norms.abs() if centred else norms)
     if not rotated_space:

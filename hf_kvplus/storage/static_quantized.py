@@ -112,11 +112,11 @@ class StaticQuantizedStorage(KVStorage):
         hi, left = self.frontier(end), max(0, end - self.window)  # hi <= left: values are coded up to `left`
         if left > lo:
             old = torch.arange(lo, first, device=keys.device) % ring
-            source_k = torch.cat([self.ring_k.index_select(2, old), keys], dim=2)[:, :, : hi - lo]
-            source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : left - lo]
             tokens = torch.arange(lo, left, device=keys.device)
             if hi > lo:
+                source_k = torch.cat([self.ring_k.index_select(2, old), keys], dim=2)[:, :, : hi - lo]
                 self._quantize_keys(source_k, tokens[: hi - lo], tokens[: hi - lo : g] // g)
+            source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : left - lo]
             self._quantize_values(source_v, tokens)
         self._fresh = (keys, values)
         kept = min(new, ring)
