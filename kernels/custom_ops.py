@@ -19,7 +19,7 @@ Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tenso
 ``int group_size``, a ``RotatedFormat`` as ``int key_bits``, ``int value_bits`` and ``int seed`` (its
 PackedKV as four tensors: codes and norms, no zeros) and its centre as a ``Tensor?`` (the attention ops: the
 keys' centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded side's,
-``KeyCenter.mu``). Ints are ``SymInt`` (``start`` and ``length`` change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
+``KeyCenter.mu``, and ``bool inputs_rotated``: the vectors come rotated). Ints are ``SymInt`` (``start`` and ``length`` change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
 ``codes``, ``norms``; declared mutated) and return nothing.
 
 The rotated attention ops run ``rotated_attention``'s kernel in the rotated space: q and the residual
@@ -438,9 +438,10 @@ def quantize_rotated(
     norms: Tensor,
     slots: Tensor | None,
     center: Tensor | None,
+    inputs_rotated: bool = False,
 ) -> None:
-    for dst, src in zip((codes, norms), quantize_rotated_twin(x, _side_format(key_bits, value_bits, seed, side, center),
-                                                              side), strict=True):  # fmt: skip
+    fmt = _side_format(key_bits, value_bits, seed, side, center, inputs_rotated)
+    for dst, src in zip((codes, norms), quantize_rotated_twin(x, fmt, side), strict=True):
         if slots is None:
             dst.copy_(src)
         else:
@@ -448,17 +449,20 @@ def quantize_rotated(
 
 
 @quantize_rotated.register_kernel("cuda")
-def quantize_rotated_cuda(x, key_bits, value_bits, seed, side, codes, norms, slots, center):
-    fmt = _side_format(key_bits, value_bits, seed, side, center)
+def quantize_rotated_cuda(x, key_bits, value_bits, seed, side, codes, norms, slots, center, inputs_rotated=False):
+    fmt = _side_format(key_bits, value_bits, seed, side, center, inputs_rotated)
     rotated_pack.quantize_rotated_triton(x, fmt, side, (codes, norms, None), slots, check=False)
 
 
 @quantize_rotated.register_fake
-def _(x, key_bits, value_bits, seed, side, codes, norms, slots, center):
+def _(x, key_bits, value_bits, seed, side, codes, norms, slots, center, inputs_rotated=False):
     return None
 
 
-def _side_format(key_bits: int, value_bits: int, seed: int, side: str, center: Tensor | None) -> RotatedFormat:
+def _side_format(
+    key_bits: int, value_bits: int, seed: int, side: str, center: Tensor | None, inputs_rotated: bool = False
+) -> RotatedFormat:
     """The rotated format of the ops' arguments, ``center`` (``KeyCenter.mu``) on the coded side."""
     given = KeyCenter.given(center, seed)
-    return RotatedFormat(key_bits, value_bits, seed, *((given, None) if side == "keys" else (None, given)))
+    centers = (given, None) if side == "keys" else (None, given)
+    return RotatedFormat(key_bits, value_bits, seed, *centers, inputs_rotated=inputs_rotated)

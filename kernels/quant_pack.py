@@ -216,10 +216,12 @@ def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, check: bool):
 
         codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
         center = fmt.center_of(side)
-        if center is not None:
+        if center is not None and not fmt.inputs_rotated:
             center.observe(x, fmt.seed)  # the layer's first keys set its centre (once; see rotated_format)
         mu = None if center is None else center.mu
-        custom_ops.quantize_rotated(x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu)
+        custom_ops.quantize_rotated(
+            x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
+        )
         return codes, norms, None
     return quantize_rotated_triton(x, fmt, side, out, slots, check=check)
 

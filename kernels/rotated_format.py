@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -81,18 +81,24 @@ class KeyCenter:
     pool's caches and its prefix store), never changed once set, and kept across `reset` (any centre decodes the
     codes made with it)."""
 
-    __slots__ = ("mu", "rotated")
+    __slots__ = ("mu", "rotated", "in_planes")
 
     def __init__(self):
         self.mu: torch.Tensor | None = None
         self.rotated: torch.Tensor | None = None
+        #: ``rotated`` with its channels in plane order, per bit width (what a compiled twin adds to its planes).
+        self.in_planes: dict[int, torch.Tensor] = {}
 
     def observe(self, x: torch.Tensor, seed: int) -> None:
         """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens); a
         no-op after."""
         if self.mu is None:
-            self.mu = x.float().mean(dim=(0, 2))
-            self.rotated = self.mu @ rotation(x.shape[-1], seed, x.device)
+            mu = x.float().mean(dim=(0, 2))
+            self._set(mu, mu @ rotation(x.shape[-1], seed, x.device))
+
+    def _set(self, mu: torch.Tensor, rotated: torch.Tensor) -> None:
+        self.mu, self.rotated = mu, rotated
+        self.in_planes = {bits: in_plane_order(rotated, bits).contiguous() for bits in (1, 2, 4)}
 
     @staticmethod
     def given(center: torch.Tensor | None, seed: int, *, rotated: bool = False) -> KeyCenter | None:
@@ -101,7 +107,7 @@ class KeyCenter:
             return None
         made = KeyCenter()
         r = rotation(center.shape[-1], seed, center.device)
-        made.mu, made.rotated = (center @ r.T, center) if rotated else (center, center @ r)
+        made._set(*((center @ r.T, center) if rotated else (center, center @ r)))
         return made
 
     def __repr__(self) -> str:
@@ -114,7 +120,10 @@ class RotatedFormat:
 
     Shares the interface the storages use with `QuantFormat`: one "group" is one token (a norm per vector), so
     every token leaves the full-precision window on its own. `key_center` / `value_center`: the centre that side's
-    codes are relative to (see the module doc; a layer's format from `for_layer` centres its keys), or None."""
+    codes are relative to (see the module doc; a layer's format from `for_layer` centres its keys), or None.
+    `inputs_rotated` (`with_rotated_inputs`): the vectors it quantizes, and attention's exact window, come rotated
+    already (``x @ R``; a centre then subtracted as ``KeyCenter.rotated``, so it must be set), as a static
+    storage's ring holds them: nothing is rotated at a decode step but the query and the output."""
 
     key_bits: int
     value_bits: int
@@ -125,6 +134,7 @@ class RotatedFormat:
     is_float: bool = field(default=False, init=False, repr=False, compare=False)
     rotated: bool = field(default=True, init=False, repr=False, compare=False)
     has_zero: bool = field(default=False, init=False, repr=False, compare=False)
+    inputs_rotated: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         for side, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
@@ -132,6 +142,10 @@ class RotatedFormat:
                 raise ConfigError(f"{side} must be one of {ROTATED_BITS} for a rotated format, got {bits!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
+
+    def with_rotated_inputs(self) -> RotatedFormat:
+        """This format (the same centres) taking rotated vectors."""
+        return replace(self, inputs_rotated=True)
 
     def bits_of(self, side: str) -> int:
         return self.key_bits if side == "keys" else self.value_bits
@@ -312,11 +326,19 @@ def quantize_rotated(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[to
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
     xf, norm, sign = centered(x, fmt, side)
-    unit = (xf @ rotation(D, fmt.seed, x.device)) / norm.clamp_min(1e-30)
-    codes = torch.bucketize(unit, boundaries)
+    unit = (xf if fmt.inputs_rotated else xf @ rotation(D, fmt.seed, x.device)) / norm.clamp_min(1e-30)
+    codes = _bucketized(unit, boundaries)
     if RENORMALIZE:
         norm = norm / torch.linalg.vector_norm(centroids[codes], dim=-1, keepdim=True).clamp_min(1e-30)
     return pack_bits(codes, bits), signed_norms(norm.to(torch.float16), sign)
+
+
+def _bucketized(x: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """``torch.bucketize(x, boundaries)``: compiled, as the count of boundaries below each value, which inductor
+    fuses into the kernel that makes `x` (bucketize is a call of its own in the graph)."""
+    if torch.compiler.is_compiling():
+        return (x[..., None] > boundaries).sum(-1)
+    return torch.bucketize(x, boundaries)
 
 
 #: The smallest float16 (a subnormal): a plain key's norm is at least this before it turns negative, so that a
@@ -336,15 +358,21 @@ def centered(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(what a side's codes code, float32; its length [..., T, 1]; the sign of each token's norm: +1 relative to the
     centre, -1 plain, or None for a side without a centre). The side's first call sets its centre from its keys
-    (x then [B, H, T, D])."""
+    (x then [B, H, T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the set centre, rotated."""
     center = fmt.center_of(side)
     xf = x.float()
     if center is None:
         return xf, torch.linalg.vector_norm(xf, dim=-1, keepdim=True), None
     if x.dim() != 4:
         raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
-    center.observe(x, fmt.seed)
-    shifted = xf - center.mu[:, None, :]
+    if fmt.inputs_rotated:
+        if center.mu is None:
+            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
+        mu = center.rotated
+    else:
+        center.observe(x, fmt.seed)
+        mu = center.mu
+    shifted = xf - mu[:, None, :]
     shifted_length = torch.linalg.vector_norm(shifted, dim=-1, keepdim=True)
     length = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     shorter = shifted_length <= length
@@ -369,9 +397,17 @@ def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor
 def planes_of(head_dim: int, bits: int) -> int:
     """How many planes a decode in plane order splits a vector into: the codes of one byte, so plane e holds
     channels ``p * planes + e``. 1 (channels in order) for 3-bit codes, which straddle bytes, and where a plane
-    would be shorter than 16 channels, one vector: measured on the CPU, both were slower in plane order."""
+    would be shorter than 8 channels: measured on the CPU, both were slower in plane order."""
     k = 1 if bits == 3 else 8 // bits
-    return k if head_dim // k >= 16 else 1
+    return k if head_dim // k >= 8 else 1
+
+
+def in_plane_order(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Vectors ``[..., D]`` with their channels in plane order (:func:`plane_order`), as a reshape of a transposed
+    view (which inductor folds into the kernel that reads it)."""
+    D = x.shape[-1]
+    k = planes_of(D, bits)
+    return x if k == 1 else x.unflatten(-1, (D // k, k)).transpose(-1, -2).flatten(-2)
 
 
 def plane_order(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
@@ -390,14 +426,19 @@ def columns_in_plane_order(matrix: torch.Tensor, bits: int) -> torch.Tensor:
 
 def decoded_planes(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
     """The codebook values of packed codes ``[..., P]`` (not 3 bits) as float32 ``[..., planes, P]``, plane e
-    holding channels ``p * planes + e``: one gather per plane from the byte table's column e. Compiled, the
-    planes keep a loop of their own and each plane's lookup runs over the bytes in order, where
-    :func:`decoded_units`' channels in order made inductor index the bytes by ``channel // planes`` and the
-    table by ``channel % planes``, one element at a time."""
-    index = codes.int()
-    table = _byte_table(head_dim, bits, codes.device)
-    planes = [table[:, e].index_select(0, index.reshape(-1)).view_as(index) for e in range(table.shape[1])]
-    return torch.stack(planes, dim=-2)
+    holding channels ``p * planes + e``. Compiled, one pointwise expression over that shape: each plane a loop
+    over the bytes in order (:func:`decoded_units`' channels in order made inductor index the bytes by
+    ``channel // planes`` and the table by ``channel % planes``, one element at a time), and each code's value
+    picked by a tree of selects on its bits, which inductor vectorizes (a table gather runs element by element;
+    a tree over half the codebook plus a sign, measured, was slower)."""
+    k = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device).view(k, 1)
+    code = (codes.int().unsqueeze(-2) >> shifts) & (2**bits - 1)
+    values = list(codebook(head_dim, bits, codes.device)[0].unbind())
+    for b in range(bits):
+        bit = ((code >> b) & 1).bool()
+        values = [torch.where(bit, values[2 * j + 1], values[2 * j]) for j in range(len(values) // 2)]
+    return values[0]
 
 
 _BYTE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -436,7 +477,7 @@ def dequantize_rotated(
     if k > 1:  # decoded, scaled and centred in [..., planes, P]; flattened last
         x = decoded_planes(codes, D, bits) * (norms.abs() if centred else norms)[..., None]
         if centred:
-            mu = center.rotated[:, plane_order(D, bits, codes.device)]
+            mu = center.in_planes[bits]
             x = x + (norms >= 0).float()[..., None] * mu.view(mu.shape[0], 1, k, -1)
         return x.to(dtype).flatten(-2)
     x = decoded_units(codes, D, bits) * (norms.abs() if centred else norms)

@@ -61,7 +61,7 @@ def quantize_rotated_triton(x, fmt: RotatedFormat, side: str, out=None, slots=No
     if B * H * T == 0:
         return out
     xf, length, sign = centered(x, fmt, side)
-    x_rot = xf @ rotation(D, fmt.seed, x.device)
+    x_rot = xf if fmt.inputs_rotated else xf @ rotation(D, fmt.seed, x.device)
     length = length[..., 0]  # [B, H, T]
     if sign is not None:  # plain codes: negative lengths
         length = torch.where(sign[..., 0] < 0, -length.clamp_min(1e-30), length)

@@ -32,10 +32,13 @@ from hf_kvplus.kernels.rotated_format import (
     KeyCenter,
     RotatedFormat,
     dequantize_rotated,
+    in_plane_order,
     plane_order,
     planes_of,
     quantize_rotated,
+    rotation,
 )
+from hf_kvplus.kernels.quant_attention import quantized_decode_attention
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 POISON_CODE = 0xFF
@@ -409,4 +412,28 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
     order = plane_order(D, bits, x.device)
     assert sorted(order.tolist()) == list(range(D))
     assert torch.equal(planes, plain[..., order]), f"{bits} bits, D {D}"
-    assert (planes_of(D, bits) > 1) == (bits in (1, 2, 4) and D * bits // 8 >= 16)
+    assert torch.equal(in_plane_order(plain, bits), planes), "the view the twin takes a rotated ring through"
+    assert (planes_of(D, bits) > 1) == (bits in (1, 2, 4) and D * bits // 8 >= 8)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("bits", [(4, 2), (3, 2), (2, 4)])
+def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits):
+    # A static storage's ring holds its tokens rotated, and its read's format says so (`with_rotated_inputs`): the
+    # same attention as the plain format over the tokens as they were, eager and compiled (the twin's plane order).
+    fmt = RotatedFormat(*bits, 7)
+    packed, _, _ = coded(fmt, 1, 2, 12, 32, 32)
+    q, residual_k, residual_v = torch.randn(1, 4, 32), torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    r = rotation(32, 7)
+    kw = dict(start=0, length=12, scale=0.2, check=False)
+
+    def attend(fmt, rk, rv):
+        return quantized_decode_attention(q, packed, fmt, residual_k=rk, residual_v=rv, **kw)
+
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(attend, fullgraph=True, backend="inductor")
+    want = attend(fmt, residual_k, residual_v)
+    got = attend(fmt.with_rotated_inputs(), residual_k @ r, residual_v @ r)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(attend(fmt.with_rotated_inputs(), residual_k, residual_v), want, atol=1e-2)

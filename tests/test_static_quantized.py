@@ -15,6 +15,7 @@ from conformance.modes import make_prompt
 from hf_kvplus import CapacityError, ConfigError, Offloaded, QuantizedCache
 from hf_kvplus.errors import UnsupportedModelError
 from hf_kvplus.formats import QuantFormat
+from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat, quantize_rotated, rotation
 from hf_kvplus.storage.static_quantized import StaticQuantizedStorage
 
 
@@ -82,6 +83,34 @@ def test_rolling_back_keeps_the_codes_and_the_exact_tokens():
         torch.testing.assert_close(got[:, :, 12:16], want[:, :, 12:16], atol=0.5, rtol=0)
     rolled.append(keys[:, :, 19:20], values[:, :, 19:20])  # and it goes on from there
     assert rolled.length == 20 and torch.equal(rolled.view(1)[0], keys[:, :, 19:20])
+
+
+def test_a_rotated_format_keeps_its_ring_rotated_and_attends_it_as_it_is():
+    fmt = RotatedFormat(4, 2, 3, KeyCenter())
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 20, 16) + 0.5, torch.randn(1, 2, 20, 16)
+    storage = StaticQuantizedStorage(fmt, window=4, max_tokens=40)
+    storage.append(keys[:, :, :12], values[:, :, :12])
+    for t in range(12, 20):
+        storage.append(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    # The centre is the mean of the first keys held, as they were.
+    torch.testing.assert_close(fmt.key_center.mu, keys[:, :, :12].mean(dim=(0, 2)))
+    # 20 held, window 4: codes before 16; the ring (4 + 2 slots) holds tokens 14..19, rotated.
+    r = rotation(16, 3)
+    slots = torch.arange(14, 20) % storage.ring
+    torch.testing.assert_close(storage.ring_k[:, :, slots], keys[:, :, 14:20] @ r, atol=1e-6, rtol=0)
+    torch.testing.assert_close(storage.ring_v[:, :, slots], values[:, :, 14:20] @ r, atol=1e-6, rtol=0)
+    # Read back in the model's space: the exact tokens as they came (one rotation there and back).
+    k, v = storage.view(20)
+    torch.testing.assert_close(k[:, :, 16:], keys[:, :, 16:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(v[:, :, 16:], values[:, :, 16:], atol=1e-5, rtol=0)
+    # The codes are those of the tokens as they were (the rotation applied first instead of after the centre:
+    # a code may differ where a coordinate sits on a boundary).
+    codes, _ = quantize_rotated(keys[:, :, :16], fmt, "keys")
+    assert (storage.buffers.k[:, :, :16] == codes).float().mean() > 0.99
+    # Attention reads the ring as it is: the read's format says its tokens come rotated.
+    read = storage.read(20, 1)
+    assert read.fmt.inputs_rotated and not storage.fmt.inputs_rotated and read.recent_k is storage.ring_k
 
 
 def test_capacity_and_bad_construction_are_refused():

@@ -10,6 +10,7 @@ import torch
 from ..errors import CacheMismatchError, CapacityError, ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
 from ..kernels.quant_pack import quantize_keys, quantize_values
+from ..kernels.rotated_format import rotation
 from ..memory import MemoryReport, tensor_bytes
 from .base import KVStorage
 from .packed_segment import dequantized_span, group_views, new_buffers, span_bytes
@@ -27,6 +28,10 @@ class StaticQuantizedStorage(KVStorage):
     has just left it (values are coded as they leave, ahead of the frontier that makes them read), at
     positions computed on the device: a step that completes a group and one that does not run the same ops
     (re-quantizing a group gives the same codes), so one compiled graph serves every step.
+
+    A rotated format's ring holds its tokens rotated (``x @ R`` in the model's dtype: one rounding), so that a step
+    rotates only its new token: the tokens leaving the window are coded as the ring holds them, and attention reads
+    the ring as it is (it attends in the rotated space); `view` rotates them back.
 
     Attention reads all positions every step: codes `0 .. max_tokens - 1` then the ring, with a mask of its own
     (codes before the frontier, ring slots holding a token at or past it) combined with the model's (padding).
@@ -46,6 +51,7 @@ class StaticQuantizedStorage(KVStorage):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         self.fmt, self.window, self.max_tokens, self.fused = fmt, window, max_tokens, fused
+        self.code_fmt = fmt.with_rotated_inputs() if fmt.rotated else fmt  # what codes the ring's tokens
         self.positions = -(-max_tokens // g) * g  # code positions: whole groups
         self.ring = window + 2 * g
         self.static_length = self.positions + self.ring
@@ -80,11 +86,32 @@ class StaticQuantizedStorage(KVStorage):
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
         if self.end + new > self.max_tokens:
             raise CapacityError(f"{self.end + new} tokens per row do not fit in the cache's max_tokens={self.max_tokens}")
+        ring_k, ring_v = self._to_ring(keys, values)
         if new == 1:
-            self._decode_write(keys, values)
+            self._decode_write(ring_k, ring_v)
         else:
-            self._chunk_write(keys, values)
+            self._chunk_write(ring_k, ring_v)
+            self._fresh = (keys, values)
         self.end += new
+
+    def _to_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens as the ring holds them: rotated for a rotated format (whose key centre the first keys set, as
+        they were), else as they are."""
+        fmt = self.fmt
+        if not fmt.rotated:
+            return keys, values
+        if fmt.key_center is not None:
+            fmt.key_center.observe(keys, fmt.seed)  # a no-op once set
+        r_k, r_v = (rotation(x.shape[-1], fmt.seed, x.device) for x in (keys, values))
+        return (keys.float() @ r_k).to(keys.dtype), (values.float() @ r_v).to(values.dtype)
+
+    def _from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of :meth:`_to_ring`."""
+        fmt = self.fmt
+        if not fmt.rotated:
+            return keys, values
+        r_k, r_v = (rotation(x.shape[-1], fmt.seed, x.device) for x in (keys, values))
+        return (keys.float() @ r_k.T).to(keys.dtype), (values.float() @ r_v.T).to(values.dtype)
 
     def _decode_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token: into the ring; then, from the ring, the newest key group out of the window quantized and the
@@ -104,8 +131,8 @@ class StaticQuantizedStorage(KVStorage):
         self._quantize_values(self.ring_v.index_select(2, left % ring), left)
 
     def _chunk_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Prefill or a chunk (eager): the key groups it completes and the values that leave the window quantized
-        from the ring and the chunk, which then leaves its last `ring` tokens in the ring."""
+        """Prefill or a chunk (eager, as the ring holds it): the key groups it completes and the values that leave
+        the window quantized from the ring and the chunk, which then leaves its last `ring` tokens in the ring."""
         g, new, ring = self.fmt.group_size, keys.shape[2], self.ring
         first, end = self.end, self.end + new
         lo = max(0, self.frontier(first) - g)  # the last group quantized may be completed by this chunk
@@ -118,7 +145,6 @@ class StaticQuantizedStorage(KVStorage):
                 self._quantize_keys(source_k, tokens[: hi - lo], tokens[: hi - lo : g] // g)
             source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : left - lo]
             self._quantize_values(source_v, tokens)
-        self._fresh = (keys, values)
         kept = min(new, ring)
         slots = torch.arange(end - kept, end, device=keys.device) % ring
         self.ring_k.index_copy_(2, slots, keys[:, :, new - kept :])
@@ -127,7 +153,7 @@ class StaticQuantizedStorage(KVStorage):
     def _quantize_keys(self, keys: torch.Tensor, tokens: torch.Tensor, groups: torch.Tensor) -> None:
         """Quantizes whole groups of exact keys into code positions `tokens` (key groups `groups`)."""
         b = self.buffers
-        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.fmt, check=False)
+        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.code_fmt, check=False)
         b.k.index_copy_(2, tokens, k)
         b.k_scale.index_copy_(2, groups, k_scale)
         if b.k_zero is not None:
@@ -136,7 +162,7 @@ class StaticQuantizedStorage(KVStorage):
     def _quantize_values(self, values: torch.Tensor, tokens: torch.Tensor) -> None:
         """Quantizes exact values into code positions `tokens`."""
         b = self.buffers
-        v, v_scale, v_zero = quantize_values(values.contiguous(), self.fmt, check=False)
+        v, v_scale, v_zero = quantize_values(values.contiguous(), self.code_fmt, check=False)
         b.v.index_copy_(2, tokens, v)
         b.v_scale.index_copy_(2, tokens, v_scale)
         if b.v_zero is not None:
@@ -149,7 +175,7 @@ class StaticQuantizedStorage(KVStorage):
         batch, heads, _, dim = self.ring_k.shape
         keys, values = placeholders(self.ring_k, batch, heads, self.static_length, dim, self.ring_v.shape[-1])
         return PackedRead(
-            keys, values, self.buffers, self.fmt, 0, self.positions, self.ring_k, self.ring_v, None,
+            keys, values, self.buffers, self.code_fmt, 0, self.positions, self.ring_k, self.ring_v, None,
             partial(self._dense, new), mask=self._mask,
         )  # fmt: skip
 
@@ -197,7 +223,7 @@ class StaticQuantizedStorage(KVStorage):
             parts.append(self._dequantized(first, frontier))
         exact_from = max(first, frontier)
         slots = torch.arange(exact_from, self.end, device=self.ring_k.device) % self.ring
-        parts.append((self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)))
+        parts.append(self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)))
         if len(parts) == 1:
             return parts[0]
         return torch.cat([parts[0][0], parts[1][0]], dim=2), torch.cat([parts[0][1], parts[1][1]], dim=2)
@@ -220,7 +246,7 @@ class StaticQuantizedStorage(KVStorage):
         g = self.fmt.group_size
         lo, hi = max(0, self.frontier(end) - g), max(0, self.frontier(self.end) - g)
         if hi > lo:
-            k, v = self._dequantized(lo, hi)
+            k, v = self._to_ring(*self._dequantized(lo, hi))
             slots = torch.arange(lo, hi, device=k.device) % self.ring
             self.ring_k.index_copy_(2, slots, k)
             self.ring_v.index_copy_(2, slots, v)
