@@ -26,6 +26,7 @@ from test_kernel_unchecked import assert_same
 
 import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
+from hf_kvplus.kernels.quant_attention import quantized_decode_attention
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
 from hf_kvplus.kernels.rotated_format import (
@@ -38,7 +39,6 @@ from hf_kvplus.kernels.rotated_format import (
     quantize_rotated,
     rotation,
 )
-from hf_kvplus.kernels.quant_attention import quantized_decode_attention
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 POISON_CODE = 0xFF
