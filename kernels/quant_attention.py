@@ -96,7 +96,6 @@ from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
-    columns_in_plane_order,
     in_plane_order,
     planes_of,
     rotation,
@@ -354,13 +353,12 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
     if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
         raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
     Dv = fmt.channels(packed.v.shape[-1], "values")
-    r_k, r_v = rotation(D, fmt.seed, q.device), rotation(Dv, fmt.seed, q.device)
     # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
     # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
     # output unchanged, so the rotations' columns are permuted to match.
     planes = torch.compiler.is_compiling() and not q.is_cuda
-    if planes:
-        r_k, r_v = columns_in_plane_order(r_k, fmt.key_bits), columns_in_plane_order(r_v, fmt.value_bits)
+    r_k = rotation(D, fmt.seed, q.device, plane_bits=fmt.key_bits if planes else None)
+    r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes else None)
     if kw["residual_k"] is not None and fmt.inputs_rotated:  # a ring held rotated: in plane order where planes
         rk, rv = kw["residual_k"].float(), kw["residual_v"].float()
         kw["residual_k"], kw["residual_v"] = (

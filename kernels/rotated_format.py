@@ -98,7 +98,7 @@ class KeyCenter:
 
     def _set(self, mu: torch.Tensor, rotated: torch.Tensor) -> None:
         self.mu, self.rotated = mu, rotated
-        self.in_planes = {bits: in_plane_order(rotated, bits).contiguous() for bits in (1, 2, 4)}
+        self.in_planes = {bits: in_plane_order(rotated, bits).contiguous() for bits in (1, 2, 3, 4)}
 
     @staticmethod
     def given(center: torch.Tensor | None, seed: int, *, rotated: bool = False) -> KeyCenter | None:
@@ -194,19 +194,27 @@ class RotatedFormat:
 # Rotations and codebooks (made once per head dim, seed and device, eagerly)
 # ---------------------------------------------------------------------------------------------------
 
-_ROTATIONS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_ROTATIONS: dict[tuple[int, int, torch.device, int], torch.Tensor] = {}
 _CODEBOOKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def rotation(head_dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The orthogonal float32 [D, D] matrix R of (head_dim, seed): ``x_rot = x @ R`` (see the module doc)."""
+def rotation(
+    head_dim: int, seed: int, device: torch.device | str = "cpu", *, plane_bits: int | None = None
+) -> torch.Tensor:
+    """The orthogonal float32 [D, D] matrix R of (head_dim, seed): ``x_rot = x @ R`` (see the module doc); with
+    `plane_bits`, its columns in the plane order of codes of that width (:func:`plane_order`: it takes vectors
+    straight into the order :func:`decoded_planes` decodes in). Every order is made with R, eagerly, so that a
+    compiled graph reads them as they are."""
     device = torch.device(device)
-    key = (head_dim, seed, device)
-    r = _ROTATIONS.get(key)
+    k = 1 if plane_bits is None else planes_of(head_dim, plane_bits)
+    r = _ROTATIONS.get((head_dim, seed, device, k))
     if r is None:
-        r = _make_rotation(head_dim, seed).to(device)
+        base = _make_rotation(head_dim, seed).to(device)
+        made = {planes_of(head_dim, bits): base[:, plane_order(head_dim, bits, device)] for bits in (1, 2, 3, 4)}
+        made[1] = base
         if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
-            _ROTATIONS[key] = r
+            _ROTATIONS.update({(head_dim, seed, device, n): m for n, m in made.items()})
+        r = made[k]
     return r
 
 
@@ -395,10 +403,10 @@ def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor
 
 
 def planes_of(head_dim: int, bits: int) -> int:
-    """How many planes a decode in plane order splits a vector into: the codes of one byte, so plane e holds
-    channels ``p * planes + e``. 1 (channels in order) for 3-bit codes, which straddle bytes, and where a plane
-    would be shorter than 8 channels: measured on the CPU, both were slower in plane order."""
-    k = 1 if bits == 3 else 8 // bits
+    """How many planes a decode in plane order splits a vector into: the codes of one byte (3 bits: of one 12-bit
+    half of a 24-bit word), so plane e holds channels ``p * planes + e``; 1 (channels in order) where a plane would
+    be shorter than 8 channels: measured on the CPU, that was slower in plane order."""
+    k = 4 if bits == 3 else 8 // bits
     return k if head_dim // k >= 8 else 1
 
 
@@ -417,23 +425,22 @@ def plane_order(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(head_dim, device=device).view(head_dim // k, k).t().reshape(-1)
 
 
-def columns_in_plane_order(matrix: torch.Tensor, bits: int) -> torch.Tensor:
-    """A rotation ``[D, D]`` whose columns are in plane order, so that it takes vectors straight into the order
-    :func:`decoded_planes` decodes in; the matrix itself where there are no planes (nothing to gather)."""
-    D = matrix.shape[1]
-    return matrix if planes_of(D, bits) == 1 else matrix[:, plane_order(D, bits, matrix.device)]
-
-
 def decoded_planes(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
-    """The codebook values of packed codes ``[..., P]`` (not 3 bits) as float32 ``[..., planes, P]``, plane e
-    holding channels ``p * planes + e``. Compiled, one pointwise expression over that shape: each plane a loop
-    over the bytes in order (:func:`decoded_units`' channels in order made inductor index the bytes by
-    ``channel // planes`` and the table by ``channel % planes``, one element at a time), and each code's value
-    picked by a tree of selects on its bits, which inductor vectorizes (a table gather runs element by element;
-    a tree over half the codebook plus a sign, measured, was slower)."""
-    k = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device).view(k, 1)
-    code = (codes.int().unsqueeze(-2) >> shifts) & (2**bits - 1)
+    """The codebook values of packed codes ``[..., P]`` as float32 ``[..., planes, n]``, plane e holding channels
+    ``p * planes + e`` (:func:`planes_of`). Compiled, one pointwise expression over that shape: each plane a loop
+    over the bytes (3 bits: the 12-bit halves of each 24-bit word) in order (:func:`decoded_units`' channels in
+    order made inductor index the bytes by ``channel // planes`` and the table by ``channel % planes``, one
+    element at a time), and each code's value picked by a tree of selects on its bits, which inductor vectorizes
+    (a table gather runs element by element; a tree over half the codebook plus a sign, measured, was slower)."""
+    k = planes_of(head_dim, bits)
+    if bits == 3:  # 8 codes in 3 bytes: halves of 12 bits, 4 codes each, in stream order
+        b = codes.int().unflatten(-1, (-1, 3))
+        b0, b1, b2 = b.unbind(-1)
+        units = torch.stack([b0 | ((b1 & 15) << 8), (b1 >> 4) | (b2 << 4)], dim=-1).flatten(-2)
+    else:
+        units = codes.int()
+    shifts = torch.arange(0, k * bits, bits, dtype=torch.int32, device=codes.device).view(k, 1)
+    code = (units.unsqueeze(-2) >> shifts) & (2**bits - 1)
     values = list(codebook(head_dim, bits, codes.device)[0].unbind())
     for b in range(bits):
         bit = ((code >> b) & 1).bool()
