@@ -117,9 +117,8 @@ __all__ = [
     "quantized_decode_attention_with_mass_triton",
 ]
 
-# Keys per chunk of the torch twin (rounded to whole key groups dense, whole blocks paged): eager, and compiled (a
-# compiled step's cost is mostly its op count, and one chunk of a short context is a single SDPA).
-TWIN_CHUNK_TOKENS, COMPILED_CHUNK_TOKENS = 1024, 4096
+# Keys per chunk of the torch twin (rounded to whole key groups dense, whole blocks paged).
+TWIN_CHUNK_TOKENS = 1024
 #: Float32 tile elements per thread the split kernel's plan allows, for half-precision and float32 q.
 REGISTER_FLOATS_HALF, REGISTER_FLOATS_FP32 = 90, 40
 LOG2E = 1.4426950408889634
@@ -806,11 +805,6 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def chunk_tokens() -> int:
-    """Keys per chunk of the twin: `COMPILED_CHUNK_TOKENS` while compiling, else `TWIN_CHUNK_TOKENS`."""
-    return COMPILED_CHUNK_TOKENS if torch.compiler.is_compiling() else TWIN_CHUNK_TOKENS
-
-
 def _gather_blocks(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Blocks ``ids`` (int64 [B, c]) of pool [num_blocks, Hkv, rows, dim] as [B, Hkv, c * rows, dim]."""
     _, hkv, rows, dim = pool.shape
@@ -827,7 +821,7 @@ def _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token)
         bs = info.T
         first_col, end_col = start // bs, (end - 1) // bs + 1
         cols = block_table[:, first_col:end_col].long()
-        step = max(1, chunk_tokens() // bs)
+        step = max(1, TWIN_CHUNK_TOKENS // bs)
         for c in range(first_col, end_col, step):
             c_end = min(c + step, end_col)
             ids = cols[:, c - first_col : c_end - first_col]
@@ -836,7 +830,7 @@ def _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token)
             t0, t1 = c * bs, c_end * bs
             yield t0, t1, parts
     else:
-        step = max(1, chunk_tokens() // G)
+        step = max(1, TWIN_CHUNK_TOKENS // G)
         for g0 in range(start // G, -(-end // G), step):  # g0, g1: key-scale rows
             g1 = min(g0 + step, -(-end // G))
             t0, t1 = g0 * G, g1 * G
@@ -931,8 +925,7 @@ def _twin(
 
     chunks = _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token) if length > 0 else iter(())
     head = list(itertools.islice(chunks, 2))
-    per_chunk = chunk_tokens()
-    if length + R <= per_chunk and len(head) < 2:
+    if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2:
         k, v = _one_chunk(fmt, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token,
                           planes)  # fmt: skip
         if with_mass:
@@ -959,13 +952,13 @@ def _twin(
     joined = 0  # residual keys that went with the last chunk
     if last is not None:  # it ends at key `length`, where the residual starts
         n0, k, v = last
-        if 0 < R <= per_chunk - k.shape[2]:  # one step, not two (a tail chunk and the window, mostly)
+        if 0 < R <= TWIN_CHUNK_TOKENS - k.shape[2]:  # one step, not two (a tail chunk and the window, mostly)
             k = _cat_tokens(_plane_count(fmt, "keys", planes, D), [k, residual_k.float()])
             v = _cat_tokens(_plane_count(fmt, "values", planes, Dv), [v, residual_v.float()])
             joined = R
         _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
-    for r0 in range(joined, R, per_chunk):
-        r1 = min(r0 + per_chunk, R)
+    for r0 in range(joined, R, TWIN_CHUNK_TOKENS):
+        r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
         k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()
         _online_step(state, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1], logits)
 
