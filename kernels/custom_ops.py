@@ -19,8 +19,9 @@ Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tenso
 ``int group_size``, a ``RotatedFormat`` as ``int key_bits``, ``int value_bits`` and ``int seed`` (its
 PackedKV as four tensors: codes and norms, no zeros) and its centre as a ``Tensor?`` (the attention ops: the
 keys' centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded side's,
-``KeyCenter.mu``, and ``bool inputs_rotated``: the vectors come rotated). Ints are ``SymInt`` (``start`` and ``length`` change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero`` (rotated:
-``codes``, ``norms``; declared mutated) and return nothing.
+``KeyCenter.mu``, and ``bool inputs_rotated``: the vectors come rotated). Ints are ``SymInt`` (``start`` and
+``length`` change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero``
+(rotated: ``codes``, ``norms``; declared mutated) and return nothing.
 
 The rotated attention ops run ``rotated_attention``'s kernel in the rotated space: q and the residual
 come rotated and the output stays rotated (the rotations are plain matmuls the graph keeps around the

@@ -22,10 +22,11 @@ Layout of one token's key (or value) of one head, head dim D (a multiple of 8):
   part per head (the same channels are large in every token), which the rotation spreads over every coordinate
   and the norm then scales every code's error by. Each layer keeps one centre per KV head, ``mu`` [H, D], the
   mean key of the first keys it quantizes (a static storage: of the first it holds), and codes each later key
-  as ``mu + code(k - mu)`` or as ``code(k)``, whichever of ``k - mu`` and ``k`` is shorter (the attention-sink token, far from the mean, keeps its plain
-  code): the choice is the sign of the stored norm (``>= 0``: centred; negative: plain, ``-|norm|``), so it costs
-  no byte. Decoding adds ``mu`` (``mu @ R`` in the rotated space) where the norm is not negative. The centre is
-  set before the first key is coded and never changes, so every code keeps its meaning. Measured in
+  as ``mu + code(k - mu)`` or as ``code(k)``, whichever of ``k - mu`` and ``k`` is shorter (the attention-sink
+  token, far from the mean, keeps its plain code): the choice is the sign of the stored norm (``>= 0``: centred;
+  negative: plain, ``-|norm|``), so it costs no byte. Decoding adds ``mu`` (``mu @ R`` in the rotated space)
+  where the norm is not negative. The centre is set before the first key is coded and never changes, so every
+  code keeps its meaning. Measured in
   BENCHMARKS.md ("Rotated formats with centred keys").
 
 Bit widths 1 to 4 use Lloyd-Max codebooks (shipped for head dims 64, 128 and 256 in
