@@ -211,8 +211,7 @@ def rotation(
     r = _ROTATIONS.get((head_dim, seed, device, k))
     if r is None:
         base = _make_rotation(head_dim, seed).to(device)
-        made = {planes_of(head_dim, bits): base[:, plane_order(head_dim, bits, device)] for bits in (1, 2, 3, 4)}
-        made[1] = base
+        made = {1: base, **{planes_of(head_dim, bits): in_plane_order(base, bits).contiguous() for bits in (1, 2, 3, 4)}}
         if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
             _ROTATIONS.update({(head_dim, seed, device, n): m for n, m in made.items()})
         r = made[k]

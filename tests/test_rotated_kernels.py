@@ -413,6 +413,7 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
     assert sorted(order.tolist()) == list(range(D))
     assert torch.equal(planes, plain[..., order]), f"{bits} bits, D {D}"
     assert torch.equal(in_plane_order(plain, bits), planes), "the view the twin takes a rotated ring through"
+    assert torch.equal(rotation(D, 5, plane_bits=bits), rotation(D, 5)[:, order]), "the rotation it attends with"
     # A plane holds at least 8 channels: the codes of one byte, or of one 12-bit half of a 3-bit word.
     assert planes_of(D, bits) == {1: 1 if D < 64 else 8, 2: 4, 3: 4, 4: 2, 8: 1}[bits]
 
