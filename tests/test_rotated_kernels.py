@@ -32,8 +32,10 @@ from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
 from hf_kvplus.kernels.rotated_format import (
     KeyCenter,
     RotatedFormat,
+    codebook,
     dequantize_rotated,
     in_plane_order,
+    odd_polynomial,
     plane_order,
     planes_of,
     quantize_rotated,
@@ -403,7 +405,8 @@ def test_cuda_implementations_match_the_triton_paths(seed):
 @pytest.mark.parametrize("centred", [False, True])
 def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, centred):
     # What the compiled CPU twin reads (`planes=True`) against the eager decode, both in the rotated space: the same
-    # numbers, channels in `plane_order`; a format whose planes would be short (or 3 bits) keeps channel order.
+    # numbers to float32 rounding (plane order decodes by the codebook's polynomial, channel order by its table),
+    # channels in `plane_order`; a format whose planes would be short keeps channel order.
     x = offset_keys(2, 3, 9, D)
     fmt = RotatedFormat(bits, 2, 5, KeyCenter.given(x[:, :, 1:].mean(dim=(0, 2)), 5) if centred else None)
     codes, norms = quantize_rotated(x, fmt, "keys")[:2]
@@ -411,11 +414,26 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
     planes = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, planes=True)
     order = plane_order(D, bits, x.device)
     assert sorted(order.tolist()) == list(range(D))
-    assert torch.equal(planes, plain[..., order]), f"{bits} bits, D {D}"
-    assert torch.equal(in_plane_order(plain, bits), planes), "the view the twin takes a rotated ring through"
+    torch.testing.assert_close(planes, plain[..., order], rtol=1e-6, atol=1e-6, msg=f"{bits} bits, D {D}")
+    assert torch.equal(in_plane_order(plain, bits), plain[..., order]), "the view the twin takes a rotated ring through"
     assert torch.equal(rotation(D, 5, plane_bits=bits), rotation(D, 5)[:, order]), "the rotation it attends with"
     # A plane holds at least 8 channels: the codes of one byte, or of one 12-bit half of a 3-bit word.
     assert planes_of(D, bits) == {1: 1 if D < 64 else 8, 2: 4, 3: 4, 4: 2, 8: 1}[bits]
+
+
+@pytest.mark.parametrize("D", [32, 40, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_the_odd_polynomial_gives_every_centroid(D, bits):
+    # The compiled CPU twin decodes a code by the codebook's polynomial (no table): in float32, as the graph
+    # evaluates it (Horner's rule in t**2, then times t), every centroid to within 2e-7 of the largest.
+    centroids = codebook(D, bits)[0]
+    t = (torch.arange(2**bits) * 2 - (2**bits - 1)).float()
+    coefficients = odd_polynomial(D, bits)
+    assert len(coefficients) == 2 ** (bits - 1)
+    p = torch.full_like(t, coefficients[-1])
+    for a in reversed(coefficients[:-1]):
+        p = t * t * p + a
+    torch.testing.assert_close(t * p, centroids, rtol=0, atol=2e-7 * centroids.abs().max().item())
 
 
 @pytest.mark.parametrize("compiled", [False, True])
