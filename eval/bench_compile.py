@@ -25,8 +25,10 @@ calls the compiled forward. This times that, per context length, on the tiny 8-l
   from 0.8 to 1.9 for one cache; pairs taken seconds apart agree within about 0.1;
 - DynamicCache and a SinkCache without `compile=on`, which generate() runs eagerly, as references.
 
-`--model llama-8b` builds Llama 3.1 8B's shape with random bfloat16 weights (`--layers` of them; the ratios
-are per-layer work, so fewer layers keep a GPU call short). `--batch` runs each context at those batch
+`--model tiny-hd128` is the tiny model with a real model's heads: 128 channels, 8 query heads on 2 KV heads
+(hidden 1024), where the tiny model's heads have 32 channels and a group of 2. `--model llama-8b` builds Llama
+3.1 8B's shape with random bfloat16 weights (`--layers` of them; the ratios are per-layer work, so fewer layers
+keep a GPU call short). `--batch` runs each context at those batch
 sizes, every row a distinct prompt. `--gpu-pass` is the GPU pass's `compile` step (`scripts/gpu_pass.sh`):
 the 8B shape on CUDA with CUDA graphs (`reduce-overhead`), 4K and 32K tokens, batch 1 and 8, StaticCache
 against every static cache here; with `--dry-run` the same code at tiny sizes on the CPU (eager backend).
@@ -65,6 +67,8 @@ GPU_PASS = dict(
 )  # fmt: skip
 #: The same at tiny sizes on the CPU (a check of the script, not a measurement).
 DRY_RUN = dict(device="cpu", backend="eager", mode=None, contexts=[48], new=[4, 10])
+#: `--model tiny-hd128`: the tiny model's 8 layers with a real model's heads (128 channels, 4 query heads to a KV head).
+TINY_HD128 = dict(hidden_size=1024, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
 #: A tiny stand-in for the 8B shape in dry runs.
 TINY_8B = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 SPECS = [
@@ -111,7 +115,10 @@ def markdown(result: dict) -> str:
     if a["model"] == "llama-8b":
         model = f"Llama-3.1-8B-shaped ({a['layers']} layers), random weights, {a['dtype']}"
     else:
-        model = f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32"
+        shape = {**TINY, **(TINY_HD128 if a["model"] == "tiny-hd128" else {})}
+        heads = f"{shape['num_attention_heads']} query heads on {shape['num_key_value_heads']} KV heads"
+        model = (f"tiny Llama ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, {heads} of "
+                 f"{shape['hidden_size'] // shape['num_attention_heads']} channels), float32")  # fmt: skip
     return "\n".join([
         "## Compiled decode against StaticCache" + (" (dry run: tiny sizes on the CPU)" if a["dry_run"] else ""),
         "",
@@ -165,7 +172,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--mode", default=None, help="torch.compile mode (reduce-overhead: CUDA graphs)")
-    parser.add_argument("--model", choices=["tiny", "llama-8b"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "tiny-hd128", "llama-8b"], default="tiny")
     parser.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
     parser.add_argument("--gpu-pass", action="store_true", help="the GPU pass's step (its sizes and specs)")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks the script")
@@ -181,8 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_for(args):
-    if args.model == "tiny":
-        return build_model().to(args.device)
+    if args.model.startswith("tiny"):
+        return build_model(**(TINY_HD128 if args.model == "tiny-hd128" else {})).to(args.device)
     shape = {**LLAMA_31_8B, "num_hidden_layers": args.layers, **(TINY_8B if args.dry_run else {})}
     torch.manual_seed(0)
     with torch.device(args.device):

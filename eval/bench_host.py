@@ -68,9 +68,10 @@ COLUMNS = [
 ]
 
 
-def build_model():
+def build_model(**shape):
+    """The tiny Llama (`TINY`), with `shape`'s fields in place of its own."""
     torch.manual_seed(0)
-    config = LlamaConfig(**TINY)
+    config = LlamaConfig(**{**TINY, **shape})
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 

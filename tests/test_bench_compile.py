@@ -40,3 +40,17 @@ def test_paired_ratio_is_the_median_of_pair_ratios(tmp_path, monkeypatch):
     assert rows["dense:compile=on"]["vs_static"] == 1.5
     assert rows["static"]["vs_static"] == 1.0 and rows["static"]["decode_ms"] == 2000.0
     assert "pairs with StaticCache" in (tmp_path / "compile.md").read_text()
+
+
+def test_tiny_hd128_is_the_tiny_model_with_real_heads(monkeypatch):
+    monkeypatch.syspath_prepend(str(EVAL))
+    import bench_compile
+
+    tiny, wide = (bench_compile.model_for(bench_compile.parse_args(["--out", "unused", "--model", m])) for m in ("tiny", "tiny-hd128"))
+    assert wide.config.num_hidden_layers == tiny.config.num_hidden_layers
+    assert wide.config.vocab_size == tiny.config.vocab_size
+    heads = lambda c: (c.hidden_size // c.num_attention_heads, c.num_attention_heads // c.num_key_value_heads)  # noqa: E731
+    assert heads(tiny.config) == (32, 2) and heads(wide.config) == (128, 4)
+    result = {"args": {"model": "tiny-hd128", "device": "cpu", "backend": "inductor", "mode": None, "threads": 1,
+                       "new": [8, 72], "repeats": 1, "dry_run": False}, "machine": "m", "date": "d", "rows": []}  # fmt: skip
+    assert "8 query heads on 2 KV heads of 128 channels" in bench_compile.markdown(result)
