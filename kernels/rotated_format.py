@@ -458,8 +458,8 @@ def odd_polynomial(head_dim: int, bits: int) -> tuple[float, ...]:
     """Coefficients ``a_i`` (lowest first) of the polynomial that gives code j's centroid as ``t * sum_i a_i *
     (t * t) ** i`` with ``t = 2 j - (2**bits - 1)``: a codebook is odd (centroid j is minus centroid
     ``2**bits - 1 - j``), so its ``2**(bits - 1)`` magnitudes fix one of that degree (Newton's divided differences in
-    float64, then expanded; in float32 within 1e-7 of the centroids, tested). Decoding by it costs a multiply and an
-    add per coefficient, no select and no table."""
+    float64, in plain Python: traceable, so a graph can make them; evaluated in float32, every centroid within 2e-7
+    of the largest, tested). Decoding by it costs a multiply and an add per coefficient, no select and no table."""
     key = (head_dim, bits)
     coefficients = _ODD_POLYNOMIALS.get(key)
     if coefficients is None:

@@ -46,7 +46,8 @@ def test_tiny_hd128_is_the_tiny_model_with_real_heads(monkeypatch):
     monkeypatch.syspath_prepend(str(EVAL))
     import bench_compile
 
-    tiny, wide = (bench_compile.model_for(bench_compile.parse_args(["--out", "unused", "--model", m])) for m in ("tiny", "tiny-hd128"))
+    tiny, wide = (bench_compile.model_for(bench_compile.parse_args(["--out", "unused", "--model", model]))
+                  for model in ("tiny", "tiny-hd128"))  # fmt: skip
     assert wide.config.num_hidden_layers == tiny.config.num_hidden_layers
     assert wide.config.vocab_size == tiny.config.vocab_size
     heads = lambda c: (c.hidden_size // c.num_attention_heads, c.num_attention_heads // c.num_key_value_heads)  # noqa: E731
