@@ -237,12 +237,13 @@ def codebook(head_dim: int, bits: int, device: torch.device | str = "cpu") -> tu
     key = (head_dim, bits, device)
     book = _CODEBOOKS.get(key)
     if book is None:
-        centroids = torch.tensor(_centroids(head_dim, bits), dtype=torch.float64)
+        values = _centroids(head_dim, bits)
+        centroids = torch.tensor(values, dtype=torch.float64)
         book = (centroids.float().to(device), ((centroids[1:] + centroids[:-1]) / 2).float().to(device))
         if not torch.compiler.is_compiling():
             _CODEBOOKS[key] = book
-            if bits <= 4:
-                odd_polynomial(head_dim, bits)  # what a compiled decode reads as constants
+            if bits <= 4:  # what a compiled decode reads as constants
+                _ODD_POLYNOMIALS.setdefault((head_dim, bits), _interpolated(values))
     return book
 
 
@@ -463,20 +464,25 @@ def odd_polynomial(head_dim: int, bits: int) -> tuple[float, ...]:
     key = (head_dim, bits)
     coefficients = _ODD_POLYNOMIALS.get(key)
     if coefficients is None:
-        centroids = _centroids(head_dim, bits)
-        half = 2 ** (bits - 1)
-        ts = [2 * j - (2**bits - 1) for j in range(half, 2**bits)]
-        us = [float(t * t) for t in ts]
-        newton = [centroids[half + i] / t for i, t in enumerate(ts)]
-        for level in range(1, half):
-            for i in range(half - 1, level - 1, -1):
-                newton[i] = (newton[i] - newton[i - 1]) / (us[i] - us[i - level])
-        poly = [0.0] * half
-        for i in reversed(range(half)):  # poly = poly * (u - us[i]) + newton[i]
-            poly = [(poly[j - 1] if j else 0.0) - us[i] * poly[j] for j in range(half)]
-            poly[0] += newton[i]
-        coefficients = _ODD_POLYNOMIALS[key] = tuple(poly)
+        coefficients = _ODD_POLYNOMIALS[key] = _interpolated(_centroids(head_dim, bits))
     return coefficients
+
+
+def _interpolated(centroids: list[float]) -> tuple[float, ...]:
+    """:func:`odd_polynomial`'s coefficients from an odd codebook's centroids."""
+    n = len(centroids)
+    half = n // 2
+    ts = [2 * j - (n - 1) for j in range(half, n)]
+    us = [float(t * t) for t in ts]
+    newton = [centroids[half + i] / t for i, t in enumerate(ts)]
+    for level in range(1, half):
+        for i in range(half - 1, level - 1, -1):
+            newton[i] = (newton[i] - newton[i - 1]) / (us[i] - us[i - level])
+    poly = [0.0] * half
+    for i in reversed(range(half)):  # poly = poly * (u - us[i]) + newton[i]
+        poly = [(poly[j - 1] if j else 0.0) - us[i] * poly[j] for j in range(half)]
+        poly[0] += newton[i]
+    return tuple(poly)
 
 
 _BYTE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
