@@ -144,6 +144,14 @@ class RotatedFormat:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 
+    def prepare(self, key_dim: int, value_dim: int, device: torch.device) -> None:
+        """Makes the rotations (every plane order) and codebooks of both sides on `device`, where shapes become
+        fixed (a layer's first call): made later, at a decode step's first flush, they would be a host-to-device
+        copy (a wait for the device) and, for a head dim that is not shipped, a Lloyd-Max run inside the step."""
+        for dim, bits in ((key_dim, self.key_bits), (value_dim, self.value_bits)):
+            rotation(dim, self.seed, device)
+            codebook(dim, bits, device)
+
     def with_rotated_inputs(self) -> RotatedFormat:
         """This format (the same centres) taking rotated vectors."""
         return replace(self, inputs_rotated=True)
@@ -210,7 +218,7 @@ def rotation(
     k = 1 if plane_bits is None else planes_of(head_dim, plane_bits)
     r = _ROTATIONS.get((head_dim, seed, device, k))
     if r is None:
-        base = _make_rotation(head_dim, seed).to(device)
+        base = _make_rotation(head_dim, seed).to(device, non_blocking=True)
         made = {1: base, **{planes_of(head_dim, bits): in_plane_order(base, bits).contiguous() for bits in (1, 2, 3, 4)}}
         if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
             _ROTATIONS.update({(head_dim, seed, device, n): m for n, m in made.items()})
@@ -219,14 +227,15 @@ def rotation(
 
 
 def _make_rotation(d: int, seed: int) -> torch.Tensor:
+    """On the CPU (the caller moves it), whatever torch's default device: the generator is a CPU one."""
     generator = torch.Generator().manual_seed(0x5EED0000 + seed)
     if d & (d - 1) == 0:
-        h = torch.ones(1, 1, dtype=torch.float64)
+        h = torch.ones(1, 1, dtype=torch.float64, device="cpu")
         while h.shape[0] < d:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        signs = torch.randint(0, 2, (d,), generator=generator).to(torch.float64) * 2 - 1
+        signs = torch.randint(0, 2, (d,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
         return (signs[:, None] * h / math.sqrt(d)).float()
-    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64, device="cpu"))
     return (q * torch.sign(torch.diagonal(r))).float()  # signs fixed: Haar-distributed
 
 
@@ -238,8 +247,8 @@ def codebook(head_dim: int, bits: int, device: torch.device | str = "cpu") -> tu
     book = _CODEBOOKS.get(key)
     if book is None:
         values = _centroids(head_dim, bits)
-        centroids = torch.tensor(values, dtype=torch.float64)
-        book = (centroids.float().to(device), ((centroids[1:] + centroids[:-1]) / 2).float().to(device))
+        centroids = torch.tensor(values, dtype=torch.float64, device="cpu")
+        book = tuple(t.float().to(device, non_blocking=True) for t in (centroids, (centroids[1:] + centroids[:-1]) / 2))
         if not torch.compiler.is_compiling():
             _CODEBOOKS[key] = book
             if bits <= 4:  # what a compiled decode reads as constants

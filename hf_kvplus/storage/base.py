@@ -53,6 +53,11 @@ class KVStorage(ABC):
         """Tokens held per batch row (`length`, less any slot freed but not yet reused)."""
         return self.length
 
+    def formats(self) -> tuple:
+        """The quantized formats its codes are in (none at full precision): the layer has each `prepare` its
+        tables at its first call."""
+        return ()
+
     def shard_heads(self, local: int) -> None:  # noqa: B027 - an optional hook
         """Learns, before the first append, that this rank holds `local` KV heads of the layer (tensor parallel):
         only storages sized ahead of their first append (a block pool's layer) need to hear it."""

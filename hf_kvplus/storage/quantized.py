@@ -143,6 +143,9 @@ class QuantizedStorage(KVStorage):
     def shard_heads(self, local: int) -> None:
         self.segment.shard_heads(local)
 
+    def formats(self) -> tuple:
+        return (self.fmt,)
+
     @property
     def fmt(self) -> QuantFormat:
         return self.segment.fmt

@@ -374,7 +374,7 @@ class SlotStore(KVStorage):
         Kept while the used slots' views are (a decode step at the budget reads the same slots as the last)."""
         used = self.used()
         kept = self._read
-        if kept is not None and kept[0] is used:
+        if kept is not None and not torch.compiler.is_compiling() and kept[0] is used:  # (torch 2.11 cannot trace `is` of dicts)
             return kept[1]
         packed = self.codec.packed(used)
         if packed is None:
@@ -498,6 +498,10 @@ class SlotStore(KVStorage):
                 self.fresh = self.fresh.index_select(0, indices)
         if self.first_real is not None:
             self.first_real = self.first_real.index_select(0, indices.to(self.first_real.device))
+
+    def formats(self) -> tuple:
+        fmt = getattr(self.codec, "fmt", None)  # (a dense codec has none)
+        return () if fmt is None else (fmt,)
 
     def reset(self) -> None:
         self.fields = {}

@@ -260,6 +260,9 @@ class StaticQuantizedStorage(KVStorage):
         b = self.buffers
         self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in PACKED_NAMES})
 
+    def formats(self) -> tuple:
+        return (self.fmt,)
+
     def reset(self) -> None:
         self.buffers = self.ring_k = self.ring_v = self._aranges = self._fresh = None
         self.end = 0
