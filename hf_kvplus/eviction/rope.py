@@ -116,9 +116,9 @@ class RotaryShift:
         `device`: each angle twice (both halves), then 1 and 0 on the channels that do not rotate."""
         if isinstance(shift, torch.Tensor):
             return self._full(shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :])
-        if self._last is None or self._last[:2] != (shift, device):
-            cos, sin = self._full(shift * self.inv_freq[None, :])
-            self._last = (shift, device, cos.to(device), sin.to(device))
+        if self._last is None or self._last[:2] != (shift, device):  # made on the device: no host-to-device copy
+            cos, sin = self._full(shift * self._inv_freq(device)[None, :])
+            self._last = (shift, device, cos, sin)
         return self._last[2], self._last[3]
 
     def _full(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +129,6 @@ class RotaryShift:
         return cos.float()[:, None, None, :], sin.float()[:, None, None, :]
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
+        if self.inv_freq.device != device:  # once; queued, not waited on
+            self.inv_freq = self.inv_freq.to(device, non_blocking=True)
         return self.inv_freq

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import CacheMismatchError, CapacityError
+from ..host_index import index_tensor
 from .block_pool import BlockPool
 
 
@@ -117,8 +118,8 @@ class BlockGroup:
             ids = self.pool.allocate(new_per_row * len(self.tables))
             for row, table in enumerate(self.tables):
                 table.extend(ids[row * new_per_row : (row + 1) * new_per_row])
+            self._table_tensor = None  # (a step within the last block keeps the tensor)
         self.reserved = end
-        self._table_tensor = None
 
     def attach(self, blocks: list[int]) -> None:
         """Starts the empty group's one row with `blocks` (a stored prefix, referenced for this group): every
@@ -151,7 +152,7 @@ class BlockGroup:
     def table_tensor(self, device: torch.device) -> torch.Tensor:
         """The block tables as an int32 `[batch, columns]` tensor (cached until the tables change)."""
         if self._table_tensor is None or self._table_tensor.device != device:
-            self._table_tensor = torch.tensor(self.tables, dtype=torch.int32, device=device)
+            self._table_tensor = index_tensor(self.tables, device, torch.int32)
         return self._table_tensor
 
     def trim(self) -> None:

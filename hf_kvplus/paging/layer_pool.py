@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..errors import CacheMismatchError
+from ..host_index import index_tensor
 from .block_pool import BlockPool
 
 
@@ -37,7 +38,7 @@ class BlockTensors(ABC):
         tensors = self.tensors()
         if tensors:
             device = next(iter(tensors.values())).device
-            src, dst = block_index(sources, device), block_index(targets, device)
+            src, dst = index_tensor(sources, device), index_tensor(targets, device)
             for t in tensors.values():
                 t[dst] = t[src]
 
@@ -45,7 +46,7 @@ class BlockTensors(ABC):
         """The blocks hold zeros (a quantized block then dequantizes to zeros)."""
         tensors = self.tensors()
         if tensors:
-            ids = block_index(blocks, next(iter(tensors.values())).device)
+            ids = index_tensor(blocks, next(iter(tensors.values())).device)
             for t in tensors.values():
                 t[ids] = 0
 
@@ -95,8 +96,3 @@ class LayerPool(BlockTensors):
             new = old.new_zeros(capacity, *old.shape[1:])
             new[: old.shape[0]] = old
             setattr(self, name, new)
-
-
-def block_index(blocks: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids as an index tensor (one host-to-device copy, no sync)."""
-    return torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)

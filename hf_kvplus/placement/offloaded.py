@@ -218,11 +218,13 @@ class Offloaded(Placement):
             return
         if rest.on_disk:
             for name, (t, old, region) in changed.items():
-                if region is not None:
-                    old[_index(region)] = t[_index(region)].cpu()
-                else:
+                if region is None:
                     self._drop(rest, name)
                     rest.rest[name], rest.files[name] = self.disk.write(name, t)
+                elif self._cuda:
+                    self._land_later(old, region, t)
+                else:
+                    old[_index(region)] = t[_index(region)]
             return
         stream = self._copy_out
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the layer's writes and reads
@@ -236,6 +238,20 @@ class Offloaded(Placement):
             rest.written = stream.record_event()
 
     # ------------------------------------------------------------------ the disk tier
+    def _land_later(self, mapped: torch.Tensor, region: tuple[int, int, int], t: torch.Tensor) -> None:
+        """Writes a decode step's region of a disk layer without making the host wait for the device: copied
+        out to pinned memory on the write-back stream, then written into the mapped file by the reader
+        thread once the copy is done. The reader runs one task at a time, in order, so the layer's next
+        read from the file comes after it."""
+        stream = self._copy_out
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the layer's writes and reads
+        with torch.cuda.stream(stream):
+            part = t[_index(region)]
+            staged = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=True).copy_(part, non_blocking=True)
+            t.record_stream(stream)
+            done = stream.record_event()
+        self._reader.submit(_land, mapped, region, staged, done)
+
     def _spill_if_over_budget(self, storage, rest: _Rest) -> None:
         if self.disk is None or rest.on_disk or self._failure is not None or self._host_bytes() <= self.host_budget:
             return
@@ -297,6 +313,12 @@ class Offloaded(Placement):
             rest = self._rests[storage] = _Rest()
             rest.rest = dict(storage.tensors())  # raises for a storage that cannot move
         return rest
+
+
+def _land(mapped: torch.Tensor, region: tuple[int, int, int], staged: torch.Tensor, done: torch.cuda.Event) -> None:
+    """On the reader thread: a staged region into its mapped file, once its copy out is done."""
+    done.synchronize()
+    mapped[_index(region)] = staged
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError, ShapeError
+from ..host_index import index_tensor
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup
 from ..paging.quant_layer_pool import QuantLayerPool
@@ -75,9 +76,9 @@ class PagedSegment(QuantizedSegment):
         k_blocks, v_blocks = _blocks(keys, bs), _blocks(values, bs)
         unique = _first_occurrences(ids)
         if unique is not None:  # rows sharing blocks (one prompt's beams): write each block once
-            index = torch.tensor(unique, device=keys.device)
+            index = index_tensor(unique, keys.device)
             ids, k_blocks, v_blocks = [ids[i] for i in unique], k_blocks[index], v_blocks[index]
-        self.pool.write(torch.tensor(ids, dtype=torch.long, device=keys.device), k_blocks, v_blocks)
+        self.pool.write(index_tensor(ids, keys.device), k_blocks, v_blocks)
         self.end += n
 
     def begin_update(self) -> None:
