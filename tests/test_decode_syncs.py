@@ -5,10 +5,14 @@ SnapKV budgets far below the sequence), flush a quantized group (groups and wind
 paged block (blocks of 8) and fetch offloaded layers (every step), in an unpadded and a left-padded batch.
 Per step, the ops that read device values on the host (`hf_kvplus.evaluation.host_cost`) must be the
 model's own: no more than the same step with DynamicCache makes (Transformers' mask code makes some
-with a padded batch).
+with a padded batch). On CUDA (``--device cuda``) the same steps run under
+`torch.cuda.set_sync_debug_mode`, which catches every synchronizing CUDA call, the host copies the op
+count cannot see included.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -80,8 +84,74 @@ def test_decode_steps_add_no_host_reads(spec, padded):
     assert cache.get_seq_length() == PROMPT + STEPS
 
 
-def test_the_count_sees_host_reads():
-    """The detector can fail: a step that reads a value back is counted."""
+def cuda_syncs(model, cache, ids, mask, forced) -> list[int]:
+    """Prefill, then the synchronizing CUDA calls of each decode step (`set_sync_debug_mode("warn")`)."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    counts = []
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        for i in range(forced.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step = dict(input_ids=forced[:, i : i + 1], attention_mask=mask, position_ids=positions[:, -1:] + 1 + i,
+                        past_key_values=cache)  # fmt: skip
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    model(**step)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+    return counts
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_steps_make_no_synchronizing_cuda_call(device, spec, padded):
+    """The same steps on CUDA: no synchronizing call beyond DynamicCache's (whose steps made one each on an H200,
+    torch 2.11 and transformers 5.17: the model's own), after a first run of the same steps with a fresh cache
+    (Triton compiles each kernel at its first launch, and may wait then)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA-only check: run with --device cuda on a machine with a GPU")
+    model = get_model("llama")
+    ids = make_prompt(PROMPT, batch=2).to(device)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+        ids = ids.masked_fill(mask == 0, PAD_TOKEN_ID)
+    forced = make_prompt(STEPS, batch=2, seed=5).to(device)
+    runs = {}
+    for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
+                       (spec, lambda: parse_cache_spec(spec).build(model.config, max_length=PROMPT + STEPS + 1))):  # fmt: skip
+        cuda_syncs(model, make(), ids, mask, forced)  # compiles every kernel these steps launch
+        runs[name] = cuda_syncs(model, make(), ids, mask, forced)
+    extra = [(step, c, b) for step, (c, b) in enumerate(zip(runs[spec], runs["dynamic"], strict=True)) if c > b]
+    assert not extra, f"{spec}: synchronizing CUDA calls beyond DynamicCache's (step, cache's, DynamicCache's): {extra}"
+
+
+def test_the_cuda_count_sees_a_synchronizing_call(device):
+    """The CUDA detector can fail: a step that reads a value back is counted."""
+    if device.type != "cuda":
+        pytest.skip("CUDA-only check: run with --device cuda on a machine with a GPU")
+    model = get_model("llama")
+    ids = make_prompt(PROMPT, batch=2).to(device)
+
+    class Reading(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            bool(key_states.isnan().any())  # one read per layer
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    counts = cuda_syncs(model, Reading(config=model.config), ids, torch.ones_like(ids), ids[:, :2])
+    assert all(c >= model.config.num_hidden_layers for c in counts), counts
+
+
+@pytest.mark.parametrize("default_device", [False, True], ids=["plain", "under-a-default-device"])
+def test_the_count_sees_host_reads(default_device, request):
+    """The detector can fail: a step that reads a value back is counted, once (also where a default device's
+    torch function mode calls `tolist` a second time)."""
+    if default_device:
+        request.getfixturevalue("on_cpu")
     t = torch.arange(4)
     counts = count_syncs(lambda: (bool(t.any()), t.tolist(), t.nonzero(), int(t.max())))
     assert counts["_local_scalar_dense"] == 2 and counts["tolist"] == 1 and counts["nonzero"] == 1

@@ -63,10 +63,17 @@ def count_syncs(step: Callable[[], object]) -> Counter:
     """The ops of `step()` that read device values on the host, by name (`tolist` calls included)."""
     counter = SyncCounter()
     real_tolist = torch.Tensor.tolist
+    inside = []
 
     def tolist(self):
+        if inside:  # a torch function mode (a default device: `torch.device(...)` as a context) calls it again
+            return real_tolist(self)
         counter.counts["tolist"] += 1
-        return real_tolist(self)
+        inside.append(True)
+        try:
+            return real_tolist(self)
+        finally:
+            inside.pop()
 
     torch.Tensor.tolist = tolist
     try:
