@@ -41,9 +41,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -58,10 +60,12 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-#: The GPU pass's step: every static cache against StaticCache, the evicting ones at an eighth of 32K.
+#: The GPU pass's step: every static cache against StaticCache, the evicting ones at an eighth of 32K. Inductor's
+#: graph partition is off: torch 2.11 generated a partition naming a size symbol it was not passed (NameError
+#: 's85') for the paged cache's store.
 GPU_PASS = dict(
     model="llama-8b", layers=4, device="cuda", mode="reduce-overhead", contexts=[4096, 32768], batch=[1, 8],
-    new=[8, 40], repeats=1,
+    new=[8, 40], repeats=1, graph_partition="off",
     specs=["static", "dense:compile=on", "paged:compile=on", "quantized:int4:compile=on", "sink:4:4092:compile=on",
            "h2o:4096:compile=on"],
 )  # fmt: skip
@@ -123,7 +127,9 @@ def markdown(result: dict) -> str:
         "## Compiled decode against StaticCache" + (" (dry run: tiny sizes on the CPU)" if a["dry_run"] else ""),
         "",
         f"{model}, {a['device']}, "
-        f"backend {a['backend']}, mode {a['mode']}, {a['threads']} thread(s); decode time from generate() of "
+        f"backend {a['backend']}, mode {a['mode']}"
+        + (f", graph partition {a['graph_partition']}" if a.get("graph_partition", "default") != "default" else "")
+        + f", {a['threads']} thread(s); decode time from generate() of "
         f"tokens {a['new'][0]} to {a['new'][1]} of one call, median of {a['repeats']}"
         + (" pairs with StaticCache, timed alternately" if a.get("paired") == "True" else "")
         + f"; {result['machine']}, {result['date']}",
@@ -146,8 +152,8 @@ def plot(rows: list[dict], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(caches)
     for i, cache in enumerate(caches):
-        ratios = [next(r["vs_static"] for r in rows if r["cache"] == cache and (r["context"], r["batch"]) == g)
-                  for g in groups]  # fmt: skip
+        ratio = {(r["context"], r["batch"]): r["vs_static"] for r in rows if r["cache"] == cache}
+        ratios = [ratio.get(g, math.nan) for g in groups]
         axis.bar([k + i * width for k in range(len(groups))], ratios, width, label=cache)
     axis.axhline(1.0, color="black", linewidth=0.8)
     labels = [f"{c} tokens" + (f", batch {b}" if len({g[1] for g in groups}) > 1 else "") for c, b in groups]
@@ -172,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--mode", default=None, help="torch.compile mode (reduce-overhead: CUDA graphs)")
+    parser.add_argument("--graph-partition", choices=["default", "on", "off"], default="default",
+                        help="inductor's graph partition (torch._inductor.config.graph_partition)")  # fmt: skip
     parser.add_argument("--model", choices=["tiny", "tiny-hd128", "llama-8b"], default="tiny")
     parser.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
     parser.add_argument("--gpu-pass", action="store_true", help="the GPU pass's step (its sizes and specs)")
@@ -203,7 +211,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # one graph set per context length and cache
-    from hf_kvplus.evaluation.report import stamp
+    if args.graph_partition != "default":
+        import torch._inductor.config as inductor
+
+        inductor.graph_partition = args.graph_partition == "on"
     from hf_kvplus.specs import parse_cache_spec
 
     config = CompileConfig(backend=args.backend, mode=args.mode, fullgraph=True)
@@ -211,13 +222,14 @@ def main(argv=None) -> None:
     model = model_for(args)
     specs = [parse_cache_spec(s) for s in args.specs]
     n1, n2 = args.new
-    rows = []
-    for context in args.contexts:
-        for batch in args.batch:
+    rows, failed = [], []
+    for batch in args.batch:  # batch outer: a run cut at its limit has every context at the first batch size
+        for context in args.contexts:
             generator = torch.Generator().manual_seed(context * 100 + batch)
             prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator).to(args.device)
             times = {spec.text: [] for spec in specs}
             ratios = {spec.text: [] for spec in specs}
+            errors = {}
             static = next(spec for spec in specs if spec.text == "static")
             timed = [spec for spec in specs if spec is not static] if args.paired else specs
             for spec in tqdm(timed, desc=f"{context} tokens, batch {batch}", file=sys.stderr):
@@ -230,31 +242,53 @@ def main(argv=None) -> None:
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
                 pair = (static, spec) if args.paired else (spec,)
-                for s in pair:  # compiles every shape of the run
-                    decode_seconds(model, s, prompt, (n1, n2), context + n2, config)
-                for _ in range(args.repeats):
-                    took = [decode_seconds(model, s, prompt, (n1, n2), context + n2, config) for s in pair]
-                    for s, seconds in zip(pair, took, strict=True):
-                        times[s.text].append(seconds)
-                    ratios[spec.text].append(took[-1] / took[0])
-            base = statistics.median(times["static"])
-            group = []
-            for spec in specs:
-                compiled = spec.build(model.config, max_length=context + n2).is_compileable
-                seconds = statistics.median(times[spec.text])
-                paired = args.paired and spec is not static
-                group.append({"context": context, "batch": batch, "cache": spec.text,
-                              "compiled": "yes" if compiled else "no (eager)", "decode_ms": seconds * 1e3,
-                              "vs_static": statistics.median(ratios[spec.text]) if paired else seconds / base})  # fmt: skip
-            rows += group
+                try:
+                    for s in pair:  # compiles every shape of the run
+                        decode_seconds(model, s, prompt, (n1, n2), context + n2, config)
+                    for _ in range(args.repeats):
+                        took = [decode_seconds(model, s, prompt, (n1, n2), context + n2, config) for s in pair]
+                        for s, seconds in zip(pair, took, strict=True):
+                            times[s.text].append(seconds)
+                        ratios[spec.text].append(took[-1] / took[0])
+                except Exception as error:  # a first run on a new device: report it, time the other caches
+                    traceback.print_exc()
+                    errors[spec.text] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    failed.append(f"{context} tokens, batch {batch}, {spec.text}: {errors[spec.text]}")
+            rows += group_rows(args, model, specs, context, batch, times, ratios, errors)
+            write(args, rows, failed)  # after each group: a run cut short keeps what it measured
+    print(markdown(json.loads((args.out / "compile.json").read_text())))
+    if failed:
+        sys.exit(f"{len(failed)} cache(s) failed:\n" + "\n".join(failed))
+
+
+def group_rows(args, model, specs, context, batch, times, ratios, errors) -> list[dict]:
+    """The table's rows of one context and batch; a cache that failed has its error for `compiled`."""
+    n2 = args.new[1]
+    base = statistics.median(times["static"]) if times["static"] else math.nan
+    group = []
+    for spec in specs:
+        if spec.text in errors or not times[spec.text]:
+            compiled, seconds, ratio = errors.get(spec.text, "not timed (StaticCache failed)"), math.nan, math.nan
+        else:
+            compiled = "yes" if spec.build(model.config, max_length=context + n2).is_compileable else "no (eager)"
+            seconds = statistics.median(times[spec.text])
+            paired = args.paired and spec.text != "static"
+            ratio = statistics.median(ratios[spec.text]) if paired else seconds / base
+        group.append({"context": context, "batch": batch, "cache": spec.text, "compiled": compiled,
+                      "decode_ms": seconds * 1e3, "vs_static": ratio})  # fmt: skip
+    return group
+
+
+def write(args, rows: list[dict], failed: list[str]) -> None:
+    """compile.json, compile.md and compile.png of the rows so far."""
+    from hf_kvplus.evaluation.report import stamp
+
     result = {**stamp(), "args": {**{k: str(v) for k, v in vars(args).items()}, "new": args.new,
-                                  "dry_run": args.dry_run}, "rows": rows}  # fmt: skip
+                                  "dry_run": args.dry_run}, "rows": rows, "failed": failed}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compile.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (args.out / "compile.md").write_text(md)
-    plot(rows, args.out / "compile.png")
-    print(md)
+    (args.out / "compile.md").write_text(markdown(result))
+    plot([r for r in rows if not math.isnan(r["vs_static"])], args.out / "compile.png")
 
 
 if __name__ == "__main__":

@@ -66,10 +66,11 @@ def merge(folders: list[Path]) -> tuple[dict, list[str]]:
     sections = []
     for name, info in steps.items():
         folder = Path(info["folder"])
-        if name == "tests":
-            junits = sorted(folder.glob("tests*.xml"))
-            result["tests"] = junit_summary(junits) if junits else None
-            sections.append(tests_markdown(result["tests"]))
+        if name.startswith("tests"):  # tests, or a share of them (tests-syncs, tests-kernels)
+            stems = ["tests", "tests_conformance"] if name == "tests" else [name]
+            junits = [folder / f"{stem}.xml" for stem in stems if (folder / f"{stem}.xml").exists()]
+            result[name] = junit_summary(junits) if junits else None
+            sections.append(tests_markdown(result[name], name))
             continue
         if name == "aot":
             path = folder / "aot.json"
@@ -85,11 +86,12 @@ def merge(folders: list[Path]) -> tuple[dict, list[str]]:
     return result, sections
 
 
-def tests_markdown(summary: dict | None) -> str:
+def tests_markdown(summary: dict | None, step: str = "tests") -> str:
+    title = "## Tests on CUDA" + ("" if step == "tests" else f" ({step})")
     if summary is None:
-        return "## Tests on CUDA\n\nno JUnit file was written\n"
+        return f"{title}\n\nno JUnit file was written\n"
     lines = [
-        "## Tests on CUDA",
+        title,
         "",
         f"{summary['passed']} passed, {summary['failures']} failed, {summary['errors']} errors, "
         f"{summary['skipped']} skipped, of {summary['tests']}",

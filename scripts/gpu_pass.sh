@@ -2,11 +2,14 @@
 # One command for a lent GPU: the environment and its ceilings, the test suite on CUDA, the kernels
 # compiled ahead of time, and every GPU benchmark in eval/, merged into one JSON and one Markdown file.
 #
-#   bash scripts/gpu_pass.sh [--dry-run] [--out DIR] [STEP...]
+#   bash scripts/gpu_pass.sh [--dry-run] [--out DIR] [STEP[:LIMIT]...]
 #
-# Steps (default: all, in this order; time limit of each in seconds on a GPU):
+# Steps (default: all, in this order; time limit of each in seconds on a GPU, which STEP:LIMIT replaces):
 #   env 60 | tests 330 | aot 180 | kernels 240 | e2e-b1 210 | e2e-b8 270 | offload 210 | compile 480
-#   (33 minutes in all)
+#   (33 minutes in all). Two shares of `tests` for a short lease, not in the default list:
+#   tests-syncs 120 (no decode step of any cache synchronizes; test_decode_syncs.py, test_cuda_paths.py)
+#   and tests-kernels 240 (the kernel tests alone). A session with one 10-minute call runs, for example:
+#   bash scripts/gpu_pass.sh env:35 tests-syncs:110 tests-kernels:140 compile:265
 # The device tool runs one command for at most 10 minutes, so on a lent GPU run it in four calls
 # (each call's results come back in $OUT; merge them here with eval/gpu_pass_report.py):
 #   bash scripts/gpu_pass.sh env tests aot
@@ -28,7 +31,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=--dry-run ;;
         --out) DIR="$2"; shift ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) STEPS+=("$1") ;;
     esac
     shift
@@ -48,6 +51,10 @@ CUDA_TESTS=(
     tests/test_offloaded_stateful.py tests/test_compile_generate.py
 )
 CONFORMANCE_SUBSET="(llama or gemma3) and (greedy or beam or left_padded or assisted or manual)"
+SYNC_TESTS=(tests/test_decode_syncs.py tests/test_cuda_paths.py)
+KERNEL_TESTS=(tests/test_kernel_decode_attention.py tests/test_kernel_paged_attention.py
+    tests/test_kernel_quant_attention.py tests/test_kernel_quant_pack.py tests/test_kernel_attention_mass.py
+    tests/test_rotated_kernels.py)
 
 if [ -n "$DRY" ]; then
     PY="${KVPLUS_VENV:-.venv}/bin/python"
@@ -77,8 +84,8 @@ run_step() {  # name, time limit (s), command...
     start=$(date +%s)
     echo "== $name (limit ${limit}s)"
     if declare -F "$1" >/dev/null; then  # a function of this script: timeout needs a process, so a bash that has it
-        timeout "$limit" bash -c "$(declare -p PY DRY DIR CUDA_TESTS PARALLEL CONFORMANCE_SUBSET); \
-            $(declare -f pytest_run tests_step aot_step); $*" >"$DIR/$name.log" 2>&1
+        timeout "$limit" bash -c "$(declare -p PY DRY DIR CUDA_TESTS SYNC_TESTS KERNEL_TESTS PARALLEL CONFORMANCE_SUBSET); \
+            $(declare -f pytest_run tests_step syncs_step kernel_tests_step aot_step); $*" >"$DIR/$name.log" 2>&1
     else
         timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
     fi
@@ -94,7 +101,8 @@ pytest_run() {  # junit file, -k expression, dry-run -k expression, files...
     if [ -n "$DRY" ]; then  # CI runs the whole suite on the CPU; here a few tests, to check the step itself
         "$PY" -m pytest -p no:cacheprovider --device cpu -q --junitxml "$junit" -k "${select:+($select) and }($dry_select)" "$@"
     else
-        "$PY" -m pytest -p no:cacheprovider --device cuda -q "${PARALLEL[@]}" --junitxml "$junit" ${select:+-k "$select"} "$@"
+        # -v: each result is in the log as it comes, so a step cut at its limit still says what passed
+        "$PY" -m pytest -p no:cacheprovider --device cuda -v -rfE "${PARALLEL[@]}" --junitxml "$junit" ${select:+-k "$select"} "$@"
     fi
 }
 
@@ -104,6 +112,10 @@ tests_step() {
     pytest_run "$DIR/tests_conformance.xml" "$CONFORMANCE_SUBSET" "dense and greedy" tests/test_conformance.py || rc=1
     return $rc
 }
+
+syncs_step() { pytest_run "$DIR/tests-syncs.xml" "" "cuda or never_waits" "${SYNC_TESTS[@]}"; }
+
+kernel_tests_step() { pytest_run "$DIR/tests-kernels.xml" "" "pick_num_splits" "${KERNEL_TESTS[@]}"; }
 
 aot_step() {  # the full set for the GPU's own architecture; a dry run compiles two kernels' covering subset
     if [ -n "$DRY" ]; then
@@ -115,17 +127,23 @@ aot_step() {  # the full set for the GPU's own architecture; a dry run compiles 
     fi
 }
 
-for step in "${STEPS[@]}"; do
+for entry in "${STEPS[@]}"; do
+    step=${entry%%:*}
+    limit=""
+    [ "$entry" != "$step" ] && limit=${entry#*:}
     case "$step" in
-        env) run_step env 60 "$PY" eval/gpu_env.py --out "$DIR" $DRY ;;
-        tests) run_step tests 330 tests_step ;;
-        aot) run_step aot 180 aot_step ;;
-        kernels) run_step kernels 240 "$PY" eval/bench_kernels_gpu.py --out "$DIR" $DRY ;;
-        e2e-b1) run_step e2e-b1 210 "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 1 $DRY ;;
-        e2e-b8) run_step e2e-b8 270 "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 8 $DRY ;;
-        offload) run_step offload 210 "$PY" eval/bench_offload_gpu.py --out "$DIR" --batch 1 4 $DRY ;;
-        compile) run_step compile 480 "$PY" eval/bench_compile.py --out "$DIR" --gpu-pass $DRY ;;
-        *) echo "unknown step: $step (steps: env tests aot kernels e2e-b1 e2e-b8 offload compile)" >&2; exit 2 ;;
+        env) run_step env "${limit:-60}" "$PY" eval/gpu_env.py --out "$DIR" $DRY ;;
+        tests) run_step tests "${limit:-330}" tests_step ;;
+        tests-syncs) run_step tests-syncs "${limit:-120}" syncs_step ;;
+        tests-kernels) run_step tests-kernels "${limit:-240}" kernel_tests_step ;;
+        aot) run_step aot "${limit:-180}" aot_step ;;
+        kernels) run_step kernels "${limit:-240}" "$PY" eval/bench_kernels_gpu.py --out "$DIR" $DRY ;;
+        e2e-b1) run_step e2e-b1 "${limit:-210}" "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 1 $DRY ;;
+        e2e-b8) run_step e2e-b8 "${limit:-270}" "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 8 $DRY ;;
+        offload) run_step offload "${limit:-210}" "$PY" eval/bench_offload_gpu.py --out "$DIR" --batch 1 4 $DRY ;;
+        compile) run_step compile "${limit:-480}" "$PY" eval/bench_compile.py --out "$DIR" --gpu-pass $DRY ;;
+        *) echo "unknown step: $step (steps: env tests tests-syncs tests-kernels aot kernels e2e-b1 e2e-b8 offload" \
+            "compile)" >&2; exit 2 ;;
     esac
 done
 
@@ -133,7 +151,7 @@ done
 status=$?
 if [ -n "${OUT:-}" ]; then
     cp "$DIR/gpu_pass.json" "$DIR/gpu_pass.md" "$OUT/" 2>/dev/null
-    [ -f "$DIR/tests.log" ] && cp "$DIR/tests.log" "$OUT/"
+    for log in "$DIR"/tests*.log; do [ -f "$log" ] && cp "$log" "$OUT/"; done
     tar czf "$OUT/gpu-pass.tgz" -C "$DIR" .
 fi
 exit $status

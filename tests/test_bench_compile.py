@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
@@ -55,3 +57,33 @@ def test_tiny_hd128_is_the_tiny_model_with_real_heads(monkeypatch):
     result = {"args": {"model": "tiny-hd128", "device": "cpu", "backend": "inductor", "mode": None, "threads": 1,
                        "new": [8, 72], "repeats": 1, "dry_run": False}, "machine": "m", "date": "d", "rows": []}  # fmt: skip
     assert "8 query heads on 2 KV heads of 128 channels" in bench_compile.markdown(result)
+
+
+def test_a_cache_that_fails_is_reported_and_the_others_are_still_timed(tmp_path, monkeypatch):
+    # A first run on a new device: one cache raising must not cost the run the others' figures, and the run still fails.
+    monkeypatch.syspath_prepend(str(EVAL))
+    import bench_compile
+
+    def fake(model, spec, prompt, new, max_length, config):
+        if spec.text.startswith("paged"):
+            raise NameError("name 's85' is not defined")
+        return {"static": 1.0, "dense:compile=on": 2.0}[spec.text]
+
+    monkeypatch.setattr(bench_compile, "decode_seconds", fake)
+    threads = torch.get_num_threads()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit), pytest.raises(SystemExit) as ended:
+            bench_compile.main(["--out", str(tmp_path), "--repeats", "1", "--contexts", "32", "48", "--new", "2", "4",
+                                "--backend", "eager", "--threads", str(threads), "--specs", "static", "paged:compile=on",
+                                "dense:compile=on"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert "2 cache(s) failed" in str(ended.value) and "NameError: name 's85' is not defined" in str(ended.value)
+    result = json.loads((tmp_path / "compile.json").read_text())
+    rows = {(r["context"], r["cache"]): r for r in result["rows"]}
+    assert len(rows) == 6 and len(result["failed"]) == 2
+    for context in (32, 48):
+        assert rows[context, "dense:compile=on"]["vs_static"] == 2.0
+        failed = rows[context, "paged:compile=on"]
+        assert failed["compiled"] == "NameError: name 's85' is not defined" and math.isnan(failed["vs_static"])
+    assert "NameError" in (tmp_path / "compile.md").read_text() and (tmp_path / "compile.png").exists()

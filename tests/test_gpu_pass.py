@@ -122,3 +122,19 @@ def test_dry_run_of_the_whole_pass_on_the_cpu(tmp_path):
                     "## Decode-attention kernels", "## End to end", "## Offloaded KV caches",
                     "## Compiled decode against StaticCache"):
         assert section in md
+
+
+def test_report_summarizes_each_share_of_the_tests_on_its_own(tmp_path):
+    # A short lease runs tests-syncs and tests-kernels (scripts/gpu_pass.sh): each share's JUnit file, under its name.
+    run = tmp_path / "run"
+    write_steps(run, ("tests-syncs", 0, 40, 120), ("tests-kernels", 124, 65, 65))
+    (run / "tests-syncs.xml").write_text(JUNIT)
+    result = report(run, "--out", tmp_path / "merged")
+    assert result.returncode == 1, result.stdout + result.stderr
+    merged = json.loads((tmp_path / "merged" / "gpu_pass.json").read_text())
+    assert (merged["tests-syncs"]["tests"], merged["tests-syncs"]["failures"]) == (4, 1)
+    assert merged["tests-kernels"] is None and "tests" not in merged
+    md = (tmp_path / "merged" / "gpu_pass.md").read_text()
+    assert "## Tests on CUDA (tests-syncs)\n\n2 passed, 1 failed" in md
+    assert "## Tests on CUDA (tests-kernels)\n\nno JUnit file was written" in md
+    assert "| tests-kernels | 124 | 65 | 65 | timed out |" in md
