@@ -16,7 +16,8 @@ if "--plugin" in sys.argv:
 
 torch.set_num_threads(1)
 outputs = {}
-prompts = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(0))
+prompts = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(0), device="cpu")
+prompts = prompts.to(torch.get_default_device())  # the same ids on every device
 mask = torch.ones_like(prompts)
 mask[1, :4] = 0  # left padding
 mask[2, :9] = 0

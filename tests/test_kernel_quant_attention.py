@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from kernel_checks import check, check_mass, left_padding, reference, rel_err
+from kernel_checks import MASS_BOUND, check, check_mass, left_padding, reference, rel_err
 
 import hf_kvplus.kernels.quant_attention as mod
 from hf_kvplus.errors import (
@@ -352,13 +352,23 @@ MASS_CASES = (
 _MASS_INPUTS = {"dense": _dense_inputs, "paged": _paged_inputs, "per-token": _per_token_inputs}
 
 
+#: The mass bound of the Triton path for float16/bfloat16 q. ``kernel_checks.MASS_BOUND`` (1e-5) holds for float32
+#: logits of the numbers the reference sees; for half-precision q the kernel's q k^T is a "tf32" dot (DOT_PRECISION
+#: in kernels/quant_attention.py), which rounds the float32 dequantized keys to 11 significant bits (2**-11 ~ 4.9e-4
+#: relative per element; q, half-precision, is exact in tf32), so the logits and with them the mass carry errors of
+#: that order: up to 4.2e-4 (float16) and 2.3e-4 (bfloat16) measured on an H200. About 5x that; the interpreter's
+#: dots are float32 and stay under 1e-5. The twin computes in float32 on every device: MASS_BOUND.
+TF32_MASS_BOUND = 2e-3
+
+
 def _check_mass_case(fn, q, fmt, lay, rk, rv, mask, seed, what, **kw):
     """Output as `_check_case`; the mass against float64 over the dequantized keys, then the residual."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, mass = run(fn, q, fmt, lay, scale, rk, rv, mask, **kw)
     check(out, q, lay.v_hat.shape[-1], full_reference(q, lay, rk, rv, scale, mask), seed, what)
     keys = lay.k_hat if rk is None else torch.cat([lay.k_hat, rk.float()], dim=2)
-    check_mass(mass, q, keys, scale, mask, seed, what)
+    tf32 = fn is quantized_decode_attention_with_mass_triton and q.dtype != F32
+    check_mass(mass, q, keys, scale, mask, seed, what, bound=TF32_MASS_BOUND if tf32 else MASS_BOUND)
     return out, mass
 
 
@@ -663,9 +673,12 @@ def test_bad_num_splits(fn, num_splits):
 
 @pytest.mark.parametrize("fn", [quantized_decode_attention, quantized_decode_attention_torch])
 @pytest.mark.parametrize("bad, numbers", [(-1, ["-1", "0..5"]), (6, ["6", "0..5"])])
-def test_twin_checks_block_ids_it_reads(fn, bad, numbers):
+def test_twin_checks_block_ids_it_reads(request, fn, bad, numbers):
     # Columns 0..1 are read for tokens 5..24; a -1 or a block past the pool there is an error, while
-    # an unread column may hold anything.
+    # an unread column may hold anything. The dispatcher reaches the twin with CPU tensors: it sends CUDA ones to
+    # Triton, which reads no table value (a bad id there counts as masked keys: test_triton_bad_block_id_is_masked).
+    if fn is quantized_decode_attention:
+        request.getfixturevalue("on_cpu")
     table = torch.tensor([[0, 1, -7], [3, 4, 99]], dtype=torch.int32)
     args = _paged_args(block_table=table)
     q, packed, fmt = args.pop("q"), args.pop("packed"), args.pop("fmt")

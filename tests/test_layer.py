@@ -130,7 +130,8 @@ def test_slots_serve_an_ordered_retention_like_dense_storage(window):
     model = get_model("llama")
     retention = (lambda spec: KeepAll()) if window is None else (lambda spec: SlidingWindow(window))
     caches = [KVCache(model.config, storage=lambda spec, make=make: make(), retention=retention) for make in (DenseStorage, SlotStore)]
-    ids = torch.randint(3, 120, (2, 13), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 120, (2, 13), generator=torch.Generator().manual_seed(5), device="cpu")
+    ids = ids.to(torch.get_default_device())
     logits = [[model(ids[:, :9], past_key_values=cache).logits[:, -1]] for cache in caches]
     for t in range(9, 13):
         for cache, out in zip(caches, logits, strict=True):

@@ -44,7 +44,7 @@ def model():
 
 @pytest.fixture
 def prompt():
-    return torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1), device="cpu")
 
 
 def generate(model, ids, cache, **kwargs):
@@ -268,7 +268,7 @@ def test_written_regions_are_what_goes_back(model, prompt, tmp_path):
 @pytest.mark.parametrize("bits", [None, 4])
 def test_inference_mode_tensors_without_version_counters_are_written_back_right(model, tmp_path, bits):
     """Inference-mode tensors keep no version counter: write-backs go by the written regions, or whole."""
-    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2), device="cpu")
     options = {} if bits is None else {"bits": bits, "group_size": 16, "window": 16}
     caches = [
         QuantizedCache(model.config, **options) if bits else DenseCache(model.config),

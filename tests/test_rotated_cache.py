@@ -97,12 +97,12 @@ def test_every_quantized_storage_takes_the_rotated_formats(kind, arch):
 
 def offset_keys(batch, tokens, seed, heads=2, head_dim=64):
     """Keys [batch, heads, tokens, head_dim] sharing a large offset per head, token 0 (a sink) opposite to it: farther
-    from the offset than from 0."""
+    from the offset than from 0. Drawn on the CPU (the same keys on every device), on torch's default device."""
     g = torch.Generator().manual_seed(seed)
-    offset = 4 * torch.randn(heads, 1, head_dim, generator=g)
-    keys = torch.randn(batch, heads, tokens, head_dim, generator=g) + offset
-    keys[:, :, 0] = torch.randn(batch, heads, head_dim, generator=g) - 3 * offset[:, 0]
-    return keys
+    offset = 4 * torch.randn(heads, 1, head_dim, generator=g, device="cpu")
+    keys = torch.randn(batch, heads, tokens, head_dim, generator=g, device="cpu") + offset
+    keys[:, :, 0] = torch.randn(batch, heads, head_dim, generator=g, device="cpu") - 3 * offset[:, 0]
+    return keys.to(torch.get_default_device())
 
 
 @pytest.mark.parametrize("kind", ["quantized", "static", "paged", "offloaded"])

@@ -33,9 +33,15 @@ from hf_kvplus.kernels.rotated_format import (
 GAUSSIAN_DISTORTION = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 
 
+def _randn(*shape, generator, dtype=None):
+    """torch.randn from a CPU generator (the same numbers on every device), moved to torch's default device."""
+    return torch.randn(*shape, generator=generator, dtype=dtype, device="cpu").to(torch.get_default_device())
+
+
 @pytest.mark.parametrize("bits", rf.ROTATED_BITS)
 def test_bit_stream_holds_code_c_at_bit_c_times_bits(bits):
-    codes = torch.randint(0, 2**bits, (3, 2, 24), generator=torch.Generator().manual_seed(bits))
+    codes = torch.randint(0, 2**bits, (3, 2, 24), generator=torch.Generator().manual_seed(bits), device="cpu")
+    codes = codes.to(torch.get_default_device())
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 2, 24 * bits // 8)
     stream = [(int(byte) >> i) & 1 for byte in packed[1, 1] for i in range(8)]  # little-endian bits
@@ -47,7 +53,8 @@ def test_bit_stream_holds_code_c_at_bit_c_times_bits(bits):
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_rotations_are_orthogonal_and_fixed_by_the_seed(head_dim):
     r = rotation(head_dim, 3).double()
-    torch.testing.assert_close(r @ r.T, torch.eye(head_dim, dtype=torch.float64), atol=1e-6, rtol=0)
+    eye = torch.eye(head_dim, dtype=torch.float64, device=r.device)  # rotation's default device: the CPU
+    torch.testing.assert_close(r @ r.T, eye, atol=1e-6, rtol=0)
     assert torch.equal(rf._make_rotation(head_dim, 3), rotation(head_dim, 3))
     assert not torch.allclose(rotation(head_dim, 3), rotation(head_dim, 4))
     # Every coordinate is mixed: no entry carries most of a column's weight.
@@ -63,8 +70,8 @@ def test_shipped_codebooks_are_what_the_run_time_routine_computes():
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_codebooks_reach_the_lloyd_max_distortion_of_a_rotated_coordinate(bits):
     d = 128
-    centroids, boundaries = codebook(d, bits)
-    x = torch.randn(20000, d, generator=torch.Generator().manual_seed(bits), dtype=torch.float64)
+    centroids, boundaries = codebook(d, bits, torch.get_default_device())
+    x = _randn(20000, d, generator=torch.Generator().manual_seed(bits), dtype=torch.float64)
     u = (x / x.norm(dim=-1, keepdim=True)).float()  # coordinates of uniform unit vectors
     mse = ((centroids[torch.bucketize(u, boundaries)] - u) ** 2).mean().item()
     assert mse * d == pytest.approx(GAUSSIAN_DISTORTION[bits], rel=0.05)
@@ -79,7 +86,7 @@ def test_codebooks_reach_the_lloyd_max_distortion_of_a_rotated_coordinate(bits):
 @pytest.mark.parametrize("bits", rf.ROTATED_BITS)
 def test_quantize_keeps_the_norm_and_the_error_of_the_codebook(bits, head_dim):
     fmt = RotatedFormat(bits, bits)
-    x = torch.randn(2, 3, 200, head_dim, generator=torch.Generator().manual_seed(0)) * 3
+    x = _randn(2, 3, 200, head_dim, generator=torch.Generator().manual_seed(0)) * 3
     x[0, 0, 0] = 0  # a zero vector stays zero, not NaN
     codes, norms = quantize_rotated(x, fmt, "keys")
     assert codes.shape == (2, 3, 200, head_dim * bits // 8) and norms.shape == (2, 3, 200, 1)
@@ -92,7 +99,7 @@ def test_quantize_keeps_the_norm_and_the_error_of_the_codebook(bits, head_dim):
     bound = 2 * GAUSSIAN_DISTORTION[bits] if bits < 8 else 1e-3
     assert relative < bound
     rotated = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True)
-    torch.testing.assert_close(rotated, y @ rotation(head_dim, 0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rotated, y @ rotation(head_dim, 0, y.device), atol=1e-5, rtol=1e-5)
 
 
 def test_keys_and_values_take_their_own_bits_through_the_format_functions():
@@ -122,12 +129,12 @@ def test_bad_formats_are_refused_with_the_numbers(kwargs, match):
 
 def _case(fmt, B, Hq, Hkv, T, D, R, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, D, generator=g)
-    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    q = _randn(B, Hq, D, generator=g)
+    k, v = _randn(B, Hkv, T, D, generator=g), _randn(B, Hkv, T, D, generator=g)
     kc, kn, _ = quantize_keys(k, fmt)
     vc, vn, _ = quantize_values(v, fmt)
     packed = PackedKV(kc, kn, None, vc, vn, None)
-    rk, rv = torch.randn(B, Hkv, R, D, generator=g), torch.randn(B, Hkv, R, D, generator=g)
+    rk, rv = _randn(B, Hkv, R, D, generator=g), _randn(B, Hkv, R, D, generator=g)
     return q, packed, rk, rv, dequantize_keys(kc, kn, None, fmt), dequantize_values(vc, vn, None, fmt)
 
 
@@ -141,7 +148,8 @@ def test_decode_attention_in_the_rotated_space_equals_attention_over_the_dequant
     B, Hq, Hkv, T, D, R = 2, 4, 2, 40, 64, 5
     q, packed, rk, rv, k, v = _case(fmt, B, Hq, Hkv, T, D, R)
     start, length = 3, 30
-    mask = torch.rand(B, length + R, generator=torch.Generator().manual_seed(1)) > 0.2
+    mask = torch.rand(B, length + R, generator=torch.Generator().manual_seed(1), device="cpu") > 0.2
+    mask = mask.to(q.device)
     mask[:, -1] = True
     keys = torch.cat([k[:, :, start : start + length], rk], dim=2)
     values = torch.cat([v[:, :, start : start + length], rv], dim=2)

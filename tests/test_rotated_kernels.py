@@ -377,16 +377,22 @@ def test_opcheck_quantize(seed, with_slots, centred):
 
 
 def test_cuda_implementations_match_the_triton_paths(seed):
-    # Run here under the interpreter: the ops' CUDA bodies call the Triton entry points with the right arguments.
+    # The ops' CUDA bodies call the Triton entry points with the right arguments (on the CPU, under the interpreter):
+    # bit for bit, each against the call of its own specialization (with_mass adds the scores store and the lse
+    # merge, which compiled need not round the output alike; under the interpreter they do).
     fmt, lay, q, rk, rv, mask = attention_inputs(paged=True)
     kw = dict(start=lay.start, length=lay.length, scale=0.125, residual_k=rk, residual_v=rv, mask=mask,
               block_table=lay.block_table, num_splits=2, check=False)  # fmt: skip
     args = attention_op_args(fmt, lay, q, rk, rv, mask, 0.125)
+    plain, no_mass = rotated_decode_attention_triton(q, lay.packed, fmt, **kw)
+    assert no_mass is None
     want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw, with_mass=True)
-    assert_same(ops.rotated_decode_attention_cuda(*args), want[0], seed, "rotated attention")
+    assert_same(ops.rotated_decode_attention_cuda(*args), plain, seed, "rotated attention")
     assert_same(ops.rotated_decode_attention_with_mass_cuda(*args), want, seed, "rotated attention with mass")
-    # The CPU implementation (the twin in the rotated space) agrees to float32 rounding.
-    check(ops.rotated_decode_attention(*args), q, 64, want[0].double(), seed, "twin op")
+    # The CPU implementation (the twin in the rotated space), given CPU tensors whatever the suite's device (CUDA ones
+    # would dispatch to the CUDA body), agrees to float32 rounding.
+    cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+    check(ops.rotated_decode_attention(*cpu_args), q.cpu(), 64, plain.double().cpu(), seed, "twin op")
 
     for with_slots, centred in ((False, False), (True, False), (False, True), (True, True)):
         x, kb, vb, s, side, codes, norms, slots, center = quantize_op_args(with_slots, centred)
@@ -416,7 +422,8 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
     assert sorted(order.tolist()) == list(range(D))
     torch.testing.assert_close(planes, plain[..., order], rtol=1e-6, atol=1e-6, msg=f"{bits} bits, D {D}")
     assert torch.equal(in_plane_order(plain, bits), plain[..., order]), "the view the twin takes a rotated ring through"
-    assert torch.equal(rotation(D, 5, plane_bits=bits), rotation(D, 5)[:, order]), "the rotation it attends with"
+    rotated = rotation(D, 5, x.device, plane_bits=bits)
+    assert torch.equal(rotated, rotation(D, 5, x.device)[:, order]), "the rotation it attends with"
     # A plane holds at least 8 channels: the codes of one byte, or of one 12-bit half of a 3-bit word.
     assert planes_of(D, bits) == {1: 1 if D < 64 else 8, 2: 4, 3: 4, 4: 2, 8: 1}[bits]
 
@@ -426,8 +433,8 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
 def test_the_odd_polynomial_gives_every_centroid(D, bits):
     # The compiled CPU twin decodes a code by the codebook's polynomial (no table): in float32, as the graph
     # evaluates it (Horner's rule in t**2, then times t), every centroid to within 2e-7 of the largest.
-    centroids = codebook(D, bits)[0]
-    t = (torch.arange(2**bits) * 2 - (2**bits - 1)).float()
+    centroids = codebook(D, bits)[0]  # on the CPU: codebook's default device
+    t = (torch.arange(2**bits, device=centroids.device) * 2 - (2**bits - 1)).float()
     coefficients = odd_polynomial(D, bits)
     assert len(coefficients) == 2 ** (bits - 1)
     p = torch.full_like(t, coefficients[-1])
@@ -444,7 +451,7 @@ def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits
     fmt = RotatedFormat(*bits, 7)
     packed, _, _ = coded(fmt, 1, 2, 12, 32, 32)
     q, residual_k, residual_v = torch.randn(1, 4, 32), torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
-    r = rotation(32, 7)
+    r = rotation(32, 7, q.device)
     kw = dict(start=0, length=12, scale=0.2, check=False)
 
     def attend(fmt, rk, rv):
