@@ -104,9 +104,8 @@ class KVLayer(CacheLayerMixin):
             self.storage.shard_heads(share.num_kv_heads)
         check_states(self.spec, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
-        for fmt in self.storage.formats():
-            if fmt.rotated:  # its rotations and codebooks, made now rather than at a decode step's first flush
-                fmt.prepare(key_states.shape[-1], value_states.shape[-1], self.device)
+        for fmt in self.storage.formats():  # its tables (a rotated format's), made now, not at a decode step's flush
+            fmt.prepare(key_states.shape[-1], value_states.shape[-1], self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

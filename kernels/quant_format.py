@@ -83,6 +83,9 @@ class QuantFormat:
                             ("qmax", 2**code_bits - 1), ("has_zero", not is_float)):  # fmt: skip
             object.__setattr__(self, name, value)
 
+    def prepare(self, key_dim: int, value_dim: int, device: torch.device) -> None:
+        """Nothing to make: integer and fp8 codes need no tables (a rotated format's `prepare` makes its own)."""
+
     def packed_dim(self, head_dim: int) -> int:
         return head_dim // self.per_byte
 
