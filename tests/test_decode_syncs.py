@@ -52,8 +52,9 @@ SPECS = [
 PROMPT, STEPS = 10, 20
 
 
-def decode_syncs(model, cache, ids, mask, forced) -> list[int]:
-    """Prefill `ids`, then feed `forced` one token at a time; the host reads of each decode step."""
+def decode_syncs(model, cache, ids, mask, forced, count=count_syncs) -> list:
+    """Prefill `ids`, then feed `forced` one token at a time; `count` of each decode step (by default its host
+    reads; `cuda_syncs`: its synchronizing CUDA calls)."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
@@ -62,7 +63,7 @@ def decode_syncs(model, cache, ids, mask, forced) -> list[int]:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             position = positions[:, -1:] + 1 + i
             step = dict(input_ids=forced[:, i : i + 1], attention_mask=mask, position_ids=position, past_key_values=cache)
-            counts.append(count_syncs(lambda step=step: model(**step)))
+            counts.append(count(lambda step=step: model(**step)))
     return counts
 
 
@@ -84,26 +85,17 @@ def test_decode_steps_add_no_host_reads(spec, padded):
     assert cache.get_seq_length() == PROMPT + STEPS
 
 
-def cuda_syncs(model, cache, ids, mask, forced) -> list[int]:
-    """Prefill, then the synchronizing CUDA calls of each decode step (`set_sync_debug_mode("warn")`)."""
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    counts = []
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
-        for i in range(forced.shape[1]):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            step = dict(input_ids=forced[:, i : i + 1], attention_mask=mask, position_ids=positions[:, -1:] + 1 + i,
-                        past_key_values=cache)  # fmt: skip
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    model(**step)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
-    return counts
+def cuda_syncs(step) -> int:
+    """The synchronizing CUDA calls of `step()` (`set_sync_debug_mode("warn")`), after what was queued before it."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
@@ -124,8 +116,8 @@ def test_decode_steps_make_no_synchronizing_cuda_call(device, spec, padded):
     runs = {}
     for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
                        (spec, lambda: parse_cache_spec(spec).build(model.config, max_length=PROMPT + STEPS + 1))):  # fmt: skip
-        cuda_syncs(model, make(), ids, mask, forced)  # compiles every kernel these steps launch
-        runs[name] = cuda_syncs(model, make(), ids, mask, forced)
+        decode_syncs(model, make(), ids, mask, forced, cuda_syncs)  # compiles every kernel these steps launch
+        runs[name] = decode_syncs(model, make(), ids, mask, forced, cuda_syncs)
     extra = [(step, c, b) for step, (c, b) in enumerate(zip(runs[spec], runs["dynamic"], strict=True)) if c > b]
     assert not extra, f"{spec}: synchronizing CUDA calls beyond DynamicCache's (step, cache's, DynamicCache's): {extra}"
 
@@ -142,7 +134,7 @@ def test_the_cuda_count_sees_a_synchronizing_call(device):
             bool(key_states.isnan().any())  # one read per layer
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    counts = cuda_syncs(model, Reading(config=model.config), ids, torch.ones_like(ids), ids[:, :2])
+    counts = decode_syncs(model, Reading(config=model.config), ids, torch.ones_like(ids), ids[:, :2], cuda_syncs)
     assert all(c >= model.config.num_hidden_layers for c in counts), counts
 
 
