@@ -47,7 +47,7 @@ class KVLayer(CacheLayerMixin):
         self.is_sliding = spec.kind != "full"
         self.is_initialized = False
         self.record_past = False
-        self.seen = 0
+        self._seen = 0  # `seen`, where the storage does not count it
         self._pending: int | None = None  # a scored layer's fresh tokens of the last forward, while eviction waits
         self._awaiting_attention = False  # a scored layer's update was not yet followed by its attention
         self._checked: tuple | None = None  # the key and value shapes `check_states` last accepted
@@ -57,6 +57,16 @@ class KVLayer(CacheLayerMixin):
             f"{type(self).__name__}(index={self.spec.index}, kind={self.spec.kind}, storage="
             f"{type(self.storage).__name__}, retention={self.retention!r}, placement={self.placement!r})"
         )
+
+    @property
+    def seen(self) -> int:
+        """Tokens seen. A static storage counts them itself (it holds every token it has seen, at its position),
+        on the device for compiled steps."""
+        return self._seen if self.storage.static_length is None else self.storage.length
+
+    @seen.setter
+    def seen(self, tokens: int) -> None:
+        self._seen = tokens
 
     @property
     def is_croppable(self) -> bool:
@@ -130,9 +140,13 @@ class KVLayer(CacheLayerMixin):
         self.placement.acquire(self.storage)
         if self._pending is not None:
             self._evict(self._pending)
-        visible = self.retention.visible(self.storage.length)
-        self.storage.append(key_states, value_states)
-        self.seen += new
+        if self.storage.static_length is None:
+            visible = self.retention.visible(self.storage.length)
+            self.storage.append(key_states, value_states)
+            self._seen += new
+        else:  # counted by the storage, on the device: a compiled step reads no Python int (`TokenCount`)
+            visible = 0  # (a static read spans its whole buffer)
+            self.storage.append(key_states, value_states)
         read = self.storage.read(visible + new, new)
         keys = read.keys
         setattr(keys, KV_SOURCE_ATTR, self)
@@ -140,7 +154,7 @@ class KVLayer(CacheLayerMixin):
             # Placeholders or slots: only hf_kvplus's attention reads them, which `attend` confirms.
             setattr(keys, KV_READ_ATTR, read)
             self._awaiting_attention = True
-        if not self.retention.scored and not self.record_past:
+        if not self.retention.scored and not self.record_past and self.storage.static_length is None:
             self.retention.evict(self.storage, new, refill=True)
         return keys, read.values
 
@@ -190,7 +204,11 @@ class KVLayer(CacheLayerMixin):
         visible = self.retention.visible(held)
         return visible + query_length, self.seen - visible
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens seen; while a compiled step traces a static storage, its device count (as StaticCache's layer
+        returns its `cumulative_length`), so that the model's positions take no Python int into the graph."""
+        if self.storage.count is not None and self.storage.count.tensor is not None and torch.compiler.is_compiling():
+            return self.storage.count.tensor
         return self.seen
 
     def get_max_length(self) -> int:

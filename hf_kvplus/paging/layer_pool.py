@@ -8,6 +8,7 @@ import torch
 
 from ..errors import CacheMismatchError
 from ..host_index import index_tensor
+from ..static_address import mark_static
 from .block_pool import BlockPool
 
 
@@ -71,6 +72,8 @@ class LayerPool(BlockTensors):
             shape = (self.blocks.capacity, self.num_kv_heads, self.block_size)
             self.k = keys.new_zeros(*shape, self.head_dim)  # zeros: a static read sees unwritten slots (masked)
             self.v = values.new_zeros(*shape, values.shape[-1])
+            mark_static(self.k)  # written in place by decode steps, compiled ones included
+            mark_static(self.v)
         elif keys.dtype != self.k.dtype or keys.device != self.k.device:
             raise CacheMismatchError(
                 f"new keys are {keys.dtype} on {keys.device}, the pool holds {self.k.dtype} on {self.k.device}"
@@ -96,3 +99,4 @@ class LayerPool(BlockTensors):
             new = old.new_zeros(capacity, *old.shape[1:])
             new[: old.shape[0]] = old
             setattr(self, name, new)
+            mark_static(new)

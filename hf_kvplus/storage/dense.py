@@ -6,8 +6,10 @@ import torch
 
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 from ..memory import MemoryReport
+from ..static_address import mark_static
 from .base import FitMemo, KVStorage, Region, check_fits, widened
 from .reads import DenseRead
+from .token_count import TokenCount
 
 #: Capacity is allocated in multiples of this many tokens.
 GRANULE = 64
@@ -35,7 +37,10 @@ class DenseStorage(KVStorage):
     `max_tokens` fixes the capacity: the buffers are allocated once and appending past it raises
     `CapacityError`, leaving the storage as it was. `static=True` (with `max_tokens`, as Transformers'
     StaticCache) reads the whole buffer every time, token t at position t, unwritten positions zero and
-    masked by the model: every decode step has the same shapes, so a compiled decode never recompiles.
+    masked by the model: every decode step has the same shapes, so a compiled decode never recompiles. It
+    writes at positions counted on the device (`TokenCount`) into buffers at static addresses, so that one
+    CUDA graph serves every step; a compiled step does not check `max_tokens` (past it, the write fails on
+    the device, as StaticCache's does).
     """
 
     def __init__(self, max_tokens: int | None = None, static: bool = False):
@@ -45,9 +50,18 @@ class DenseStorage(KVStorage):
         self.static_length = max_tokens if static else None
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.start = self.end = 0
+        self.start = 0
+        self.count = TokenCount()  # `end`: tokens start..end-1 are held
         self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
         self._fits = FitMemo()  # what `check_fits` last passed (the keys buffer, new tokens' shapes)
+
+    @property
+    def end(self) -> int:
+        return self.count.value
+
+    @end.setter
+    def end(self, tokens: int) -> None:
+        self.count.value = tokens
 
     @property
     def length(self) -> int:
@@ -67,12 +81,25 @@ class DenseStorage(KVStorage):
             self._allocate(keys, values, self.max_tokens or _round_up(max(new, 1)))
         else:
             self._check_compatible(keys, values)
+        if self.static_length is not None:
+            self._static_append(keys, values)
+            return
         if self.end + new > self.capacity:
             self._make_room(new)
         self.keys[:, :, self.end : self.end + new] = keys
         self.values[:, :, self.end : self.end + new] = values
         self._note_written(self.end, self.end + new)
         self.end += new
+
+    def _static_append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """At the device count's positions, with no Python int in a compiled step."""
+        new, count = keys.shape[2], self.count
+        if not torch.compiler.is_compiling() and self.end + new > self.max_tokens:
+            self._make_room(new)  # raises CapacityError
+        positions = count.positions(new)
+        self.keys.index_copy_(2, positions, keys)
+        self.values.index_copy_(2, positions, values)
+        count.advance(new)
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         first = self.end - last
@@ -111,6 +138,9 @@ class DenseStorage(KVStorage):
         else:
             self.keys = self.keys.index_select(0, indices)
             self.values = self.values.index_select(0, indices)
+            if self.static_length is not None:
+                mark_static(self.keys)
+                mark_static(self.values)
 
     def reset(self) -> None:
         self.keys = self.values = None
@@ -142,6 +172,10 @@ class DenseStorage(KVStorage):
         static = self.static_length is not None
         self.keys = (keys.new_zeros if static else keys.new_empty)(batch, heads, capacity, dim)
         self.values = (values.new_zeros if static else values.new_empty)(batch, heads, capacity, values.shape[-1])
+        if static:
+            mark_static(self.keys)
+            mark_static(self.values)
+            self.count.place(keys.device)
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`check_fits`, once per buffer and new tokens' shapes (`FitMemo`)."""

@@ -13,6 +13,7 @@ from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool
 from .base import KVStorage
 from .reads import DenseRead, PagedRead, Read, placeholders
+from .token_count import TokenCount
 
 
 class PagedStorage(KVStorage):
@@ -41,7 +42,8 @@ class PagedStorage(KVStorage):
         self.pool = pool
         self.fused = fused
         self.static_length = group.fixed_tokens if static else None
-        self.start = self.end = 0  # logical tokens held: start..end-1
+        self.start = 0
+        self.count = TokenCount()  # `end`: logical tokens start..end-1 are held; on the device too when static
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
     def shard_heads(self, local: int) -> None:
@@ -56,6 +58,14 @@ class PagedStorage(KVStorage):
         return self.pool.v
 
     @property
+    def end(self) -> int:
+        return self.count.value
+
+    @end.setter
+    def end(self, tokens: int) -> None:
+        self.count.value = tokens
+
+    @property
     def length(self) -> int:
         return self.end - self.start
 
@@ -67,26 +77,31 @@ class PagedStorage(KVStorage):
         self.pool.ensure(keys, values)
         if self.group.tables and keys.shape[0] != self.group.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.group.batch_size} rows")
-        new = keys.shape[2]
-        sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
-        self.group.reserve(keys.shape[0], self.end + new, sources)
+        new, static = keys.shape[2], self.static_length is not None
+        # A fixed group reserved its tokens at the first fill (past them, a compiled step's write fails on the
+        # device, as StaticCache's does).
+        if not (static and torch.compiler.is_compiling()):
+            sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
+            self.group.reserve(keys.shape[0], self.end + new, sources)
         if new == 1:  # a decode step: each row's block of the token, at one offset in all of them
-            token, bs = self.end - self.group.base, self.group.block_size
-            table = self.group.table_tensor(keys.device)
-            if self.static_length is None:  # Python ints: the fewest ops
+            bs, table = self.group.block_size, self.group.table_tensor(keys.device)
+            if not static:  # Python ints: the fewest ops
+                token = self.end - self.group.base
                 column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
                 blocks = table[:, column]
                 self.k_pool[blocks, :, offset] = keys[:, :, 0]
                 self.v_pool[blocks, :, offset] = values[:, :, 0]
-            else:  # `[1]` tensors: a compiled step does not specialize on the offset
-                token = torch.arange(token, token + 1, device=keys.device)
+            else:  # the position counted on the device (a fixed group's base is 0): no Python int in the graph
+                token = self.count.positions(1)
                 blocks, offset = table[:, token // bs], token % bs  # [batch, 1], [1]
                 self.k_pool[blocks, :, offset] = keys.transpose(1, 2)
                 self.v_pool[blocks, :, offset] = values.transpose(1, 2)
         else:
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
-        self.end += new
+        if static and self.count.tensor is None:
+            self.count.place(keys.device)
+        self.count.advance(new)
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers the last `last` tokens into dense `[batch, kv_heads, last, head_dim]` tensors."""
@@ -108,8 +123,9 @@ class PagedStorage(KVStorage):
         return gather(self.k_pool), gather(self.v_pool)
 
     def read(self, last: int, new: int) -> Read:
-        first = self.end - last if self.static_length is None else 0  # static: the whole table (base is 0)
-        end = first + (last if self.static_length is None else self.static_length)
+        static = self.static_length is not None  # static: the whole table (base is 0), no Python int read
+        first = 0 if static else self.end - last
+        end = self.static_length if static else first + last
         if not (self.fused and new == 1):
             return DenseRead(*self._gather(first, end))
         pool = self.pool
@@ -121,6 +137,8 @@ class PagedStorage(KVStorage):
 
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
         """Left padding of the first prefill: key columns no query attends to, from the start of each row."""
+        if self.static_length is not None and torch.compiler.is_compiling():
+            return  # a compiled step of a static storage reads no Python count (its padding is only not freed)
         if self.start != 0 or self.end != new:  # not a first prefill, or part of it already dropped
             return
         if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[0] != self.batch_size:

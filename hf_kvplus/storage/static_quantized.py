@@ -12,9 +12,11 @@ from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
 from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..kernels.rotated_format import rotation
 from ..memory import MemoryReport, tensor_bytes
+from ..static_address import mark_static
 from .base import KVStorage
 from .packed_segment import dequantized_span, group_views, new_buffers, span_bytes
 from .reads import DenseRead, PackedRead, Read, placeholders
+from .token_count import TokenCount
 
 
 class StaticQuantizedStorage(KVStorage):
@@ -55,7 +57,7 @@ class StaticQuantizedStorage(KVStorage):
         self.positions = -(-max_tokens // g) * g  # code positions: whole groups
         self.ring = window + 2 * g
         self.static_length = self.positions + self.ring
-        self.end = 0  # tokens held (token p at code position p)
+        self.count = TokenCount()  # `end`: tokens held (token p at code position p), on the device for decode steps
         self.buffers: PackedKV | None = None
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
@@ -63,6 +65,14 @@ class StaticQuantizedStorage(KVStorage):
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last chunk, attended exact (KIVI)
 
     # ------------------------------------------------------------------ state
+    @property
+    def end(self) -> int:
+        return self.count.value
+
+    @end.setter
+    def end(self, tokens: int) -> None:
+        self.count.value = tokens
+
     @property
     def length(self) -> int:
         return self.end
@@ -84,7 +94,8 @@ class StaticQuantizedStorage(KVStorage):
             self._allocate(keys, values)
         elif keys.shape[0] != self.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
-        if self.end + new > self.max_tokens:
+        # (past max_tokens, a compiled step's write fails on the device, as StaticCache's does)
+        if not torch.compiler.is_compiling() and self.end + new > self.max_tokens:
             raise CapacityError(f"{self.end + new} tokens per row do not fit in the cache's max_tokens={self.max_tokens}")
         ring_k, ring_v = self._to_ring(keys, values)
         if new == 1:
@@ -92,7 +103,7 @@ class StaticQuantizedStorage(KVStorage):
         else:
             self._chunk_write(ring_k, ring_v)
             self._fresh = (keys, values)
-        self.end += new
+        self.count.advance(new)
 
     def _to_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens as the ring holds them: rotated for a rotated format (whose key centre the first keys set, as
@@ -118,7 +129,7 @@ class StaticQuantizedStorage(KVStorage):
         value that has just left it (values are coded per token: one, not a group), all at tensor positions."""
         g, ring = self.fmt.group_size, self.ring
         _, _, group = self._ranges()
-        token = torch.arange(self.end, self.end + 1, device=keys.device)
+        token = self.count.positions(1)
         slot = token % ring
         self.ring_k.index_copy_(2, slot, keys)
         self.ring_v.index_copy_(2, slot, values)
@@ -184,7 +195,7 @@ class StaticQuantizedStorage(KVStorage):
         token at or past it, each where the model's mask (causal, padding) allows that token."""
         positions, slots, _ = self._ranges()
         g, ring = self.fmt.group_size, self.ring
-        token = torch.arange(self.end - 1, self.end, device=positions.device)  # the query's position
+        token = self.count.positions(1) - 1  # the query's position
         frontier = ((token + 1 - self.window) // g * g).clamp_(min=0)
         held = token - (token - slots) % ring  # the token in each ring slot (negative: none yet)
         coded, exact = positions < frontier, (held >= frontier) & (held >= 0)
@@ -259,6 +270,7 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_k, self.ring_v = self.ring_k.index_select(0, indices), self.ring_v.index_select(0, indices)
         b = self.buffers
         self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in PACKED_NAMES})
+        self._mark_static()
 
     def formats(self) -> tuple:
         return (self.fmt,)
@@ -306,3 +318,10 @@ class StaticQuantizedStorage(KVStorage):
         self._aranges = (
             torch.arange(n, device=device), torch.arange(self.ring, device=device), torch.arange(g, device=device)
         )
+        self.count.place(device)
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """The tensors a decode step writes in place stay where they are: one CUDA graph serves every step."""
+        for tensor in self.tensors().values():
+            mark_static(tensor)

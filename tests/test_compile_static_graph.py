@@ -1,0 +1,136 @@
+"""A static cache's compiled decode is one graph that CUDA graphs can capture, as StaticCache's is.
+
+Inductor captures a compiled graph as a CUDA graph only when every input the graph writes in place is at a
+static address (`torch._dynamo.mark_static_address`), and it records the graph again for every value of an int
+input ("N distinct sizes"). So through `generate()`, which compiles the decode forward of a cache that declares
+`is_compileable`, each static cache must over a greedy decode of several steps: compile its decode step once, give
+the graph no int input, write only inputs marked static, and produce the eager decode's tokens. The backend here
+records the graph dynamo hands over (what inductor would receive) and runs it as it is, so the test runs on the
+CPU; on a GPU, `eval/bench_compile.py --gpu-pass` times the captured graphs.
+
+StaticCache is the control (it meets every condition); a DenseCache that grows, which `generate()` may also be
+told to compile, is the counter-example the checks must catch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import CompileConfig, StaticCache
+
+from conformance.models import get_model
+from conformance.modes import make_prompt
+from hf_kvplus import DenseCache
+from hf_kvplus.specs import parse_cache_spec
+
+PROMPT, NEW = 21, 10  # 9 decode steps: past several key groups of 8 and the window of 8 of the quantized specs
+STATIC_SPECS = [
+    "dense:compile=on",
+    "paged:block=8:compile=on",
+    "quantized:int4:group=8:window=8:compile=on",
+    "quantized:k4v2:window=8:compile=on",
+]
+
+
+def graph_recorder() -> tuple[list[dict], Callable]:
+    """A dynamo backend that keeps each graph it is given with what its inputs are, and runs the graph unchanged.
+    (A function, not an object: `CompileConfig` deep-copies its backend, which copies an object but not a
+    function and its closure.)"""
+    graphs: list[dict] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
+        names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+        copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        gm(*copies)  # one step on copies: which inputs does the graph write?
+        inputs = list(zip(names, example_inputs, copies, strict=True))
+        written = [(name, x) for name, x, copy in inputs if isinstance(x, torch.Tensor) and changed(x, copy)]
+        graphs.append({
+            "int_inputs": [name for name, x, _ in inputs if not isinstance(x, torch.Tensor)],
+            "written": [name for name, _ in written],
+            "written_not_static": [name for name, x in written if getattr(x, "_dynamo_static_input_type", None) is None],
+        })  # fmt: skip
+        return gm.forward
+
+    return graphs, backend
+
+
+def changed(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether a tensor's contents changed (NaN equal to NaN: attention's placeholders are NaN)."""
+    if before.is_floating_point():
+        return not torch.allclose(before, after, rtol=0, atol=0, equal_nan=True)
+    return not torch.equal(before, after)
+
+
+def decode(model, cache, ids, mask, backend=None) -> list[list[int]]:
+    config = None
+    if backend is not None:
+        config = CompileConfig(backend=backend, fullgraph=True)
+        config._compile_all_devices = True  # generate() compiles on CUDA only, unless told
+    out = model.generate(
+        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        compile_config=config, disable_compile=backend is None, pad_token_id=0,
+    )  # fmt: skip
+    return out[:, ids.shape[1] :].tolist()
+
+
+def left_padded(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = make_prompt(PROMPT, batch=batch)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second row is a shorter prompt, left-padded
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def capture(model, make_cache) -> tuple[list[dict], list, list]:
+    """The eager decode's tokens, the compiled decode's and the graphs it compiled."""
+    torch._dynamo.reset()
+    ids, mask = left_padded()
+    eager = decode(model, make_cache(), ids, mask)
+    graphs, backend = graph_recorder()
+    compiled = decode(model, make_cache(), ids, mask, backend=backend)
+    return graphs, eager, compiled
+
+
+@pytest.fixture(scope="module")
+def model():
+    return get_model("llama")
+
+
+@pytest.mark.parametrize("spec", STATIC_SPECS)
+def test_a_static_cache_compiles_one_capturable_decode_graph(model, spec):
+    cache_spec = parse_cache_spec(spec)
+    graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW))
+    assert compiled == eager
+    assert len(graphs) == 1, f"the decode step compiled {len(graphs)} times"
+    (graph,) = graphs
+    assert graph["int_inputs"] == []
+    assert graph["written"], "the decode step writes the cache in place"
+    assert graph["written_not_static"] == []
+
+
+def test_static_cache_meets_the_same_conditions(model):
+    graphs, eager, compiled = capture(
+        model, lambda: StaticCache(config=model.config, max_cache_len=PROMPT + NEW)
+    )
+    assert compiled == eager
+    assert len(graphs) == 1
+    assert graphs[0]["int_inputs"] == [] and graphs[0]["written_not_static"] == []
+
+
+def test_the_checks_catch_a_cache_that_grows(model):
+    """A DenseCache that grows, told it may compile, counts in Python ints and writes buffers it replaces: dynamo
+    compiles it again with the length as an int input, and its buffers are not marked static."""
+
+    def growing():
+        cache = DenseCache(config=model.config)
+        for layer in cache.layers:
+            layer.is_compileable = True  # what generate() asks before it compiles
+        return cache
+
+    with torch._dynamo.config.patch(recompile_limit=2 * NEW):  # (it compiles again at every step)
+        graphs, eager, compiled = capture(model, growing)
+    assert compiled == eager
+    assert len(graphs) > 1
+    assert any(graph["int_inputs"] for graph in graphs)
+    assert any(graph["written_not_static"] for graph in graphs)
