@@ -33,6 +33,11 @@ sizes, every row a distinct prompt. `--gpu-pass` is the GPU pass's `compile` ste
 the 8B shape on CUDA with CUDA graphs (`reduce-overhead`), 4K and 32K tokens, batch 1 and 8, StaticCache
 against every static cache here; with `--dry-run` the same code at tiny sizes on the CPU (eager backend).
 
+Each row also says what the cache's calls compiled: the graphs dynamo compiled (a cache whose decode step takes
+no int and writes only static inputs compiles one) and the graphs inductor declined to capture as CUDA graphs
+under `reduce-overhead` ("CUDA-graph skips": mutated inputs not at static addresses, CPU tensors; 0 for a captured
+decode, and always 0 on the CPU).
+
 Writes `compile.json`, `compile.md` and `compile.png` into `--out`.
 """
 
@@ -46,11 +51,13 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
 from bench_host import TINY, build_model
 from gpu_common import LLAMA_31_8B
+from torch._dynamo.utils import counters
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -86,6 +93,8 @@ COLUMNS = [
     ("compiled", "compiled", ""),
     ("decode_ms", "decode ms/token", ".3f"),
     ("vs_static", "x StaticCache", ".2f"),
+    ("graphs", "graphs compiled", "d"),
+    ("cudagraph_skips", "CUDA-graph skips", "d"),
 ]
 
 
@@ -100,6 +109,19 @@ class StepClock(StoppingCriteria):
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def compile_counts() -> Counter:
+    """Graphs dynamo has compiled, and graphs inductor declined to capture as CUDA graphs, so far."""
+    return Counter(graphs=counters["stats"]["unique_graphs"], cudagraph_skips=counters["inductor"]["cudagraph_skips"])
+
+
+def counted_seconds(counts: Counter, spec, model, prompt, new, max_length, config) -> float:
+    """`decode_seconds`, adding what its call compiled to `counts`."""
+    before = compile_counts()
+    seconds = decode_seconds(model, spec, prompt, new, max_length, config)
+    counts.update(compile_counts() - before)
+    return seconds
 
 
 def decode_seconds(model, spec, prompt, new: tuple[int, int], max_length, config) -> float:
@@ -229,6 +251,7 @@ def main(argv=None) -> None:
             prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator).to(args.device)
             times = {spec.text: [] for spec in specs}
             ratios = {spec.text: [] for spec in specs}
+            counted = {}  # per cache, what its calls compiled (StaticCache, paired: beside the last cache)
             errors = {}
             static = next(spec for spec in specs if spec.text == "static")
             timed = [spec for spec in specs if spec is not static] if args.paired else specs
@@ -242,11 +265,13 @@ def main(argv=None) -> None:
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
                 pair = (static, spec) if args.paired else (spec,)
+                counts = {s.text: Counter() for s in pair}
+                run = (model, prompt, (n1, n2), context + n2, config)
                 try:
                     for s in pair:  # compiles every shape of the run
-                        decode_seconds(model, s, prompt, (n1, n2), context + n2, config)
+                        counted_seconds(counts[s.text], s, *run)
                     for _ in range(args.repeats):
-                        took = [decode_seconds(model, s, prompt, (n1, n2), context + n2, config) for s in pair]
+                        took = [counted_seconds(counts[s.text], s, *run) for s in pair]
                         for s, seconds in zip(pair, took, strict=True):
                             times[s.text].append(seconds)
                         ratios[spec.text].append(took[-1] / took[0])
@@ -254,15 +279,18 @@ def main(argv=None) -> None:
                     traceback.print_exc()
                     errors[spec.text] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
                     failed.append(f"{context} tokens, batch {batch}, {spec.text}: {errors[spec.text]}")
-            rows += group_rows(args, model, specs, context, batch, times, ratios, errors)
+                counted.update(counts)
+            rows += group_rows(args, model, specs, context, batch, times, ratios, errors, counted)
             write(args, rows, failed)  # after each group: a run cut short keeps what it measured
     print(markdown(json.loads((args.out / "compile.json").read_text())))
     if failed:
         sys.exit(f"{len(failed)} cache(s) failed:\n" + "\n".join(failed))
 
 
-def group_rows(args, model, specs, context, batch, times, ratios, errors) -> list[dict]:
-    """The table's rows of one context and batch; a cache that failed has its error for `compiled`."""
+def group_rows(args, model, specs, context, batch, times, ratios, errors, counted) -> list[dict]:
+    """The table's rows of one context and batch; a cache that failed has its error for `compiled`. `counted`: per
+    cache, the graphs its runs compiled and the CUDA-graph captures inductor skipped (a cache whose decode is
+    captured compiles one graph and skips none)."""
     n2 = args.new[1]
     base = statistics.median(times["static"]) if times["static"] else math.nan
     group = []
@@ -274,8 +302,11 @@ def group_rows(args, model, specs, context, batch, times, ratios, errors) -> lis
             seconds = statistics.median(times[spec.text])
             paired = args.paired and spec.text != "static"
             ratio = statistics.median(ratios[spec.text]) if paired else seconds / base
+        counts = counted.get(spec.text)  # (a Counter: 0 where nothing was counted)
         group.append({"context": context, "batch": batch, "cache": spec.text, "compiled": compiled,
-                      "decode_ms": seconds * 1e3, "vs_static": ratio})  # fmt: skip
+                      "decode_ms": seconds * 1e3, "vs_static": ratio,
+                      "graphs": None if counts is None else counts["graphs"],
+                      "cudagraph_skips": None if counts is None else counts["cudagraph_skips"]})  # fmt: skip
     return group
 
 

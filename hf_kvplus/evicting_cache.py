@@ -70,7 +70,7 @@ class EvictingCache(KVCache):
             if spec.kind != "full":
                 return DenseStorage()
             codec = DenseCodec() if fmt is None else TokenQuantCodec(fmt.for_layer(spec.index))
-            return SlotStore(codec, scores=self.keeps_scores)
+            return SlotStore(codec, scores=self.keeps_scores, device_count=compileable)
 
         def retention(spec: LayerSpec) -> EvictionPolicy:
             return policy(spec) if spec.kind == "full" else model_retention(spec)

@@ -60,9 +60,9 @@ class KVLayer(CacheLayerMixin):
 
     @property
     def seen(self) -> int:
-        """Tokens seen. A static storage counts them itself (it holds every token it has seen, at its position),
-        on the device for compiled steps."""
-        return self._seen if self.storage.static_length is None else self.storage.length
+        """Tokens seen. A storage that counts on the device (`device_count`: static and compileable ones) counts them
+        itself, so that a compiled step reads and writes no Python int."""
+        return self.storage.count.value if self.storage.device_count else self._seen
 
     @seen.setter
     def seen(self, tokens: int) -> None:
@@ -140,13 +140,11 @@ class KVLayer(CacheLayerMixin):
         self.placement.acquire(self.storage)
         if self._pending is not None:
             self._evict(self._pending)
-        if self.storage.static_length is None:
-            visible = self.retention.visible(self.storage.length)
-            self.storage.append(key_states, value_states)
+        # (A static read spans its whole buffer.)
+        visible = self.retention.visible(self.storage.length) if self.storage.static_length is None else 0
+        self.storage.append(key_states, value_states)
+        if not self.storage.device_count:  # else the storage counts, on the device: a compiled step reads no int
             self._seen += new
-        else:  # counted by the storage, on the device: a compiled step reads no Python int (`TokenCount`)
-            visible = 0  # (a static read spans its whole buffer)
-            self.storage.append(key_states, value_states)
         read = self.storage.read(visible + new, new)
         keys = read.keys
         setattr(keys, KV_SOURCE_ATTR, self)
@@ -207,7 +205,7 @@ class KVLayer(CacheLayerMixin):
     def get_seq_length(self) -> int | torch.Tensor:
         """Tokens seen; while a compiled step traces a static storage, its device count (as StaticCache's layer
         returns its `cumulative_length`), so that the model's positions take no Python int into the graph."""
-        if self.storage.count is not None and self.storage.count.tensor is not None and torch.compiler.is_compiling():
+        if self.storage.device_count and self.storage.count.tensor is not None and torch.compiler.is_compiling():
             return self.storage.count.tensor
         return self.seen
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
 
@@ -23,6 +24,9 @@ def test_paired_ratio_is_the_median_of_pair_ratios(tmp_path, monkeypatch):
 
     def fake(model, spec, prompt, new, max_length, config):
         calls.append(spec.text)
+        if spec.text not in calls[:-1]:  # a first call compiles: one graph, and dense's capture is skipped
+            counters["stats"]["unique_graphs"] += 1
+            counters["inductor"]["cudagraph_skips"] += spec.text == "dense:compile=on"
         return next(seconds[spec.text])
 
     monkeypatch.setattr(bench_compile, "decode_seconds", fake)
@@ -41,6 +45,9 @@ def test_paired_ratio_is_the_median_of_pair_ratios(tmp_path, monkeypatch):
     # Pairs (1, 2) and (3, 3): ratios 2 and 1, median 1.5 (medians' ratio: 2.5 / 2 = 1.25).
     assert rows["dense:compile=on"]["vs_static"] == 1.5
     assert rows["static"]["vs_static"] == 1.0 and rows["static"]["decode_ms"] == 2000.0
+    # What each cache's calls compiled, read off dynamo's and inductor's counters.
+    assert (rows["static"]["graphs"], rows["static"]["cudagraph_skips"]) == (1, 0)
+    assert (rows["dense:compile=on"]["graphs"], rows["dense:compile=on"]["cudagraph_skips"]) == (1, 1)
     assert "pairs with StaticCache" in (tmp_path / "compile.md").read_text()
 
 

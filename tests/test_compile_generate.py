@@ -2,7 +2,9 @@
 `is_compileable`, so `generate()` compiles the decode forward as it does for StaticCache.
 
 The evicting caches' budget fixes the slots' shape once full; the static dense and paged storages read all N
-positions every step (the paged one through block tables reserved at the first fill). What changes per step (Python-int lengths) goes dynamic after one recompile. `generate()` then builds masks outside the graph and calls the compiled
+positions every step (the paged one through block tables reserved at the first fill). Their counts are on the device
+(`tests/test_compile_static_graph.py` checks that the decode step compiles once); an evicting cache whose slots fill
+during decode compiles again while they do. `generate()` then builds masks outside the graph and calls the compiled
 forward for every decode step; on CPU it does so only with `CompileConfig._compile_all_devices`. The
 backend records each graph it is handed and runs it as traced (dynamo's capture with the eager ops, so
 tokens must match eager `generate()` exactly); `fullgraph=True` makes any graph break an error.

@@ -85,6 +85,8 @@ class EvictionPolicy(Retention):
             # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
             order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
             store.keep(order[..., : store.length - count])
+            if store.device_count and refill:  # a compileable store: decode steps refill a hole from the first one
+                store.open_hole()
         self.after_evict(store)
 
 
@@ -92,5 +94,5 @@ def padding_and_recent(store: SlotStore, recent: int, ranks: torch.Tensor) -> to
     """A copy of `ranks` with the `recent` newest positions set to KEEP and padding slots (there are none
     while the store's `first_real` is None) to DROP."""
     pos = store.positions
-    ranks = ranks.masked_fill(pos >= store.seen - recent, KEEP) if recent else ranks.clone()
+    ranks = ranks.masked_fill(pos >= store.seen_now() - recent, KEEP) if recent else ranks.clone()
     return ranks if store.first_real is None else ranks.masked_fill(pos == PAD, DROP)

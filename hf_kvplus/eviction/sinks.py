@@ -39,7 +39,12 @@ class SinkPolicy(EvictionPolicy):
     def victim(self, store: SlotStore) -> int | None:
         """The oldest window token's slot, while every row is real from position 0 (sinks in slots 0..)
         and the slot layout is known: in position order, or a ring of `window + 1` slots after the sinks
-        that the last victim's slot, refilled by the newest token, walks around."""
+        that the last victim's slot, refilled by the newest token, walks around. Not in a compiled step, whose
+        graph would take the slot as an int input (one CUDA graph recorded per slot): it ranks by position, on the
+        device, and the ring is followed again from the next in-order layout."""
+        if torch.compiler.is_compiling():
+            self._ring = None
+            return None
         if store.first_real is not None or store.length != self.budget + 1:
             self._ring = None
             return None
@@ -68,8 +73,10 @@ class SinkPolicy(EvictionPolicy):
     def _shift_unpadded(self, store: SlotStore) -> None:
         """Every slot holds a real token: the sinks are positions 0.. in slots 0.. (compaction keeps
         position order and sinks are never evicted), and all rows moved by the same count."""
-        shift = store.seen - store.held  # real tokens evicted
-        if shift <= 0:
+        shift = store.seen_now() - store.held  # real tokens evicted
+        if isinstance(shift, torch.Tensor):  # a compiled step (it evicted, so shift > 0)
+            shift = shift.reshape(1)
+        elif shift <= 0:
             return
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
             slots = torch.arange(self.num_sinks, device=store.device).expand(*store.pos.shape[:2], -1)
@@ -83,7 +90,7 @@ class SinkPolicy(EvictionPolicy):
         """Rows differ in where their real tokens start: the same rule per row, on the device."""
         pos = store.positions
         real_held = (pos[:, 0] >= 0).sum(-1)
-        shift = (store.seen - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
+        shift = (store.seen_now() - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
         moving = (shift > 0) & (first_real >= 0)
         # Slot of sink i: where pos == first_real + i, the same slot in every head (sinks never move).
         targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)

@@ -31,8 +31,9 @@ class KVStorage(ABC):
     #: Tokens every read spans, when fixed (a buffer of that many positions that the model's mask cuts down):
     #: the layer's mask sizes and a compiled decode's shapes then never change. None: reads span what is held.
     static_length: int | None = None
-    #: A static storage's count of tokens held, kept on the device too (`TokenCount`), so that a compiled step reads
-    #: no Python int. None: counted in Python ints only.
+    #: Whether the storage counts the tokens its layer has seen on the device too (`count`, a `TokenCount`), so that
+    #: a compiled step reads and writes no Python int: static storages and the slots of a compileable cache.
+    device_count: bool = False
     count = None
     #: Whether `read` hands attention what only hf_kvplus's attention reads (blocks, codes, unordered slots), so a
     #: model whose code computes on the cached K/V itself cannot use it (`ModelSpec.dense_only`).

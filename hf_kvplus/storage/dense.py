@@ -48,6 +48,7 @@ class DenseStorage(KVStorage):
             raise ConfigError("a static dense storage needs max_tokens: it reads that many positions every step")
         self.max_tokens = max_tokens
         self.static_length = max_tokens if static else None
+        self.device_count = static
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.start = 0

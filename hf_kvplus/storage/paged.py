@@ -42,6 +42,7 @@ class PagedStorage(KVStorage):
         self.pool = pool
         self.fused = fused
         self.static_length = group.fixed_tokens if static else None
+        self.device_count = static
         self.start = 0
         self.count = TokenCount()  # `end`: logical tokens start..end-1 are held; on the device too when static
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)

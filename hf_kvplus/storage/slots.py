@@ -19,9 +19,11 @@ from ..errors import ShapeError
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..kernels.quant_pack import quantize_values, quantize_values_at
 from ..memory import MemoryReport
+from ..static_address import mark_static
 from .base import FitMemo, KVStorage, check_fits
 from .dense import _grown
 from .reads import SlotRead, placeholders
+from .token_count import TokenCount
 
 #: `pos` of a slot holding a padding token.
 PAD = -1
@@ -188,12 +190,14 @@ class SlotStore(KVStorage):
 
     reads_in_place = True
 
-    def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True):
+    def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True, device_count: bool = False):
         self.codec = codec or DenseCodec()
         self.keeps_scores = scores
+        self.device_count = device_count
         self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
-        self.seen = 0  # tokens appended (the next token's logical position), less those dropped from the back
+        # `seen`: tokens appended (the next token's logical position), less those dropped from the back
+        self.count = TokenCount()
         self.dtype: torch.dtype | None = None
         # A freed slot, still counted in `length` until refilled or settled: the same in every row and head
         # (a Python int) or a [batch, kv_heads, 1] tensor.
@@ -208,6 +212,21 @@ class SlotStore(KVStorage):
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
         self._fits = FitMemo()  # what `check_fits` last passed (the fields' `pos`, new tokens' shapes)
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
+
+    @property
+    def seen(self) -> int:
+        return self.count.value
+
+    @seen.setter
+    def seen(self, tokens: int) -> None:
+        self.count.value = tokens
+
+    def seen_now(self) -> int | torch.Tensor:
+        """`seen` as a step computes with it: the device count in a compiled step (which reads no Python int), else
+        the int."""
+        if self.count.tensor is not None and torch.compiler.is_compiling():
+            return self.count.tensor
+        return self.seen
 
     @property
     def pos(self) -> torch.Tensor:
@@ -264,8 +283,11 @@ class SlotStore(KVStorage):
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Writes `new` tokens at the next logical positions into slots `length ..` (or the hole)."""
-        new, first_pos = keys.shape[2], self.seen
-        self.seen += new
+        new = keys.shape[2]
+        first_pos = self.seen_now()
+        if isinstance(first_pos, torch.Tensor):  # a copy: the count changes in place below
+            first_pos = first_pos.clone()
+        self.count.advance(new)
         if self.fields:
             self._check_compatible(keys, values)
         if self.hole is not None:
@@ -344,7 +366,20 @@ class SlotStore(KVStorage):
             return
         if self.first_real is not None:
             self._write_slots(self.hole, {"pos": PAD})
-        self.version += 1  # no layout a policy could follow in Python ints
+        # No layout a policy could follow in Python ints. (A compiled step writes no Python int: a policy stops
+        # following the layout in one, as `SinkPolicy.victim` does.)
+        if not torch.compiler.is_compiling():
+            self.version += 1
+
+    def open_hole(self) -> None:
+        """Adds a freed slot after the used ones (`length` one more, the hole there, a tensor), so that the next
+        one-token append refills it as every later decode step refills the one it evicted: a compileable store's
+        decode steps then have the same shapes and ops from the first one."""
+        if self.length == self.capacity:
+            self._resize(_grown(self.length + 1))
+        slot = torch.full((*self.pos.shape[:2], 1), self.length, dtype=torch.int64, device=self.device)
+        self.length += 1
+        self.free(slot)
 
     def settle(self) -> None:
         """Closes the hole: the last slot moves into it."""
@@ -396,11 +431,15 @@ class SlotStore(KVStorage):
         self.mark_padding(padding_of_new(attention_mask, self.batch_size, new))
         if self.first_real is None:
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
-            start = 0 if self.seen > new else -1
-            self.first_real = torch.full((self.batch_size,), start, dtype=torch.int64, device=self.device)
+            seen = self.seen_now()
+            if isinstance(seen, torch.Tensor):  # a compiled step: 0 where tokens came before, else -1, on the device
+                self.first_real = ((seen > new).long() - 1).expand(self.batch_size).clone()
+            else:
+                start = 0 if seen > new else -1
+                self.first_real = torch.full((self.batch_size,), start, dtype=torch.int64, device=self.device)
         pos = self.fresh_positions()[:, 0]
         real = pos != PAD
-        first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen).min(-1).values, -1)
+        first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen_now()).min(-1).values, -1)
         self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -577,6 +616,11 @@ class SlotStore(KVStorage):
         self.fields = {
             name: part.new_zeros(*part.shape[:2], capacity, *part.shape[3:]) for name, part in like.items()
         }
+        if self.device_count:  # (a compileable store: decode steps write the fields in place, compiled ones too)
+            for field in self.fields.values():
+                mark_static(field)
+            if self.count.tensor is None:
+                self.count.place(self.device)
 
     def _resize(self, capacity: int) -> None:
         old = self.fields

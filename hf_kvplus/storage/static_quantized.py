@@ -43,6 +43,7 @@ class StaticQuantizedStorage(KVStorage):
     """
 
     reads_in_place = True
+    device_count = True
 
     def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, fused: bool = True):
         g = fmt.group_size
