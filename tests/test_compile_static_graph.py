@@ -48,24 +48,19 @@ def graph_recorder() -> tuple[list[dict], Callable]:
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
         names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
         copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        gm(*copies)  # one step on copies: which inputs does the graph write?
-        inputs = list(zip(names, example_inputs, copies, strict=True))
-        written = [(name, x) for name, x, copy in inputs if isinstance(x, torch.Tensor) and changed(x, copy)]
+        versions = [x._version if isinstance(x, torch.Tensor) else None for x in copies]
+        gm(*copies)  # one step on copies: which inputs does the graph write in place (their version counters move)?
+        inputs = list(zip(names, example_inputs, copies, versions, strict=True))
+        # (Not by comparing values: a buffer allocated where an earlier run's was can hold the very values written.)
+        written = [(name, x) for name, x, copy, v in inputs if isinstance(x, torch.Tensor) and copy._version != v]
         graphs.append({
-            "int_inputs": [name for name, x, _ in inputs if not isinstance(x, torch.Tensor)],
+            "int_inputs": [name for name, x, _, _ in inputs if not isinstance(x, torch.Tensor)],
             "written": [name for name, _ in written],
             "written_not_static": [name for name, x in written if getattr(x, "_dynamo_static_input_type", None) is None],
         })  # fmt: skip
         return gm.forward
 
     return graphs, backend
-
-
-def changed(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """Whether a tensor's contents changed (NaN equal to NaN: attention's placeholders are NaN)."""
-    if before.is_floating_point():
-        return not torch.allclose(before, after, rtol=0, atol=0, equal_nan=True)
-    return not torch.equal(before, after)
 
 
 def decode(model, cache, ids, mask, backend=None) -> list[list[int]]:

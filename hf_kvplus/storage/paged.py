@@ -27,8 +27,13 @@ class PagedStorage(KVStorage):
 
     `static=True` (a group with `fixed_tokens`: every row's table reserved to that length at the first fill)
     reads all `fixed_tokens` positions every step, as StaticCache does, the model's mask hiding those not yet
-    written: a decode step's shapes and block table never change, so a compiled decode never recompiles.
+    written: a decode step's shapes and block table never change, so a compiled decode never recompiles; such a
+    storage is a `StaticPagedStorage`.
     """
+
+    def __new__(cls, group: BlockGroup | None = None, pool: LayerPool | None = None, fused: bool = True, static: bool = False):
+        # (defaults: `copy` makes an instance with no arguments)
+        return super().__new__(StaticPagedStorage if static and cls is PagedStorage else cls)
 
     reads_in_place = True
 
@@ -42,9 +47,7 @@ class PagedStorage(KVStorage):
         self.pool = pool
         self.fused = fused
         self.static_length = group.fixed_tokens if static else None
-        self.device_count = static
-        self.start = 0
-        self.count = TokenCount()  # `end`: logical tokens start..end-1 are held; on the device too when static
+        self.start = self.end = 0  # logical tokens held: start..end-1
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
     def shard_heads(self, local: int) -> None:
@@ -59,14 +62,6 @@ class PagedStorage(KVStorage):
         return self.pool.v
 
     @property
-    def end(self) -> int:
-        return self.count.value
-
-    @end.setter
-    def end(self, tokens: int) -> None:
-        self.count.value = tokens
-
-    @property
     def length(self) -> int:
         return self.end - self.start
 
@@ -78,31 +73,26 @@ class PagedStorage(KVStorage):
         self.pool.ensure(keys, values)
         if self.group.tables and keys.shape[0] != self.group.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.group.batch_size} rows")
-        new, static = keys.shape[2], self.static_length is not None
-        # A fixed group reserved its tokens at the first fill (past them, a compiled step's write fails on the
-        # device, as StaticCache's does).
-        if not (static and torch.compiler.is_compiling()):
-            sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
-            self.group.reserve(keys.shape[0], self.end + new, sources)
+        new = keys.shape[2]
+        sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
+        self.group.reserve(keys.shape[0], self.end + new, sources)
         if new == 1:  # a decode step: each row's block of the token, at one offset in all of them
-            bs, table = self.group.block_size, self.group.table_tensor(keys.device)
-            if not static:  # Python ints: the fewest ops
-                token = self.end - self.group.base
+            token, bs = self.end - self.group.base, self.group.block_size
+            table = self.group.table_tensor(keys.device)
+            if self.static_length is None:  # Python ints: the fewest ops
                 column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
                 blocks = table[:, column]
                 self.k_pool[blocks, :, offset] = keys[:, :, 0]
                 self.v_pool[blocks, :, offset] = values[:, :, 0]
-            else:  # the position counted on the device (a fixed group's base is 0): no Python int in the graph
-                token = self.count.positions(1)
+            else:  # `[1]` tensors: a compiled step does not specialize on the offset
+                token = torch.arange(token, token + 1, device=keys.device)
                 blocks, offset = table[:, token // bs], token % bs  # [batch, 1], [1]
                 self.k_pool[blocks, :, offset] = keys.transpose(1, 2)
                 self.v_pool[blocks, :, offset] = values.transpose(1, 2)
         else:
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
-        if static and self.count.tensor is None:
-            self.count.place(keys.device)
-        self.count.advance(new)
+        self.end += new
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers the last `last` tokens into dense `[batch, kv_heads, last, head_dim]` tensors."""
@@ -124,9 +114,8 @@ class PagedStorage(KVStorage):
         return gather(self.k_pool), gather(self.v_pool)
 
     def read(self, last: int, new: int) -> Read:
-        static = self.static_length is not None  # static: the whole table (base is 0), no Python int read
-        first = 0 if static else self.end - last
-        end = self.static_length if static else first + last
+        first = self.end - last if self.static_length is None else 0  # static: the whole table (base is 0)
+        end = first + (last if self.static_length is None else self.static_length)
         if not (self.fused and new == 1):
             return DenseRead(*self._gather(first, end))
         pool = self.pool
@@ -138,8 +127,6 @@ class PagedStorage(KVStorage):
 
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
         """Left padding of the first prefill: key columns no query attends to, from the start of each row."""
-        if self.static_length is not None and torch.compiler.is_compiling():
-            return  # a compiled step of a static storage reads no Python count (its padding is only not freed)
         if self.start != 0 or self.end != new:  # not a first prefill, or part of it already dropped
             return
         if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[0] != self.batch_size:
@@ -192,3 +179,44 @@ class PagedStorage(KVStorage):
             batch_size=self.batch_size,
         )
 
+
+
+class StaticPagedStorage(PagedStorage):
+    """`PagedStorage(group, pool, static=True)`, counting its tokens on the device too (`TokenCount`): a compiled step
+    takes its write positions from there, so that it reads and writes no Python int and one CUDA graph serves every
+    step. The pools are at static addresses (`LayerPool`). A compiled step reserves nothing (the fixed group reserved
+    every row's blocks at the first fill) and checks nothing: past `fixed_tokens`, its write fails on the device, as
+    StaticCache's does.
+    """
+
+    device_count = True
+
+    def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True, static: bool = True):
+        self.count = TokenCount()  # `end`, on the device too
+        super().__init__(group, pool, fused, static=True)
+
+    @property
+    def end(self) -> int:
+        return self.count.value
+
+    @end.setter
+    def end(self, tokens: int) -> None:
+        self.count.value = tokens
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling():
+            super().append(keys, values)
+            if self.count.tensor is None:
+                self.count.place(keys.device)
+            return
+        new, bs = keys.shape[2], self.group.block_size
+        positions = self.count.positions(new)  # (a fixed group's base is 0)
+        blocks = self.group.table_tensor(keys.device)[:, positions // bs]  # [batch, new]
+        offsets = positions % bs
+        self.k_pool[blocks, :, offsets] = keys.transpose(1, 2)
+        self.v_pool[blocks, :, offsets] = values.transpose(1, 2)
+        self.count.advance(new)
+
+    def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
+        if not torch.compiler.is_compiling():  # (a compiled step reads no count; its padding is only not freed)
+            super().note_mask(attention_mask, new)
