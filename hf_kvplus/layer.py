@@ -66,7 +66,7 @@ class KVLayer(CacheLayerMixin):
 
     @seen.setter
     def seen(self, tokens: int) -> None:
-        self._seen = tokens
+        self._seen = tokens  # (read only where the storage does not count: one that does has counted already)
 
     @property
     def is_croppable(self) -> bool:

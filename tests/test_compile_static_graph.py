@@ -134,3 +134,18 @@ def test_the_checks_catch_a_cache_that_grows(model):
     assert len(graphs) > 1
     assert any(graph["int_inputs"] for graph in graphs)
     assert any(graph["written_not_static"] for graph in graphs)
+
+
+@pytest.mark.parametrize("spec", STATIC_SPECS)
+def test_the_tensors_stay_static_through_a_beam_reorder(model, spec):
+    """A batch operation between steps (beam search reorders rows) may give a storage new tensors: they are marked
+    static again, or the next compiled step would write inputs that CUDA graphs cannot capture."""
+    cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + NEW)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    for layer in cache.layers:
+        tensors = layer.storage.tensors()
+        assert tensors and all(getattr(t, "_dynamo_static_input_type", None) for t in tensors.values()), spec
+        assert getattr(layer.storage.count.tensor, "_dynamo_static_input_type", None)

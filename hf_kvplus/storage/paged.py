@@ -31,14 +31,14 @@ class PagedStorage(KVStorage):
     storage is a `StaticPagedStorage`.
     """
 
-    def __new__(cls, group: BlockGroup | None = None, pool: LayerPool | None = None, fused: bool = True, static: bool = False):
-        # (defaults: `copy` makes an instance with no arguments)
-        return super().__new__(StaticPagedStorage if static and cls is PagedStorage else cls)
-
     reads_in_place = True
 
     #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
     shared_at_rest = True
+
+    def __new__(cls, group: BlockGroup | None = None, pool: LayerPool | None = None, fused=True, static=False):
+        # (defaults: `copy` makes an instance with no arguments)
+        return super().__new__(StaticPagedStorage if static and cls is PagedStorage else cls)
 
     def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True, static: bool = False):
         if static and group.fixed_tokens is None:
@@ -178,7 +178,6 @@ class PagedStorage(KVStorage):
             metadata_bytes=table.numel() * table.element_size() if first_member else 0,
             batch_size=self.batch_size,
         )
-
 
 
 class StaticPagedStorage(PagedStorage):

@@ -186,11 +186,17 @@ class SlotStore(KVStorage):
     is 0 (`first_real` is None, policies work in Python ints). Once a mask came (left padding, maybe),
     padding slots get `pos` PAD and `first_real` [batch] is kept on the device, updated with each
     forward's tokens, never read back.
+
+    With `device_count` (a compileable cache's store) `seen` is counted on the device too (`TokenCount`) and the
+    fields are at static addresses, so that a compiled step reads and writes no Python int: its new tokens' positions
+    come from the device count, and a prompt compacted to the budget leaves a hole (`open_hole`).
     """
 
     reads_in_place = True
 
-    def __init__(self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True, device_count: bool = False):
+    def __init__(
+        self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True, device_count: bool = False
+    ):
         self.codec = codec or DenseCodec()
         self.keeps_scores = scores
         self.device_count = device_count
@@ -531,6 +537,7 @@ class SlotStore(KVStorage):
         if self.fields:
             indices = indices.to(self.device)
             self.fields = {name: held.index_select(0, indices) for name, held in self.fields.items()}
+            self._mark_static()
             if isinstance(self.hole, torch.Tensor):
                 self.hole = self.hole.index_select(0, indices)
             if isinstance(self.fresh, torch.Tensor):
@@ -616,11 +623,15 @@ class SlotStore(KVStorage):
         self.fields = {
             name: part.new_zeros(*part.shape[:2], capacity, *part.shape[3:]) for name, part in like.items()
         }
-        if self.device_count:  # (a compileable store: decode steps write the fields in place, compiled ones too)
+        self._mark_static()
+        if self.device_count and self.count.tensor is None:
+            self.count.place(self.device)
+
+    def _mark_static(self) -> None:
+        """A compileable store's fields keep their addresses (decode steps write them in place, compiled ones too)."""
+        if self.device_count:
             for field in self.fields.values():
                 mark_static(field)
-            if self.count.tensor is None:
-                self.count.place(self.device)
 
     def _resize(self, capacity: int) -> None:
         old = self.fields
