@@ -200,9 +200,6 @@ class KVLayer(CacheLayerMixin):
         if self._pending is not None:
             held -= self.retention.excess(self.storage.length, self._pending)
         visible = self.retention.visible(held)
-        # (A compileable evicting layer counts its free slots as held, so that the mask keeps one shape: its offset is
-        # negative while the slots fill. Its attention masks slots by their positions and reads only the mask's last
-        # `query_length` columns, which the offset places right.)
         return visible + query_length, self.seen - visible
 
     def get_seq_length(self) -> int | torch.Tensor:

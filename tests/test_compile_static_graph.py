@@ -36,8 +36,6 @@ STATIC_SPECS = [
     "sink:2:6:bits=k3v2:compile=on",
     "h2o:8:compile=on",
     "h2o:8:bits=fp8:compile=on",
-    "sink:2:22:compile=on",  # budgets of 24, which the slots reach during decode (21 + 10 tokens)
-    "h2o:24:compile=on",
 ]
 
 

@@ -73,23 +73,21 @@ class EvictionPolicy(Retention):
         the highest scores are kept."""
         store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
         count = self.excess(store.length, new)
-        if count:
-            one = refill and new == 1 and count == 1
-            slot = self.victim(store) if one else None
-            if slot is not None:  # known without looking at the device: evicted by bookkeeping only
-                store.free(slot)
-            elif one:
-                store.free(self.score(store).argmin(dim=-1, keepdim=True))  # the next one-token append refills it
-            else:
-                # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
-                order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
-                store.keep(order[..., : store.length - count])
-            self.after_evict(store)
-        if store.device_count and refill and store.length <= self.budget:
-            # A compileable store holds `budget + 1` slots from its first forward, the unused ones free (padding,
-            # which ranks lowest): every decode step refills a freed slot, with the same shapes, full or not.
-            store.fill_free(self.budget + 1)
-            self.after_evict(store)  # (nothing has moved: a policy makes the state its compiled steps update)
+        if not count:
+            return
+        one = refill and new == 1 and count == 1
+        slot = self.victim(store) if one else None
+        if slot is not None:  # known without looking at the device: evicted by bookkeeping only
+            store.free(slot)
+        elif one:
+            store.free(self.score(store).argmin(dim=-1, keepdim=True))  # the next one-token append refills it
+        else:
+            # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
+            order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
+            store.keep(order[..., : store.length - count])
+            if store.device_count and refill:  # a compileable store: decode steps refill a hole from the first one
+                store.open_hole()
+        self.after_evict(store)
 
 
 def padding_and_recent(store: SlotStore, recent: int, ranks: torch.Tensor) -> torch.Tensor:

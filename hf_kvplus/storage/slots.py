@@ -189,7 +189,7 @@ class SlotStore(KVStorage):
 
     With `device_count` (a compileable cache's store) `seen` is counted on the device too (`TokenCount`) and the
     fields are at static addresses, so that a compiled step reads and writes no Python int: its new tokens' positions
-    come from the device count, and it holds `budget + 1` slots from its first forward, the unused ones free (`fill_free`).
+    come from the device count, and a prompt compacted to the budget leaves a hole (`open_hole`).
     """
 
     reads_in_place = True
@@ -377,20 +377,15 @@ class SlotStore(KVStorage):
         if not torch.compiler.is_compiling():
             self.version += 1
 
-    def fill_free(self, slots: int) -> None:
-        """Makes `slots` slots used, those after the held tokens free (padding: `pos` PAD, masked by attention, ranked
-        lowest by every policy) and the first of them the hole (a tensor). The next one-token append refills it, and
-        each step's eviction then frees another free slot until none is left, then a token: a compileable store's
-        decode steps have the same shapes and ops from the first one, whether the store is full or not. Slots are
-        then read through their positions (`first_real` is set: rows start at 0 if no mask came)."""
-        if self.first_real is None:
-            self.first_real = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
-        if slots > self.capacity:
-            self._resize(_grown(slots))
-        free = torch.arange(self.length, slots, device=self.device).expand(*self.pos.shape[:2], -1)
-        self._write_slots(free, {"pos": PAD})
-        self.length = slots
-        self.free(free[..., :1].contiguous())
+    def open_hole(self) -> None:
+        """Adds a freed slot after the used ones (`length` one more, the hole there, a tensor), so that the next
+        one-token append refills it as every later decode step refills the one it evicted: a compileable store's
+        decode steps then have the same shapes and ops from the first one."""
+        if self.length == self.capacity:
+            self._resize(_grown(self.length + 1))
+        slot = torch.full((*self.pos.shape[:2], 1), self.length, dtype=torch.int64, device=self.device)
+        self.length += 1
+        self.free(slot)
 
     def settle(self) -> None:
         """Closes the hole: the last slot moves into it."""
