@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 
-def mark_static(tensor: torch.Tensor) -> None:
-    """Tells dynamo that `tensor` keeps its address between calls, so a compiled graph that writes it in place can
-    still be captured as a CUDA graph (inductor skips graphs that mutate inputs not so marked; where the address
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tells dynamo that `tensors` keep their addresses between calls, so a compiled graph that writes them in place
+    can still be captured as a CUDA graph (inductor skips graphs that mutate inputs not so marked; where the address
     does change, the graph is recorded again). Eager only, as Transformers' StaticCache does it: a traced call
     cannot mark."""
     if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(tensor)
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor)

@@ -72,8 +72,7 @@ class LayerPool(BlockTensors):
             shape = (self.blocks.capacity, self.num_kv_heads, self.block_size)
             self.k = keys.new_zeros(*shape, self.head_dim)  # zeros: a static read sees unwritten slots (masked)
             self.v = values.new_zeros(*shape, values.shape[-1])
-            mark_static(self.k)  # written in place by decode steps, compiled ones included
-            mark_static(self.v)
+            mark_static(self.k, self.v)  # written in place by decode steps, compiled ones included
         elif keys.dtype != self.k.dtype or keys.device != self.k.device:
             raise CacheMismatchError(
                 f"new keys are {keys.dtype} on {keys.device}, the pool holds {self.k.dtype} on {self.k.device}"

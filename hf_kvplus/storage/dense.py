@@ -9,7 +9,7 @@ from ..memory import MemoryReport
 from ..static_address import mark_static
 from .base import FitMemo, KVStorage, Region, check_fits, widened
 from .reads import DenseRead
-from .token_count import TokenCount
+from .token_count import TokenCount, counted
 
 #: Capacity is allocated in multiples of this many tokens.
 GRANULE = 64
@@ -209,13 +209,7 @@ class StaticDenseStorage(DenseStorage):
         self.count = TokenCount()  # `end`, on the device too
         super().__init__(max_tokens, static=True)
 
-    @property
-    def end(self) -> int:
-        return self.count.value
-
-    @end.setter
-    def end(self, tokens: int) -> None:
-        self.count.value = tokens
+    end = counted("Tokens start..end-1 are held (`count`, on the device too).")
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         new = keys.shape[2]
@@ -232,15 +226,10 @@ class StaticDenseStorage(DenseStorage):
 
     def index_batch(self, indices: torch.Tensor) -> None:
         super().index_batch(indices)
-        self._mark_static()
+        mark_static(*self.tensors().values())
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         super()._allocate(keys, values, capacity)
-        self._mark_static()
+        mark_static(*self.tensors().values())
         if self.count.tensor is None:
             self.count.place(keys.device)
-
-    def _mark_static(self) -> None:
-        if self.keys is not None:
-            mark_static(self.keys)
-            mark_static(self.values)

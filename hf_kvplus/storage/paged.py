@@ -13,7 +13,7 @@ from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool
 from .base import KVStorage
 from .reads import DenseRead, PagedRead, Read, placeholders
-from .token_count import TokenCount
+from .token_count import TokenCount, counted
 
 
 class PagedStorage(KVStorage):
@@ -194,13 +194,7 @@ class StaticPagedStorage(PagedStorage):
         self.count = TokenCount()  # `end`, on the device too
         super().__init__(group, pool, fused, static=True)
 
-    @property
-    def end(self) -> int:
-        return self.count.value
-
-    @end.setter
-    def end(self, tokens: int) -> None:
-        self.count.value = tokens
+    end = counted("Logical tokens start..end-1 are held (`count`, on the device too).")
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if not torch.compiler.is_compiling():

@@ -23,7 +23,7 @@ from ..static_address import mark_static
 from .base import FitMemo, KVStorage, check_fits
 from .dense import _grown
 from .reads import SlotRead, placeholders
-from .token_count import TokenCount
+from .token_count import TokenCount, counted
 
 #: `pos` of a slot holding a padding token.
 PAD = -1
@@ -202,8 +202,7 @@ class SlotStore(KVStorage):
         self.device_count = device_count
         self.fields: dict[str, torch.Tensor] = {}
         self.length = 0
-        # `seen`: tokens appended (the next token's logical position), less those dropped from the back
-        self.count = TokenCount()
+        self.count = TokenCount()  # `seen`
         self.dtype: torch.dtype | None = None
         # A freed slot, still counted in `length` until refilled or settled: the same in every row and head
         # (a Python int) or a [batch, kv_heads, 1] tensor.
@@ -219,13 +218,7 @@ class SlotStore(KVStorage):
         self._fits = FitMemo()  # what `check_fits` last passed (the fields' `pos`, new tokens' shapes)
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
 
-    @property
-    def seen(self) -> int:
-        return self.count.value
-
-    @seen.setter
-    def seen(self, tokens: int) -> None:
-        self.count.value = tokens
+    seen = counted("Tokens appended (the next token's logical position), less those dropped from the back.")
 
     def seen_now(self) -> int | torch.Tensor:
         """`seen` as a step computes with it: the device count in a compiled step (which reads no Python int), else
@@ -537,7 +530,8 @@ class SlotStore(KVStorage):
         if self.fields:
             indices = indices.to(self.device)
             self.fields = {name: held.index_select(0, indices) for name, held in self.fields.items()}
-            self._mark_static()
+            if self.device_count:
+                mark_static(*self.fields.values())
             if isinstance(self.hole, torch.Tensor):
                 self.hole = self.hole.index_select(0, indices)
             if isinstance(self.fresh, torch.Tensor):
@@ -623,15 +617,10 @@ class SlotStore(KVStorage):
         self.fields = {
             name: part.new_zeros(*part.shape[:2], capacity, *part.shape[3:]) for name, part in like.items()
         }
-        self._mark_static()
-        if self.device_count and self.count.tensor is None:
-            self.count.place(self.device)
-
-    def _mark_static(self) -> None:
-        """A compileable store's fields keep their addresses (decode steps write them in place, compiled ones too)."""
-        if self.device_count:
-            for field in self.fields.values():
-                mark_static(field)
+        if self.device_count:  # (decode steps write the fields in place, compiled ones too)
+            mark_static(*self.fields.values())
+            if self.count.tensor is None:
+                self.count.place(self.device)
 
     def _resize(self, capacity: int) -> None:
         old = self.fields

@@ -16,7 +16,7 @@ from ..static_address import mark_static
 from .base import KVStorage
 from .packed_segment import dequantized_span, group_views, new_buffers, span_bytes
 from .reads import DenseRead, PackedRead, Read, placeholders
-from .token_count import TokenCount
+from .token_count import TokenCount, counted
 
 
 class StaticQuantizedStorage(KVStorage):
@@ -66,13 +66,7 @@ class StaticQuantizedStorage(KVStorage):
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last chunk, attended exact (KIVI)
 
     # ------------------------------------------------------------------ state
-    @property
-    def end(self) -> int:
-        return self.count.value
-
-    @end.setter
-    def end(self, tokens: int) -> None:
-        self.count.value = tokens
+    end = counted("Tokens held, token p at code position p (`count`, on the device too).")
 
     @property
     def length(self) -> int:
@@ -271,7 +265,7 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_k, self.ring_v = self.ring_k.index_select(0, indices), self.ring_v.index_select(0, indices)
         b = self.buffers
         self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in PACKED_NAMES})
-        self._mark_static()
+        mark_static(*self.tensors().values())
 
     def formats(self) -> tuple:
         return (self.fmt,)
@@ -320,9 +314,4 @@ class StaticQuantizedStorage(KVStorage):
             torch.arange(n, device=device), torch.arange(self.ring, device=device), torch.arange(g, device=device)
         )
         self.count.place(device)
-        self._mark_static()
-
-    def _mark_static(self) -> None:
-        """The tensors a decode step writes in place stay where they are: one CUDA graph serves every step."""
-        for tensor in self.tensors().values():
-            mark_static(tensor)
+        mark_static(*self.tensors().values())  # (a decode step writes them in place)

@@ -62,3 +62,16 @@ class TokenCount:
             self._behind = True
         elif not self._behind:
             self._value += new
+
+
+def counted(doc: str) -> property:
+    """A storage's token count as the int attribute its code reads and sets (`end`, a slot store's `seen`), kept by
+    the storage's `count`."""
+
+    def get(self) -> int:
+        return self.count.value
+
+    def put(self, tokens: int) -> None:
+        self.count.value = tokens
+
+    return property(get, put, doc=doc)
