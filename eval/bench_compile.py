@@ -157,10 +157,16 @@ def markdown(result: dict) -> str:
         + f"; {result['machine']}, {result['date']}",
         "",
         "```",
-        format_table(result["rows"], COLUMNS),
+        format_table([{**row, "compiled": short_error(row["compiled"])} for row in result["rows"]], COLUMNS),
         "```",
         "",
+        *(["Failed:", "", *(f"- {line[:400]}" for line in result["failed"]), ""] if result.get("failed") else []),
     ])  # fmt: skip
+
+
+def short_error(compiled: str) -> str:
+    """The table's "compiled" cell: yes, no (eager), or a failure's error type (its message follows the table)."""
+    return compiled if compiled in ("yes", "no (eager)") else f"failed: {compiled.split(':')[0]}"
 
 
 def plot(rows: list[dict], path: Path) -> None:

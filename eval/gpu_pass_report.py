@@ -155,7 +155,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     result, sections = merge(args.folders)
     env = result.get("env", {})
-    title = f"# GPU pass: {env.get('gpu', {}).get('name', 'unknown device')}, {env.get('date', 'date unknown')}"
+    # Without the env step, the device and date of the first step's stamp (`machine`: "vm: <device>, ...").
+    stamped = next((part for part in result.values() if isinstance(part, dict) and "machine" in part), {})
+    device = env.get("gpu", {}).get("name") or stamped.get("machine", "unknown device").removeprefix("vm: ").split(",")[0]
+    title = f"# GPU pass: {device}, {env.get('date') or stamped.get('date', 'date unknown')}"
     md = "\n\n".join([title, status_markdown(result["steps"]), *sections])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_pass.json").write_text(json.dumps(result, indent=2, default=str))

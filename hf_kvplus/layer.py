@@ -166,6 +166,8 @@ class KVLayer(CacheLayerMixin):
         new = query.shape[2]
         if attention_mask is not None:
             self.storage.note_mask(attention_mask, new)
+        elif self.storage.device_count:
+            self.storage.note_no_mask()
         read = getattr(keys, KV_READ_ATTR, None)
         if read is None:
             if self._awaiting_attention:

@@ -4,9 +4,13 @@ Inductor captures a compiled graph as a CUDA graph only when every input the gra
 static address (`torch._dynamo.mark_static_address`), and it records the graph again for every value of an int
 input ("N distinct sizes"). So through `generate()`, which compiles the decode forward of a cache that declares
 `is_compileable`, each static cache must over a greedy decode of several steps: compile its decode step once, give
-the graph no int input, write only inputs marked static, and produce the eager decode's tokens. The backend here
-records the graph dynamo hands over (what inductor would receive) and runs it as it is, so the test runs on the
-CPU; on a GPU, `eval/bench_compile.py --gpu-pass` times the captured graphs.
+the graph no int input, write only inputs marked static, take no tensor that an earlier call of the graph returned,
+and produce the eager decode's tokens. (A CUDA graph's outputs live in its memory pool and its next replay
+overwrites them: a tensor one step leaves on the cache for the next, such as a freed slot's index, must be written
+into a buffer of the cache's, or the replay fails with "accessing tensor output of CUDAGraphs that has been
+overwritten by a subsequent run", as the evicting caches did on an H200 in stop 39.) The backend here records the
+graph dynamo hands over (what inductor would receive) and runs it as it is, so the test runs on the CPU; on a GPU,
+`eval/bench_compile.py --gpu-pass` times the captured graphs.
 
 StaticCache is the control (it meets every condition); a DenseCache that grows, which `generate()` may also be
 told to compile, is the counter-example the checks must catch.
@@ -18,7 +22,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import CompileConfig, StaticCache
+from transformers import CompileConfig, DynamicCache, StaticCache
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
@@ -44,23 +48,41 @@ def graph_recorder() -> tuple[list[dict], Callable]:
     (A function, not an object: `CompileConfig` deep-copies its backend, which copies an object but not a
     function and its closure.)"""
     graphs: list[dict] = []
+    returned: dict[int, torch.Tensor] = {}  # what the graphs returned, by storage address; kept alive, so no later
+    # tensor takes an address
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
         names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
-        copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        # (An int input may come as a SymInt, which eager ops refuse: its value then.)
+        copies = [x.clone() if isinstance(x, torch.Tensor) else int(x) if isinstance(x, torch.SymInt) else x
+                  for x in example_inputs]  # fmt: skip
         versions = [x._version if isinstance(x, torch.Tensor) else None for x in copies]
         gm(*copies)  # one step on copies: which inputs does the graph write in place (their version counters move)?
         inputs = list(zip(names, example_inputs, copies, versions, strict=True))
         # (Not by comparing values: a buffer allocated where an earlier run's was can hold the very values written.)
         written = [(name, x) for name, x, copy, v in inputs if isinstance(x, torch.Tensor) and copy._version != v]
-        graphs.append({
+        graph = {
             "int_inputs": [name for name, x, _, _ in inputs if not isinstance(x, torch.Tensor)],
             "written": [name for name, _ in written],
             "written_not_static": [name for name, x in written if getattr(x, "_dynamo_static_input_type", None) is None],
-        })  # fmt: skip
-        return gm.forward
+            "fed_back": [],  # inputs that an earlier call of a graph returned
+        }  # fmt: skip
+        graphs.append(graph)
+
+        def run(*args):
+            graph["fed_back"] += [name for name, x in zip(names, args, strict=True) if _address(x) in returned]
+            out = gm.forward(*args)
+            taken = {_address(x) for x in args}
+            returned.update((_address(x), x) for x in out if _address(x) not in taken)  # (views of inputs are not)
+            return out
+
+        return run
 
     return graphs, backend
+
+
+def _address(x) -> int | None:
+    return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
 
 
 def decode(model, cache, ids, mask, backend=None) -> list[list[int]]:
@@ -75,17 +97,19 @@ def decode(model, cache, ids, mask, backend=None) -> list[list[int]]:
     return out[:, ids.shape[1] :].tolist()
 
 
-def left_padded(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(batch: int = 2, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     ids = make_prompt(PROMPT, batch=batch)
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # the second row is a shorter prompt, left-padded
+    if padded:
+        mask[1, :5] = 0  # the second row is a shorter prompt, left-padded
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def capture(model, make_cache) -> tuple[list[dict], list, list]:
-    """The eager decode's tokens, the compiled decode's and the graphs it compiled."""
+def capture(model, make_cache, padded: bool = True) -> tuple[list[dict], list, list]:
+    """The eager decode's tokens, the compiled decode's and the graphs it compiled. (Without padding, the prompt's
+    forward gets no mask from Transformers: SDPA's causal path.)"""
     torch._dynamo.reset()
-    ids, mask = left_padded()
+    ids, mask = left_padded(padded=padded)
     eager = decode(model, make_cache(), ids, mask)
     graphs, backend = graph_recorder()
     compiled = decode(model, make_cache(), ids, mask, backend=backend)
@@ -97,16 +121,32 @@ def model():
     return get_model("llama")
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("spec", STATIC_SPECS)
-def test_a_static_cache_compiles_one_capturable_decode_graph(model, spec):
+def test_a_static_cache_compiles_one_capturable_decode_graph(model, spec, padded):
     cache_spec = parse_cache_spec(spec)
-    graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW))
+    graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW), padded)
     assert compiled == eager
     assert len(graphs) == 1, f"the decode step compiled {len(graphs)} times"
     (graph,) = graphs
     assert graph["int_inputs"] == []
     assert graph["written"], "the decode step writes the cache in place"
     assert graph["written_not_static"] == []
+    assert graph["fed_back"] == [], "a decode step reads what an earlier step's graph returned"
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("spec", ["sink:2:19:compile=on", "sink:2:19:bits=int4:group=8:compile=on", "h2o:21:compile=on"])
+def test_an_evicting_cache_full_at_its_budget_compiles_one_capturable_graph(model, spec, padded):
+    """A prompt of exactly the budget is not compacted: it leaves a freed slot all the same, so the first decode
+    step refills and evicts as every later one does (one graph, where it compiled two), and what that step leaves
+    for the next (the sinks' copy, the freed slot, the rows' first positions) is in the cache's own buffers (the
+    evicting caches failed there on an H200 in stop 39)."""
+    cache_spec = parse_cache_spec(spec)
+    graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW), padded)
+    assert compiled == eager
+    assert len(graphs) == 1, f"the decode step compiled {len(graphs)} times"
+    assert graphs[0]["int_inputs"] == [] and graphs[0]["written_not_static"] == [] and graphs[0]["fed_back"] == []
 
 
 def test_static_cache_meets_the_same_conditions(model):
@@ -115,7 +155,7 @@ def test_static_cache_meets_the_same_conditions(model):
     )
     assert compiled == eager
     assert len(graphs) == 1
-    assert graphs[0]["int_inputs"] == [] and graphs[0]["written_not_static"] == []
+    assert graphs[0]["int_inputs"] == [] and graphs[0]["written_not_static"] == [] and graphs[0]["fed_back"] == []
 
 
 def test_the_checks_catch_a_cache_that_grows(model):
@@ -134,6 +174,23 @@ def test_the_checks_catch_a_cache_that_grows(model):
     assert len(graphs) > 1
     assert any(graph["int_inputs"] for graph in graphs)
     assert any(graph["written_not_static"] for graph in graphs)
+
+
+def test_the_checks_catch_a_cache_that_carries_graph_outputs(model):
+    """Transformers' DynamicCache concatenates each step's keys into new tensors: under a compiled forward (called
+    by hand, as generate() compiles no DynamicCache) the next step reads what the last one's graph returned, which a
+    CUDA graph's next replay would have overwritten."""
+    torch._dynamo.reset()
+    graphs, backend = graph_recorder()
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=True)
+    ids = make_prompt(PROMPT)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        for step in range(3):
+            token = logits[:, -1:].argmax(-1)
+            logits = forward(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[PROMPT + step]])).logits
+    assert graphs and any(graph["fed_back"] for graph in graphs)
 
 
 @pytest.mark.parametrize("spec", STATIC_SPECS)

@@ -68,6 +68,17 @@ def test_report_counts_tests_and_says_which_steps_failed_or_timed_out(tmp_path):
     assert "## Environment" in md
 
 
+def test_report_without_the_env_step_names_the_device_of_a_step_s_stamp(tmp_path):
+    run = tmp_path / "run"
+    write_steps(run, ("kernels", 0, 90, 240))
+    stamp = {"machine": "vm: NVIDIA H200, 16 cores, torch threads 2", "date": "2026-11-26T04:45:40+00:00"}
+    (run / "kernels.json").write_text(json.dumps({**stamp, "rows": []}))
+    result = report(run, "--out", tmp_path / "merged")
+    assert result.returncode == 0, result.stdout + result.stderr
+    md = (tmp_path / "merged" / "gpu_pass.md").read_text()
+    assert md.startswith("# GPU pass: NVIDIA H200, 2026-11-26T04:45:40+00:00")
+
+
 def test_report_takes_each_step_from_the_last_folder_that_ran_it(tmp_path):
     first, second = tmp_path / "call1", tmp_path / "call2"
     write_steps(first, ("env", 0, 5, 60), ("kernels", 1, 30, 240))

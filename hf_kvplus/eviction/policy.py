@@ -67,13 +67,23 @@ class EvictionPolicy(Retention):
     def after_evict(self, store: SlotStore) -> None:  # noqa: B027 - an optional hook
         """Hook run after every eviction (sinks re-rotate here)."""
 
+    def prepare_compiled(self, store: SlotStore) -> None:  # noqa: B027 - an optional hook
+        """Hook run by every eager step of a compileable store (`device_count`), before any compiled one: makes the
+        state that compiled steps update in place."""
+
     def evict(self, store: SlotStore, new: int, refill: bool) -> None:
         """Evicts down to the budget. After a one-token step whose next append refills, the one victim per row
         and head is freed where it lies (`SlotStore.free`), by a Python int when `victim` knows it; otherwise
         the highest scores are kept."""
+        if store.device_count and not torch.compiler.is_compiling():
+            self.prepare_compiled(store)
         store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
         count = self.excess(store.length, new)
         if not count:
+            if store.device_count and refill and store.length == self.budget and self.compress == "always":
+                if store.hole is None and not torch.compiler.is_compiling():
+                    store.open_hole()  # full at the budget: decode steps refill a hole from the first, as after a
+                    # compaction, so they compile one graph
             return
         one = refill and new == 1 and count == 1
         slot = self.victim(store) if one else None

@@ -128,6 +128,11 @@ class RotaryShift:
         sin = torch.cat((sin, sin, angles.new_zeros(angles.shape[0], rest)), dim=-1)
         return cos.float()[:, None, None, :], sin.float()[:, None, None, :]
 
+    def place(self, device: torch.device) -> None:
+        """Moves the inverse frequencies to `device` now, eagerly: a compiled step that moved them would hold a CPU
+        tensor, which keeps its graph from CUDA graphs."""
+        self._inv_freq(device)
+
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         if self.inv_freq.device != device:  # once; queued, not waited on
             self.inv_freq = self.inv_freq.to(device, non_blocking=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..static_address import mark_static
 from ..storage.slots import SlotStore
 from .policy import KEEP, EvictionPolicy, check_compress, padding_and_recent
 from .rope import RotaryShift
@@ -35,6 +36,7 @@ class SinkPolicy(EvictionPolicy):
         self.captured: torch.Tensor | None = None  # [batch] bool: sink_keys holds this row's sinks
         self._prepared: tuple | None = None  # sink_keys as `RotaryShift.prepare` gives them (unpadded rows)
         self._ring: tuple[int, int] | None = None  # the last victim's slot and the store's layout version then
+        self._in_place = False  # sink_keys and captured are `prepare_compiled`'s static buffers
 
     def victim(self, store: SlotStore) -> int | None:
         """The oldest window token's slot, while every row is real from position 0 (sinks in slots 0..)
@@ -62,10 +64,27 @@ class SinkPolicy(EvictionPolicy):
         ranks = pos.float().masked_fill(self._is_sink(pos, store.first_real), KEEP)
         return padding_and_recent(store, self.window, ranks)
 
+    def prepare_compiled(self, store: SlotStore) -> None:
+        """The sinks' copy and which rows have one, made here, eagerly, at static addresses: compiled steps update
+        them in place (a graph that made them would return them, and a CUDA graph's next replay overwrites what it
+        returned); and the rotary frequencies moved to the device (a CPU tensor keeps a graph from CUDA graphs)."""
+        if self.rotary is None or not self.num_sinks:
+            return
+        self.rotary.place(store.device)
+        if self.sink_keys is None:
+            batch, heads, key_dim = store.batch_size, store.head_dims[0], store.head_dims[1]
+            self.sink_keys = torch.zeros(batch, heads, self.num_sinks, key_dim, dtype=store.dtype, device=store.device)
+            self.captured = torch.zeros(batch, dtype=torch.bool, device=store.device)
+            mark_static(self.sink_keys, self.captured)
+            self._in_place = True
+
     def after_evict(self, store: SlotStore) -> None:
         if self.rotary is None or not self.num_sinks:
             return
-        if store.first_real is None:
+        if store.device_count:  # every row's sinks found on the device (unpadded rows start at 0), state in place
+            first_real = store.first_real
+            self._shift_padded(store, store.pos.new_zeros(store.batch_size) if first_real is None else first_real)
+        elif store.first_real is None:
             self._shift_unpadded(store)
         else:
             self._shift_padded(store, store.first_real)
@@ -102,9 +121,13 @@ class SinkPolicy(EvictionPolicy):
             self.captured = torch.zeros_like(moving)
         # A row's sinks are copied at its first eviction of a real token, before they ever move.
         fresh = moving & ~self.captured
-        self.sink_keys = torch.where(fresh[:, None, None, None], held, self.sink_keys)
+        sink_keys, captured = torch.where(fresh[:, None, None, None], held, self.sink_keys), self.captured | moving
+        if self._in_place:
+            self.sink_keys.copy_(sink_keys)
+            self.captured.copy_(captured)
+        else:
+            self.sink_keys, self.captured = sink_keys, captured
         self._prepared = None
-        self.captured = self.captured | moving
         store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift.clamp(min=0)), rows=moving)
 
     def _is_sink(self, pos: torch.Tensor, first_real: torch.Tensor | None) -> torch.Tensor:
@@ -118,10 +141,13 @@ class SinkPolicy(EvictionPolicy):
             indices = indices.to(self.sink_keys.device)
             self.sink_keys = self.sink_keys.index_select(0, indices)
             self.captured = self.captured.index_select(0, indices)
+            if self._in_place:
+                mark_static(self.sink_keys, self.captured)
             self._prepared = None
 
     def reset(self) -> None:
         self.sink_keys = self.captured = self._prepared = self._ring = None
+        self._in_place = False
 
     def __repr__(self) -> str:
         where = "original" if self.rotary is None else "cache"

@@ -69,6 +69,11 @@ class KVStorage(ABC):
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:  # noqa: B027 - an optional hook
         """Sees the model's 4-d mask of a forward of `new` tokens, before attention (which of them are padding)."""
 
+    def note_no_mask(self) -> None:  # noqa: B027 - an optional hook
+        """Hears that a forward came without a mask (none of its tokens is padding). Told only by storages that count
+        on the device (`device_count`): a compileable one learns this at the prompt, eagerly, what it would otherwise
+        learn at the first masked step, which may be compiled."""
+
     @abstractmethod
     def drop_front(self, count: int) -> None:
         """Forgets the `count` oldest tokens."""

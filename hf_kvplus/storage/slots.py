@@ -217,6 +217,7 @@ class SlotStore(KVStorage):
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
         self._fits = FitMemo()  # what `check_fits` last passed (the fields' `pos`, new tokens' shapes)
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
+        self._carry: dict[str, torch.Tensor] = {}  # a compileable store's buffers for `hole`, `fresh`, `first_real`
 
     seen = counted("Tokens appended (the next token's logical position), less those dropped from the back.")
 
@@ -344,7 +345,7 @@ class SlotStore(KVStorage):
         if isinstance(hole, int):
             self._write(hole, keys, values, first_pos)
             return
-        self.fresh = hole
+        self.fresh = self._carried("fresh", hole)
         if torch.compiler.is_compiling():
             self._write_slots(hole, {**self.codec.encode(keys, values), "pos": first_pos, **self._zeroed})
             return
@@ -360,9 +361,10 @@ class SlotStore(KVStorage):
         Once a mask came, the hole reads as padding until refilled (the sinks' `after_evict` counts real
         tokens by position); before, nothing reads positions before the refill, so it keeps its token's
         (`positions` shows PAD there)."""
-        self.hole = slot
         if isinstance(slot, int):
+            self.hole = slot
             return
+        self.hole = self._carried("hole", slot)
         if self.first_real is not None:
             self._write_slots(self.hole, {"pos": PAD})
         # No layout a policy could follow in Python ints. (A compiled step writes no Python int: a policy stops
@@ -432,14 +434,21 @@ class SlotStore(KVStorage):
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
             seen = self.seen_now()
             if isinstance(seen, torch.Tensor):  # a compiled step: 0 where tokens came before, else -1, on the device
-                self.first_real = ((seen > new).long() - 1).expand(self.batch_size).clone()
+                first_real = ((seen > new).long() - 1).expand(self.batch_size).clone()
             else:
                 start = 0 if seen > new else -1
-                self.first_real = torch.full((self.batch_size,), start, dtype=torch.int64, device=self.device)
+                first_real = torch.full((self.batch_size,), start, dtype=torch.int64, device=self.device)
+            self.first_real = self._carried("first_real", first_real)
         pos = self.fresh_positions()[:, 0]
         real = pos != PAD
         first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen_now()).min(-1).values, -1)
-        self.first_real = torch.where(self.first_real >= 0, self.first_real, first)
+        self.first_real = self._carried("first_real", torch.where(self.first_real >= 0, self.first_real, first))
+
+    def note_no_mask(self) -> None:
+        """Every row starts at position 0, where no mask came before: `first_real` made now (eagerly, at the prompt)
+        rather than in the first masked step, which may be compiled, and a graph that made it would return it."""
+        if self.first_real is None and not torch.compiler.is_compiling():
+            self.first_real = self._carried("first_real", self.pos.new_zeros(self.batch_size))
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the held tokens (`last` is all of them: slots have no sequence order)."""
@@ -532,12 +541,15 @@ class SlotStore(KVStorage):
             self.fields = {name: held.index_select(0, indices) for name, held in self.fields.items()}
             if self.device_count:
                 mark_static(*self.fields.values())
-            if isinstance(self.hole, torch.Tensor):
-                self.hole = self.hole.index_select(0, indices)
-            if isinstance(self.fresh, torch.Tensor):
-                self.fresh = self.fresh.index_select(0, indices)
-        if self.first_real is not None:
-            self.first_real = self.first_real.index_select(0, indices.to(self.first_real.device))
+        carried = {name: getattr(self, name) is held for name, held in self._carry.items()}
+        self._carry = {name: held.index_select(0, indices.to(held.device)) for name, held in self._carry.items()}
+        mark_static(*self._carry.values())
+        for name in ("hole", "fresh", "first_real"):
+            value = getattr(self, name)
+            if carried.get(name):
+                setattr(self, name, self._carry[name])
+            elif isinstance(value, torch.Tensor):
+                setattr(self, name, value.index_select(0, indices.to(value.device)))
 
     def formats(self) -> tuple:
         fmt = getattr(self.codec, "fmt", None)  # (a dense codec has none)
@@ -550,6 +562,7 @@ class SlotStore(KVStorage):
         self.first_real = None
         self.hole = None
         self.fresh = (0, 0)
+        self._carry = {}
         self.in_order = True
         self.version += 1
 
@@ -621,6 +634,25 @@ class SlotStore(KVStorage):
             mark_static(*self.fields.values())
             if self.count.tensor is None:
                 self.count.place(self.device)
+            slot = self.pos.new_zeros(*self.pos.shape[:2], 1)
+            for name in ("hole", "fresh"):  # made here, eagerly: a compiled step that made them would return them
+                if name not in self._carry or self._carry[name].shape != slot.shape:
+                    self._carry[name] = slot.clone()
+                    mark_static(self._carry[name])
+
+    def _carried(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value`, which the next step reads as `self.<name>`. A compileable store copies it into a buffer of its own
+        (`_carry`) at a static address: what a graph returns lives in its CUDA graph's memory pool, which the next
+        replay overwrites, so the state one compiled step leaves for the next must be written into the graph's
+        inputs, as the fields are."""
+        if not self.device_count:
+            return value
+        held = self._carry.get(name)
+        if held is None or held.shape != value.shape:  # (eagerly, but for a first mask that comes in a compiled step)
+            held = self._carry[name] = value.clone()
+            mark_static(held)
+            return held
+        return held.copy_(value)
 
     def _resize(self, capacity: int) -> None:
         old = self.fields
