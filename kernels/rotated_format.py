@@ -226,6 +226,20 @@ def rotation(
     return r
 
 
+def rotated(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x.float() @ r``. In a graph compiled off CUDA, for the few vectors of a decode step (its token, its queries,
+    its output), as a product and a sum, which inductor fuses into the kernels around them: a matrix product is an
+    external call there, whose dispatch costs more than the arithmetic of a head's rotation."""
+    x = x.float()
+    if torch.compiler.is_compiling() and not x.is_cuda and x.numel() <= _FUSED_ROTATION_ELEMENTS:
+        return (x.unsqueeze(-1) * r).sum(-2)
+    return x @ r
+
+
+#: Up to this many elements (rows x head_dim) a compiled CPU graph rotates by `rotated`'s product and sum.
+_FUSED_ROTATION_ELEMENTS = 1 << 14
+
+
 def _make_rotation(d: int, seed: int) -> torch.Tensor:
     """On the CPU (the caller moves it), whatever torch's default device: the generator is a CPU one."""
     generator = torch.Generator().manual_seed(0x5EED0000 + seed)

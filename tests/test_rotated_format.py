@@ -61,6 +61,20 @@ def test_rotations_are_orthogonal_and_fixed_by_the_seed(head_dim):
     assert r.abs().max() < 0.6
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 32), (2, 4, 1, 32), (4, 2, 300, 32)])
+def test_rotated_is_the_product_with_the_rotation_compiled_or_not(shape):
+    # A decode step's few vectors compile to a product and a sum (fused by inductor); a prompt's many, to a matmul.
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    r = rotation(shape[-1], 5, x.device)
+    want = x.double() @ r.double()
+    torch._dynamo.reset()
+    compiled = torch.compile(rf.rotated, fullgraph=True, backend="inductor")
+    for got in (rf.rotated(x, r), compiled(x, r)):
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled(compiled(x, r), r.T), x.float(), atol=1e-5, rtol=1e-5)  # and back
+
+
 def test_shipped_codebooks_are_what_the_run_time_routine_computes():
     for bits in (1, 2, 3, 4):
         shipped = torch.tensor(rf._shipped()["64"][str(bits)])

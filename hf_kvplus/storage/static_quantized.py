@@ -10,7 +10,7 @@ import torch
 from ..errors import CacheMismatchError, CapacityError, ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
 from ..kernels.quant_pack import quantize_keys, quantize_values
-from ..kernels.rotated_format import rotation
+from ..kernels.rotated_format import rotated, rotation
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
 from .base import KVStorage
@@ -109,7 +109,7 @@ class StaticQuantizedStorage(KVStorage):
         if fmt.key_center is not None:
             fmt.key_center.observe(keys, fmt.seed)  # a no-op once set
         r_k, r_v = (rotation(x.shape[-1], fmt.seed, x.device) for x in (keys, values))
-        return (keys.float() @ r_k).to(keys.dtype), (values.float() @ r_v).to(values.dtype)
+        return rotated(keys, r_k).to(keys.dtype), rotated(values, r_v).to(values.dtype)
 
     def _from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of :meth:`_to_ring`."""
