@@ -98,7 +98,6 @@ from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
     in_plane_order,
     planes_of,
-    rotated,
     rotation,
 )
 
@@ -366,7 +365,7 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
         )
     elif kw["residual_k"] is not None:
         kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
-    with_mass, q_rot = name.endswith("mass"), rotated(q, r_k)
+    with_mass, q_rot = name.endswith("mass"), q.float() @ r_k
     if torch.compiler.is_compiling() and not kw["check"] and q.is_cuda:
         from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
 
@@ -385,7 +384,7 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
         result = rotated_attention.rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
     else:
         result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=planes)
-    out = rotated(result[0], r_v.T).to(q.dtype)
+    out = (result[0] @ r_v.T).to(q.dtype)
     return (out, result[1]) if with_mass else out
 
 

@@ -63,7 +63,7 @@ def test_rotations_are_orthogonal_and_fixed_by_the_seed(head_dim):
 
 @pytest.mark.parametrize("shape", [(1, 8, 32), (2, 4, 1, 32), (4, 2, 300, 32)])
 def test_rotated_is_the_product_with_the_rotation_compiled_or_not(shape):
-    # A decode step's few vectors compile to a product and a sum (fused by inductor); a prompt's many, to a matmul.
+    # A decode step's token compiles to a product and a sum (fused by inductor); a prompt's many tokens, to a matmul.
     x = torch.randn(shape, dtype=torch.bfloat16)
     r = rotation(shape[-1], 5, x.device)
     want = x.double() @ r.double()
