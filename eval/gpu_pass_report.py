@@ -23,6 +23,8 @@ STEP_FILES = {  # step -> the result files it writes (json stems)
     "e2e-b8": ["e2e_b8"],
     "offload": ["offload"],
     "compile": ["compile"],
+    "compile-b1": ["compile-b1/compile"],  # the shares of `compile`, each in a folder of its own
+    "compile-b8": ["compile-b8/compile"],
 }
 TIMED_OUT = (124, 137)
 

@@ -8,8 +8,9 @@
 #   env 60 | tests 330 | aot 180 | kernels 240 | e2e-b1 210 | e2e-b8 270 | offload 210 | compile 480
 #   (33 minutes in all). Two shares of `tests` for a short lease, not in the default list:
 #   tests-syncs 120 (no decode step of any cache synchronizes; test_decode_syncs.py, test_cuda_paths.py)
-#   and tests-kernels 240 (the kernel tests alone). A session with one 10-minute call runs, for example:
-#   bash scripts/gpu_pass.sh env:35 tests-syncs:110 tests-kernels:140 compile:265
+#   and tests-kernels 240 (the kernel tests alone); and two of `compile`: compile-b1 and compile-b8 300 each (one
+#   batch size; results in DIR/compile-b1/, DIR/compile-b8/). A session with one 10-minute call runs, for example:
+#   bash scripts/gpu_pass.sh tests-syncs:55 tests-kernels:75 compile-b1:300   (stop 39's compile:440 did not finish)
 # The device tool runs one command for at most 10 minutes, so on a lent GPU run it in four calls
 # (each call's results come back in $OUT; merge them here with eval/gpu_pass_report.py):
 #   bash scripts/gpu_pass.sh env tests aot
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=--dry-run ;;
         --out) DIR="$2"; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) STEPS+=("$1") ;;
     esac
     shift
@@ -142,8 +143,10 @@ for entry in "${STEPS[@]}"; do
         e2e-b8) run_step e2e-b8 "${limit:-270}" "$PY" eval/bench_e2e_gpu.py --out "$DIR" --batch 8 $DRY ;;
         offload) run_step offload "${limit:-210}" "$PY" eval/bench_offload_gpu.py --out "$DIR" --batch 1 4 $DRY ;;
         compile) run_step compile "${limit:-480}" "$PY" eval/bench_compile.py --out "$DIR" --gpu-pass $DRY ;;
+        compile-b1|compile-b8) run_step "$step" "${limit:-300}" "$PY" eval/bench_compile.py --out "$DIR/$step" --gpu-pass \
+            --batch "${step#compile-b}" $DRY ;;
         *) echo "unknown step: $step (steps: env tests tests-syncs tests-kernels aot kernels e2e-b1 e2e-b8 offload" \
-            "compile)" >&2; exit 2 ;;
+            "compile compile-b1 compile-b8)" >&2; exit 2 ;;
     esac
 done
 

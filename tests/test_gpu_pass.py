@@ -99,6 +99,36 @@ def test_report_with_no_steps_fails(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_the_compile_step_s_shares_run_one_batch_size_each(tmp_path):
+    # A 15-minute lease cannot run the whole compile step in one call (stop 39): each share runs one batch size.
+    out = tmp_path / "pass"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
+    env["KVPLUS_VENV"] = str(Path(sys.executable).parents[1])
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_pass.sh"), "--dry-run", "--out", str(out), "compile-b1", "compile-b8"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    merged = json.loads((out / "gpu_pass.json").read_text())
+    assert [(s["step"], s["rc"]) for s in merged["steps"]] == [("compile-b1", 0), ("compile-b8", 0)]
+    for batch in (1, 8):
+        rows = merged[f"compile-b{batch}/compile"]["rows"]
+        assert {(r["batch"], r["cache"]) for r in rows} == {(batch, c) for c in GPU_PASS_COMPILE_SPECS}
+    assert (out / "gpu_pass.md").read_text().count("## Compiled decode against StaticCache") == 2
+
+
+def test_options_beside_gpu_pass_replace_its_own(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "eval"))
+    import bench_compile
+
+    whole = bench_compile.parse_args(["--out", "x", "--gpu-pass"])
+    assert whole.batch == [1, 8] and set(whole.specs) == GPU_PASS_COMPILE_SPECS and whole.device == "cuda"
+    share = bench_compile.parse_args(["--out", "x", "--gpu-pass", "--batch=8", "--specs", "static", "h2o:4096:compile=on"])
+    assert share.batch == [8] and share.specs == ["static", "h2o:4096:compile=on"]
+    assert (share.contexts, share.mode, share.device) == (whole.contexts, whole.mode, whole.device)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_dry_run_of_the_whole_pass_on_the_cpu(tmp_path):
     out = tmp_path / "pass"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
