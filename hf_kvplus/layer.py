@@ -198,6 +198,10 @@ class KVLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.storage.static_length is not None:  # every position of the buffer, as StaticCache
             return self.storage.static_length, 0
+        width = self.storage.mask_width
+        if width is not None:  # one shape while the slots fill: offset 0 until the tokens outnumber the slots
+            width = max(width, query_length)
+            return width, max(0, self.seen + query_length - width)
         held = self.storage.held
         if self._pending is not None:
             held -= self.retention.excess(self.storage.length, self._pending)

@@ -62,6 +62,25 @@ def test_generate_compiles_the_decode_step_of_compileable_caches(spec, padded):
     assert 1 <= len(GRAPHS) <= 3, f"{len(GRAPHS)} graphs for {NEW_TOKENS} tokens"
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("spec", ["sink:2:8", "sink:2:11", "sink:2:20", "sink:2:20:bits=int4:group=8", "h2o:13", "h2o:20"])
+def test_a_compileable_evicting_cache_keeps_what_the_other_keeps(spec, padded):
+    """A compileable evicting cache holds `budget + 1` slots from the prompt on, the unused ones free, and its mask is
+    as wide as its slots: its decode (eager here) gives the tokens of the same cache that grows its slots and sizes
+    the mask by the tokens held, for a prompt (13 tokens) longer than the budget (10), of the budget (13) and shorter
+    (20, 22: the slots fill during the decode, then evict)."""
+    model = get_model("llama")
+    ids = make_prompt(13, batch=2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, disable_compile=True)
+    with torch.no_grad():
+        tokens = [model.generate(ids, past_key_values=parse_cache_spec(text).build(model.config), **kwargs)
+                  for text in (spec, spec + ":compile=on")]  # fmt: skip
+    assert torch.equal(tokens[1], tokens[0])
+
+
 def test_a_compiled_static_paged_cache_serves_samples_that_share_their_prompt():
     """Three samples per prompt share the prompt's full blocks and own the rest of their reserved tables: the
     compiled steps write there in place, and the tokens are DynamicCache's under the same seed."""

@@ -79,25 +79,23 @@ class EvictionPolicy(Retention):
             self.prepare_compiled(store)
         store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
         count = self.excess(store.length, new)
-        if not count:
-            if store.device_count and refill and store.length == self.budget and self.compress == "always":
-                if store.hole is None and not torch.compiler.is_compiling():
-                    store.open_hole()  # full at the budget: decode steps refill a hole from the first, as after a
-                    # compaction, so they compile one graph
-            return
-        one = refill and new == 1 and count == 1
-        slot = self.victim(store) if one else None
-        if slot is not None:  # known without looking at the device: evicted by bookkeeping only
-            store.free(slot)
-        elif one:
-            store.free(self.score(store).argmin(dim=-1, keepdim=True))  # the next one-token append refills it
-        else:
-            # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
-            order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
-            store.keep(order[..., : store.length - count])
-            if store.device_count and refill:  # a compileable store: decode steps refill a hole from the first one
-                store.open_hole()
-        self.after_evict(store)
+        if count:
+            one = refill and new == 1 and count == 1
+            slot = self.victim(store) if one else None
+            if slot is not None:  # known without looking at the device: evicted by bookkeeping only
+                store.free(slot)
+            elif one:
+                store.free(self.score(store).argmin(dim=-1, keepdim=True))  # the next one-token append refills it
+            else:
+                # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
+                order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
+                store.keep(order[..., : store.length - count])
+            self.after_evict(store)
+        if store.device_count and refill and self.compress == "always" and store.length <= self.budget:
+            # A compileable store holds `budget + 1` slots from the prompt on, the unused ones free (padding, which
+            # ranks lowest, so each step's eviction frees one of them while there are any): every decode step
+            # refills a freed slot, with the same shapes, whether the prompt was compacted, at the budget or shorter.
+            store.fill_free(self.budget + 1)
 
 
 def padding_and_recent(store: SlotStore, recent: int, ranks: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,10 @@ class KVStorage(ABC):
     #: Tokens every read spans, when fixed (a buffer of that many positions that the model's mask cuts down):
     #: the layer's mask sizes and a compiled decode's shapes then never change. None: reads span what is held.
     static_length: int | None = None
+    #: The model's mask width when fixed by something other than `static_length` (a compileable evicting store's slots,
+    #: free ones included): the layer then places the fresh tokens' columns at the count of tokens seen. None: the
+    #: mask spans what is held and the fresh tokens, which end it.
+    mask_width: int | None = None
     #: Whether the storage counts the tokens its layer has seen on the device too (`count`, a `TokenCount`), so that
     #: a compiled step reads and writes no Python int: static storages and the slots of a compileable cache.
     device_count: bool = False

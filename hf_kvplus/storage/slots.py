@@ -29,16 +29,25 @@ from .token_count import TokenCount, counted
 PAD = -1
 
 
-def padding_of_new(attention_mask: torch.Tensor, batch: int, new: int) -> torch.Tensor:
+def padding_of_new(
+    attention_mask: torch.Tensor, batch: int, new: int, end: int | torch.Tensor | None = None
+) -> torch.Tensor:
     """`[batch, new]` True where a fresh token is padding, read off the model's 4-d mask.
 
-    The mask's last `new` columns are the fresh tokens (`get_mask_sizes` says so); the last query of a
-    left-padded row is real and sees every real key, so the keys it may not see are padding. Whether
-    any is padding stays on the device (asking would stall it).
+    The mask's `new` columns before `end` are the fresh tokens (None: its last ones, as `get_mask_sizes` says for a
+    mask as wide as the tokens held; a mask of fixed width has them at the count of tokens seen, a device tensor in a
+    compiled step, while the slots fill); the last query of a left-padded row is real and sees every real key, so the
+    keys it may not see are padding. Whether any is padding stays on the device (asking would stall it).
     """
     if attention_mask.ndim != 4:
         raise ShapeError(f"expected a 4-d attention mask, got shape {tuple(attention_mask.shape)}")
-    last = attention_mask[:, 0, -1, -new:]
+    row = attention_mask[:, 0, -1]
+    if end is None:
+        last = row[:, -new:]
+    elif isinstance(end, int):
+        last = row[:, end - new : end]
+    else:
+        last = row.index_select(-1, end - new + torch.arange(new, device=row.device))
     allowed = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
     return ~allowed.expand(batch, -1)
 
@@ -189,7 +198,7 @@ class SlotStore(KVStorage):
 
     With `device_count` (a compileable cache's store) `seen` is counted on the device too (`TokenCount`) and the
     fields are at static addresses, so that a compiled step reads and writes no Python int: its new tokens' positions
-    come from the device count, and a prompt compacted to the budget leaves a hole (`open_hole`).
+    come from the device count, and it holds `budget + 1` slots from the prompt on, the unused ones free (`fill_free`).
     """
 
     reads_in_place = True
@@ -372,15 +381,23 @@ class SlotStore(KVStorage):
         if not torch.compiler.is_compiling():
             self.version += 1
 
-    def open_hole(self) -> None:
-        """Adds a freed slot after the used ones (`length` one more, the hole there, a tensor), so that the next
-        one-token append refills it as every later decode step refills the one it evicted: a compileable store's
-        decode steps then have the same shapes and ops from the first one."""
-        if self.length == self.capacity:
-            self._resize(_grown(self.length + 1))
-        slot = torch.full((*self.pos.shape[:2], 1), self.length, dtype=torch.int64, device=self.device)
-        self.length += 1
-        self.free(slot)
+    def fill_free(self, slots: int) -> None:
+        """Makes `slots` slots used, those after the held tokens free (padding: `pos` PAD, which attention masks and
+        every policy ranks lowest) and the first of them the hole (a tensor). The next one-token append refills it,
+        and each step's eviction then frees another free slot while there is one, then a token: a compileable
+        store's decode steps have the same shapes and ops from the first one, full or not (eagerly, at the prompt)."""
+        if slots > self.capacity:
+            self._resize(_grown(slots))
+        free = torch.arange(self.length, slots, device=self.device).expand(*self.pos.shape[:2], -1)
+        self._write_slots(free, {"pos": PAD})
+        self.length = slots
+        self.free(free[..., :1].contiguous())
+
+    @property
+    def mask_width(self) -> int | None:
+        """A compileable store's width of the model's mask: its slots, free ones included (`fill_free`), so that the
+        mask keeps one shape while the slots fill; None before its first append, and for other stores."""
+        return self.length if self.device_count and self.length else None
 
     def settle(self) -> None:
         """Closes the hole: the last slot moves into it."""
@@ -429,7 +446,13 @@ class SlotStore(KVStorage):
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
         """Marks the fresh tokens that the model's mask says are padding, and learns each row's first real
         position from them (on the device)."""
-        self.mark_padding(padding_of_new(attention_mask, self.batch_size, new))
+        end = None  # the fresh tokens' columns end the mask, unless its width is fixed (`mask_width`)
+        if self.mask_width is not None:
+            seen = self.seen_now()
+            end = seen.clamp(max=attention_mask.shape[-1]) if isinstance(seen, torch.Tensor) else min(
+                seen, attention_mask.shape[-1]
+            )
+        self.mark_padding(padding_of_new(attention_mask, self.batch_size, new, end))
         if self.first_real is None:
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
             seen = self.seen_now()
@@ -583,9 +606,10 @@ class SlotStore(KVStorage):
         per_slot = {name: held[:, :, :1].numel() * held.element_size() for name, held in self.fields.items()}
         payload = sum(per_slot[name] for name in self.codec.payload)
         metadata = sum(per_slot.values()) - payload
+        held = min(self.held, self.seen)  # (a compileable store's free slots are not tokens)
         return MemoryReport(
-            payload_bytes=payload * self.held,
-            reserved_bytes=payload * (self.capacity - self.held),
+            payload_bytes=payload * held,
+            reserved_bytes=payload * (self.capacity - held),
             metadata_bytes=metadata * self.capacity,
             batch_size=self.batch_size,
         )
