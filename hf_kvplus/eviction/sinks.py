@@ -91,11 +91,10 @@ class SinkPolicy(EvictionPolicy):
 
     def _shift_unpadded(self, store: SlotStore) -> None:
         """Every slot holds a real token: the sinks are positions 0.. in slots 0.. (compaction keeps
-        position order and sinks are never evicted), and all rows moved by the same count."""
-        shift = store.seen_now() - store.held  # real tokens evicted
-        if isinstance(shift, torch.Tensor):  # a compiled step (it evicted, so shift > 0)
-            shift = shift.reshape(1)
-        elif shift <= 0:
+        position order and sinks are never evicted), and all rows moved by the same count. (A store that counts on
+        the device goes through `_shift_padded`: this one counts in Python ints.)"""
+        shift = store.seen - store.held  # real tokens evicted
+        if shift <= 0:
             return
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
             slots = torch.arange(self.num_sinks, device=store.device).expand(*store.pos.shape[:2], -1)
