@@ -213,12 +213,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpu-pass", action="store_true",
                         help="the GPU pass's step (its sizes and specs; options given beside it replace theirs)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: checks the script")
+    if parser.parse_known_args(argv)[0].gpu_pass:  # its values as defaults, so that options given replace them
+        parser.set_defaults(**GPU_PASS)  # (a share of the step, such as one batch size: `--gpu-pass --batch 1`)
     args = parser.parse_args(argv)
-    if args.gpu_pass:  # (a share of the step, such as one batch size: `--gpu-pass --batch 1`)
-        given = sys.argv[1:] if argv is None else argv
-        named = {a.dest for a in parser._actions if any(o in given or any(g.startswith(o + "=") for g in given)
-                                                         for o in a.option_strings)}  # fmt: skip
-        vars(args).update({key: value for key, value in GPU_PASS.items() if key not in named})
     if args.dry_run:
         vars(args).update(DRY_RUN)
     if "static" not in args.specs:
