@@ -81,8 +81,9 @@ class QuantizedCache(KVCache):
 
     Lossy: see README for the measured perplexity cost of each format and its bytes per token.
 
-    `max_tokens` fixes the capacity of full-attention layers (`StaticQuantizedStorage`: codes for that many
-    positions and a full-precision ring of `window + 2 * group_size` tokens, allocated at the first fill; more
+    `max_tokens` fixes the capacity of full-attention layers (`StaticQuantizedStorage`: codes for the `max_tokens -
+    window` positions a token can leave the window from and a full-precision ring of `window + 2 * group_size`
+    tokens, allocated at the first fill; more
     raises `CapacityError`). The same tokens are quantized in the same groups as without it, and every step reads
     all positions, masked. With it, `compileable=True` (a model whose layers are all full attention) declares
     `is_compileable`: `generate()` compiles the decode forward as it does StaticCache's.

@@ -51,15 +51,15 @@ def test_every_step_reads_all_positions_and_masks_them_itself():
     layer = cache.layers[0]
     storage = layer.storage
     assert isinstance(storage, StaticQuantizedStorage)
-    assert storage.positions == 32 and storage.ring == 12  # whole groups; window + 2 groups
-    assert layer.get_mask_sizes(1) == (44, 0)
+    assert storage.positions == 28 and storage.ring == 12  # max_tokens - window in whole groups; window + 2 groups
+    assert layer.get_mask_sizes(1) == (40, 0)
     keys, _ = layer.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16))
-    assert keys.shape[2] == 44
+    assert keys.shape[2] == 40
     # 23 tokens held (13 + 9 generated + 1): codes before (23 - 4) // 4 * 4 = 16, the ring's 16..22 exact
     mask = storage._mask(None)
     assert storage.length == 23
-    assert mask[:, :32].sum(dim=1).tolist() == [16, 16] and mask[:, :16].all()
-    assert mask[:, 32:].sum(dim=1).tolist() == [7, 7]
+    assert mask[:, :28].sum(dim=1).tolist() == [16, 16] and mask[:, :16].all()
+    assert mask[:, 28:].sum(dim=1).tolist() == [7, 7]
 
 
 def test_rolling_back_keeps_the_codes_and_the_exact_tokens():
@@ -83,6 +83,31 @@ def test_rolling_back_keeps_the_codes_and_the_exact_tokens():
         torch.testing.assert_close(got[:, :, 12:16], want[:, :, 12:16], atol=0.5, rtol=0)
     rolled.append(keys[:, :, 19:20], values[:, :, 19:20])  # and it goes on from there
     assert rolled.length == 20 and torch.equal(rolled.view(1)[0], keys[:, :, 19:20])
+
+
+@pytest.mark.parametrize("make", [lambda: QuantFormat(4, 4), lambda: RotatedFormat(4, 2, 1, KeyCenter())],
+                         ids=["int4-g4", "k4v2"])
+def test_a_storage_filled_to_max_tokens_codes_only_what_leaves_the_window(make):
+    """The newest `window` tokens never leave it, so no code position is kept for them; filled token by token to
+    exactly `max_tokens`, the storage holds what one with room to spare holds."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 23, 16), torch.randn(1, 2, 23, 16)
+    tight = StaticQuantizedStorage(make(), window=5, max_tokens=23)
+    roomy = StaticQuantizedStorage(make(), window=5, max_tokens=64)
+    g = tight.fmt.group_size
+    assert tight.positions == -(-(23 - 5) // g) * g and roomy.positions == -(-(64 - 5) // g) * g
+    for storage in (tight, roomy):
+        storage.append(keys[:, :, :10], values[:, :, :10])
+        for t in range(10, 23):
+            storage.append(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    for got, want in zip(tight.view(23), roomy.view(23), strict=True):
+        assert torch.equal(got, want)
+    n = tight.frontier(23)
+    for name in ("k", "v"):
+        assert torch.equal(getattr(tight.buffers, name)[:, :, :n], getattr(roomy.buffers, name)[:, :, :n])
+    assert tight.memory().total_bytes < roomy.memory().total_bytes
+    with pytest.raises(CapacityError, match="24 tokens per row do not fit in the cache's max_tokens=23"):
+        tight.append(keys[:, :, :1], values[:, :, :1])
 
 
 def test_a_rotated_format_keeps_its_ring_rotated_and_attends_it_as_it_is():

@@ -20,7 +20,7 @@ from .token_count import TokenCount, counted
 
 
 class StaticQuantizedStorage(KVStorage):
-    """Token t's codes at position t of buffers for `max_tokens` positions; the newest tokens also in a ring.
+    """Token t's codes at position t of the code buffers; the newest tokens also in a ring.
 
     The format is `QuantizedStorage`'s (keys per channel over groups of tokens, values per token), and so is
     what is quantized when: once `n` tokens are held, the groups before `frontier(n) = (n - window) // G * G`
@@ -35,7 +35,10 @@ class StaticQuantizedStorage(KVStorage):
     rotates only its new token: the tokens leaving the window are coded as the ring holds them, and attention reads
     the ring as it is (it attends in the rotated space); `view` rotates them back.
 
-    Attention reads all positions every step: codes `0 .. max_tokens - 1` then the ring, with a mask of its own
+    Only tokens that leave the window are coded, and with `max_tokens` held the newest `window` never do: the code
+    buffers hold `max_tokens - window` positions (whole groups, at least one), which every step reads and decodes.
+
+    Attention reads all positions every step: the code positions then the ring, with a mask of its own
     (codes before the frontier, ring slots holding a token at or past it) combined with the model's (padding).
     `static_length` is codes plus ring, the length the model's mask is built for; prefill reads the same
     length densely, its tokens at their positions (the fresh ones exact) and the ring's part empty, so the
@@ -55,7 +58,7 @@ class StaticQuantizedStorage(KVStorage):
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         self.fmt, self.window, self.max_tokens, self.fused = fmt, window, max_tokens, fused
         self.code_fmt = fmt.with_rotated_inputs() if fmt.rotated else fmt  # what codes the ring's tokens
-        self.positions = -(-max_tokens // g) * g  # code positions: whole groups
+        self.positions = max(g, -(-(max_tokens - window) // g) * g)  # code positions: whole groups
         self.ring = window + 2 * g
         self.static_length = self.positions + self.ring
         self.count = TokenCount()  # `end`: tokens held (token p at code position p), on the device for decode steps
