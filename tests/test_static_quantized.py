@@ -85,17 +85,20 @@ def test_rolling_back_keeps_the_codes_and_the_exact_tokens():
     assert rolled.length == 20 and torch.equal(rolled.view(1)[0], keys[:, :, 19:20])
 
 
-@pytest.mark.parametrize("make", [lambda: QuantFormat(4, 4), lambda: RotatedFormat(4, 2, 1, KeyCenter())],
-                         ids=["int4-g4", "k4v2"])
-def test_a_storage_filled_to_max_tokens_codes_only_what_leaves_the_window(make):
+@pytest.mark.parametrize(
+    "make, positions",
+    # 23 - 5 = 18 tokens can leave the window: in groups of 4, 20 positions; one token per "group", 18
+    [(lambda: QuantFormat(4, 4), 20), (lambda: RotatedFormat(4, 2, 1, KeyCenter()), 18)],
+    ids=["int4-g4", "k4v2"],
+)
+def test_a_storage_filled_to_max_tokens_codes_only_what_leaves_the_window(make, positions):
     """The newest `window` tokens never leave it, so no code position is kept for them; filled token by token to
     exactly `max_tokens`, the storage holds what one with room to spare holds."""
     torch.manual_seed(0)
     keys, values = torch.randn(1, 2, 23, 16), torch.randn(1, 2, 23, 16)
     tight = StaticQuantizedStorage(make(), window=5, max_tokens=23)
     roomy = StaticQuantizedStorage(make(), window=5, max_tokens=64)
-    g = tight.fmt.group_size
-    assert tight.positions == -(-(23 - 5) // g) * g and roomy.positions == -(-(64 - 5) // g) * g
+    assert tight.positions == positions
     for storage in (tight, roomy):
         storage.append(keys[:, :, :10], values[:, :, :10])
         for t in range(10, 23):
