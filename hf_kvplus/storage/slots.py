@@ -446,26 +446,24 @@ class SlotStore(KVStorage):
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
         """Marks the fresh tokens that the model's mask says are padding, and learns each row's first real
         position from them (on the device)."""
+        seen = self.seen_now()
         end = None  # the fresh tokens' columns end the mask, unless its width is fixed (`mask_width`)
         if self.mask_width is not None:
-            seen = self.seen_now()
-            end = seen.clamp(max=attention_mask.shape[-1]) if isinstance(seen, torch.Tensor) else min(
-                seen, attention_mask.shape[-1]
-            )
+            width = attention_mask.shape[-1]
+            end = seen.clamp(max=width) if isinstance(seen, torch.Tensor) else min(seen, width)
         self.mark_padding(padding_of_new(attention_mask, self.batch_size, new, end))
-        if self.first_real is None:
+        first_real = self.first_real
+        if first_real is None:
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
-            seen = self.seen_now()
             if isinstance(seen, torch.Tensor):  # a compiled step: 0 where tokens came before, else -1, on the device
-                first_real = ((seen > new).long() - 1).expand(self.batch_size).clone()
+                first_real = ((seen > new).long() - 1).expand(self.batch_size)
             else:
                 start = 0 if seen > new else -1
                 first_real = torch.full((self.batch_size,), start, dtype=torch.int64, device=self.device)
-            self.first_real = self._carried("first_real", first_real)
         pos = self.fresh_positions()[:, 0]
         real = pos != PAD
-        first = torch.where(real.any(-1), pos.masked_fill(~real, self.seen_now()).min(-1).values, -1)
-        self.first_real = self._carried("first_real", torch.where(self.first_real >= 0, self.first_real, first))
+        first = torch.where(real.any(-1), pos.masked_fill(~real, seen).min(-1).values, -1)
+        self.first_real = self._carried("first_real", torch.where(first_real >= 0, first_real, first))
 
     def note_no_mask(self) -> None:
         """Every row starts at position 0, where no mask came before: `first_real` made now (eagerly, at the prompt)
