@@ -97,3 +97,27 @@ def test_a_cache_that_fails_is_reported_and_the_others_are_still_timed(tmp_path,
     # The table names the error's type; its message follows the table, once per failure
     assert table.count("failed: NameError") == 2 and table.count("paged:compile=on: NameError: name 's85'") == 2
     assert (tmp_path / "compile.png").exists()
+
+
+def test_a_run_cut_inside_a_group_keeps_the_caches_timed_before(tmp_path, monkeypatch):
+    # The device tool's limit kills a step mid-group (stop 41: H2O at 32K x 8); what was timed must be on disk.
+    monkeypatch.syspath_prepend(str(EVAL))
+    import bench_compile
+
+    def fake(model, spec, prompt, new, max_length, config):
+        if spec.text.startswith("h2o"):
+            raise KeyboardInterrupt  # not an Exception: it ends the run, as a kill would
+        return {"static": 1.0, "dense:compile=on": 3.0}[spec.text]
+
+    monkeypatch.setattr(bench_compile, "decode_seconds", fake)
+    threads = torch.get_num_threads()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit), pytest.raises(KeyboardInterrupt):
+            bench_compile.main(["--out", str(tmp_path), "--repeats", "1", "--contexts", "32", "--new", "2", "4",
+                                "--backend", "eager", "--threads", str(threads), "--specs", "static", "dense:compile=on",
+                                "h2o:16:compile=on"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "compile.json").read_text())["rows"]}
+    assert set(rows) == {"static", "dense:compile=on"} and rows["dense:compile=on"]["vs_static"] == 3.0
+    assert "dense:compile=on" in (tmp_path / "compile.md").read_text()
