@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from transformers import AutoTokenizer
 from word_model import save_word_model
 
 from hf_kvplus.cli import main
@@ -70,6 +71,24 @@ def test_bench_and_demo_write_tables_and_plots(local_model, tmp_path, capsys):
         assert 0 <= row["needle_right"] <= 1
     assert (tmp_path / "d" / "demo.png").exists()
     assert "wall time" in capsys.readouterr().out
+
+
+def test_bench_batch_rows_are_distinct_passages_of_the_text(local_model, tmp_path, monkeypatch, capsys):
+    import hf_kvplus.cli.bench as bench
+
+    folder, text = local_model
+    prompts, real = [], bench.benchmark
+    monkeypatch.setattr(bench, "benchmark", lambda model, prompt, *a, **k: prompts.append(prompt) or real(model, prompt, *a, **k))
+    assert main(["bench", "--model", folder, "--text", text, "--prompt-tokens", "40", "--new-tokens", "3", "--batch", "3",
+                 "--repeats", "1", "--cache", "dynamic", "--out", str(tmp_path)]) == 0
+    (prompt,) = prompts
+    ids = AutoTokenizer.from_pretrained(folder)(TEXT, add_special_tokens=False)["input_ids"]
+    assert prompt.tolist() == [ids[0:40], ids[40:80], ids[80:120]]  # the text's first 120 tokens, 40 a row
+    assert len({tuple(row) for row in prompt.tolist()}) == 3
+    # A text too short for the batch is refused, with the numbers, not repeated or cut
+    assert main(["bench", "--model", folder, "--text", text, "--prompt-tokens", "400", "--batch", "3",
+                 "--cache", "dynamic", "--out", str(tmp_path)]) == 2
+    assert f"the text has {len(ids)} tokens; 3 distinct prompts of 400 tokens need 1200" in capsys.readouterr().err
 
 
 def test_errors_exit_2_with_the_reason(local_model, capsys):

@@ -18,7 +18,7 @@ def register(subparsers) -> None:
     common.add_cache_args(parser, None)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="rows, each a distinct passage of the text")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.set_defaults(func=run)
@@ -28,7 +28,7 @@ def run(args) -> int:
     common.setup(args)
     specs = common.cache_specs(args, available_cache_specs())
     model, tokenizer, text = common.load(args)
-    prompt = common.tokenize(tokenizer, text, args.prompt_tokens)[None].repeat(args.batch, 1)
+    prompt = common.passages(tokenizer, text, args.prompt_tokens, args.batch)
     prompt = prompt.to(next(model.parameters()).device)
     results = benchmark(model, prompt, specs, new_tokens=args.new_tokens, repeats=args.repeats, warmup=args.warmup)
     title = (f"{args.model}: prompt {prompt.shape[1]} x batch {args.batch}, {args.new_tokens} new tokens, "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from ..evaluation.report import stamp
 from ..specs import parse_cache_spec
 
@@ -52,6 +53,17 @@ def tokenize(tokenizer, text: str, tokens: int) -> torch.Tensor:
     """The first `tokens` token ids of `text` (1-d)."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     return ids[:tokens]
+
+
+def passages(tokenizer, text: str, tokens: int, batch: int) -> torch.Tensor:
+    """`[batch, tokens]`: consecutive passages of `text`, one per row, so that a batch holds distinct prompts (one
+    prompt repeated would let a cache that shares or dedups rows look better than it is)."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    if ids.numel() < batch * tokens:
+        raise ConfigError(
+            f"the text has {ids.numel()} tokens; {batch} distinct prompts of {tokens} tokens need {batch * tokens}"
+        )
+    return ids[: batch * tokens].view(batch, tokens)
 
 
 def out_dir(args, default: str) -> Path:
