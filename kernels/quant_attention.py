@@ -96,7 +96,7 @@ from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
-    in_plane_order,
+    from_plane_order,
     planes_of,
     rotation,
 )
@@ -356,13 +356,13 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
     # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
     # output unchanged, so the rotations' columns are permuted to match.
     planes = torch.compiler.is_compiling() and not q.is_cuda
+    # A ring held rotated stays in channel order: the twin folds it in after the codes, with q and the running output
+    # turned to channel order (a few floats), where putting the ring in plane order copied all of it every step.
+    ring_in_channels = planes and kw["residual_k"] is not None and fmt.inputs_rotated
     r_k = rotation(D, fmt.seed, q.device, plane_bits=fmt.key_bits if planes else None)
-    r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes else None)
-    if kw["residual_k"] is not None and fmt.inputs_rotated:  # a ring held rotated: in plane order where planes
-        rk, rv = kw["residual_k"].float(), kw["residual_v"].float()
-        kw["residual_k"], kw["residual_v"] = (
-            (in_plane_order(rk, fmt.key_bits), in_plane_order(rv, fmt.value_bits)) if planes else (rk, rv)
-        )
+    r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes and not ring_in_channels else None)
+    if kw["residual_k"] is not None and fmt.inputs_rotated:
+        kw["residual_k"], kw["residual_v"] = kw["residual_k"].float(), kw["residual_v"].float()
     elif kw["residual_k"] is not None:
         kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
     with_mass, q_rot = name.endswith("mass"), q.float() @ r_k
@@ -383,7 +383,8 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
 
         result = rotated_attention.rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
     else:
-        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=planes)
+        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=planes,
+                       ring_in_channels=ring_in_channels)  # fmt: skip
     out = (result[0] @ r_v.T).to(q.dtype)
     return (out, result[1]) if with_mass else out
 
@@ -905,9 +906,10 @@ def quantized_decode_attention_with_mass_torch(
 
 def _twin(
     q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
-    check, *, with_mass, planes=False,
+    check, *, with_mass, planes=False, ring_in_channels=False,
 ):  # fmt: skip
-    """Both twins: (output, mass or None); `planes`: a rotated format's channels in plane order (see `_rotated`)."""
+    """Both twins: (output, mass or None); `planes`: a rotated format's channels in plane order (see `_rotated`);
+    `ring_in_channels`: with `planes`, the residual in channel order, folded in last, and the output in channel order."""
     if check:
         info = _check_inputs(
             q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
@@ -925,7 +927,7 @@ def _twin(
 
     chunks = _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token) if length > 0 else iter(())
     head = list(itertools.islice(chunks, 2))
-    if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2:
+    if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2 and not ring_in_channels:
         k, v = _one_chunk(fmt, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token,
                           planes)  # fmt: skip
         if with_mass:
@@ -952,11 +954,15 @@ def _twin(
     joined = 0  # residual keys that went with the last chunk
     if last is not None:  # it ends at key `length`, where the residual starts
         n0, k, v = last
-        if 0 < R <= TWIN_CHUNK_TOKENS - k.shape[2]:  # one step, not two (a tail chunk and the window, mostly)
+        # one step, not two (a tail chunk and the window, mostly); a ring in channel order goes on its own
+        if 0 < R <= TWIN_CHUNK_TOKENS - k.shape[2] and not ring_in_channels:
             k = _cat_tokens(_plane_count(fmt, "keys", planes, D), [k, residual_k.float()])
             v = _cat_tokens(_plane_count(fmt, "values", planes, Dv), [v, residual_v.float()])
             joined = R
         _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
+    if ring_in_channels:  # from here on in channel order: q, the output so far, and the ring
+        qg = from_plane_order(qg, fmt.key_bits)
+        state[2] = None if state[2] is None else from_plane_order(state[2], fmt.value_bits)
     for r0 in range(joined, R, TWIN_CHUNK_TOKENS):
         r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
         k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()

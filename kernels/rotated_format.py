@@ -446,6 +446,13 @@ def in_plane_order(x: torch.Tensor, bits: int) -> torch.Tensor:
     return x if k == 1 else x.unflatten(-1, (D // k, k)).transpose(-1, -2).flatten(-2)
 
 
+def from_plane_order(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`in_plane_order`: vectors in plane order back in channel order."""
+    D = x.shape[-1]
+    k = planes_of(D, bits)
+    return x if k == 1 else x.unflatten(-1, (k, D // k)).transpose(-1, -2).flatten(-2)
+
+
 def plane_order(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
     """int64 [D]: the channels in plane order (``x[..., plane_order]`` is ``x`` as :func:`decoded_planes` lays it
     out)."""

@@ -26,7 +26,7 @@ from test_kernel_unchecked import assert_same
 
 import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
-from hf_kvplus.kernels.quant_attention import quantized_decode_attention
+from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
 from hf_kvplus.kernels.rotated_format import (
@@ -34,6 +34,7 @@ from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
     codebook,
     dequantize_rotated,
+    from_plane_order,
     in_plane_order,
     odd_polynomial,
     plane_order,
@@ -421,7 +422,9 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
     order = plane_order(D, bits, x.device)
     assert sorted(order.tolist()) == list(range(D))
     torch.testing.assert_close(planes, plain[..., order], rtol=1e-6, atol=1e-6, msg=f"{bits} bits, D {D}")
-    assert torch.equal(in_plane_order(plain, bits), plain[..., order]), "the view the twin takes a rotated ring through"
+    assert torch.equal(in_plane_order(plain, bits), plain[..., order]), "the view a centre is taken to plane order by"
+    # and back: how the twin turns q and its output so far to channel order, to fold in a ring held rotated
+    assert torch.equal(from_plane_order(plain[..., order], bits), plain)
     rotated = rotation(D, 5, x.device, plane_bits=bits)
     assert torch.equal(rotated, rotation(D, 5, x.device)[:, order]), "the rotation it attends with"
     # A plane holds at least 8 channels: the codes of one byte, or of one 12-bit half of a 3-bit word.
@@ -445,17 +448,23 @@ def test_the_odd_polynomial_gives_every_centroid(D, bits):
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("bits", [(4, 2), (3, 2), (2, 4)])
-def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits):
+@pytest.mark.parametrize("length, with_mass", [(12, False), (1030, True)])  # one twin chunk; two, masked, with mass
+def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits, length, with_mass):
     # A static storage's ring holds its tokens rotated, and its read's format says so (`with_rotated_inputs`): the
-    # same attention as the plain format over the tokens as they were, eager and compiled (the twin's plane order).
+    # same attention as the plain format over the tokens as they were, eager and compiled. Compiled, the twin reads
+    # the codes in plane order and the ring in channel order, folded in after the codes with q and the output so
+    # far turned to channel order; past one chunk of codes the ring would otherwise join the last one.
     fmt = RotatedFormat(*bits, 7)
-    packed, _, _ = coded(fmt, 1, 2, 12, 32, 32)
-    q, residual_k, residual_v = torch.randn(1, 4, 32), torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    packed, _, _ = coded(fmt, 1, 2, length, 32, 32)
+    # ring keys 4x the codes' scale: their logits stand out, so a ring read wrong shows past 1030 coded tokens too
+    q, residual_k, residual_v = torch.randn(1, 4, 32), 4 * torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
     r = rotation(32, 7, q.device)
-    kw = dict(start=0, length=12, scale=0.2, check=False)
+    mask = (torch.rand(1, length + 5) > 0.2) if with_mass else None
+    kw = dict(start=0, length=length, scale=0.2, mask=mask, check=False)
+    attention = quantized_decode_attention_with_mass if with_mass else quantized_decode_attention
 
     def attend(fmt, rk, rv):
-        return quantized_decode_attention(q, packed, fmt, residual_k=rk, residual_v=rv, **kw)
+        return attention(q, packed, fmt, residual_k=rk, residual_v=rv, **kw)
 
     want = attend(fmt, residual_k, residual_v)  # eager: the reference
     if compiled:
@@ -464,4 +473,5 @@ def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits
         torch.testing.assert_close(attend(fmt, residual_k, residual_v), want, atol=1e-5, rtol=0)
     got = attend(fmt.with_rotated_inputs(), residual_k @ r, residual_v @ r)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert not torch.allclose(attend(fmt.with_rotated_inputs(), residual_k, residual_v), want, atol=1e-2)
+    wrong = attend(fmt.with_rotated_inputs(), residual_k, residual_v)
+    assert not torch.allclose(wrong[0] if with_mass else wrong, want[0] if with_mass else want, atol=1e-2)
