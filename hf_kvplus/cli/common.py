@@ -58,7 +58,7 @@ def tokenize(tokenizer, text: str, tokens: int) -> torch.Tensor:
 def passages(tokenizer, text: str, tokens: int, batch: int) -> torch.Tensor:
     """`[batch, tokens]`: consecutive passages of `text`, one per row, so that a batch holds distinct prompts (one
     prompt repeated would let a cache that shares or dedups rows look better than it is)."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    ids = tokenize(tokenizer, text, batch * tokens)  # all of the text where it is shorter
     if ids.numel() < batch * tokens:
         raise ConfigError(
             f"the text has {ids.numel()} tokens; {batch} distinct prompts of {tokens} tokens need {batch * tokens}"
