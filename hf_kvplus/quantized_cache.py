@@ -84,8 +84,9 @@ class QuantizedCache(KVCache):
     `max_tokens` fixes the capacity of full-attention layers (`StaticQuantizedStorage`: codes for the `max_tokens -
     window` positions a token can leave the window from and a full-precision ring of `window + 2 * group_size`
     tokens, allocated at the first fill; more raises `CapacityError`). The same tokens are quantized in the same
-    groups as without it, and every step reads all positions, masked. With it, `compileable=True` (a model whose layers are all full attention) declares
-    `is_compileable`: `generate()` compiles the decode forward as it does StaticCache's.
+    groups as without it, and every step reads all positions, masked. With it, `compileable=True` (a model whose
+    layers are all full attention) declares `is_compileable`: `generate()` compiles the decode forward as it does
+    StaticCache's.
 
     >>> cache = QuantizedCache(config=model.config, bits=4)
     >>> cache = QuantizedCache(config=model.config, key_bits=4, value_bits=2)  # rotated, 3.25 bits per coordinate
