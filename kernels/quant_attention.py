@@ -77,6 +77,7 @@ import sys
 import torch
 
 from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels import rotated_attention_cpu
 from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
@@ -352,6 +353,8 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
     if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
         raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
     Dv = fmt.channels(packed.v.shape[-1], "values")
+    if rotated_attention_cpu.supports(q, fmt, kw["block_table"]):
+        return _rotated_cpu(name, q, packed, fmt, kw)
     # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
     # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
     # output unchanged, so the rotations' columns are permuted to match.
@@ -387,6 +390,25 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
                        ring_in_channels=ring_in_channels)  # fmt: skip
     out = (result[0] @ r_v.T).to(q.dtype)
     return (out, result[1]) if with_mass else out
+
+
+def _rotated_cpu(name: str, q, packed, fmt, kw: dict):
+    """:func:`_rotated` through the CPU operator (`rotated_attention_cpu`): channels in order throughout."""
+    if kw["check"]:
+        _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
+    D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
+    r_k, r_v = rotation(D, fmt.seed, q.device), rotation(Dv, fmt.seed, q.device)
+    ring_k, ring_v = kw["residual_k"], kw["residual_v"]
+    if ring_k is not None:  # a static storage's ring comes rotated (`inputs_rotated`)
+        ring_k, ring_v = ring_k.float(), ring_v.float()
+        if not fmt.inputs_rotated:
+            ring_k, ring_v = ring_k @ r_k, ring_v @ r_v
+    with_mass = name.endswith("mass")
+    out, mass = rotated_attention_cpu.rotated_decode_cpu(
+        q.float() @ r_k, packed, fmt, kw["start"], kw["length"], kw["scale"], ring_k, ring_v, kw["mask"], with_mass
+    )
+    out = (out @ r_v.T).to(q.dtype)
+    return (out, mass) if with_mass else out
 
 
 #: `_twin`'s positional arguments after (q, packed, fmt), by keyword name.

@@ -147,10 +147,18 @@ class RotatedFormat:
     def prepare(self, key_dim: int, value_dim: int, device: torch.device) -> None:
         """Makes the rotations (every plane order) and codebooks of both sides on `device`, where shapes become
         fixed (a layer's first call): made later, at a decode step's first flush, they would be a host-to-device
-        copy (a wait for the device) and, for a head dim that is not shipped, a Lloyd-Max run inside the step."""
+        copy (a wait for the device) and, for a head dim that is not shipped, a Lloyd-Max run inside the step. On
+        the CPU also the byte tables and the C++ decode operator (`rotated_attention_cpu`, built on first use), so
+        that a graph compiled later finds it."""
         for dim, bits in ((key_dim, self.key_bits), (value_dim, self.value_bits)):
             rotation(dim, self.seed, device)
             codebook(dim, bits, device)
+            if torch.device(device).type == "cpu":
+                byte_table(dim, bits, device)
+        if torch.device(device).type == "cpu":
+            from hf_kvplus.kernels import rotated_attention_cpu  # imported here: it imports this module
+
+            rotated_attention_cpu.available()
 
     def with_rotated_inputs(self) -> RotatedFormat:
         """This format (the same centres) taking rotated vectors."""
@@ -425,7 +433,7 @@ def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor
         index = torch.stack([word & 4095, word >> 12], dim=-1)
     else:
         index = codes.int()
-    table = _byte_table(head_dim, bits, codes.device)  # index_select: a third of advanced indexing's time on a CPU
+    table = byte_table(head_dim, bits, codes.device)  # index_select: a third of advanced indexing's time on a CPU
     looked_up = table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[1])
     return looked_up.flatten(-3 if bits == 3 else -2)
 
@@ -520,7 +528,7 @@ def _interpolated(centroids: list[float]) -> tuple[float, ...]:
 _BYTE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
-def _byte_table(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
+def byte_table(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
     """float32 ``[2**width, width // bits]``: the codebook values of every `width`-bit chunk of the stream (8 bits;
     12 for 3-bit codes), in stream order."""
     key = (head_dim, bits, device)

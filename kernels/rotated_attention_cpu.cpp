@@ -1,0 +1,307 @@
+// Decode attention over a rotated format's codes on the CPU, decoding each token's codes in a small buffer
+// (a table row per byte) and using it at once: the plain-torch twin decodes every code position to float32 in
+// memory first, which costs about half of its attention (rotated_attention_cpu.py says where this runs).
+//
+// One call: q [B, Hq, D] float32 (rotated), key and value codes [B, Hkv, N, P] uint8 with their float16 norms
+// [B, Hkv, N, 1], the chunk tables [2**width, per] float32 of each side (rotated_format._byte_table), the keys'
+// centre [Hkv, D] in the rotated space (or none), a float32 ring [B, Hkv, R, D] of exact rotated keys and values
+// after the codes (or none), and a bool mask [B, N + R] (true: attended; or none). Returns the output
+// [B, Hq, Dv] float32 in the rotated space and, with `with_mass`, each key's attention mass [B, Hkv, N + R]
+// summed over its query group (else an empty tensor).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// One token's codes (nbytes bytes) to floats: each byte (wide: each 12-bit half of 3 bytes) is a table row of
+// `Per` floats.
+template <int Per, bool Wide>
+inline void decode_token(const uint8_t* codes, int64_t nbytes, const float* table, float* out) {
+  if constexpr (!Wide) {
+    for (int64_t i = 0; i < nbytes; ++i) std::memcpy(out + i * Per, table + codes[i] * Per, Per * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < nbytes; i += 3) {
+      uint32_t w = uint32_t(codes[i]) | (uint32_t(codes[i + 1]) << 8) | (uint32_t(codes[i + 2]) << 16);
+      float* o = out + (i / 3) * 2 * Per;
+      std::memcpy(o, table + (w & 4095u) * Per, Per * sizeof(float));
+      std::memcpy(o + Per, table + (w >> 12) * Per, Per * sizeof(float));
+    }
+  }
+}
+
+//: Tokens decoded at a time before they are read: floats just stored in pieces and read back as a vector stall
+//: the load (store forwarding fails), unless other stores have come between.
+constexpr int64_t kBlock = 16;
+
+// `n` tokens' codes, `stride` bytes apart, to floats `[n, channels]`.
+template <int Per, bool Wide>
+void decode_block(const uint8_t* codes, int64_t stride, int64_t n, int64_t nbytes, const float* table, float* out,
+                  int64_t channels) {
+  for (int64_t t = 0; t < n; ++t) decode_token<Per, Wide>(codes + t * stride, nbytes, table, out + t * channels);
+}
+
+using DecodeFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, float*, int64_t);
+
+DecodeFn decoder(const at::Tensor& table, const char* side) {
+  const int64_t rows = table.size(0), per = table.size(1);
+  if (rows == 4096 && per == 4) return decode_block<4, true>;
+  TORCH_CHECK(rows == 256, "rotated_decode_cpu: the ", side, " table must have 256 or 4096 rows, got ", rows);
+  switch (per) {
+    case 1: return decode_block<1, false>;
+    case 2: return decode_block<2, false>;
+    case 4: return decode_block<4, false>;
+    case 8: return decode_block<8, false>;
+  }
+  TORCH_CHECK(false, "rotated_decode_cpu: a ", side, " table row of ", per, " floats fits no bit width");
+  return nullptr;
+}
+
+// A float16 norm as a float: one instruction with F16C (c10::Half converts in software).
+inline float half_to_float(const at::Half& h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return float(h);
+#endif
+}
+
+// n a multiple of 8 (a rotated format's head dim): eight running sums, which the compiler turns into one vector.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// The max and the sum of n floats, in eight running lanes (any n).
+inline float max_of(const float* x, int64_t n) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  float part[8] = {lowest, lowest, lowest, lowest, lowest, lowest, lowest, lowest};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] = std::max(part[j], x[i + j]);
+  for (; i < n; ++i) part[0] = std::max(part[0], x[i]);
+  return std::max(std::max(std::max(part[0], part[1]), std::max(part[2], part[3])),
+                  std::max(std::max(part[4], part[5]), std::max(part[6], part[7])));
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += x[i + j];
+  for (; i < n; ++i) part[0] += x[i];
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// exp(x[i] - m) in place: 2**y as 2**round(y) times a degree-6 Taylor polynomial of 2**f on [-0.5, 0.5]
+// (relative error under 2e-7), which the compiler vectorizes (libm's expf is a call per element); 0 below 2**-126
+// (a masked key's -inf among them).
+inline void exp_shifted(float* x, int64_t n, float m) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = std::max((x[i] - m) * kLog2e, -127.f);
+    const float e = std::nearbyint(y), f = y - e;
+    const float p = 1.f + f * (0.6931471806f + f * (0.2402265070f + f * (0.0555041087f + f * (0.0096181291f +
+                    f * (0.0013333558f + f * 0.0001540353f)))));
+    const int32_t bits = (int32_t(e) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = y > -126.f ? p * scale : 0.f;
+  }
+}
+
+// Channels of P bytes of codes read through a chunk table (4096 rows: 3 bytes hold two 12-bit chunks).
+int64_t channels(int64_t P, const at::Tensor& table) {
+  return table.size(0) == 4096 ? P / 3 * 2 * table.size(1) : P * table.size(1);
+}
+
+// acc [channels] += sum_i w[i] * x[i, :] over n rows, `Width` channels at a time held in registers over the rows
+// (several vectors: independent chains of multiply-adds).
+template <int Width>
+inline void accumulate_span(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {
+  float a[Width];
+  for (int j = 0; j < Width; ++j) a[j] = acc[j];
+  for (int64_t i = 0; i < n; ++i)
+    for (int j = 0; j < Width; ++j) a[j] += w[i] * x[i * channels + j];
+  for (int j = 0; j < Width; ++j) acc[j] = a[j];
+}
+
+// channels a multiple of 8.
+inline void accumulate(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {
+  int64_t c = 0;
+  for (; c + 32 <= channels; c += 32) accumulate_span<32>(w, x + c, n, acc + c, channels);
+  for (; c < channels; c += 8) accumulate_span<8>(w, x + c, n, acc + c, channels);
+}
+
+void check_codes(const at::Tensor& codes, const at::Tensor& norms, const char* side) {
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.stride(3) == 1,
+              "rotated_decode_cpu: ", side, " codes must be uint8 [B, H, N, P] with unit stride in P");
+  TORCH_CHECK(norms.dim() == 4 && norms.scalar_type() == at::kHalf && norms.size(2) == codes.size(2),
+              "rotated_decode_cpu: ", side, " norms must be float16 [B, H, N, 1]");
+}
+
+std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_norms, const at::Tensor& v_codes,
+    const at::Tensor& v_norms, const at::Tensor& k_table, const at::Tensor& v_table,
+    const std::optional<at::Tensor>& k_center, const std::optional<at::Tensor>& ring_k,
+    const std::optional<at::Tensor>& ring_v, const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "rotated_decode_cpu: q must be contiguous float32 [B, Hq, D]");
+  check_codes(k_codes, k_norms, "key");
+  check_codes(v_codes, v_norms, "value");
+  TORCH_CHECK(k_table.scalar_type() == at::kFloat && k_table.is_contiguous() &&
+                  v_table.scalar_type() == at::kFloat && v_table.is_contiguous(),
+              "rotated_decode_cpu: the tables must be contiguous float32");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_codes.size(1), N = k_codes.size(2);
+  const int64_t Pk = k_codes.size(3), Pv = v_codes.size(3);
+  const int64_t Dk = channels(Pk, k_table), Dv = channels(Pv, v_table);
+  TORCH_CHECK(Dk == D && D % 8 == 0 && Dv % 8 == 0 && (k_table.size(0) != 4096 || Pk % 3 == 0) &&
+                  (v_table.size(0) != 4096 || Pv % 3 == 0),
+              "rotated_decode_cpu: the keys' codes hold ", Dk, " channels and q ", D, " (values: ", Dv,
+              "); each must be a multiple of 8");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "rotated_decode_cpu: ", Hq, " query heads on ", Hkv, " KV heads");
+  TORCH_CHECK(k_codes.size(0) == B && v_codes.size(0) == B && v_codes.size(1) == Hkv && v_codes.size(2) == N,
+              "rotated_decode_cpu: key and value codes must share [B, Hkv, N]");
+  const int64_t R = ring_k.has_value() ? ring_k->size(2) : 0;
+  if (R) {
+    TORCH_CHECK(ring_v.has_value() && ring_k->scalar_type() == at::kFloat && ring_v->scalar_type() == at::kFloat &&
+                    ring_k->stride(3) == 1 && ring_v->stride(3) == 1 && ring_k->size(3) == D &&
+                    ring_v->size(3) == Dv && ring_v->size(2) == R,
+                "rotated_decode_cpu: the ring must be float32 [B, Hkv, R, D] keys and [B, Hkv, R, Dv] values");
+  }
+  const int64_t L = N + R, G = Hq / Hkv;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kBool && mask->size(0) == B && mask->size(1) == L,
+                "rotated_decode_cpu: the mask must be bool [B, ", L, "]");
+  }
+  const bool centred = k_center.has_value();
+  if (centred) {
+    TORCH_CHECK(k_center->scalar_type() == at::kFloat && k_center->is_contiguous() && k_center->size(0) == Hkv &&
+                    k_center->size(1) == D,
+                "rotated_decode_cpu: the keys' centre must be contiguous float32 [Hkv, D]");
+  }
+  const DecodeFn decode_k = decoder(k_table, "key"), decode_v = decoder(v_table, "value");
+
+  at::Tensor out = at::empty({B, Hq, Dv}, q.options());
+  at::Tensor mass = at::empty({with_mass ? B : 0, Hkv, L}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const uint8_t *kc = k_codes.data_ptr<uint8_t>(), *vc = v_codes.data_ptr<uint8_t>();
+  const at::Half *kn = k_norms.data_ptr<at::Half>(), *vn = v_norms.data_ptr<at::Half>();
+  const float *kt = k_table.data_ptr<float>(), *vt = v_table.data_ptr<float>();
+  const float* mu = centred ? k_center->data_ptr<float>() : nullptr;
+  const float* rk = R ? ring_k->data_ptr<float>() : nullptr;
+  const float* rv = R ? ring_v->data_ptr<float>() : nullptr;
+  const bool* mk = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  const int64_t mk_s0 = mask.has_value() ? mask->stride(0) : 0, mk_s1 = mask.has_value() ? mask->stride(1) : 0;
+  float* op = out.data_ptr<float>();
+  float* mp = with_mass ? mass.data_ptr<float>() : nullptr;
+  const float s = float(scale), neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), qmu(G, 0.f);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv;
+      const float* qg = qp + (b * Hq + h * G) * D;
+      if (centred)
+        for (int64_t g = 0; g < G; ++g) qmu[g] = dot(qg + g * D, mu + h * D, D);
+      auto attended = [&](int64_t t) { return mk == nullptr || mk[b * mk_s0 + t * mk_s1]; };
+      // Scores: the codes, a block at a time, then the ring.
+      const uint8_t* kc_bh = kc + b * k_codes.stride(0) + h * k_codes.stride(1);
+      const at::Half* kn_bh = kn + b * k_norms.stride(0) + h * k_norms.stride(1);
+      for (int64_t t0 = 0; t0 < N; t0 += kBlock) {
+        const int64_t n = std::min(kBlock, N - t0);
+        decode_k(kc_bh + t0 * k_codes.stride(2), k_codes.stride(2), n, Pk, kt, kf.data(), D);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = t0 + i;
+          if (!attended(t)) {
+            for (int64_t g = 0; g < G; ++g) scores[g * L + t] = neg_inf;
+            continue;
+          }
+          const float norm = half_to_float(kn_bh[t * k_norms.stride(2)]);
+          const float coef = centred ? std::fabs(norm) : norm;
+          const bool add_mu = centred && norm >= 0.f;
+          for (int64_t g = 0; g < G; ++g)
+            scores[g * L + t] = s * (coef * dot(qg + g * D, kf.data() + i * D, D) + (add_mu ? qmu[g] : 0.f));
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const bool live = attended(N + r);
+        const float* key = rk + b * ring_k->stride(0) + h * ring_k->stride(1) + r * ring_k->stride(2);
+        for (int64_t g = 0; g < G; ++g) scores[g * L + N + r] = live ? s * dot(qg + g * D, key, D) : neg_inf;
+      }
+      // Softmax per query, in place; a query with every key masked gets zeros.
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        const float m = max_of(sg, L);
+        if (m == neg_inf) {
+          std::fill(sg, sg + L, 0.f);
+          continue;
+        }
+        exp_shifted(sg, L, m);
+        const float inv = 1.f / sum_of(sg, L);
+        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+      }
+      if (mp != nullptr) {
+        float* mrow = mp + (b * Hkv + h) * L;
+        for (int64_t t = 0; t < L; ++t) {
+          float sum = 0.f;
+          for (int64_t g = 0; g < G; ++g) sum += scores[g * L + t];
+          mrow[t] = sum;
+        }
+      }
+      // The weighted sum of the values: the codes (skipping keys no query attends), then the ring.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const uint8_t* vc_bh = vc + b * v_codes.stride(0) + h * v_codes.stride(1);
+      const at::Half* vn_bh = vn + b * v_norms.stride(0) + h * v_norms.stride(1);
+      for (int64_t t0 = 0; t0 < N; t0 += kBlock) {
+        const int64_t n = std::min(kBlock, N - t0);
+        bool any = false;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < n; ++i) any |= scores[g * L + t0 + i] != 0.f;
+        if (!any) continue;
+        decode_v(vc_bh + t0 * v_codes.stride(2), v_codes.stride(2), n, Pv, vt, vf.data(), Dv);
+        float norm[kBlock];
+        for (int64_t i = 0; i < n; ++i) norm[i] = half_to_float(vn_bh[(t0 + i) * v_norms.stride(2)]);
+        for (int64_t g = 0; g < G; ++g) {
+          float w[kBlock];
+          for (int64_t i = 0; i < n; ++i) {  // an unattended token's norm is never read into the sum (it may be NaN)
+            const float p = scores[g * L + t0 + i];
+            w[i] = p != 0.f ? p * norm[i] : 0.f;
+          }
+          accumulate(w, vf.data(), n, acc.data() + g * Dv, Dv);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float* value = rv + b * ring_v->stride(0) + h * ring_v->stride(1) + r * ring_v->stride(2);
+        for (int64_t g = 0; g < G; ++g)
+          if (scores[g * L + N + r] != 0.f) accumulate(scores.data() + g * L + N + r, value, 1, acc.data() + g * Dv, Dv);
+      }
+      std::memcpy(op + (b * Hq + h * G) * Dv, acc.data(), G * Dv * sizeof(float));
+    }
+  });
+  return {out, mass};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hf_kvplus_cpu, m) {
+  m.def(
+      "rotated_decode(Tensor q, Tensor k_codes, Tensor k_norms, Tensor v_codes, Tensor v_norms, Tensor k_table, "
+      "Tensor v_table, Tensor? k_center, Tensor? ring_k, Tensor? ring_v, Tensor? mask, float scale, bool with_mass) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) { m.impl("rotated_decode", &rotated_decode_cpu); }

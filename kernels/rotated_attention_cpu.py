@@ -1,0 +1,121 @@
+"""A rotated format's decode attention on the CPU as a C++ operator (``torch.ops.hf_kvplus_cpu.rotated_decode``).
+
+Why: the plain-torch twin decodes every code position to float32 in memory at each step, then multiplies; on a
+CPU that decode costs about half of the attention, and inductor cannot fuse a decode into the matrix product it
+feeds. The operator (``rotated_attention_cpu.cpp``) decodes each token's codes into a few registers' worth of
+floats (a table row per byte, as :func:`rotated_format.decoded_units` reads them) and uses them at once, keys
+then values, with the ring of exact keys after the codes: one call per layer and step, which a compiled graph
+calls as one external kernel (a Python custom operator would cost about 18 us a call there).
+
+It is built on first use with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja; tens of
+seconds once, then cached by torch under ``TORCH_EXTENSIONS_DIR``), for the CPU it runs on (``-march=native``:
+the build's name carries a digest of the source, the flags and the CPU's), when a rotated layer first sees its
+shapes on the CPU (``RotatedFormat.prepare``). Where it cannot be built, or with ``HF_KVPLUS_CPU_KERNELS=0``,
+the twin runs, as everywhere off CUDA before; a failed build warns once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table
+
+__all__ = ["available", "rotated_decode_cpu", "supports"]
+
+_SOURCE = Path(__file__).with_name("rotated_attention_cpu.cpp")
+_FLAGS = ["-O3", "-march=native", "-std=c++17"]
+#: None: not tried yet; then whether the operator is registered.
+_LOADED: bool | None = None
+
+
+def available() -> bool:
+    """Whether the operator is there, building it on the first call outside a compiled region (a graph being
+    traced only reads what an earlier call found)."""
+    global _LOADED
+    if _LOADED is None and not torch.compiler.is_compiling():
+        _LOADED = _load()
+    return bool(_LOADED)
+
+
+def supports(q: torch.Tensor, fmt: RotatedFormat, block_table) -> bool:
+    """Whether this call can take the operator: CPU tensors, codes in one buffer (not a pool of blocks), values
+    without a centre (no format makes one), and the operator built."""
+    return not q.is_cuda and q.device.type == "cpu" and block_table is None and fmt.value_center is None and available()
+
+
+def rotated_decode_cpu(
+    q_rot: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
+    residual_k: torch.Tensor | None, residual_v: torch.Tensor | None, mask: torch.Tensor | None, with_mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(output [B, Hq, Dv] float32 in the rotated space, mass [B, Hkv, length + R] or None) of q_rot [B, Hq, D]
+    float32 over codes ``start .. start + length`` of `packed` and the float32 ring `residual_k`/`residual_v`
+    (rotated, channels in order), as `quant_attention`'s twin computes it."""
+    D, Dv = q_rot.shape[-1], fmt.channels(packed.v.shape[-1], "values")
+    center = fmt.key_center
+    k_center = center.rotated if center is not None and center.mu is not None else None
+    end = start + length
+    out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
+        q_rot.contiguous(), packed.k[:, :, start:end], packed.k_scale[:, :, start:end],
+        packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
+        byte_table(D, fmt.key_bits, q_rot.device), byte_table(Dv, fmt.value_bits, q_rot.device),
+        k_center, residual_k, residual_v, mask, float(scale), with_mass,
+    )  # fmt: skip
+    return out, (mass if with_mass else None)
+
+
+def _load() -> bool:
+    if os.environ.get("HF_KVPLUS_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _ninja_on_path()
+        source = _SOURCE.read_text()
+        digest = hashlib.sha256("\n".join([source, *_FLAGS, _cpu_flags(), torch.__version__]).encode()).hexdigest()
+        load_inline(f"hf_kvplus_cpu_{digest[:16]}", cpp_sources=source, extra_cflags=_FLAGS, is_python_module=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the twin runs
+        warnings.warn(
+            f"hf_kvplus: the CPU kernel of rotated formats could not be built ({type(exc).__name__}: {exc}); "
+            "their decode attention on the CPU runs the plain-torch twin",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
+    return True
+
+
+def _ninja_on_path() -> None:
+    """Puts the `ninja` package's binary on PATH when no ninja is there (an environment used without activating
+    it): torch's build runs ``ninja`` by name."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _fake(q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_center, ring_k, ring_v, mask, scale, with_mass):
+    B, Hq, _ = q.shape
+    Hkv, L = k_codes.shape[1], k_codes.shape[2] + (0 if ring_k is None else ring_k.shape[2])
+    Dv = (v_codes.shape[-1] // 3 * 2 if v_table.shape[0] == 4096 else v_codes.shape[-1]) * v_table.shape[1]
+    return q.new_empty(B, Hq, Dv), q.new_empty(B if with_mass else 0, Hkv, L)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (a build made with -march=native runs only where they hold)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,213 @@
+"""The rotated formats' C++ decode attention on the CPU (``kernels/rotated_attention_cpu``).
+
+The operator is checked against the float64 softmax over the twin's decoded keys and values (codes of every bit
+width, centred keys with both signs of norm, a ring, a mask, an offset window, query groups, the mass), with the
+codes outside the window and the norms of masked tokens poisoned (0xFF, NaN); then that the dispatcher sends CPU
+calls to it, eager and compiled (one node of the graph), that bad input gets an error naming the numbers, and
+that without it (no toolchain, or ``HF_KVPLUS_CPU_KERNELS=0``) the twin runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from hf_kvplus.kernels import rotated_attention_cpu
+from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.quant_format import PackedKV
+from hf_kvplus.kernels.rotated_format import (
+    KeyCenter,
+    RotatedFormat,
+    dequantize_rotated,
+    quantize_rotated,
+    rotation,
+)
+
+TOOLCHAIN = bool(shutil.which("c++") or shutil.which("g++")) and bool(
+    shutil.which("ninja") or importlib.util.find_spec("ninja")
+)
+needs_operator = pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler or ninja to build the CPU operator")
+
+
+@pytest.fixture(autouse=True)
+def built():
+    """The operator built (or found built) before a test calls it, as `RotatedFormat.prepare` does for a cache."""
+    if TOOLCHAIN:
+        rotated_attention_cpu.available()
+
+
+def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, start=6, seed=0):
+    """Codes of N tokens (keys around a common offset with a far-off first token, so a centred format codes both
+    signs of norm), a rotated ring of R, q rotated, and a mask over the window ``start .. N`` plus the ring."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = RotatedFormat(key_bits, value_bits, seed=3, key_center=KeyCenter() if centred else None)
+    keys = torch.randn(B, Hkv, N, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
+    keys[:, :, 0] = 6 * torch.randn(B, Hkv, D, generator=g)
+    values = torch.randn(B, Hkv, N, D, generator=g)
+    kc, kn = quantize_rotated(keys, fmt, "keys")
+    vc, vn = quantize_rotated(values, fmt, "values")
+    r = rotation(D, fmt.seed)
+    q = torch.randn(B, Hkv * G, D, generator=g) @ r
+    ring_k, ring_v = torch.randn(B, Hkv, R, D, generator=g) @ r, torch.randn(B, Hkv, R, D, generator=g) @ r
+    mask = torch.rand(B, N - start + R, generator=g) > 0.3
+    mask[0, -1] = True
+    return fmt, PackedKV(kc, kn, None, vc, vn, None), q, ring_k, ring_v, mask, start
+
+
+def reference(fmt, packed, q, ring_k, ring_v, mask, start, scale):
+    """float64 (output [B, Hq, D], mass [B, Hkv, L]) over the decoded window and the ring."""
+    k = dequantize_rotated(packed.k[:, :, start:], packed.k_scale[:, :, start:], fmt, "keys", rotated_space=True)
+    v = dequantize_rotated(packed.v[:, :, start:], packed.v_scale[:, :, start:], fmt, "values", rotated_space=True)
+    k, v = torch.cat([k, ring_k], 2).double(), torch.cat([v, ring_v], 2).double()
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.double().view(B, Hkv, Hq // Hkv, D)
+    s = (qg @ k.transpose(-1, -2) * scale).masked_fill(~mask[:, None, None, :], float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1))
+    return (p @ v).view(B, Hq, -1), p.sum(2)
+
+
+def poison(packed, mask, start):
+    """Codes before the window 0xFF with NaN norms, and NaN norms at masked tokens: a read of either shows."""
+    kc, kn, vc, vn = (t.clone() for t in (packed.k, packed.k_scale, packed.v, packed.v_scale))
+    kc[:, :, :start], vc[:, :, :start] = 0xFF, 0xFF
+    kn[:, :, :start], vn[:, :, :start] = float("nan"), float("nan")
+    N = kc.shape[2]
+    masked = ~mask[:, : N - start]
+    for t in (kn, vn):
+        t[:, :, start:][masked[:, None, :, None].expand(-1, t.shape[1], -1, 1)] = float("nan")
+    return PackedKV(kc, kn, None, vc, vn, None)
+
+
+@needs_operator
+def test_the_operator_builds_where_there_is_a_toolchain():
+    assert rotated_attention_cpu.available()
+
+
+@needs_operator
+@pytest.mark.parametrize(
+    "key_bits,value_bits,D,centred",
+    [(4, 2, 32, True), (3, 2, 32, True), (4, 4, 64, False), (2, 3, 64, True), (8, 1, 32, False), (1, 8, 40, True),
+     (3, 3, 48, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("G", [1, 3])
+def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G):
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G)
+    want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
+    N = packed.k.shape[2]
+    out, mass = rotated_attention_cpu.rotated_decode_cpu(
+        q, poison(packed, mask, start), fmt, start, N - start, 0.3, ring_k, ring_v, mask, True
+    )
+    assert out.dtype == torch.float32 and out.shape == want_out.shape
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
+    alone, none = rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, start, N - start, 0.3, ring_k, ring_v,
+                                                           mask, False)  # fmt: skip
+    assert none is None
+    torch.testing.assert_close(alone, out, atol=0, rtol=0)
+
+
+@needs_operator
+def test_without_a_ring_or_a_mask_and_with_every_key_masked():
+    fmt, packed, q, _, _, _, _ = make_case(4, 2, 32, centred=True)
+    N = packed.k.shape[2]
+    full = torch.ones(q.shape[0], N, dtype=torch.bool)
+    want_out, want_mass = reference(fmt, packed, q, q.new_zeros(2, 2, 0, 32), q.new_zeros(2, 2, 0, 32), full, 0, 0.2)
+    out, mass = rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, None, True)
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
+    none = torch.zeros_like(full)
+    none[1] = True
+    out, mass = rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, none, True)
+    assert out[0].eq(0).all() and mass[0].eq(0).all()  # a row with no key attended: zeros, no NaN
+    torch.testing.assert_close(out[1].double(), want_out[1], atol=2e-5, rtol=1e-4)
+
+
+@needs_operator
+@pytest.mark.parametrize("with_mass", [False, True])
+def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin(monkeypatch, with_mass):
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(3, 2, 32, centred=True)
+    r = rotation(32, fmt.seed)
+    q, ring_k, ring_v = q @ r.T, ring_k @ r.T, ring_v @ r.T  # the dispatcher takes them unrotated
+    kernel = quantized_decode_attention_with_mass if with_mass else quantized_decode_attention
+    kw = dict(start=start, length=packed.k.shape[2] - start, scale=0.3, residual_k=ring_k, residual_v=ring_v, mask=mask)
+    calls = []
+    real = rotated_attention_cpu.rotated_decode_cpu
+    monkeypatch.setattr(rotated_attention_cpu, "rotated_decode_cpu", lambda *a: calls.append(a) or real(*a))
+    got = kernel(q, packed, fmt, **kw)
+    assert len(calls) == 1
+    monkeypatch.setattr(rotated_attention_cpu, "_LOADED", False)  # as where it cannot be built: the twin
+    want = kernel(q, packed, fmt, **kw)
+    assert len(calls) == 1
+    for a, b in zip(got if with_mass else [got], want if with_mass else [want], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+@needs_operator
+def test_a_compiled_call_is_one_node_of_the_graph():
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
+    length = packed.k.shape[2] - start
+    fmt = fmt.with_rotated_inputs()  # a static storage's ring: rotated already
+
+    def step(q, ring_k, ring_v, mask):
+        return quantized_decode_attention(q, packed, fmt, start=start, length=length, scale=0.3, residual_k=ring_k,
+                                          residual_v=ring_v, mask=mask, check=False)  # fmt: skip
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    assert rotated_attention_cpu.available()  # built before tracing, as `RotatedFormat.prepare` does
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=backend, fullgraph=True)(q, ring_k, ring_v, mask)
+    assert [t for t in targets if "hf_kvplus_cpu.rotated_decode" in str(t)], targets
+    torch.testing.assert_close(got, step(q, ring_k, ring_v, mask), atol=0, rtol=0)
+    inductor = torch.compile(step, fullgraph=True)(q, ring_k, ring_v, mask)
+    torch.testing.assert_close(inductor, got, atol=1e-5, rtol=1e-5)
+
+
+@needs_operator
+def test_bad_input_names_the_numbers():
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=False)
+    N = packed.k.shape[2]
+    with pytest.raises(RuntimeError, match="hold 32 channels and q 40"):
+        rotated_attention_cpu.rotated_decode_cpu(torch.randn(2, 4, 40), packed, fmt, 0, N, 0.3, None, None, None, False)
+    with pytest.raises(RuntimeError, match=r"mask must be bool \[B, 75\]"):
+        rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.3, ring_k, ring_v, mask, False)
+    with pytest.raises(RuntimeError, match="4 query heads on 3 KV heads"):
+        three = PackedKV(*(t[:, :1].expand(-1, 3, -1, -1) for t in (packed.k, packed.k_scale)), None,
+                         *(t[:, :1].expand(-1, 3, -1, -1) for t in (packed.v, packed.v_scale)), None)  # fmt: skip
+        rotated_attention_cpu.rotated_decode_cpu(q, three, fmt, 0, N, 0.3, None, None, None, False)
+
+
+def test_a_failed_build_warns_once_and_leaves_the_twin(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(rotated_attention_cpu, "_SOURCE", broken)
+    monkeypatch.setattr(rotated_attention_cpu, "_LOADED", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert not rotated_attention_cpu.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not rotated_attention_cpu.available()  # tried once
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
+    out = quantized_decode_attention(q, packed, fmt, start=start, length=packed.k.shape[2] - start, scale=0.3,
+                                     residual_k=ring_k, residual_v=ring_v, mask=mask)  # fmt: skip
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_the_switch_turns_the_operator_off():
+    env = {**os.environ, "HF_KVPLUS_CPU_KERNELS": "0"}
+    code = "from hf_kvplus.kernels import rotated_attention_cpu as m; print(m.available())"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
