@@ -393,21 +393,15 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
 
 
 def _rotated_cpu(name: str, q, packed, fmt, kw: dict):
-    """:func:`_rotated` through the CPU operator (`rotated_attention_cpu`): channels in order throughout."""
+    """:func:`_rotated` through the CPU operator (`rotated_attention_cpu`), which rotates q and the output itself."""
     if kw["check"]:
         _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
-    D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
-    r_k, r_v = rotation(D, fmt.seed, q.device), rotation(Dv, fmt.seed, q.device)
-    ring_k, ring_v = kw["residual_k"], kw["residual_v"]
-    if ring_k is not None:  # a static storage's ring comes rotated (`inputs_rotated`)
-        ring_k, ring_v = ring_k.float(), ring_v.float()
-        if not fmt.inputs_rotated:
-            ring_k, ring_v = ring_k @ r_k, ring_v @ r_v
     with_mass = name.endswith("mass")
     out, mass = rotated_attention_cpu.rotated_decode_cpu(
-        q.float() @ r_k, packed, fmt, kw["start"], kw["length"], kw["scale"], ring_k, ring_v, kw["mask"], with_mass
-    )
-    out = (out @ r_v.T).to(q.dtype)
+        q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
+        with_mass,
+    )  # fmt: skip
+    out = out.to(q.dtype)
     return (out, mass) if with_mass else out
 
 

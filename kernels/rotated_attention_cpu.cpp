@@ -2,12 +2,15 @@
 // (a table row per byte) and using it at once: the plain-torch twin decodes every code position to float32 in
 // memory first, which costs about half of its attention (rotated_attention_cpu.py says where this runs).
 //
-// One call: q [B, Hq, D] float32 (rotated), key and value codes [B, Hkv, N, P] uint8 with their float16 norms
-// [B, Hkv, N, 1], the chunk tables [2**width, per] float32 of each side (rotated_format._byte_table), the keys'
-// centre [Hkv, D] in the rotated space (or none), a float32 ring [B, Hkv, R, D] of exact rotated keys and values
-// after the codes (or none), and a bool mask [B, N + R] (true: attended; or none). Returns the output
-// [B, Hq, Dv] float32 in the rotated space and, with `with_mass`, each key's attention mass [B, Hkv, N + R]
-// summed over its query group (else an empty tensor).
+// One call: q [B, Hq, D] float32 as the model gives it, key and value codes [B, Hkv, N, P] uint8 with their
+// float16 norms [B, Hkv, N, 1], the chunk tables [2**width, per] float32 of each side
+// (rotated_format.byte_table), the rotations R_k [D, D] and R_v [Dv, Dv], the keys' centre [Hkv, D] in the
+// rotated space (or none), a float32 ring [B, Hkv, R, D] of exact keys and values after the codes (or none;
+// `ring_rotated`: held as x @ R, as a static storage holds it, else as the model gave them), and a bool mask
+// [B, N + R] (true: attended; or none). The codes are read in the rotated space: q is rotated once (q R_k), a
+// ring not rotated is read with q itself ((q R) . (k R) = q . k), and the codes' weighted sum of values is
+// rotated back once (R_v^T). Returns the output [B, Hq, Dv] float32 and, with `with_mass`, each key's attention
+// mass [B, Hkv, N + R] summed over its query group (else an empty tensor).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -146,6 +149,62 @@ inline void accumulate(const float* w, const float* x, int64_t n, float* acc, in
   for (; c < channels; c += 8) accumulate_span<8>(w, x + c, n, acc + c, channels);
 }
 
+//: Fewest code positions whose key scores go through per-query tables (`scores_by_table`: its build amortized).
+constexpr int64_t kTableMin = 64;
+
+// Key scores before norms, q_g . (centroids of token t's codes), into rows[g * L + t] for t < N, by tables: for
+// each piece of a token's codes (a byte of 1-, 2- or 4-bit codes; 6 bits, two codes, of 3-bit ones) and each value
+// it can take, the dot product of those codes' centroids with q's channels there, made once per call (a few
+// vector operations per entry); a token's score is then one table read per piece, where decoding reads and
+// writes every channel. `lut` and `ut` are scratch.
+void scores_by_table(const float* q, int64_t G, int64_t D, const at::Tensor& table, const uint8_t* codes,
+                     int64_t stride, int64_t Pk, int64_t N, float* rows, int64_t L, std::vector<float>& lut,
+                     std::vector<float>& ut) {
+  const bool wide = table.size(0) == 4096;
+  const int64_t per = table.size(1), E = wide ? 64 : 256, kc = wide ? 2 : per, pieces = D / kc;
+  const float* U = table.data_ptr<float>();  // row e: the centroids of the codes a chunk of value e holds, in order
+  ut.resize(kc * E);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < kc; ++i) ut[i * E + e] = U[e * per + i];
+  lut.assign(G * pieces * E, 0.f);  // [g, piece, value]
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < pieces; ++p) {
+      float* row = lut.data() + (g * pieces + p) * E;
+      for (int64_t i = 0; i < kc; ++i) {
+        const float qv = q[g * D + p * kc + i];
+        const float* u = ut.data() + i * E;
+        for (int64_t e = 0; e < E; ++e) row[e] += qv * u[e];
+      }
+    }
+  for (int64_t t = 0; t < N; ++t) {
+    const uint8_t* c = codes + t * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* T = lut.data() + g * pieces * E;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+      if (wide) {
+        for (int64_t w = 0; w < Pk / 3; ++w) {
+          const uint32_t word = uint32_t(c[3 * w]) | (uint32_t(c[3 * w + 1]) << 8) | (uint32_t(c[3 * w + 2]) << 16);
+          const float* Tw = T + 4 * w * E;
+          a0 += Tw[word & 63u];
+          a1 += Tw[E + ((word >> 6) & 63u)];
+          a2 += Tw[2 * E + ((word >> 12) & 63u)];
+          a3 += Tw[3 * E + (word >> 18)];
+        }
+      } else {
+        int64_t p = 0;
+        for (; p + 4 <= pieces; p += 4) {
+          a0 += T[p * E + c[p]];
+          a1 += T[(p + 1) * E + c[p + 1]];
+          a2 += T[(p + 2) * E + c[p + 2]];
+          a3 += T[(p + 3) * E + c[p + 3]];
+        }
+        for (; p < pieces; ++p) a0 += T[p * E + c[p]];
+      }
+      rows[g * L + t] = (a0 + a1) + (a2 + a3);
+    }
+  }
+}
+
 void check_codes(const at::Tensor& codes, const at::Tensor& norms, const char* side) {
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.stride(3) == 1,
               "rotated_decode_cpu: ", side, " codes must be uint8 [B, H, N, P] with unit stride in P");
@@ -156,8 +215,9 @@ void check_codes(const at::Tensor& codes, const at::Tensor& norms, const char* s
 std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_norms, const at::Tensor& v_codes,
     const at::Tensor& v_norms, const at::Tensor& k_table, const at::Tensor& v_table,
-    const std::optional<at::Tensor>& k_center, const std::optional<at::Tensor>& ring_k,
-    const std::optional<at::Tensor>& ring_v, const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
+    const at::Tensor& k_rotation, const at::Tensor& v_rotation, const std::optional<at::Tensor>& k_center,
+    const std::optional<at::Tensor>& ring_k, const std::optional<at::Tensor>& ring_v, bool ring_rotated,
+    const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "rotated_decode_cpu: q must be contiguous float32 [B, Hq, D]");
   check_codes(k_codes, k_norms, "key");
@@ -193,7 +253,14 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
                     k_center->size(1) == D,
                 "rotated_decode_cpu: the keys' centre must be contiguous float32 [Hkv, D]");
   }
+  TORCH_CHECK(k_rotation.scalar_type() == at::kFloat && k_rotation.is_contiguous() && k_rotation.dim() == 2 &&
+                  k_rotation.size(0) == D && k_rotation.size(1) == D && v_rotation.scalar_type() == at::kFloat &&
+                  v_rotation.is_contiguous() && v_rotation.dim() == 2 && v_rotation.size(0) == Dv &&
+                  v_rotation.size(1) == Dv,
+              "rotated_decode_cpu: the rotations must be contiguous float32 [", D, ", ", D, "] and [", Dv, ", ", Dv,
+              "]");
   const DecodeFn decode_k = decoder(k_table, "key"), decode_v = decoder(v_table, "value");
+  const bool by_table = N >= kTableMin && !(k_table.size(0) == 256 && k_table.size(1) == 1);  // not 8-bit keys
 
   at::Tensor out = at::empty({B, Hq, Dv}, q.options());
   at::Tensor mass = at::empty({with_mass ? B : 0, Hkv, L}, q.options());
@@ -201,6 +268,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   const uint8_t *kc = k_codes.data_ptr<uint8_t>(), *vc = v_codes.data_ptr<uint8_t>();
   const at::Half *kn = k_norms.data_ptr<at::Half>(), *vn = v_norms.data_ptr<at::Half>();
   const float *kt = k_table.data_ptr<float>(), *vt = v_table.data_ptr<float>();
+  const float *rot_k = k_rotation.data_ptr<float>(), *rot_v = v_rotation.data_ptr<float>();
   const float* mu = centred ? k_center->data_ptr<float>() : nullptr;
   const float* rk = R ? ring_k->data_ptr<float>() : nullptr;
   const float* rv = R ? ring_v->data_ptr<float>() : nullptr;
@@ -211,36 +279,47 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   const float s = float(scale), neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), qmu(G, 0.f);
+    std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), plain(G * Dv), qr(G * D);
+    std::vector<float> qmu(G, 0.f), lut, ut;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
-      const float* qg = qp + (b * Hq + h * G) * D;
+      const float* q_in = qp + (b * Hq + h * G) * D;
+      std::fill(qr.begin(), qr.end(), 0.f);  // qr = q R_k, row by row of R_k
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) accumulate(q_in + g * D + d, rot_k + d * D, 1, qr.data() + g * D, D);
+      const float* qg = qr.data();
+      const float* q_ring = ring_rotated ? qg : q_in;
       if (centred)
         for (int64_t g = 0; g < G; ++g) qmu[g] = dot(qg + g * D, mu + h * D, D);
       auto attended = [&](int64_t t) { return mk == nullptr || mk[b * mk_s0 + t * mk_s1]; };
       // Scores: the codes, a block at a time, then the ring.
       const uint8_t* kc_bh = kc + b * k_codes.stride(0) + h * k_codes.stride(1);
       const at::Half* kn_bh = kn + b * k_norms.stride(0) + h * k_norms.stride(1);
-      for (int64_t t0 = 0; t0 < N; t0 += kBlock) {
-        const int64_t n = std::min(kBlock, N - t0);
-        decode_k(kc_bh + t0 * k_codes.stride(2), k_codes.stride(2), n, Pk, kt, kf.data(), D);
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = t0 + i;
-          if (!attended(t)) {
-            for (int64_t g = 0; g < G; ++g) scores[g * L + t] = neg_inf;
-            continue;
-          }
-          const float norm = half_to_float(kn_bh[t * k_norms.stride(2)]);
-          const float coef = centred ? std::fabs(norm) : norm;
-          const bool add_mu = centred && norm >= 0.f;
-          for (int64_t g = 0; g < G; ++g)
-            scores[g * L + t] = s * (coef * dot(qg + g * D, kf.data() + i * D, D) + (add_mu ? qmu[g] : 0.f));
+      if (by_table) {
+        scores_by_table(qg, G, D, k_table, kc_bh, k_codes.stride(2), Pk, N, scores.data(), L, lut, ut);
+      } else {
+        for (int64_t t0 = 0; t0 < N; t0 += kBlock) {
+          const int64_t n = std::min(kBlock, N - t0);
+          decode_k(kc_bh + t0 * k_codes.stride(2), k_codes.stride(2), n, Pk, kt, kf.data(), D);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t g = 0; g < G; ++g) scores[g * L + t0 + i] = dot(qg + g * D, kf.data() + i * D, D);
         }
+      }
+      for (int64_t t = 0; t < N; ++t) {  // the norms, the centre, the scale and the mask
+        if (!attended(t)) {
+          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = neg_inf;
+          continue;
+        }
+        const float norm = half_to_float(kn_bh[t * k_norms.stride(2)]);
+        const float coef = centred ? std::fabs(norm) : norm;
+        const bool add_mu = centred && norm >= 0.f;
+        for (int64_t g = 0; g < G; ++g)
+          scores[g * L + t] = s * (coef * scores[g * L + t] + (add_mu ? qmu[g] : 0.f));
       }
       for (int64_t r = 0; r < R; ++r) {
         const bool live = attended(N + r);
         const float* key = rk + b * ring_k->stride(0) + h * ring_k->stride(1) + r * ring_k->stride(2);
-        for (int64_t g = 0; g < G; ++g) scores[g * L + N + r] = live ? s * dot(qg + g * D, key, D) : neg_inf;
+        for (int64_t g = 0; g < G; ++g) scores[g * L + N + r] = live ? s * dot(q_ring + g * D, key, D) : neg_inf;
       }
       // Softmax per query, in place; a query with every key masked gets zeros.
       for (int64_t g = 0; g < G; ++g) {
@@ -264,6 +343,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
       }
       // The weighted sum of the values: the codes (skipping keys no query attends), then the ring.
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(plain.begin(), plain.end(), 0.f);
       const uint8_t* vc_bh = vc + b * v_codes.stride(0) + h * v_codes.stride(1);
       const at::Half* vn_bh = vn + b * v_norms.stride(0) + h * v_norms.stride(1);
       for (int64_t t0 = 0; t0 < N; t0 += kBlock) {
@@ -286,10 +366,13 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
       }
       for (int64_t r = 0; r < R; ++r) {
         const float* value = rv + b * ring_v->stride(0) + h * ring_v->stride(1) + r * ring_v->stride(2);
+        float* sum = ring_rotated ? acc.data() : plain.data();
         for (int64_t g = 0; g < G; ++g)
-          if (scores[g * L + N + r] != 0.f) accumulate(scores.data() + g * L + N + r, value, 1, acc.data() + g * Dv, Dv);
+          if (scores[g * L + N + r] != 0.f) accumulate(scores.data() + g * L + N + r, value, 1, sum + g * Dv, Dv);
       }
-      std::memcpy(op + (b * Hq + h * G) * Dv, acc.data(), G * Dv * sizeof(float));
+      float* o = op + (b * Hq + h * G) * Dv;  // acc R_v^T + plain
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < Dv; ++d) o[g * Dv + d] = dot(acc.data() + g * Dv, rot_v + d * Dv, Dv) + plain[g * Dv + d];
     }
   });
   return {out, mass};
@@ -300,7 +383,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 TORCH_LIBRARY(hf_kvplus_cpu, m) {
   m.def(
       "rotated_decode(Tensor q, Tensor k_codes, Tensor k_norms, Tensor v_codes, Tensor v_norms, Tensor k_table, "
-      "Tensor v_table, Tensor? k_center, Tensor? ring_k, Tensor? ring_v, Tensor? mask, float scale, bool with_mass) "
+      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? ring_k, Tensor? ring_v, "
+      "bool ring_rotated, Tensor? mask, float scale, bool with_mass) "
       "-> (Tensor, Tensor)");
 }
 

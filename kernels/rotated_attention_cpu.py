@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table
+from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table, rotation
 
 __all__ = ["available", "rotated_decode_cpu", "supports"]
 
@@ -47,27 +47,35 @@ def available() -> bool:
 def supports(q: torch.Tensor, fmt: RotatedFormat, block_table) -> bool:
     """Whether this call can take the operator: CPU tensors, codes in one buffer (not a pool of blocks), values
     without a centre (no format makes one), and the operator built."""
-    return not q.is_cuda and q.device.type == "cpu" and block_table is None and fmt.value_center is None and available()
+    return q.device.type == "cpu" and block_table is None and fmt.value_center is None and available()
 
 
 def rotated_decode_cpu(
-    q_rot: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
+    q: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
     residual_k: torch.Tensor | None, residual_v: torch.Tensor | None, mask: torch.Tensor | None, with_mass: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(output [B, Hq, Dv] float32 in the rotated space, mass [B, Hkv, length + R] or None) of q_rot [B, Hq, D]
-    float32 over codes ``start .. start + length`` of `packed` and the float32 ring `residual_k`/`residual_v`
-    (rotated, channels in order), as `quant_attention`'s twin computes it."""
-    D, Dv = q_rot.shape[-1], fmt.channels(packed.v.shape[-1], "values")
+    """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None) of q [B, Hq, D] over codes ``start .. start
+    + length`` of `packed` and the ring `residual_k`/`residual_v` (rotated when `fmt.inputs_rotated`), as
+    `quant_attention`'s twin computes it; the rotations of q and of the output happen inside."""
+    D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
     center = fmt.key_center
     k_center = center.rotated if center is not None and center.mu is not None else None
-    end = start + length
+    if residual_k is not None:
+        residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
+    end, device = start + length, q.device
     out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
-        q_rot.contiguous(), packed.k[:, :, start:end], packed.k_scale[:, :, start:end],
+        q.float().contiguous(), packed.k[:, :, start:end], packed.k_scale[:, :, start:end],
         packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
-        byte_table(D, fmt.key_bits, q_rot.device), byte_table(Dv, fmt.value_bits, q_rot.device),
-        k_center, residual_k, residual_v, mask, float(scale), with_mass,
+        byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
+        rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
+        residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with unit stride along its last dim (what the operator reads), a copy only where it is not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _load() -> bool:
@@ -103,10 +111,13 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _fake(q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_center, ring_k, ring_v, mask, scale, with_mass):
+def _fake(
+    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, ring_k, ring_v,
+    ring_rotated, mask, scale, with_mass,
+):  # fmt: skip
     B, Hq, _ = q.shape
     Hkv, L = k_codes.shape[1], k_codes.shape[2] + (0 if ring_k is None else ring_k.shape[2])
-    Dv = (v_codes.shape[-1] // 3 * 2 if v_table.shape[0] == 4096 else v_codes.shape[-1]) * v_table.shape[1]
+    Dv = v_rotation.shape[0]
     return q.new_empty(B, Hq, Dv), q.new_empty(B if with_mass else 0, Hkv, L)
 
 

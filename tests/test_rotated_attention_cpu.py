@@ -45,7 +45,8 @@ def built():
 
 def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, start=6, seed=0):
     """Codes of N tokens (keys around a common offset with a far-off first token, so a centred format codes both
-    signs of norm), a rotated ring of R, q rotated, and a mask over the window ``start .. N`` plus the ring."""
+    signs of norm), q and a ring of R as the model gives them, and a mask over the window ``start .. N`` plus the
+    ring."""
     g = torch.Generator().manual_seed(seed)
     fmt = RotatedFormat(key_bits, value_bits, seed=3, key_center=KeyCenter() if centred else None)
     keys = torch.randn(B, Hkv, N, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
@@ -53,16 +54,18 @@ def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, s
     values = torch.randn(B, Hkv, N, D, generator=g)
     kc, kn = quantize_rotated(keys, fmt, "keys")
     vc, vn = quantize_rotated(values, fmt, "values")
-    r = rotation(D, fmt.seed)
-    q = torch.randn(B, Hkv * G, D, generator=g) @ r
-    ring_k, ring_v = torch.randn(B, Hkv, R, D, generator=g) @ r, torch.randn(B, Hkv, R, D, generator=g) @ r
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    ring_k, ring_v = torch.randn(B, Hkv, R, D, generator=g), torch.randn(B, Hkv, R, D, generator=g)
     mask = torch.rand(B, N - start + R, generator=g) > 0.3
     mask[0, -1] = True
     return fmt, PackedKV(kc, kn, None, vc, vn, None), q, ring_k, ring_v, mask, start
 
 
 def reference(fmt, packed, q, ring_k, ring_v, mask, start, scale):
-    """float64 (output [B, Hq, D], mass [B, Hkv, L]) over the decoded window and the ring."""
+    """float64 (output [B, Hq, D], mass [B, Hkv, L]) over the decoded window and the ring, in the rotated space
+    (q and the ring rotated in, the output rotated back)."""
+    r = rotation(q.shape[-1], fmt.seed).double()
+    q, ring_k, ring_v = q.double() @ r, ring_k.double() @ r, ring_v.double() @ r
     k = dequantize_rotated(packed.k[:, :, start:], packed.k_scale[:, :, start:], fmt, "keys", rotated_space=True)
     v = dequantize_rotated(packed.v[:, :, start:], packed.v_scale[:, :, start:], fmt, "values", rotated_space=True)
     k, v = torch.cat([k, ring_k], 2).double(), torch.cat([v, ring_v], 2).double()
@@ -71,7 +74,7 @@ def reference(fmt, packed, q, ring_k, ring_v, mask, start, scale):
     qg = q.double().view(B, Hkv, Hq // Hkv, D)
     s = (qg @ k.transpose(-1, -2) * scale).masked_fill(~mask[:, None, None, :], float("-inf"))
     p = torch.nan_to_num(s.softmax(-1))
-    return (p @ v).view(B, Hq, -1), p.sum(2)
+    return (p @ v).view(B, Hq, -1) @ r.T, p.sum(2)
 
 
 def poison(packed, mask, start):
@@ -97,11 +100,15 @@ def test_the_operator_builds_where_there_is_a_toolchain():
     [(4, 2, 32, True), (3, 2, 32, True), (4, 4, 64, False), (2, 3, 64, True), (8, 1, 32, False), (1, 8, 40, True),
      (3, 3, 48, False)],
 )  # fmt: skip
-@pytest.mark.parametrize("G", [1, 3])
-def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G):
+@pytest.mark.parametrize("G,ring_rotated", [(1, False), (3, True)])
+def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G,
+                                                                        ring_rotated):  # fmt: skip
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G)
     want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
     N = packed.k.shape[2]
+    if ring_rotated:  # as a static storage holds it
+        fmt, r = fmt.with_rotated_inputs(), rotation(D, fmt.seed)
+        ring_k, ring_v = ring_k @ r, ring_v @ r
     out, mass = rotated_attention_cpu.rotated_decode_cpu(
         q, poison(packed, mask, start), fmt, start, N - start, 0.3, ring_k, ring_v, mask, True
     )
@@ -112,6 +119,18 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
                                                            mask, False)  # fmt: skip
     assert none is None
     torch.testing.assert_close(alone, out, atol=0, rtol=0)
+
+
+@needs_operator
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (3, 4), (1, 2)])
+def test_a_short_window_decodes_its_keys_in_place(key_bits, value_bits):
+    """Under `kTableMin` code positions the keys' scores come from decoded codes, not from per-query tables."""
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=True, N=40, G=2)
+    want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
+    out, mass = rotated_attention_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 40 - start, 0.3,
+                                                         ring_k, ring_v, mask, True)  # fmt: skip
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
 
 
 @needs_operator
@@ -134,8 +153,6 @@ def test_without_a_ring_or_a_mask_and_with_every_key_masked():
 @pytest.mark.parametrize("with_mass", [False, True])
 def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin(monkeypatch, with_mass):
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(3, 2, 32, centred=True)
-    r = rotation(32, fmt.seed)
-    q, ring_k, ring_v = q @ r.T, ring_k @ r.T, ring_v @ r.T  # the dispatcher takes them unrotated
     kernel = quantized_decode_attention_with_mass if with_mass else quantized_decode_attention
     kw = dict(start=start, length=packed.k.shape[2] - start, scale=0.3, residual_k=ring_k, residual_v=ring_v, mask=mask)
     calls = []
@@ -154,7 +171,8 @@ def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin
 def test_a_compiled_call_is_one_node_of_the_graph():
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
     length = packed.k.shape[2] - start
-    fmt = fmt.with_rotated_inputs()  # a static storage's ring: rotated already
+    fmt, r = fmt.with_rotated_inputs(), rotation(32, fmt.seed)  # a static storage's ring: rotated already
+    ring_k, ring_v = ring_k @ r, ring_v @ r
 
     def step(q, ring_k, ring_v, mask):
         return quantized_decode_attention(q, packed, fmt, start=start, length=length, scale=0.3, residual_k=ring_k,
