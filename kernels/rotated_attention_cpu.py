@@ -2,10 +2,12 @@
 
 Why: the plain-torch twin decodes every code position to float32 in memory at each step, then multiplies; on a
 CPU that decode costs about half of the attention, and inductor cannot fuse a decode into the matrix product it
-feeds. The operator (``rotated_attention_cpu.cpp``) decodes each token's codes into a few registers' worth of
-floats (a table row per byte, as :func:`rotated_format.decoded_units` reads them) and uses them at once, keys
-then values, with the ring of exact keys after the codes: one call per layer and step, which a compiled graph
-calls as one external kernel (a Python custom operator would cost about 18 us a call there).
+feeds. The operator (``rotated_attention_cpu.cpp``) never writes the decoded codes out: a key's score is one read
+per code byte (3-bit codes: per 6 bits) of a table, made once per call and query, of that byte's dot product with
+q's channels there; the values are decoded 16 tokens at a time into a small buffer (a table row per byte, as
+:func:`rotated_format.decoded_units` reads them) and summed at once; the ring of exact keys comes after the codes,
+and q and the output are rotated inside. One call per layer and step, which a compiled graph calls as one external
+kernel (a Python custom operator would cost about 18 us a call there).
 
 It is built on first use with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja; tens of
 seconds once, then cached by torch under ``TORCH_EXTENSIONS_DIR``), for the CPU it runs on (``-march=native``:

@@ -235,11 +235,13 @@ def rotation(
 
 
 def rotated(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``x.float() @ r``. In a graph compiled off CUDA, for a decode step's new token (the static quantized storage's
-    ring takes it rotated), as a product and a sum, which inductor fuses into the kernels around them: a matrix
-    product is an external call there, whose dispatch costs more than the arithmetic of a head's rotation. (The
-    attention's rotations of the queries and of the output stay matrix products: done this way as well, a sink on
-    k4v2 slots went from 1.47x to 1.59-1.62x of StaticCache at 1K on the CPU, paired runs, stop 39.)"""
+    """``x.float() @ r``. In a graph compiled off CUDA, for a decode step's few vectors (the new token that the static
+    quantized storage's ring takes rotated; the new token and the sinks an evicting cache codes or reads back, in
+    `quantize_rotated` and `dequantize_rotated`), as a product and a sum, which inductor fuses into the kernels
+    around them: a matrix product is an external call there, whose dispatch costs more than the arithmetic of a
+    head's rotation (a sink on k4v2 slots from 1.32-1.33x to 1.21-1.25x of StaticCache at 1K, paired runs, stop 42).
+    The twin attention's rotations of the queries and of the output stay matrix products: done this way as well, a
+    sink on k4v2 slots went from 1.47x to 1.59-1.62x (stop 39); the CPU operator rotates them inside."""
     x = x.float()
     if torch.compiler.is_compiling() and not x.is_cuda and x.numel() <= _FUSED_ROTATION_ELEMENTS:
         return (x.unsqueeze(-1) * r).sum(-2)
@@ -370,7 +372,7 @@ def quantize_rotated(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[to
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
     xf, norm, sign = centered(x, fmt, side)
-    unit = (xf if fmt.inputs_rotated else xf @ rotation(D, fmt.seed, x.device)) / norm.clamp_min(1e-30)
+    unit = (xf if fmt.inputs_rotated else rotated(xf, rotation(D, fmt.seed, x.device))) / norm.clamp_min(1e-30)
     codes = _bucketized(unit, boundaries)
     if RENORMALIZE:
         norm = norm / torch.linalg.vector_norm(centroids[codes], dim=-1, keepdim=True).clamp_min(1e-30)
@@ -566,7 +568,7 @@ def dequantize_rotated(
         return x.to(dtype).flatten(-2)
     x = decoded_units(codes, D, bits) * (norms.abs() if centred else norms)
     if not rotated_space:
-        x = x @ rotation(D, fmt.seed, codes.device).T
+        x = rotated(x, rotation(D, fmt.seed, codes.device).T)
     if centred:  # one pass: the centre added where the norm is not negative
         x = x.addcmul_((norms >= 0).float(), (center.rotated if rotated_space else center.mu)[:, None, :])
     return x.to(dtype)

@@ -65,5 +65,6 @@ def test_the_wheel_ships_every_module_and_no_top_level_kernels(tmp_path):
     assert {name.split("/")[0] for name in names} == {"hf_kvplus", wheel.name.split("-py")[0] + ".dist-info"}
     expected = {f"hf_kvplus/{p.relative_to(REPO / 'hf_kvplus')}" for p in (REPO / "hf_kvplus").rglob("*.py")}
     expected |= {f"hf_kvplus/kernels/{p.name}" for p in (REPO / "kernels").glob("*.py")}
+    expected |= {f"hf_kvplus/kernels/{p.name}" for p in (REPO / "kernels").glob("*.cpp")}  # built on first use
     expected |= {f"hf_kvplus/{p.relative_to(REPO / 'hf_kvplus')}" for p in (REPO / "hf_kvplus" / "data").rglob("*.json")}
     assert expected - names == set()
