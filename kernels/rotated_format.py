@@ -52,6 +52,7 @@ __all__ = [
     "ROTATED_BITS",
     "KeyCenter",
     "RotatedFormat",
+    "byte_table",
     "codebook",
     "dequantize_rotated",
     "lloyd_max",
