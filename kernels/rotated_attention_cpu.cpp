@@ -45,8 +45,8 @@ inline void decode_token(const uint8_t* codes, int64_t nbytes, const float* tabl
   }
 }
 
-//: Tokens decoded at a time before they are read: floats just stored in pieces and read back as a vector stall
-//: the load (store forwarding fails), unless other stores have come between.
+// Tokens decoded at a time before they are read: floats just stored in pieces and read back as a vector stall
+// the load (store forwarding fails), unless other stores have come between.
 constexpr int64_t kBlock = 16;
 
 // `n` tokens' codes, `stride` bytes apart, to floats `[n, channels]`.
@@ -150,7 +150,7 @@ inline void accumulate(const float* w, const float* x, int64_t n, float* acc, in
   for (; c < channels; c += 8) accumulate_span<8>(w, x + c, n, acc + c, channels);
 }
 
-//: Fewest code positions whose key scores go through per-query tables (`scores_by_table`: its build amortized).
+// Fewest code positions whose key scores go through per-query tables (`scores_by_table`: its build amortized).
 constexpr int64_t kTableMin = 64;
 
 // Key scores before norms, q_g . (centroids of token t's codes), into rows[g * L + t] for t < N, by tables: for
