@@ -53,9 +53,12 @@ POISON_CODE = 0xFF
 
 
 def offset_keys(L, Hkv, T, D):
-    """Keys [L, Hkv, T, D] around a common offset per head, token 0 far from it (a centred format codes both)."""
-    keys = torch.randn(L, Hkv, T, D) + 2 * torch.randn(Hkv, 1, D)
-    keys[:, :, 0] = 6 * torch.randn(L, Hkv, D)
+    """Keys [L, Hkv, T, D] around a common offset per head, token 0 far from it on the other side (so a centred
+    format codes both ways: token 0 plain, the rest relative to the centre; a random token 0 came out centred in
+    every row and head about once in a hundred runs)."""
+    offset = 2 * torch.randn(Hkv, 1, D)
+    keys = torch.randn(L, Hkv, T, D) + offset
+    keys[:, :, 0] = -3 * offset[:, 0] + torch.randn(L, Hkv, D)
     return keys
 
 
