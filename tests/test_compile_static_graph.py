@@ -27,6 +27,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 from conformance.models import get_model
 from conformance.modes import make_prompt
 from hf_kvplus import DenseCache
+from hf_kvplus.kernels import rotated_attention_cpu
 from hf_kvplus.specs import parse_cache_spec
 
 PROMPT, NEW = 21, 10  # 9 decode steps: past several key groups of 8 and the window of 8 of the quantized specs
@@ -133,6 +134,18 @@ def test_a_static_cache_compiles_one_capturable_decode_graph(model, spec, padded
     assert graph["written"], "the decode step writes the cache in place"
     assert graph["written_not_static"] == []
     assert graph["fed_back"] == [], "a decode step reads what an earlier step's graph returned"
+
+
+@pytest.mark.parametrize("spec", ["quantized:k4v2:window=8:compile=on", "sink:2:6:bits=k3v2:compile=on"])
+def test_a_rotated_cache_compiles_one_capturable_graph_through_the_twin_too(model, spec, monkeypatch):
+    """On the CPU the rotated caches' attention is the C++ operator where it is built; where it is not (no
+    compiler), the twin's compiled step (codes in plane order, a ring after them) meets the same conditions."""
+    monkeypatch.setattr(rotated_attention_cpu, "_LOADED", False)
+    cache_spec = parse_cache_spec(spec)
+    graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW))
+    assert compiled == eager
+    assert len(graphs) == 1, f"the decode step compiled {len(graphs)} times"
+    assert graphs[0]["int_inputs"] == [] and graphs[0]["written_not_static"] == [] and graphs[0]["fed_back"] == []
 
 
 AT_OR_UNDER_BUDGET = [

@@ -26,6 +26,7 @@ from test_kernel_unchecked import assert_same
 
 import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
+from hf_kvplus.kernels import rotated_attention_cpu
 from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
@@ -449,14 +450,19 @@ def test_the_odd_polynomial_gives_every_centroid(D, bits):
     torch.testing.assert_close(t * p, centroids, rtol=0, atol=2e-7 * centroids.abs().max().item())
 
 
+@pytest.mark.parametrize("twin", [False, True], ids=["cpu-operator", "twin"])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("bits", [(4, 2), (3, 2), (2, 4)])
 @pytest.mark.parametrize("length, with_mass", [(12, False), (1030, True)])  # one twin chunk; two, masked, with mass
-def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits, length, with_mass):
+def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits, length, with_mass, twin,
+                                                            monkeypatch):  # fmt: skip
     # A static storage's ring holds its tokens rotated, and its read's format says so (`with_rotated_inputs`): the
     # same attention as the plain format over the tokens as they were, eager and compiled. Compiled, the twin reads
     # the codes in plane order and the ring in channel order, folded in after the codes with q and the output so
-    # far turned to channel order; past one chunk of codes the ring would otherwise join the last one.
+    # far turned to channel order; past one chunk of codes the ring would otherwise join the last one. On the CPU
+    # the C++ operator takes these calls where it is built; `twin` runs the twin as where it is not.
+    if twin:
+        monkeypatch.setattr(rotated_attention_cpu, "_LOADED", False)
     fmt = RotatedFormat(*bits, 7)
     packed, _, _ = coded(fmt, 1, 2, length, 32, 32)
     # The ring's keys lie along their group's queries, so the ring takes most of the attention and a ring read wrong
