@@ -77,7 +77,7 @@ import sys
 import torch
 
 from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
-from hf_kvplus.kernels import rotated_attention_cpu
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
@@ -353,7 +353,7 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
     if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
         raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
     Dv = fmt.channels(packed.v.shape[-1], "values")
-    if rotated_attention_cpu.supports(q, fmt, kw["block_table"]):
+    if rotated_cpu.supports(q, fmt, kw["block_table"]):
         return _rotated_cpu(name, q, packed, fmt, kw)
     # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
     # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
@@ -393,11 +393,11 @@ def _rotated(name: str, q, packed, fmt, kw: dict):
 
 
 def _rotated_cpu(name: str, q, packed, fmt, kw: dict):
-    """:func:`_rotated` through the CPU operator (`rotated_attention_cpu`), which rotates q and the output itself."""
+    """:func:`_rotated` through the CPU operator (`rotated_cpu`), which rotates q and the output itself."""
     if kw["check"]:
         _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
     with_mass = name.endswith("mass")
-    out, mass = rotated_attention_cpu.rotated_decode_cpu(
+    out, mass = rotated_cpu.rotated_decode_cpu(
         q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
         with_mass,
     )  # fmt: skip

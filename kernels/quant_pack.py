@@ -61,7 +61,8 @@ caches' storages); invalid input is then undefined behaviour. No path reads a te
 While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes one
 custom operator, ``torch.ops.kvplus.quantize_keys`` / ``quantize_values`` (``kernels/custom_ops.py``),
 writing into ``out`` (or into tensors allocated first), with the same Triton kernel; off CUDA the twin is
-traced inline instead.
+traced inline instead, except for a rotated format's [B, H, T, D] CPU tensors, which eager and compiled calls alike
+code with the C++ operator ``torch.ops.hf_kvplus_cpu.rotated_encode`` (``kernels/rotated_cpu.py``) where it is built.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from __future__ import annotations
 import torch
 
 from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import _is_interpreted
 from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, QuantFormat
 from hf_kvplus.kernels.quant_format import quantize_keys as quantize_keys_torch
@@ -198,7 +200,7 @@ def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
         return triton_fn(x, fmt, out=out, check=check)
     if check:
         _check_fmt(fmt)
-    result = twin(x, fmt)
+    result = _off_cuda(x, fmt, kind, twin)
     if out is None:
         return result
     codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device) if check else out
@@ -207,6 +209,13 @@ def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
     if zero is not None:
         zero.copy_(result[2])
     return codes, scale, zero
+
+
+def _off_cuda(x, fmt, side: str, twin):
+    """(codes, scale, zero) off CUDA: a rotated format's CPU operator where it takes x, else the twin."""
+    if isinstance(fmt, RotatedFormat) and rotated_cpu.encodes(x):
+        return (*rotated_cpu.rotated_encode_cpu(x, fmt, side), None)
+    return twin(x, fmt)
 
 
 def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, check: bool):
@@ -259,8 +268,9 @@ def quantize_values_at(x, fmt: QuantFormat, out, slots, *, check: bool = True):
 
 
 def quantize_values_at_torch(x, fmt: QuantFormat, out, slots):
-    """The twin of :func:`quantize_values_at`: ``quant_format.quantize_values``, then one ``scatter_`` per tensor."""
-    for dst, part in zip(out, quantize_values_torch(x, fmt), strict=True):
+    """The twin of :func:`quantize_values_at`: ``quant_format.quantize_values`` (a rotated format's CPU operator where
+    it takes x), then one ``scatter_`` per tensor."""
+    for dst, part in zip(out, _off_cuda(x, fmt, "values", quantize_values_torch), strict=True):
         if dst is not None:
             dst.scatter_(2, slots[..., None].expand(*part.shape), part)
     return out

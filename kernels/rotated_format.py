@@ -149,17 +149,17 @@ class RotatedFormat:
         """Makes the rotations (every plane order) and codebooks of both sides on `device`, where shapes become
         fixed (a layer's first call): made later, at a decode step's first flush, they would be a host-to-device
         copy (a wait for the device) and, for a head dim that is not shipped, a Lloyd-Max run inside the step. On
-        the CPU also the byte tables and the C++ decode operator (`rotated_attention_cpu`, built on first use), so
-        that a graph compiled later finds it."""
+        the CPU also the byte tables and the C++ operators (`rotated_cpu`, built on first use), so that a graph
+        compiled later finds them."""
         for dim, bits in ((key_dim, self.key_bits), (value_dim, self.value_bits)):
             rotation(dim, self.seed, device)
             codebook(dim, bits, device)
             if torch.device(device).type == "cpu":
                 byte_table(dim, bits, device)
         if torch.device(device).type == "cpu":
-            from hf_kvplus.kernels import rotated_attention_cpu  # imported here: it imports this module
+            from hf_kvplus.kernels import rotated_cpu  # imported here: it imports this module
 
-            rotated_attention_cpu.available()
+            rotated_cpu.available()
 
     def with_rotated_inputs(self) -> RotatedFormat:
         """This format (the same centres) taking rotated vectors."""
@@ -237,8 +237,8 @@ def rotation(
 
 def rotated(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x.float() @ r``. In a graph compiled off CUDA, for a decode step's few vectors (the new token that the static
-    quantized storage's ring takes rotated; the new token and the sinks an evicting cache codes or reads back, in
-    `quantize_rotated` and `dequantize_rotated`), as a product and a sum, which inductor fuses into the kernels
+    quantized storage's ring takes rotated; the sinks an evicting cache reads back in `dequantize_rotated`, and,
+    where the C++ operators are not built, what it codes in `quantize_rotated`), as a product and a sum, which inductor fuses into the kernels
     around them: a matrix product is an external call there, whose dispatch costs more than the arithmetic of a
     head's rotation (a sink on k4v2 slots from 1.32-1.33x to 1.21-1.25x of StaticCache at 1K, paired runs, stop 42).
     The twin attention's rotations of the queries and of the output stay matrix products: done this way as well, a

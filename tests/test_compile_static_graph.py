@@ -27,7 +27,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 from conformance.models import get_model
 from conformance.modes import make_prompt
 from hf_kvplus import DenseCache
-from hf_kvplus.kernels import rotated_attention_cpu
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.specs import parse_cache_spec
 
 PROMPT, NEW = 21, 10  # 9 decode steps: past several key groups of 8 and the window of 8 of the quantized specs
@@ -140,7 +140,7 @@ def test_a_static_cache_compiles_one_capturable_decode_graph(model, spec, padded
 def test_a_rotated_cache_compiles_one_capturable_graph_through_the_twin_too(model, spec, monkeypatch):
     """On the CPU the rotated caches' attention is the C++ operator where it is built; where it is not (no
     compiler), the twin's compiled step (codes in plane order, a ring after them) meets the same conditions."""
-    monkeypatch.setattr(rotated_attention_cpu, "_LOADED", False)
+    monkeypatch.setattr(rotated_cpu, "_LOADED", False)
     cache_spec = parse_cache_spec(spec)
     graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW))
     assert compiled == eager

@@ -1,4 +1,4 @@
-"""The rotated formats' C++ decode attention on the CPU (``kernels/rotated_attention_cpu``).
+"""The rotated formats' C++ decode attention on the CPU (``kernels/rotated_cpu``).
 
 The operator is checked against the float64 softmax over the twin's decoded keys and values (codes of every bit
 width, centred keys with both signs of norm, a ring, a mask, an offset window, query groups, the mass), with the
@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from hf_kvplus.kernels import rotated_attention_cpu
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_format import (
@@ -40,7 +40,7 @@ needs_operator = pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler or ni
 def built():
     """The operator built (or found built) before a test calls it, as `RotatedFormat.prepare` does for a cache."""
     if TOOLCHAIN:
-        rotated_attention_cpu.available()
+        rotated_cpu.available()
 
 
 def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, start=6, seed=0):
@@ -91,7 +91,7 @@ def poison(packed, mask, start):
 
 @needs_operator
 def test_the_operator_builds_where_there_is_a_toolchain():
-    assert rotated_attention_cpu.available()
+    assert rotated_cpu.available()
 
 
 @needs_operator
@@ -109,13 +109,13 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
     if ring_rotated:  # as a static storage holds it
         fmt, r = fmt.with_rotated_inputs(), rotation(D, fmt.seed)
         ring_k, ring_v = ring_k @ r, ring_v @ r
-    out, mass = rotated_attention_cpu.rotated_decode_cpu(
+    out, mass = rotated_cpu.rotated_decode_cpu(
         q, poison(packed, mask, start), fmt, start, N - start, 0.3, ring_k, ring_v, mask, True
     )
     assert out.dtype == torch.float32 and out.shape == want_out.shape
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
-    alone, none = rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, start, N - start, 0.3, ring_k, ring_v,
+    alone, none = rotated_cpu.rotated_decode_cpu(q, packed, fmt, start, N - start, 0.3, ring_k, ring_v,
                                                            mask, False)  # fmt: skip
     assert none is None
     torch.testing.assert_close(alone, out, atol=0, rtol=0)
@@ -127,7 +127,7 @@ def test_a_short_window_decodes_its_keys_in_place(key_bits, value_bits):
     """Under `kTableMin` code positions the keys' scores come from decoded codes, not from per-query tables."""
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=True, N=40, G=2)
     want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
-    out, mass = rotated_attention_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 40 - start, 0.3,
+    out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 40 - start, 0.3,
                                                          ring_k, ring_v, mask, True)  # fmt: skip
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
@@ -139,12 +139,12 @@ def test_without_a_ring_or_a_mask_and_with_every_key_masked():
     N = packed.k.shape[2]
     full = torch.ones(q.shape[0], N, dtype=torch.bool)
     want_out, want_mass = reference(fmt, packed, q, q.new_zeros(2, 2, 0, 32), q.new_zeros(2, 2, 0, 32), full, 0, 0.2)
-    out, mass = rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, None, True)
+    out, mass = rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, None, True)
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
     none = torch.zeros_like(full)
     none[1] = True
-    out, mass = rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, none, True)
+    out, mass = rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, none, True)
     assert out[0].eq(0).all() and mass[0].eq(0).all()  # a row with no key attended: zeros, no NaN
     torch.testing.assert_close(out[1].double(), want_out[1], atol=2e-5, rtol=1e-4)
 
@@ -156,11 +156,11 @@ def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin
     kernel = quantized_decode_attention_with_mass if with_mass else quantized_decode_attention
     kw = dict(start=start, length=packed.k.shape[2] - start, scale=0.3, residual_k=ring_k, residual_v=ring_v, mask=mask)
     calls = []
-    real = rotated_attention_cpu.rotated_decode_cpu
-    monkeypatch.setattr(rotated_attention_cpu, "rotated_decode_cpu", lambda *a: calls.append(a) or real(*a))
+    real = rotated_cpu.rotated_decode_cpu
+    monkeypatch.setattr(rotated_cpu, "rotated_decode_cpu", lambda *a: calls.append(a) or real(*a))
     got = kernel(q, packed, fmt, **kw)
     assert len(calls) == 1
-    monkeypatch.setattr(rotated_attention_cpu, "_LOADED", False)  # as where it cannot be built: the twin
+    monkeypatch.setattr(rotated_cpu, "_LOADED", False)  # as where it cannot be built: the twin
     want = kernel(q, packed, fmt, **kw)
     assert len(calls) == 1
     for a, b in zip(got if with_mass else [got], want if with_mass else [want], strict=True):
@@ -184,7 +184,7 @@ def test_a_compiled_call_is_one_node_of_the_graph():
         targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
         return gm.forward
 
-    assert rotated_attention_cpu.available()  # built before tracing, as `RotatedFormat.prepare` does
+    assert rotated_cpu.available()  # built before tracing, as `RotatedFormat.prepare` does
     torch._dynamo.reset()
     got = torch.compile(step, backend=backend, fullgraph=True)(q, ring_k, ring_v, mask)
     assert [t for t in targets if "hf_kvplus_cpu.rotated_decode" in str(t)], targets
@@ -198,26 +198,26 @@ def test_bad_input_names_the_numbers():
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=False)
     N = packed.k.shape[2]
     with pytest.raises(RuntimeError, match="hold 32 channels and q 40"):
-        rotated_attention_cpu.rotated_decode_cpu(torch.randn(2, 4, 40), packed, fmt, 0, N, 0.3, None, None, None, False)
+        rotated_cpu.rotated_decode_cpu(torch.randn(2, 4, 40), packed, fmt, 0, N, 0.3, None, None, None, False)
     with pytest.raises(RuntimeError, match=r"mask must be bool \[B, 75\]"):
-        rotated_attention_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.3, ring_k, ring_v, mask, False)
+        rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.3, ring_k, ring_v, mask, False)
     with pytest.raises(RuntimeError, match="4 query heads on 3 KV heads"):
         three = PackedKV(*(t[:, :1].expand(-1, 3, -1, -1) for t in (packed.k, packed.k_scale)), None,
                          *(t[:, :1].expand(-1, 3, -1, -1) for t in (packed.v, packed.v_scale)), None)  # fmt: skip
-        rotated_attention_cpu.rotated_decode_cpu(q, three, fmt, 0, N, 0.3, None, None, None, False)
+        rotated_cpu.rotated_decode_cpu(q, three, fmt, 0, N, 0.3, None, None, None, False)
 
 
 def test_a_failed_build_warns_once_and_leaves_the_twin(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(rotated_attention_cpu, "_SOURCE", broken)
-    monkeypatch.setattr(rotated_attention_cpu, "_LOADED", None)
+    monkeypatch.setattr(rotated_cpu, "_SOURCES", [broken])
+    monkeypatch.setattr(rotated_cpu, "_LOADED", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with pytest.warns(RuntimeWarning, match="could not be built"):
-        assert not rotated_attention_cpu.available()
+        assert not rotated_cpu.available()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not rotated_attention_cpu.available()  # tried once
+        assert not rotated_cpu.available()  # tried once
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
     out = quantized_decode_attention(q, packed, fmt, start=start, length=packed.k.shape[2] - start, scale=0.3,
                                      residual_k=ring_k, residual_v=ring_v, mask=mask)  # fmt: skip
@@ -226,6 +226,6 @@ def test_a_failed_build_warns_once_and_leaves_the_twin(monkeypatch, tmp_path):
 
 def test_the_switch_turns_the_operator_off():
     env = {**os.environ, "HF_KVPLUS_CPU_KERNELS": "0"}
-    code = "from hf_kvplus.kernels import rotated_attention_cpu as m; print(m.available())"
+    code = "from hf_kvplus.kernels import rotated_cpu as m; print(m.available())"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -26,7 +26,7 @@ from test_kernel_unchecked import assert_same
 
 import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
-from hf_kvplus.kernels import rotated_attention_cpu
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
@@ -462,7 +462,7 @@ def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits
     # far turned to channel order; past one chunk of codes the ring would otherwise join the last one. On the CPU
     # the C++ operator takes these calls where it is built; `twin` runs the twin as where it is not.
     if twin:
-        monkeypatch.setattr(rotated_attention_cpu, "_LOADED", False)
+        monkeypatch.setattr(rotated_cpu, "_LOADED", False)
     fmt = RotatedFormat(*bits, 7)
     packed, _, _ = coded(fmt, 1, 2, length, 32, 32)
     # The ring's keys lie along their group's queries, so the ring takes most of the attention and a ring read wrong

@@ -1,0 +1,177 @@
+"""The rotated formats' C++ operators on the CPU: decode attention (``torch.ops.hf_kvplus_cpu.rotated_decode``) and
+quantize-and-pack (``torch.ops.hf_kvplus_cpu.rotated_encode``).
+
+Why: the plain-torch twin decodes every code position to float32 in memory at each step, then multiplies; on a
+CPU that decode costs about half of the attention, and inductor cannot fuse a decode into the matrix product it
+feeds. The attention operator (``rotated_attention_cpu.cpp``) never writes the decoded codes out: a key's score is
+one read per code byte (3-bit codes: per 6 bits) of a table, made once per call and query, of that byte's dot
+product with q's channels there; the values are decoded 16 tokens at a time into a small buffer (a table row per
+byte, as :func:`rotated_format.decoded_units` reads them) and summed at once; the ring of exact keys comes after
+the codes, and q and the output are rotated inside. One call per layer and step, which a compiled graph calls as
+one external kernel (a Python custom operator would cost about 18 us a call there). The encode operator
+(``rotated_pack_cpu.cpp``) codes each vector in one pass (centre, rotation, length, codebook search,
+re-normalization, packing), where inductor generates a chain of scalar loops for the twin's few vectors of a decode
+step: an evicting cache codes its new token and re-codes its moved sinks at every step.
+
+Both are built on first use, as one library, with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and
+ninja; tens of seconds once, then cached by torch under ``TORCH_EXTENSIONS_DIR``), for the CPU it runs on
+(``-march=native``: the build's name carries a digest of the sources, the flags and the CPU's), when a rotated
+layer first sees its shapes on the CPU (``RotatedFormat.prepare``). Where they cannot be built, or with
+``HF_KVPLUS_CPU_KERNELS=0``, the twins run, as everywhere off CUDA before; a failed build warns once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_kvplus.errors import ConfigError
+from hf_kvplus.kernels import rotated_format
+from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table, codebook, rotation
+
+__all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "supports"]
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp")]
+#: OpenMP on Linux: `at::parallel_for` is inline OpenMP code in torch's headers (sequential without it), and the
+#: library then shares the libgomp that torch has loaded (as inductor's kernels do).
+_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+_FLAGS = ["-O3", "-march=native", "-std=c++17", *_OPENMP]
+#: None: not tried yet; then whether the operator is registered.
+_LOADED: bool | None = None
+
+
+def available() -> bool:
+    """Whether the operator is there, building it on the first call outside a compiled region (a graph being
+    traced only reads what an earlier call found)."""
+    global _LOADED
+    if _LOADED is None and not torch.compiler.is_compiling():
+        _LOADED = _load()
+    return bool(_LOADED)
+
+
+def supports(q: torch.Tensor, fmt: RotatedFormat, block_table) -> bool:
+    """Whether this call can take the operator: CPU tensors, codes in one buffer (not a pool of blocks), values
+    without a centre (no format makes one), and the operator built."""
+    return q.device.type == "cpu" and block_table is None and fmt.value_center is None and available()
+
+
+def encodes(x: torch.Tensor) -> bool:
+    """Whether `x` can be coded by the encode operator: floats [B, H, T, D] on the CPU, and the operator built (other
+    input goes to the twin, which says what is wrong with it)."""
+    return x.device.type == "cpu" and x.dim() == 4 and x.is_floating_point() and available()
+
+
+def rotated_encode_cpu(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [B, H, T, D * bits // 8], norms float16 [B, H, T, 1]) of x [B, H, T, D], as
+    `rotated_format.quantize_rotated` makes them (a centred side's first call sets its centre, as there)."""
+    D = x.shape[-1]
+    fmt.check_head_dim(D)
+    bits = fmt.bits_of(side)
+    centroids, boundaries = codebook(D, bits, x.device)
+    center, mu = fmt.center_of(side), None
+    if center is not None and fmt.inputs_rotated:
+        if center.mu is None:
+            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
+        mu = center.rotated
+    elif center is not None:
+        center.observe(x, fmt.seed)
+        mu = center.mu
+    turn = None if fmt.inputs_rotated else rotation(D, fmt.seed, x.device)
+    return torch.ops.hf_kvplus_cpu.rotated_encode(x.float(), turn, boundaries, centroids, mu, bits,
+                                                  rotated_format.RENORMALIZE)  # (an ablation may turn it off)
+
+
+def rotated_decode_cpu(
+    q: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
+    residual_k: torch.Tensor | None, residual_v: torch.Tensor | None, mask: torch.Tensor | None, with_mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None) of q [B, Hq, D] over codes ``start .. start
+    + length`` of `packed` and the ring `residual_k`/`residual_v` (rotated when `fmt.inputs_rotated`), as
+    `quant_attention`'s twin computes it; the rotations of q and of the output happen inside."""
+    D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
+    center = fmt.key_center
+    k_center = center.rotated if center is not None and center.mu is not None else None
+    if residual_k is not None:
+        residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
+    end, device = start + length, q.device
+    out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
+        q.float().contiguous(), packed.k[:, :, start:end], packed.k_scale[:, :, start:end],
+        packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
+        byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
+        rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
+        residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
+    )  # fmt: skip
+    return out, (mass if with_mass else None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with unit stride along its last dim (what the operator reads), a copy only where it is not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _load() -> bool:
+    if os.environ.get("HF_KVPLUS_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _ninja_on_path()
+        sources = [path.read_text() for path in _SOURCES]
+        digest = hashlib.sha256("\n".join([*sources, *_FLAGS, _cpu_flags(), torch.__version__]).encode()).hexdigest()
+        load_inline(f"hf_kvplus_cpu_{digest[:16]}", cpp_sources=sources, extra_cflags=_FLAGS,
+                    extra_ldflags=_OPENMP, is_python_module=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the twin runs
+        warnings.warn(
+            f"hf_kvplus: the CPU kernels of rotated formats could not be built ({type(exc).__name__}: {exc}); "
+            "their decode attention and coding on the CPU run the plain-torch twins",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
+    torch.library.register_fake("hf_kvplus_cpu::rotated_encode")(_fake_encode)
+    return True
+
+
+def _ninja_on_path() -> None:
+    """Puts the `ninja` package's binary on PATH when no ninja is there (an environment used without activating
+    it): torch's build runs ``ninja`` by name."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _fake(
+    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, ring_k, ring_v,
+    ring_rotated, mask, scale, with_mass,
+):  # fmt: skip
+    B, Hq, _ = q.shape
+    Hkv, L = k_codes.shape[1], k_codes.shape[2] + (0 if ring_k is None else ring_k.shape[2])
+    Dv = v_rotation.shape[0]
+    return q.new_empty(B, Hq, Dv), q.new_empty(B if with_mass else 0, Hkv, L)
+
+
+def _fake_encode(x, rotation, boundaries, centroids, center, bits, renormalize):
+    B, H, T, D = x.shape
+    return x.new_empty(B, H, T, D * bits // 8, dtype=torch.uint8), x.new_empty(B, H, T, 1, dtype=torch.float16)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (a build made with -march=native runs only where they hold)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,175 @@
+"""The rotated formats' C++ quantize-and-pack on the CPU (``torch.ops.hf_kvplus_cpu.rotated_encode``).
+
+The operator is checked against the twin (``rotated_format.quantize_rotated``, the format's definition) for every
+bit width and head dims with the Hadamard and the Haar rotation: plain and centred sides (both signs of norm, the
+centre set by the first call in both), rotated inputs, zero vectors and strided input. Then that the dispatchers
+(``quant_pack``) code CPU tensors with it, eager and compiled (one node of the graph), that bad input gets an error
+naming the numbers, and that without it the twin runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_rotated_attention_cpu import needs_operator
+
+from hf_kvplus.kernels import quant_pack, rotated_cpu
+from hf_kvplus.kernels.rotated_format import (
+    KeyCenter,
+    RotatedFormat,
+    codebook,
+    dequantize_rotated,
+    quantize_rotated,
+    rotation,
+)
+
+pytestmark = needs_operator
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert rotated_cpu.available()
+
+
+def keys_like(B=2, H=3, T=40, D=32, seed=0) -> torch.Tensor:
+    """Keys around a per-head offset (a centred side codes most relative to it), with far-off tokens (coded plain),
+    and a zero vector."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, T, D, generator=g) + 2 * torch.randn(H, 1, D, generator=g)
+    x[:, :, :3] = 6 * torch.randn(B, H, 3, D, generator=g)
+    x[0, 0, 5] = 0.0
+    return x
+
+
+def centred(fmt_bits=(4, 2), seed=3) -> RotatedFormat:
+    return RotatedFormat(*fmt_bits, seed=seed, key_center=KeyCenter())
+
+
+def assert_same_codes(got, want):
+    """Codes alike (a coordinate within float rounding of a boundary may differ: none does in these cases) and
+    norms within one float16 step (their sums of squares are added in another order)."""
+    (codes, norms), (codes_twin, norms_twin) = got, want
+    assert codes.dtype == torch.uint8 and norms.dtype == torch.float16
+    assert codes.shape == codes_twin.shape and norms.shape == norms_twin.shape
+    assert torch.equal(codes, codes_twin)
+    torch.testing.assert_close(norms.float(), norms_twin.float(), atol=0, rtol=1e-3)
+    assert torch.equal(norms < 0, norms_twin < 0)
+
+
+@pytest.mark.parametrize("D", [32, 40, 48, 64, 128])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_the_operator_codes_as_the_twin(D, bits, side):
+    x = keys_like(D=D)
+    fmt = RotatedFormat(bits, bits, seed=5)
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(x, fmt, side), quantize_rotated(x, fmt, side))
+
+
+@pytest.mark.parametrize("D,bits", [(32, 4), (32, 3), (64, 2), (40, 4), (128, 1)])
+def test_a_centred_side_codes_both_signs_as_the_twin(D, bits):
+    x = keys_like(D=D)
+    ours, twins = centred((bits, 2)), centred((bits, 2))
+    got = rotated_cpu.rotated_encode_cpu(x, ours, "keys")  # the first call sets the centre, as the twin's does
+    want = quantize_rotated(x, twins, "keys")
+    torch.testing.assert_close(ours.key_center.mu, twins.key_center.mu, atol=0, rtol=0)
+    assert_same_codes(got, want)
+    norms = got[1]
+    assert (norms > 0).any() and (norms < 0).any()  # centred and plain codes both made
+    assert norms[0, 0, 5].item() == -(2.0**-24)  # the zero vector: plain, at the smallest norm
+    later = keys_like(D=D, seed=1)  # the centre stays as the first call set it
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(later, ours, "keys"), quantize_rotated(later, twins, "keys"))
+
+
+def test_rotated_inputs_code_as_the_twin():
+    fmt = centred((3, 3))
+    x = keys_like(D=64)
+    quantize_rotated(x, fmt, "keys")  # sets the centre
+    turned = fmt.with_rotated_inputs()
+    xr = x @ rotation(64, fmt.seed)
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(xr, turned, "keys"), quantize_rotated(xr, turned, "keys"))
+    plain = RotatedFormat(2, 4, seed=1).with_rotated_inputs()
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(xr, plain, "values"), quantize_rotated(xr, plain, "values"))
+
+
+def test_strided_and_half_inputs_code_as_the_twin():
+    fmt = RotatedFormat(4, 2, seed=0)
+    x = keys_like(T=20, D=64).transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, T, D] with H outermost-but-one
+    assert not x.is_contiguous()
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(x, fmt, "keys"), quantize_rotated(x, fmt, "keys"))
+    h = keys_like(T=20, D=64).half()
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(h, fmt, "values"), quantize_rotated(h, fmt, "values"))
+
+
+def test_decoded_codes_keep_the_length_and_stay_close():
+    """Independently of the twin: the decoded vector has x's length (re-normalized) and a 4-bit code's error is small."""
+    fmt = RotatedFormat(4, 4, seed=2)
+    x = keys_like(D=128)
+    codes, norms = rotated_cpu.rotated_encode_cpu(x, fmt, "keys")
+    back = dequantize_rotated(codes, norms, fmt, "keys")
+    torch.testing.assert_close(back.norm(dim=-1), x.norm(dim=-1), atol=1e-3, rtol=2e-3)
+    relative = (back - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)
+    assert relative[x.norm(dim=-1) > 0].max() < 0.15
+
+
+@pytest.mark.parametrize("kind", ["keys", "values"])
+def test_the_dispatchers_code_cpu_tensors_with_the_operator(monkeypatch, kind):
+    fmt = RotatedFormat(4, 2, seed=0)
+    x = keys_like(D=32)
+    calls = []
+    real = rotated_cpu.rotated_encode_cpu
+    monkeypatch.setattr(rotated_cpu, "rotated_encode_cpu", lambda *a: calls.append(a[2]) or real(*a))
+    quantize = quant_pack.quantize_keys if kind == "keys" else quant_pack.quantize_values
+    out = tuple(torch.zeros_like(t) for t in quantize_rotated(x, fmt, kind))
+    codes, norms, zero = quantize(x, fmt, out=(*out, None))
+    assert calls == [kind] and zero is None and codes is out[0]
+    assert_same_codes((codes, norms), quantize_rotated(x, fmt, kind))
+    slots = torch.tensor([[[3, 0]] * 3] * 2)  # [B, H, T=2]
+    want = quantize_rotated(x[:, :, :2], fmt, "values")
+    buffers = tuple(torch.zeros(2, 3, 5, t.shape[-1], dtype=t.dtype) for t in want)
+    quant_pack.quantize_values_at(x[:, :, :2], fmt, (*buffers, None), slots)
+    assert calls == [kind, "values"]
+    for buffer, part in zip(buffers, want, strict=True):
+        assert torch.equal(buffer[:, :, 3], part[:, :, 0]) and torch.equal(buffer[:, :, 0], part[:, :, 1])
+        assert not buffer[:, :, [1, 2, 4]].any()
+    monkeypatch.setattr(rotated_cpu, "_LOADED", False)  # as where it cannot be built: the twin
+    quantize(x, fmt)
+    assert len(calls) == 2
+
+
+def test_a_compiled_call_is_one_node_of_the_graph():
+    fmt = centred((4, 2))
+    x = keys_like(T=8, D=32)
+    quantize_rotated(keys_like(D=32), fmt, "keys")  # the centre set eagerly, as a cache's prefill sets it
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def step(x):
+        return quant_pack.quantize_keys(x, fmt, check=False)[:2]
+
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=backend, fullgraph=True)(x)
+    assert [t for t in targets if "hf_kvplus_cpu.rotated_encode" in str(t)], targets
+    assert_same_codes(got, quantize_rotated(x, fmt, "keys"))
+    assert_same_codes(torch.compile(step, fullgraph=True)(x), got)
+
+
+def test_bad_input_names_the_numbers():
+    op = torch.ops.hf_kvplus_cpu.rotated_encode
+    x = torch.randn(1, 2, 3, 32)
+    centroids, boundaries = codebook(32, 4)
+    r = rotation(32, 0)
+    with pytest.raises(RuntimeError, match=r"float32 \[B, H, T, D\].*Double"):
+        op(x.double(), r, boundaries, centroids, None, 4, True)
+    with pytest.raises(RuntimeError, match="multiple of 8, got 12"):
+        op(torch.randn(1, 2, 3, 12), None, boundaries, centroids, None, 4, True)
+    with pytest.raises(RuntimeError, match="bits must be 1, 2, 3, 4 or 8, got 5"):
+        op(x, r, boundaries, centroids, None, 5, True)
+    with pytest.raises(RuntimeError, match="3-bit codes need 7 boundaries and 8 centroids.*15 and 16"):
+        op(x, r, boundaries, centroids, None, 3, True)
+    with pytest.raises(RuntimeError, match=r"rotation must be float32 \[32, 32\], got \[16, 16\]"):
+        op(x, rotation(16, 0), boundaries, centroids, None, 4, True)
+    with pytest.raises(RuntimeError, match=r"centre must be float32 \[2, 32\], got \[3, 32\]"):
+        op(x, r, boundaries, centroids, torch.zeros(3, 32), 4, True)
