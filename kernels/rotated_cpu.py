@@ -43,12 +43,12 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("rotated_attention_cpu.c
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _FLAGS = ["-O3", "-march=native", "-std=c++17", *_OPENMP]
-#: None: not tried yet; then whether the operator is registered.
+#: None: not tried yet; then whether the operators are registered.
 _LOADED: bool | None = None
 
 
 def available() -> bool:
-    """Whether the operator is there, building it on the first call outside a compiled region (a graph being
+    """Whether the operators are there, building them on the first call outside a compiled region (a graph being
     traced only reads what an earlier call found)."""
     global _LOADED
     if _LOADED is None and not torch.compiler.is_compiling():
@@ -57,8 +57,8 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, fmt: RotatedFormat, block_table) -> bool:
-    """Whether this call can take the operator: CPU tensors, codes in one buffer (not a pool of blocks), values
-    without a centre (no format makes one), and the operator built."""
+    """Whether this call can take the attention operator: CPU tensors, codes in one buffer (not a pool of blocks),
+    values without a centre (no format makes one), and the operators built."""
     return q.device.type == "cpu" and block_table is None and fmt.value_center is None and available()
 
 
