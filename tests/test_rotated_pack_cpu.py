@@ -46,13 +46,17 @@ def centred(fmt_bits=(4, 2), seed=3) -> RotatedFormat:
 
 
 def assert_same_codes(got, want):
-    """Codes alike (a coordinate within float rounding of a boundary may differ: none does in these cases) and
-    norms within one float16 step (their sums of squares are added in another order)."""
+    """Codes alike, and norms within one float16 step (their sums of squares are added in another order). A coordinate
+    within float rounding of a codebook boundary may take the next code where the twin's rotation (a BLAS product)
+    rounds otherwise: none does on the machine these tests were written on, and at most one byte of at most 1% of the
+    tokens may differ elsewhere (their norms then differ too)."""
     (codes, norms), (codes_twin, norms_twin) = got, want
     assert codes.dtype == torch.uint8 and norms.dtype == torch.float16
     assert codes.shape == codes_twin.shape and norms.shape == norms_twin.shape
-    assert torch.equal(codes, codes_twin)
-    torch.testing.assert_close(norms.float(), norms_twin.float(), atol=0, rtol=1e-3)
+    differing = (codes != codes_twin).sum(-1, keepdim=True)
+    assert differing.max() <= 1 and (differing > 0).float().mean() <= 0.01, int((differing > 0).sum())
+    alike = differing == 0
+    torch.testing.assert_close(norms.float()[alike], norms_twin.float()[alike], atol=0, rtol=1e-3)
     assert torch.equal(norms < 0, norms_twin < 0)
 
 
