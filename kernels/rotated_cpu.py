@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from hf_kvplus.errors import ConfigError
 from hf_kvplus.kernels import rotated_format
-from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table, codebook, rotation
+from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table, codebook, coding_center, rotation
 
 __all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "supports"]
 
@@ -75,15 +74,8 @@ def rotated_encode_cpu(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
-    center, mu = fmt.center_of(side), None
-    if center is not None and fmt.inputs_rotated:
-        if center.mu is None:
-            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
-        mu = center.rotated
-    elif center is not None:
-        center.observe(x, fmt.seed)
-        mu = center.mu
     turn = None if fmt.inputs_rotated else rotation(D, fmt.seed, x.device)
+    mu = coding_center(x, fmt, side)
     return torch.ops.hf_kvplus_cpu.rotated_encode(x.float(), turn, boundaries, centroids, mu, bits,
                                                   rotated_format.RENORMALIZE)  # (an ablation may turn it off)
 

@@ -54,6 +54,7 @@ __all__ = [
     "RotatedFormat",
     "byte_table",
     "codebook",
+    "coding_center",
     "dequantize_rotated",
     "lloyd_max",
     "pack_bits",
@@ -238,9 +239,9 @@ def rotation(
 def rotated(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x.float() @ r``. In a graph compiled off CUDA, for a decode step's few vectors (the new token that the static
     quantized storage's ring takes rotated; the sinks an evicting cache reads back in `dequantize_rotated`, and,
-    where the C++ operators are not built, what it codes in `quantize_rotated`), as a product and a sum, which inductor fuses into the kernels
-    around them: a matrix product is an external call there, whose dispatch costs more than the arithmetic of a
-    head's rotation (a sink on k4v2 slots from 1.32-1.33x to 1.21-1.25x of StaticCache at 1K, paired runs, stop 42).
+    where the C++ operators are not built, what it codes in `quantize_rotated`), as a product and a sum, which
+    inductor fuses into the kernels around them: a matrix product is an external call there, whose dispatch costs
+    more than the arithmetic of a head's rotation (a sink on k4v2 slots from 1.32-1.33x to 1.21-1.25x of StaticCache at 1K, paired runs, stop 42).
     The twin attention's rotations of the queries and of the output stay matrix products: done this way as well, a
     sink on k4v2 slots went from 1.47x to 1.59-1.62x (stop 39); the CPU operator rotates them inside."""
     x = x.float()
@@ -404,27 +405,34 @@ def centered(
     x: torch.Tensor, fmt: RotatedFormat, side: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(what a side's codes code, float32; its length [..., T, 1]; the sign of each token's norm: +1 relative to the
-    centre, -1 plain, or None for a side without a centre). The side's first call sets its centre from its keys
-    (x then [B, H, T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the set centre, rotated."""
-    center = fmt.center_of(side)
+    centre, -1 plain, or None for a side without a centre); the centre is :func:`coding_center`'s."""
+    mu = coding_center(x, fmt, side)
     xf = x.float()
-    if center is None:
+    if mu is None:
         return xf, torch.linalg.vector_norm(xf, dim=-1, keepdim=True), None
-    if x.dim() != 4:
-        raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
-    if fmt.inputs_rotated:
-        if center.mu is None:
-            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
-        mu = center.rotated
-    else:
-        center.observe(x, fmt.seed)
-        mu = center.mu
     shifted = xf - mu[:, None, :]
     shifted_length = torch.linalg.vector_norm(shifted, dim=-1, keepdim=True)
     length = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     shorter = shifted_length <= length
     return (torch.where(shorter, shifted, xf), torch.where(shorter, shifted_length, length),
             torch.where(shorter, 1.0, -1.0))  # fmt: skip
+
+
+def coding_center(x: torch.Tensor, fmt: RotatedFormat, side: str) -> torch.Tensor | None:
+    """The centre [H, D] that a side's codes of x are relative to, in x's space, or None for a side without one. The
+    side's first call sets it from its keys (x [B, H, T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the
+    set centre, rotated."""
+    center = fmt.center_of(side)
+    if center is None:
+        return None
+    if x.dim() != 4:
+        raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
+    if fmt.inputs_rotated:
+        if center.mu is None:
+            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
+        return center.rotated
+    center.observe(x, fmt.seed)
+    return center.mu
 
 
 def decoded_units(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
