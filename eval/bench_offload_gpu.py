@@ -240,8 +240,9 @@ def warm_up(model, args) -> None:
         free_memory()
 
 
-def run(model, args, bandwidth: dict | None) -> list[dict]:
-    """Every (batch, cache) pair on the same prompt per batch; the on-device baseline first."""
+def run(model, args, bandwidth: dict | None, on_row: Callable[[list[dict]], object]) -> list[dict]:
+    """Every (batch, cache) pair on the same prompt per batch; the on-device baseline first. `on_row` gets
+    the rows so far after each one, so a run cut at its time limit keeps what it measured."""
     rows, baseline = [], {}
     for batch, kind in tqdm(list(product(args.batch, KINDS)), desc="batch x cache", file=sys.stderr):
         prompt = random_prompt(model, batch, args.context)
@@ -265,6 +266,7 @@ def run(model, args, bandwidth: dict | None) -> list[dict]:
             if bandwidth and row["achieved_gb_per_s"] is not None:
                 row["fraction_of_pinned"] = row["achieved_gb_per_s"] / bandwidth["gb_per_s"]
         rows.append(row)
+        on_row(rows)
         free_memory()
     return rows
 
@@ -338,8 +340,9 @@ def main(argv=None) -> None:
     bandwidth = None if args.dry_run else pinned_bandwidth(int(args.bandwidth_gib * 2**30), args.bandwidth_repeats)
     free_memory()
     warm_up(model, args)
-    rows = run(model, args, bandwidth)
-    print(write_results(args, stamp(), bandwidth, rows))
+    info = stamp()
+    rows = run(model, args, bandwidth, lambda rows: write_results(args, info, bandwidth, rows))
+    print(write_results(args, info, bandwidth, rows))
 
 
 if __name__ == "__main__":
