@@ -137,14 +137,18 @@ def test_decode_survives_eviction_between_update_and_attention(seed):
     assert torch.equal(gathered_k, dense_k) and torch.equal(gathered_v, dense_v)
 
 
-def test_prefill_attends_to_the_fresh_chunk_at_full_precision(seed):
+def test_prefill_attends_to_the_fresh_chunk_and_the_past_window_at_full_precision(seed):
     s = storage(4, group=4, window=4)
-    s.append(*kv(1, 10))
+    past_k, past_v = kv(1, 10)
+    s.append(past_k, past_v)
     k, v = kv(1, 12)
-    s.append(k, v)  # most of this chunk is quantized at once
+    s.append(k, v)  # most of this chunk, and the past's window, are quantized at once
     got_k, got_v = s.read(22, 12)
     assert torch.equal(got_k[:, :, -12:], k) and torch.equal(got_v[:, :, -12:], v)
-    assert torch.equal(got_k[:, :, :10], s.view(22)[0][:, :, :10])
+    # the first query's window: itself and the 3 tokens before it
+    assert torch.equal(got_k[:, :, 7:10], past_k[:, :, 7:]) and torch.equal(got_v[:, :, 7:10], past_v[:, :, 7:])
+    assert torch.equal(got_k[:, :, :7], s.view(22)[0][:, :, :7])
+    assert not torch.equal(got_k[:, :, 7:10], s.view(22)[0][:, :, 7:10]), "the past's window was not quantized"
 
 
 @pytest.mark.parametrize("window", [3, 0, 4.0, True])

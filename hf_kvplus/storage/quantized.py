@@ -112,7 +112,9 @@ class QuantizedStorage(KVStorage):
     more, its oldest whole groups are quantized into the segment (once: a group is never re-quantized),
     so at least `window` recent tokens are always exact. Decode attends over the segment in place
     (the segment's `read`: codes for the fused dequantizing kernel) plus the window; prefill attends with SDPA
-    over the dequantized past and the fresh chunk at full precision.
+    over the dequantized past and, at full precision, what the window held for each of its queries: the newest
+    `window + new - 1` tokens, the fresh chunk and the past's window (what this forward pushed out of the window
+    is quantized at once, and attended as it was). A one-token step's window is the `window` newest, as before.
 
     Rolling back into the quantized tokens (`drop_back`, assisted decoding with a small window) moves the
     kept part of the cut group back into the window dequantized; it is quantized again later.
@@ -131,7 +133,9 @@ class QuantizedStorage(KVStorage):
         self.window = window
         self.fused = fused
         self.recent = DenseStorage()
-        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The full-precision K/V of tokens a multi-token forward moved from the window into the segment, which its
+        # queries still attend exact (`read`); None after a one-token step, whose window `recent` always holds.
+        self._left: tuple[torch.Tensor, torch.Tensor] | None = None
         self._flushed = 0  # tokens ever quantized into the segment
         # For a segment that shares rows: which rows of the first forward (the prompt) are equal, and its length.
         self._prompt: tuple[list[int], int] | None = None
@@ -165,11 +169,14 @@ class QuantizedStorage(KVStorage):
             self._prompt = (identical_rows(keys), keys.shape[2])
         self.segment.begin_update()
         self.recent.append(keys, values)
-        self._fresh = (keys, values)
+        self._left = None
         unit = self.segment.flush_tokens(self.window)
         flush = (self.recent.length - self.window) // unit * unit
         if flush > 0:
             old_k, old_v = self.recent.view(self.recent.length)
+            left = min(flush, self.window + keys.shape[2] - 1 - (self.recent.length - flush))
+            if keys.shape[2] > 1 and left > 0:  # (slices of the buffer the flush leaves behind: no copy)
+                self._left = (old_k[:, :, flush - left : flush], old_v[:, :, flush - left : flush])
             in_prompt = self._prompt is not None and self._flushed + flush <= self._prompt[1]
             try:
                 self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush], self._prompt[0] if in_prompt else None)
@@ -191,7 +198,7 @@ class QuantizedStorage(KVStorage):
         return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
 
     def read(self, last: int, new: int) -> Read:
-        fresh, self._fresh = self._fresh, None
+        left, self._left = self._left, None
         if self.fused and new == 1:
             # Decode reads the segment in place (a segment's dropped tokens stay readable until its next append).
             recent = min(last, self.recent.length)
@@ -200,13 +207,15 @@ class QuantizedStorage(KVStorage):
             if count == 0:  # only full-precision tokens in view
                 return DenseRead(rk, rv)
             return self.segment.read(self.segment.length - count, count, rk, rv, partial(self.view, last))
-        if fresh is None or new <= self.recent.length:
-            return DenseRead(*self.view(last))
-        # Part of the fresh chunk is already quantized: attend to the chunk at full precision anyway
-        # (`view` concatenated a dequantized part, so its result is ours to overwrite).
         k, v = self.view(last)
-        k[:, :, last - new :] = fresh[0]
-        v[:, :, last - new :] = fresh[1]
+        exact = min(last, self.recent.length)
+        if left is None or exact == last:
+            return DenseRead(k, v)
+        # The tokens this forward pushed out of the window, just before the exact ones: attended as they were
+        # (`view` concatenated a dequantized part, so its result is ours to overwrite).
+        n = min(left[0].shape[2], last - exact)
+        k[:, :, last - exact - n : last - exact] = left[0][:, :, -n:]
+        v[:, :, last - exact - n : last - exact] = left[1][:, :, -n:]
         return DenseRead(k, v)
 
     def drop_front(self, count: int) -> None:
@@ -244,7 +253,7 @@ class QuantizedStorage(KVStorage):
     def reset(self) -> None:
         self.segment.reset()
         self.recent.reset()
-        self._fresh = None
+        self._left = None
         self._flushed, self._prompt = 0, None
 
     def memory(self) -> MemoryReport:

@@ -41,8 +41,8 @@ class StaticQuantizedStorage(KVStorage):
     Attention reads all positions every step: the code positions then the ring, with a mask of its own
     (codes before the frontier, ring slots holding a token at or past it) combined with the model's (padding).
     `static_length` is codes plus ring, the length the model's mask is built for; prefill reads the same
-    length densely, its tokens at their positions (the fresh ones exact) and the ring's part empty, so the
-    model's causal mask is right as it is.
+    length densely, its tokens at their positions (the fresh ones and the `window - 1` before them exact: each
+    query's window) and the ring's part empty, so the model's causal mask is right as it is.
     """
 
     reads_in_place = True
@@ -66,7 +66,8 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
         self._aranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # positions, ring, group
-        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last chunk, attended exact (KIVI)
+        # The last chunk after the past's window: what the chunk attends exact (`_with_past_window`).
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state
     end = counted("Tokens held, token p at code position p (`count`, on the device too).")
@@ -99,9 +100,19 @@ class StaticQuantizedStorage(KVStorage):
         if new == 1:
             self._decode_write(ring_k, ring_v)
         else:
+            self._fresh = self._with_past_window(keys, values)
             self._chunk_write(ring_k, ring_v)
-            self._fresh = (keys, values)
         self.count.advance(new)
+
+    def _with_past_window(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's keys and values after the `window - 1` tokens before it, exact as the ring holds them: what the
+        chunk's queries attend at full precision (each query's window), though the chunk pushes them out of it."""
+        past = min(self.end, self.window - 1)
+        if past == 0:
+            return keys, values
+        slots = torch.arange(self.end - past, self.end, device=keys.device) % self.ring
+        k, v = self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+        return torch.cat([k, keys], dim=2), torch.cat([v, values], dim=2)
 
     def _to_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens as the ring holds them: rotated for a rotated format (whose key centre the first keys set, as
@@ -221,8 +232,8 @@ class StaticQuantizedStorage(KVStorage):
         values[:, :, : self.end] = v
         fresh, self._fresh = self._fresh, None
         if fresh is not None and new > 1:
-            keys[:, :, self.end - new : self.end] = fresh[0]
-            values[:, :, self.end - new : self.end] = fresh[1]
+            keys[:, :, self.end - fresh[0].shape[2] : self.end] = fresh[0]
+            values[:, :, self.end - fresh[1].shape[2] : self.end] = fresh[1]
         return keys, values
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
