@@ -7,6 +7,7 @@ from collections.abc import Callable
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
+from .attention.dispatch import takes_fused_path
 from .errors import CacheMismatchError, ConfigError, UnsupportedModelError
 from .layer import KVLayer
 from .memory import MemoryReport
@@ -75,6 +76,7 @@ class KVCache(Cache):
         if compileable:
             check_compileable(self.model_spec, placement)
         self._compileable = compileable
+        self._in_place = takes_fused_path(config)
         layers = [
             self._build_layer(spec, storage, retention, placement) if spec.holds_kv else self._transformers_layer(spec)
             for spec in self.model_spec.layers
@@ -109,7 +111,9 @@ class KVCache(Cache):
 
     def _build_layer(self, spec: LayerSpec, storage, retention, placement: Placement):
         """The cache layer of one attention layer."""
-        return KVLayer(spec, storage(spec), retention(spec), placement, compileable=self._compileable)
+        return KVLayer(
+            spec, storage(spec), retention(spec), placement, compileable=self._compileable, in_place=self._in_place
+        )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):

@@ -12,7 +12,7 @@ from .model_spec import LayerSpec
 from .placement.base import Placement
 from .retention.base import Retention
 from .storage.base import KVStorage
-from .storage.reads import DenseRead
+from .storage.reads import DenseRead, SlotRead
 
 
 class KVLayer(CacheLayerMixin):
@@ -30,13 +30,21 @@ class KVLayer(CacheLayerMixin):
     `crop`, or for a scored layer's next `update`), so assisted decoding can roll back.
 
     `compileable` is the cache's declaration that every decode step has the same shapes once the layer is
-    full (a budget of slots), so `generate()` may compile it as it compiles StaticCache.
+    full (a budget of slots), so `generate()` may compile it as it compiles StaticCache. `in_place` says whether the
+    model's attention is hf_kvplus's (`attention.dispatch`), which reads a storage in place; a model on eager or
+    another attention function gets the read's dense gather instead.
     """
 
     is_compileable = False
 
     def __init__(
-        self, spec: LayerSpec, storage: KVStorage, retention: Retention, placement: Placement, compileable: bool = False
+        self,
+        spec: LayerSpec,
+        storage: KVStorage,
+        retention: Retention,
+        placement: Placement,
+        compileable: bool = False,
+        in_place: bool = True,
     ):
         # `CacheLayerMixin.__init__` only sets `keys`/`values`, which are views of the storage here.
         self.spec = spec
@@ -44,6 +52,7 @@ class KVLayer(CacheLayerMixin):
         self.retention = retention
         self.placement = placement
         self.is_compileable = compileable
+        self.in_place = in_place
         self.is_sliding = spec.kind != "full"
         self.is_initialized = False
         self.record_past = False
@@ -146,6 +155,8 @@ class KVLayer(CacheLayerMixin):
         if not self.storage.device_count:  # else the storage counts, on the device: a compiled step reads no int
             self._seen += new
         read = self.storage.read(visible + new, new)
+        if not self.in_place and type(read) is not DenseRead and type(read) is not SlotRead:
+            read = DenseRead(*read.dense())  # the model's own attention computes on what it gets
         keys = read.keys
         setattr(keys, KV_SOURCE_ATTR, self)
         if type(read) is not DenseRead or self.retention.scored:

@@ -8,7 +8,6 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedConfig
 
-from .attention.dispatch import takes_fused_path
 from .cache import KVCache
 from .errors import ConfigError, UnsupportedOperationError
 from .formats import resolve_format
@@ -130,7 +129,6 @@ class PagedCache(KVCache):
             )
         self.max_tokens = max_tokens
         self.groups: dict[str, BlockGroup] = {}
-        fused = takes_fused_path(config)
 
         def storage(spec: LayerSpec) -> PagedStorage | QuantizedStorage:
             key = group_key(spec)
@@ -138,9 +136,9 @@ class PagedCache(KVCache):
                 fixed = max_tokens if key == "full" else None
                 self.groups[key] = BlockGroup(self.pool.blocks[key], self.pool.block_size, fixed_tokens=fixed)
             if self.format is None:
-                return PagedStorage(self.groups[key], self.pool.layers[spec.index], fused=fused, static=compileable)
+                return PagedStorage(self.groups[key], self.pool.layers[spec.index], static=compileable)
             segment = PagedSegment(self.groups[key], self.pool.layers[spec.index])
-            return QuantizedStorage(segment, window=window, fused=fused)
+            return QuantizedStorage(segment, window=window)
 
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         weakref.finalize(self, _release, list(self.groups.values()))

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 from transformers import PreTrainedConfig
 
-from .attention.dispatch import takes_fused_path
 from .cache import KVCache
 from .errors import ConfigError
 from .formats import resolve_format, rotated_bits
@@ -41,7 +40,6 @@ def quantized_storage(
     fmt = resolve_format(ModelSpec.from_config(config), bits, group_size, rotation_seed)
     if backend == "quanto" and fmt.rotated:
         raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r}")
-    fused = takes_fused_path(config)
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens)  # bad sizes fail here, not at a forward
 
@@ -58,8 +56,8 @@ def quantized_storage(
 
     def storage(spec: LayerSpec) -> QuantizedStorage | StaticQuantizedStorage:
         if max_tokens is not None and spec.kind == "full":
-            return StaticQuantizedStorage(fmt.for_layer(spec.index), window, max_tokens, fused=fused)
-        return QuantizedStorage(segment(fmt.for_layer(spec.index)), window=window, fused=fused)
+            return StaticQuantizedStorage(fmt.for_layer(spec.index), window, max_tokens)
+        return QuantizedStorage(segment(fmt.for_layer(spec.index)), window=window)
 
     return storage
 

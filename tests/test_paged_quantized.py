@@ -145,7 +145,7 @@ def test_fused_decode_over_the_blocks_matches_the_eager_dense_path(arch, bits):
             logits[impl] = generate(model, cache, prompt, max_new_tokens=8)[1]
         finally:
             model.set_attn_implementation("sdpa")
-        assert cache.layers[-1].storage.fused == (impl == "sdpa")
+        assert cache.layers[-1].in_place == (impl == "sdpa")
         assert any(s.length for s in segments(cache))
     torch.testing.assert_close(logits["sdpa"], logits["eager"], atol=2e-4, rtol=1e-4)
 

@@ -90,7 +90,7 @@ def test_fused_decode_matches_the_dense_path(arch, bits):
                                  output_logits=True, return_dict_in_generate=True)
         finally:
             model.set_attn_implementation("sdpa")
-        assert cache.layers[0].storage.fused == (impl == "sdpa")
+        assert cache.layers[0].in_place == (impl == "sdpa")
         logits[impl] = torch.stack(out.logits)
     torch.testing.assert_close(logits["sdpa"], logits["eager"], atol=2e-4, rtol=1e-4)
 

@@ -143,7 +143,7 @@ def test_prefill_attends_to_the_fresh_chunk_and_the_past_window_at_full_precisio
     s.append(past_k, past_v)
     k, v = kv(1, 12)
     s.append(k, v)  # most of this chunk, and the past's window, are quantized at once
-    got_k, got_v = s.read(22, 12)
+    got_k, got_v = s.read(22, 12).dense()
     assert torch.equal(got_k[:, :, -12:], k) and torch.equal(got_v[:, :, -12:], v)
     # the first query's window: itself and the 3 tokens before it
     assert torch.equal(got_k[:, :, 7:10], past_k[:, :, 7:]) and torch.equal(got_v[:, :, 7:10], past_v[:, :, 7:])

@@ -28,7 +28,9 @@ def attended(cache, keys, values):
     of the held tokens in order (a static storage's trailing ring part cut off)."""
     k, v = cache.update(keys, values, 0)
     read = getattr(k, KV_READ_ATTR, None)
-    if read is not None and read.dense is not None:  # read in place by a decode kernel: the tokens it reads
+    query = torch.randn(keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3])
+    cache.layers[0].attend(None, query, k, v, None, 1.0)  # (the layer expects its attention before the next update)
+    if read is not None:  # blocks or codes read in place: the tokens they hold, as attention gathers them
         k, v = read.dense()
     seen = cache.get_seq_length(0)
     return k[:, :, :seen], v[:, :, :seen]

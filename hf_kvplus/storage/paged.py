@@ -12,7 +12,7 @@ from ..memory import MemoryReport
 from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool
 from .base import KVStorage
-from .reads import DenseRead, PagedRead, Read, placeholders
+from .reads import PagedRead, Read, placeholders
 from .token_count import TokenCount, counted
 
 
@@ -21,9 +21,8 @@ class PagedStorage(KVStorage):
 
     New tokens are written through a slot mapping (`paged_store`; a decode step's one token by two
     index_put into its rows' blocks), never by concatenation; a decode step attends over the blocks
-    in place (`paged_decode_attention`), so nothing gathers the sequence into a contiguous copy. Prefill and chunked prefill gather the visible past once and attend with
-    SDPA. With `fused=False` (a model on eager or another attention function) `update` returns
-    gathered dense K/V on every step instead.
+    in place (`paged_decode_attention`), so nothing gathers the sequence into a contiguous copy. Prefill and chunked
+    prefill gather the visible past once (the read's `dense()`) and attend with SDPA.
 
     `static=True` (a group with `fixed_tokens`: every row's table reserved to that length at the first fill)
     reads all `fixed_tokens` positions every step, as StaticCache does, the model's mask hiding those not yet
@@ -36,16 +35,15 @@ class PagedStorage(KVStorage):
     #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
     shared_at_rest = True
 
-    def __new__(cls, group: BlockGroup | None = None, pool: LayerPool | None = None, fused=True, static=False):
+    def __new__(cls, group: BlockGroup | None = None, pool: LayerPool | None = None, static=False):
         # (defaults: `copy` makes an instance with no arguments)
         return super().__new__(StaticPagedStorage if static and cls is PagedStorage else cls)
 
-    def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True, static: bool = False):
+    def __init__(self, group: BlockGroup, pool: LayerPool, static: bool = False):
         if static and group.fixed_tokens is None:
             raise ConfigError("a static paged storage needs a block group of fixed_tokens: it reads that many every step")
         self.group = group
         self.pool = pool
-        self.fused = fused
         self.static_length = group.fixed_tokens if static else None
         self.start = self.end = 0  # logical tokens held: start..end-1
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
@@ -116,8 +114,6 @@ class PagedStorage(KVStorage):
     def read(self, last: int, new: int) -> Read:
         first = self.end - last if self.static_length is None else 0  # static: the whole table (base is 0)
         end = first + (last if self.static_length is None else self.static_length)
-        if not (self.fused and new == 1):
-            return DenseRead(*self._gather(first, end))
         pool = self.pool
         return PagedRead(
             *placeholders(self.k_pool, self.batch_size, pool.num_kv_heads, end - first, pool.head_dim, pool.head_dim),
@@ -190,9 +186,9 @@ class StaticPagedStorage(PagedStorage):
 
     device_count = True
 
-    def __init__(self, group: BlockGroup, pool: LayerPool, fused: bool = True, static: bool = True):
+    def __init__(self, group: BlockGroup, pool: LayerPool, static: bool = True):
         self.count = TokenCount()  # `end`, on the device too
-        super().__init__(group, pool, fused, static=True)
+        super().__init__(group, pool, static=True)
 
     end = counted("Logical tokens start..end-1 are held (`count`, on the device too).")
 

@@ -122,7 +122,7 @@ class QuantizedStorage(KVStorage):
 
     reads_in_place = True
 
-    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW, fused: bool = True):
+    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW):
         group = segment.fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < group:
             raise ConfigError(
@@ -131,7 +131,6 @@ class QuantizedStorage(KVStorage):
             )
         self.segment = segment
         self.window = window
-        self.fused = fused
         self.recent = DenseStorage()
         # The full-precision K/V of tokens a multi-token forward moved from the window into the segment, which its
         # queries still attend exact (`read`); None after a one-token step, whose window `recent` always holds.
@@ -198,25 +197,26 @@ class QuantizedStorage(KVStorage):
         return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
 
     def read(self, last: int, new: int) -> Read:
+        """The segment's codes in place, then the window (a segment's dropped tokens stay readable until its next
+        append); `dense()` gathers the same tokens, those the forward pushed out of the window exact."""
         left, self._left = self._left, None
-        if self.fused and new == 1:
-            # Decode reads the segment in place (a segment's dropped tokens stay readable until its next append).
-            recent = min(last, self.recent.length)
-            rk, rv = self.recent.view(recent)
-            count = last - recent
-            if count == 0:  # only full-precision tokens in view
-                return DenseRead(rk, rv)
-            return self.segment.read(self.segment.length - count, count, rk, rv, partial(self.view, last))
-        k, v = self.view(last)
-        exact = min(last, self.recent.length)
-        if left is None or exact == last:
-            return DenseRead(k, v)
-        # The tokens this forward pushed out of the window, just before the exact ones: attended as they were
-        # (`view` concatenated a dequantized part, so its result is ours to overwrite).
-        n = min(left[0].shape[2], last - exact)
-        k[:, :, last - exact - n : last - exact] = left[0][:, :, -n:]
-        v[:, :, last - exact - n : last - exact] = left[1][:, :, -n:]
-        return DenseRead(k, v)
+        recent = min(last, self.recent.length)
+        rk, rv = self.recent.view(recent)
+        count = last - recent
+        if count == 0:  # only full-precision tokens in view
+            return DenseRead(rk, rv)
+        return self.segment.read(self.segment.length - count, count, rk, rv, partial(self._gather, count, rk, rv, left))
+
+    def _gather(self, count: int, rk: torch.Tensor, rv: torch.Tensor, left) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newest `count` coded tokens dequantized, then the window `rk`/`rv`. The last of the coded ones that this
+        forward pushed out of the window (`left`) are attended as they were."""
+        n = self.segment.length
+        k, v = self.segment.dequantized(n - count, n, rk.dtype)
+        if left is not None:
+            m = min(left[0].shape[2], count)
+            k[:, :, count - m :] = left[0][:, :, -m:]
+            v[:, :, count - m :] = left[1][:, :, -m:]
+        return torch.cat([k, rk], dim=2), torch.cat([v, rv], dim=2)
 
     def drop_front(self, count: int) -> None:
         from_segment = min(count, self.segment.length)

@@ -15,7 +15,7 @@ from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
 from .base import KVStorage
 from .packed_segment import dequantized_span, group_views, new_buffers, span_bytes
-from .reads import DenseRead, PackedRead, Read, placeholders
+from .reads import PackedRead, Read, placeholders
 from .token_count import TokenCount, counted
 
 
@@ -48,7 +48,7 @@ class StaticQuantizedStorage(KVStorage):
     reads_in_place = True
     device_count = True
 
-    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, fused: bool = True):
+    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int):
         g = fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < g:
             raise ConfigError(
@@ -56,7 +56,7 @@ class StaticQuantizedStorage(KVStorage):
             )
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        self.fmt, self.window, self.max_tokens, self.fused = fmt, window, max_tokens, fused
+        self.fmt, self.window, self.max_tokens = fmt, window, max_tokens
         self.code_fmt = fmt.with_rotated_inputs() if fmt.rotated else fmt  # what codes the ring's tokens
         self.positions = max(g, -(-(max_tokens - window) // g) * g)  # code positions: whole groups
         self.ring = window + 2 * g
@@ -98,6 +98,7 @@ class StaticQuantizedStorage(KVStorage):
             raise CapacityError(f"{self.end + new} tokens per row do not fit in the cache's max_tokens={self.max_tokens}")
         ring_k, ring_v = self._to_ring(keys, values)
         if new == 1:
+            self._fresh = None
             self._decode_write(ring_k, ring_v)
         else:
             self._fresh = self._with_past_window(keys, values)
@@ -190,13 +191,12 @@ class StaticQuantizedStorage(KVStorage):
 
     # ------------------------------------------------------------------ reads
     def read(self, last: int, new: int) -> Read:
-        if not (self.fused and new == 1):
-            return DenseRead(*self._dense(new))
+        fresh, self._fresh = self._fresh, None
         batch, heads, _, dim = self.ring_k.shape
         keys, values = placeholders(self.ring_k, batch, heads, self.static_length, dim, self.ring_v.shape[-1])
         return PackedRead(
             keys, values, self.buffers, self.code_fmt, 0, self.positions, self.ring_k, self.ring_v, None,
-            partial(self._dense, new), mask=self._mask,
+            partial(self._dense, fresh), mask=self._mask,
         )  # fmt: skip
 
     def _mask(self, model_mask: torch.Tensor | None) -> torch.Tensor:
@@ -222,16 +222,16 @@ class StaticQuantizedStorage(KVStorage):
         device = self.ring_k.device
         return tuple(torch.arange(n, device=device) for n in (self.positions, self.ring, self.fmt.group_size))
 
-    def _dense(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense(self, fresh: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """All `static_length` positions densely: tokens at their positions (codes dequantized before the
-        frontier, exact after it, the `new` fresh ones exact), zeros elsewhere and in the ring's part."""
+        frontier, exact after it, a chunk's `fresh` tokens and the window before them exact), zeros elsewhere and in
+        the ring's part."""
         keys = self.ring_k.new_zeros(*self.ring_k.shape[:2], self.static_length, self.ring_k.shape[-1])
         values = self.ring_v.new_zeros(*self.ring_v.shape[:2], self.static_length, self.ring_v.shape[-1])
         k, v = self.view(self.end)
         keys[:, :, : self.end] = k
         values[:, :, : self.end] = v
-        fresh, self._fresh = self._fresh, None
-        if fresh is not None and new > 1:
+        if fresh is not None:
             keys[:, :, self.end - fresh[0].shape[2] : self.end] = fresh[0]
             values[:, :, self.end - fresh[1].shape[2] : self.end] = fresh[1]
         return keys, values
