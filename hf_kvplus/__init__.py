@@ -32,6 +32,7 @@ from .paged_cache import PagedCache
 from .paging import BlockPool, PagedPool, PrefixStore
 from .placement import Offloaded, OnDevice, Placement, TierBytes
 from .plugin import install, uninstall
+from .precision import PrecisionRegions
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
 from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore, StaticQuantizedStorage
@@ -72,6 +73,7 @@ __all__ = [
     "PrefixStore",
     "Placement",
     "QuantizedCache",
+    "PrecisionRegions",
     "QuantizedStorage",
     "StaticQuantizedStorage",
     "RDataError",

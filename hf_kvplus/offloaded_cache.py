@@ -7,7 +7,9 @@ from pathlib import Path
 from transformers import PreTrainedConfig
 
 from .cache import KVCache
+from .errors import ConfigError
 from .placement.offloaded import Offloaded
+from .precision import PrecisionRegions
 from .quantized_cache import quantized_storage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW
@@ -40,12 +42,18 @@ class OffloadedCache(KVCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
+        regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
         if bits is None:
+            if regions != PrecisionRegions(window):
+                raise ConfigError(f"precision regions ({regions}) need bits: a full-precision cache is exact everywhere")
             storage = lambda spec: DenseStorage()  # noqa: E731
         else:
-            storage = quantized_storage(config, bits=bits, group_size=group_size, window=window)
+            storage = quantized_storage(config, bits=bits, group_size=group_size, regions=regions)
         super().__init__(config, storage=storage, placement=placement)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from .paging.block_pool import BlockPool
 from .paging.group import BlockGroup
 from .paging.paged_pool import PagedPool, group_key
 from .placement.base import Placement
+from .precision import PrecisionRegions
 from .storage.paged import PagedStorage
 from .storage.paged_segment import PagedSegment
 from .storage.quantized import DEFAULT_WINDOW, QuantizedStorage
@@ -86,6 +87,7 @@ class PagedCache(KVCache):
         placement: Placement | None = None,
         max_tokens: int | None = None,
         compileable: bool = False,
+        first_tokens: int = 0,
     ):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -122,6 +124,9 @@ class PagedCache(KVCache):
                     f"(group_size={self.format.group_size} tokens)"
                 )
             self.window = window
+        self.regions = PrecisionRegions(window, first_tokens)
+        if first_tokens and self.format is None:
+            raise ConfigError(f"first_tokens={first_tokens} needs bits: full-precision blocks are exact everywhere")
         if max_tokens is not None and self.format is not None:
             raise ConfigError(
                 f"max_tokens applies to full-precision blocks; a quantized PagedCache ({self.format}) fills its blocks "
@@ -138,7 +143,7 @@ class PagedCache(KVCache):
             if self.format is None:
                 return PagedStorage(self.groups[key], self.pool.layers[spec.index], static=compileable)
             segment = PagedSegment(self.groups[key], self.pool.layers[spec.index])
-            return QuantizedStorage(segment, window=window)
+            return QuantizedStorage(segment, window=window, first=first_tokens if spec.kind == "full" else 0)
 
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         weakref.finalize(self, _release, list(self.groups.values()))
@@ -179,6 +184,11 @@ class PagedCache(KVCache):
         return store.insert(ids[: full * self.block_size], group.tables[0][:full], self.namespace)
 
     def _store(self):
+        if self.regions.first:
+            raise UnsupportedOperationError(
+                f"prefix reuse needs blocks that start at the prompt's first token; with first_tokens="
+                f"{self.regions.first} the first tokens stay at full precision outside the blocks"
+            )
         if self.pool.prefix_store is None:
             raise UnsupportedOperationError(
                 f"prefix reuse needs a model whose layers are all full attention; this one has layer groups "
@@ -215,22 +225,28 @@ class PagedCache(KVCache):
             raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
         for group in self.groups.values():
             group.trim()
-        quantized_bytes = tokens = fp16_bytes = 0
+        quantized_bytes = tokens = fp16_bytes = region_bits = region_coordinates = 0
         for layer in self.layers:
             if not isinstance(layer, KVLayer):
                 continue
-            segment = layer.storage.segment
+            storage, coordinates = layer.storage, 2 * layer.spec.num_kv_heads * layer.spec.head_dim
+            segment = storage.segment
             blocks = segment.group.blocks_in_use() if segment.pool.k is not None else 0
             quantized_bytes += blocks * segment.pool.block_bytes
             slots = blocks * self.block_size
             tokens = max(tokens, slots)
-            fp16_bytes += slots * 2 * 2 * layer.spec.num_kv_heads * layer.spec.head_dim
+            fp16_bytes += slots * 2 * coordinates
+            exact = storage.exact_part() * storage.batch_size
+            region_bits += blocks * segment.pool.block_bytes * 8
+            region_bits += exact * coordinates * (storage.recent.keys.element_size() * 8 if exact else 0)
+            region_coordinates += (slots + exact) * coordinates
         return {
             "format": str(self.format),
             "quantized_tokens": tokens,
             "quantized_bytes": quantized_bytes,
             "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
             "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
+            "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
         }
 
     def block_pools(self) -> dict[str, BlockPool]:

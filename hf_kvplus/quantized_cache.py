@@ -11,6 +11,9 @@ from .errors import ConfigError
 from .formats import resolve_format, rotated_bits
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
+from .precision import PrecisionRegions
+from .storage.base import KVStorage
+from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
 from .storage.static_quantized import StaticQuantizedStorage
 
@@ -26,19 +29,31 @@ def quantized_storage(
     backend: str = "kvplus",
     max_tokens: int | None = None,
     rotation_seed: int = 0,
-) -> Callable[[LayerSpec], QuantizedStorage | StaticQuantizedStorage]:
+    regions: PrecisionRegions | None = None,
+) -> Callable[[LayerSpec], KVStorage]:
     """A `KVCache` storage factory holding K/V quantized: combine it with any retention.
 
     Checks everything at construction: the bit width, the backend, that the group size divides every
     layer's head_dim, and that the full-precision window holds at least one group. With `max_tokens`, full
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
+    `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
+    boundary layers at full precision (or the boundary layers at `boundary_bits`).
     """
+    regions = regions or PrecisionRegions(window=window)
+    window = regions.window
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if max_tokens is not None and backend != "kvplus":
         raise ConfigError(f"max_tokens needs backend='kvplus' (its static storage packs codes itself), got {backend!r}")
-    fmt = resolve_format(ModelSpec.from_config(config), bits, group_size, rotation_seed)
-    if backend == "quanto" and fmt.rotated:
+    if max_tokens is not None and regions.first:
+        raise ConfigError(
+            f"first={regions.first} full-precision first tokens need the growing storage: a static quantized storage "
+            "(max_tokens) holds no first-tokens region"
+        )
+    model = ModelSpec.from_config(config)
+    fmt = resolve_format(model, bits, group_size, rotation_seed)
+    boundary_fmt = resolve_format(model, regions.boundary_bits, None, rotation_seed)
+    if backend == "quanto" and (fmt.rotated or (boundary_fmt is not None and boundary_fmt.rotated)):
         raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r}")
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens)  # bad sizes fail here, not at a forward
@@ -53,11 +68,21 @@ def quantized_storage(
         return PackedSegment(fmt)
 
     QuantizedStorage(segment(), window=window)  # a bad window or a missing backend fails here, not at a forward
+    if boundary_fmt is not None:
+        QuantizedStorage(segment(boundary_fmt), window=window)
 
-    def storage(spec: LayerSpec) -> QuantizedStorage | StaticQuantizedStorage:
+    def storage(spec: LayerSpec) -> KVStorage:
+        layer_fmt = fmt
+        if regions.is_boundary(spec.index, model.num_layers):
+            if boundary_fmt is None:  # full precision
+                static = max_tokens is not None and spec.kind == "full"
+                return DenseStorage(max_tokens=max_tokens if static else None, static=static)
+            layer_fmt = boundary_fmt
+        layer_fmt = layer_fmt.for_layer(spec.index)
         if max_tokens is not None and spec.kind == "full":
-            return StaticQuantizedStorage(fmt.for_layer(spec.index), window, max_tokens)
-        return QuantizedStorage(segment(fmt.for_layer(spec.index)), window=window)
+            return StaticQuantizedStorage(layer_fmt, window, max_tokens)
+        first = regions.first if spec.kind == "full" else 0
+        return QuantizedStorage(segment(layer_fmt), window=window, first=first)
 
     return storage
 
@@ -73,7 +98,13 @@ class QuantizedCache(KVCache):
     The newest `window` tokens (at least; up to one group more) stay at full precision; older tokens
     are quantized a whole group at a time, once. Decode attends over the packed codes in place (a
     Triton kernel on CUDA, its chunked torch twin elsewhere), so no full-length dequantized copy is
-    made; prefill attends with SDPA over the dequantized past and the fresh chunk at full precision.
+    made; prefill attends with SDPA over the dequantized past, and each query sees its own window at full precision:
+    a chunk of n tokens attends to the newest `window + n - 1` exact, though it pushes the past's window out.
+
+    Precision regions (`PrecisionRegions`): `first_tokens` keeps the first tokens of each row of full-attention layers
+    at full precision (attention sinks; with left padding, a padded row's first positions are its padding);
+    `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`.
+    `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     Works for full, sliding-window and hybrid models. `backend="quanto"` quantizes the same groups with
     optimum-quanto instead (dequantized for attention), for comparison.
 
@@ -88,7 +119,8 @@ class QuantizedCache(KVCache):
 
     >>> cache = QuantizedCache(config=model.config, bits=4)
     >>> cache = QuantizedCache(config=model.config, key_bits=4, value_bits=2)  # rotated, 3.25 bits per coordinate
-    >>> model.generate(**inputs, past_key_values=cache)
+    >>> cache = QuantizedCache(config=model.config, bits="k3v2", first_tokens=4, boundary_layers=1)
+    >>> model.generate(**inputs, cache=cache)  # past_key_values=cache before Transformers 5.24
     """
 
     def __init__(
@@ -105,38 +137,63 @@ class QuantizedCache(KVCache):
         rotation_seed: int = 0,
         max_tokens: int | None = None,
         compileable: bool = False,
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
         if max_tokens is not None and placement is not None and placement.moves:
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
         bits = rotated_bits(bits, key_bits, value_bits)
+        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
         storage = quantized_storage(
-            config, bits=4 if bits is None else bits, group_size=group_size, window=window, backend=backend,
-            max_tokens=max_tokens, rotation_seed=rotation_seed,
+            config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,
+            max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions,
         )  # fmt: skip
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
-        first = next(layer.storage for layer in self.layers if hasattr(layer, "storage"))
-        self.format, self.window, self.backend = first.fmt, window, backend
+        self.format = resolve_format(self.model_spec, 4 if bits is None else bits, group_size, rotation_seed)
+        self.window, self.backend = window, backend
 
     def quantized_report(self) -> dict:
         """Bytes at rest of the quantized tokens alone (codes, scales and zero points; the full-precision
-        window excluded), per token and as a fraction of float16 K/V for the same tokens."""
-        quantized_bytes = tokens = fp16_bytes = 0
-        for layer in self.layers:
-            storage = getattr(layer, "storage", None)
-            if storage is None:
-                continue
-            report, length = storage.quantized_part()
-            quantized_bytes += report.payload_bytes + report.metadata_bytes
-            held = length * report.batch_size
-            tokens = max(tokens, held)
-            fp16_bytes += held * 2 * 2 * layer.spec.num_kv_heads * layer.spec.head_dim
-        return {
-            "format": str(self.format),
-            "backend": self.backend,
-            "quantized_tokens": tokens,
-            "quantized_bytes": quantized_bytes,
-            "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
-            "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
-        }
+        window excluded), per token and as a fraction of float16 K/V for the same tokens; and `bits_per_coordinate`
+        over every token outside the window, the full-precision regions (first tokens, boundary layers) included at
+        their dtype's bits."""
+        return precision_report(self, str(self.format), self.window) | {"backend": self.backend}
+
+
+def precision_report(cache: KVCache, format_name: str, window: int) -> dict:
+    """`quantized_report` of a cache whose layers hold a `QuantizedStorage`, `StaticQuantizedStorage` or (a boundary
+    layer at full precision) a `DenseStorage`."""
+    quantized_bytes = tokens = fp16_bytes = 0
+    region_bits = region_coordinates = 0
+    for layer in cache.layers:
+        storage = getattr(layer, "storage", None)
+        if storage is None:
+            continue
+        coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
+        if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
+            outside = max(0, storage.length - window) * storage.batch_size
+            bits = 0 if storage.keys is None else storage.keys.element_size() * 8
+            region_bits += outside * coordinates * bits
+            region_coordinates += outside * coordinates
+            continue
+        report, length = storage.quantized_part()
+        coded = report.payload_bytes + report.metadata_bytes
+        quantized_bytes += coded
+        held = length * report.batch_size
+        tokens = max(tokens, held)
+        fp16_bytes += held * 2 * coordinates
+        exact = getattr(storage, "exact_part", lambda: 0)() * report.batch_size
+        dtype_bits = storage.recent.keys.element_size() * 8 if exact else 0
+        region_bits += coded * 8 + exact * coordinates * dtype_bits
+        region_coordinates += (held + exact) * coordinates
+    return {
+        "format": format_name,
+        "quantized_tokens": tokens,
+        "quantized_bytes": quantized_bytes,
+        "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
+        "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
+        "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
+    }

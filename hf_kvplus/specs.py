@@ -15,9 +15,11 @@
                             them all every step, as `dense` does, N defaulting to the run's length)
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
                             128 full-precision tokens) and `backend=quanto` may follow; `max_tokens=N` and
-                            `compile=on` as for `paged`
+                            `compile=on` as for `paged`; precision regions: `first=N` (the first N tokens of
+                            each row at full precision), `boundary=N` (the first and last N layers at full
+                            precision, or at `boundary_bits=int8|...`)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
-                            `group=N`, `window=N`, `block=N`, `blocks=N` may follow
+                            `group=N`, `window=N`, `block=N`, `blocks=N`, `first=N` may follow
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
                             every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget);
@@ -28,7 +30,8 @@
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
-- `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 codes (`group=N`, `window=N`)
+- `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 codes (`group=N`, `window=N`, and the
+                            precision regions of `quantized`)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -172,6 +175,24 @@ def _check_arity(spec: CacheSpec, max_args: int, keys: set[str]) -> None:
         raise ConfigError(f"unknown options {sorted(unknown)} in cache spec {spec.text!r}; accepted: {sorted(keys)}")
 
 
+#: Precision-region options of the quantized specs (`PrecisionRegions`).
+REGION_OPTIONS = {"first", "boundary", "boundary_bits"}
+
+
+def _check_regions(spec: CacheSpec) -> None:
+    for key in ("first", "boundary"):
+        if key in spec.kwargs:
+            _int(spec.text, key, spec.kwargs[key], minimum=0)
+    if "boundary_bits" in spec.kwargs:
+        _check_bits(spec, spec.kwargs["boundary_bits"])
+
+
+def _regions(kwargs) -> dict:
+    """`QuantizedCache`'s precision-region arguments from a spec's options."""
+    return {"first_tokens": int(kwargs.get("first", 0)), "boundary_layers": int(kwargs.get("boundary", 0)),
+            "boundary_bits": kwargs.get("boundary_bits")}  # fmt: skip
+
+
 def _validate(spec: CacheSpec) -> None:
     name = spec.kind.name
     if name in ("dynamic",):
@@ -188,19 +209,20 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
-        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile"})
+        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile"} | REGION_OPTIONS)
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
         for key in ("group", "window", "max_tokens"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
+        _check_regions(spec)
         if spec.kwargs.get("backend", "kvplus") not in BACKENDS:
             raise ConfigError(f"cache spec {spec.text!r}: backend must be one of {BACKENDS}")
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "paged-quantized":
-        _check_arity(spec, 1, {"group", "window", "block", "blocks"})
+        _check_arity(spec, 1, {"group", "window", "block", "blocks", "first"})
         if len(spec.args) != 1:
             raise ConfigError(
                 f"cache spec {spec.text!r}: expected paged-quantized:<int8|int4|int2|fp8>, e.g. paged-quantized:int4"
@@ -209,15 +231,19 @@ def _validate(spec: CacheSpec) -> None:
         for key in ("group", "window", "block", "blocks"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
+        _check_regions(spec)
     elif name in EVICTING_OPTIONS:
         _validate_evicting(spec)
     elif name in ("offloaded", "offloaded-quantized"):
         quantized = name == "offloaded-quantized"
-        _check_arity(spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window"} if quantized else set()))
+        _check_arity(
+            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window"} | REGION_OPTIONS if quantized else set())
+        )
         if quantized and len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected {name}:<int8|int4|int2|fp8>, e.g. {name}:int4")
         if quantized:
             _check_bits(spec, spec.args[0])
+            _check_regions(spec)
         for key in {"lookahead", "group", "window"} & set(spec.kwargs):
             _int(spec.text, key, spec.kwargs[key], minimum=0 if key == "lookahead" else 1)
         if "host" in spec.kwargs:
@@ -286,7 +312,7 @@ def _offloaded(config, args, kwargs, max_length):
     }
     if args:
         options |= {"bits": args[0], "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-                    "window": int(kwargs.get("window", DEFAULT_WINDOW))}
+                    "window": int(kwargs.get("window", DEFAULT_WINDOW)), **_regions(kwargs)}
     return OffloadedCache(config, **options)
 
 
@@ -353,6 +379,7 @@ def _quantized(config, args, kwargs, max_length):
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         backend=kwargs.get("backend", "kvplus"),
         **_static_options(kwargs, max_length),
+        **_regions(kwargs),
     )
 
 
@@ -364,6 +391,7 @@ def _paged_quantized(config, args, kwargs, max_length):
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         block_size=int(kwargs["block"]) if "block" in kwargs else None,
         num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
+        first_tokens=int(kwargs.get("first", 0)),
     )
 
 

@@ -99,6 +99,15 @@ class DenseStorage(KVStorage):
             self.start = self.end = 0
         self._shrink()
 
+    def drop_after(self, first: int, count: int) -> None:
+        """Forgets the `count` tokens after the oldest `first` (a pinned prefix, which stays in front)."""
+        if first:
+            s = self.start
+            self.keys[:, :, s + count : s + count + first] = self.keys[:, :, s : s + first].clone()
+            self.values[:, :, s + count : s + count + first] = self.values[:, :, s : s + first].clone()
+            self._note_written(s + count, s + count + first)
+        self.drop_front(count)
+
     def drop_back(self, count: int) -> None:
         self.end -= count
         if self.start == self.end:

@@ -106,7 +106,8 @@ class QuantizedSegment(ABC):
 
 
 class QuantizedStorage(KVStorage):
-    """Old tokens in a `QuantizedSegment`, the newest `window` (or more, up to a group) at full precision.
+    """Old tokens in a `QuantizedSegment`, the newest `window` (or more, up to a group) at full precision, and with
+    `first`, the first tokens of each row at full precision too (attention sinks).
 
     New tokens land in a full-precision `DenseStorage`; once it holds `window + group_size` tokens or
     more, its oldest whole groups are quantized into the segment (once: a group is never re-quantized),
@@ -116,21 +117,30 @@ class QuantizedStorage(KVStorage):
     `window + new - 1` tokens, the fresh chunk and the past's window (what this forward pushed out of the window
     is quantized at once, and attended as it was). A one-token step's window is the `window` newest, as before.
 
+    The first `first` tokens stay at the front of the full-precision buffer, before the window, and are never
+    quantized (the `head`): in token order the head, the segment, the window; a decode kernel reads the codes and
+    then the buffer as one residual, which attention does not mind (RoPE is in the keys), with the model's mask
+    reordered to match. Dropping the oldest tokens drops the head first.
+
     Rolling back into the quantized tokens (`drop_back`, assisted decoding with a small window) moves the
     kept part of the cut group back into the window dequantized; it is quantized again later.
     """
 
     reads_in_place = True
 
-    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW):
+    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW, first: int = 0):
         group = segment.fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < group:
             raise ConfigError(
                 f"the full-precision window ({window!r} tokens) must be an int of at least one group "
                 f"({group} tokens): keys are quantized a whole group of tokens at a time"
             )
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError(f"the full-precision first tokens must be an int >= 0, got {first!r}")
         self.segment = segment
         self.window = window
+        self.first = first
+        self.head = 0  # first tokens held at full precision, in front of `recent`'s window
         self.recent = DenseStorage()
         # The full-precision K/V of tokens a multi-token forward moved from the window into the segment, which its
         # queries still attend exact (`read`); None after a one-token step, whose window `recent` always holds.
@@ -163,62 +173,97 @@ class QuantizedStorage(KVStorage):
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.fmt.check_head_dim(keys.shape[-1])
+        new = keys.shape[2]
         if self.segment.shares_rows and self.length == 0 and keys.shape[0] > 1:
             # Read once, at the prompt, so that a decode step that first fills the segment need not compare rows.
             self._prompt = (identical_rows(keys), keys.shape[2])
         self.segment.begin_update()
+        head = self.head
         self.recent.append(keys, values)
+        if head < self.first and self.length == head + new:  # nothing held after the head yet: it takes the first
+            self.head = min(self.first, head + new)
         self._left = None
         unit = self.segment.flush_tokens(self.window)
-        flush = (self.recent.length - self.window) // unit * unit
+        h = self.head
+        flush = (self.recent.length - h - self.window) // unit * unit
         if flush > 0:
             old_k, old_v = self.recent.view(self.recent.length)
-            left = min(flush, self.window + keys.shape[2] - 1 - (self.recent.length - flush))
-            if keys.shape[2] > 1 and left > 0:  # (slices of the buffer the flush leaves behind: no copy)
-                self._left = (old_k[:, :, flush - left : flush], old_v[:, :, flush - left : flush])
-            in_prompt = self._prompt is not None and self._flushed + flush <= self._prompt[1]
+            old_k, old_v = old_k[:, :, h : h + flush], old_v[:, :, h : h + flush]
+            left = min(flush, self.window + new - 1 - (self.recent.length - h - flush))
+            if new > 1 and left > 0:  # slices of the buffer; copied where the head moves over them
+                self._left = (old_k[:, :, flush - left :], old_v[:, :, flush - left :])
+                if h:
+                    self._left = (self._left[0].clone(), self._left[1].clone())
+            in_prompt = self._prompt is not None and h + self._flushed + flush <= self._prompt[1]
             try:
-                self.segment.append(old_k[:, :, :flush], old_v[:, :, :flush], self._prompt[0] if in_prompt else None)
+                self.segment.append(old_k, old_v, self._prompt[0] if in_prompt else None)
             except CapacityError:  # no block for the group the new tokens filled: the storage stays as it was
-                self.recent.drop_back(keys.shape[2])
+                self.recent.drop_back(new)
+                self.head, self._left = head, None
                 raise
             self._flushed += flush
-            self.recent.drop_front(flush)
-            if self._prompt is not None and self._flushed >= self._prompt[1]:
+            self.recent.drop_after(h, flush)
+            if self._prompt is not None and h + self._flushed >= self._prompt[1]:
                 self._prompt = None  # the whole prompt is quantized: nothing left to share
 
+    def _parts(self, last: int) -> tuple[int, int, int]:
+        """How many of the `last` newest tokens are in the head, the segment and the window (token order)."""
+        window = min(last, self.recent.length - self.head)
+        coded = min(last - window, self.segment.length)
+        return last - window - coded, coded, window
+
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        recent = min(last, self.recent.length)
-        k, v = self.recent.view(recent)
-        if last == recent:
-            return k, v
+        head, coded, window = self._parts(last)
+        if coded == 0:  # in token order in the buffer
+            return self.recent.view(head + window)
+        k, v = self.recent.view(window)
+        hk, hv = self._head_view(head)
         n = self.segment.length
-        old_k, old_v = self.segment.dequantized(n - (last - recent), n, k.dtype)
-        return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        old_k, old_v = self.segment.dequantized(n - coded, n, k.dtype)
+        return torch.cat([hk, old_k, k], dim=2), torch.cat([hv, old_v, v], dim=2)
+
+    def _head_view(self, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newest `head` tokens of the head (views of the buffer's front)."""
+        k, v = self.recent.view(self.recent.length)
+        return k[:, :, self.head - head : self.head], v[:, :, self.head - head : self.head]
 
     def read(self, last: int, new: int) -> Read:
-        """The segment's codes in place, then the window (a segment's dropped tokens stay readable until its next
-        append); `dense()` gathers the same tokens, those the forward pushed out of the window exact."""
+        """The segment's codes in place, then the buffer (head and window) as one residual (a segment's dropped tokens
+        stay readable until its next append); `dense()` gathers the same tokens in token order, those the forward
+        pushed out of the window exact."""
         left, self._left = self._left, None
-        recent = min(last, self.recent.length)
-        rk, rv = self.recent.view(recent)
-        count = last - recent
-        if count == 0:  # only full-precision tokens in view
-            return DenseRead(rk, rv)
-        return self.segment.read(self.segment.length - count, count, rk, rv, partial(self._gather, count, rk, rv, left))
+        head, coded, window = self._parts(last)
+        if coded == 0:  # only full-precision tokens in view, in token order in the buffer
+            return DenseRead(*self.recent.view(head + window))
+        rk, rv = self.recent.view(head + window)
+        read = self.segment.read(
+            self.segment.length - coded, coded, rk, rv, partial(self._gather, coded, rk, rv, head, left)
+        )
+        if head == 0 or type(read) is DenseRead:  # (a segment without a kernel gathers in token order)
+            return read
+        return read._replace(mask=partial(_head_after_codes, head, coded))
 
-    def _gather(self, count: int, rk: torch.Tensor, rv: torch.Tensor, left) -> tuple[torch.Tensor, torch.Tensor]:
-        """The newest `count` coded tokens dequantized, then the window `rk`/`rv`. The last of the coded ones that this
-        forward pushed out of the window (`left`) are attended as they were."""
+    def _gather(self, coded: int, rk, rv, head: int, left) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read's tokens densely, in token order: `head` tokens of the residual `rk`/`rv`, the newest `coded`
+        coded tokens dequantized (the last ones that this forward pushed out of the window, `left`, as they were),
+        the rest of the residual."""
         n = self.segment.length
-        k, v = self.segment.dequantized(n - count, n, rk.dtype)
+        k, v = self.segment.dequantized(n - coded, n, rk.dtype)
         if left is not None:
-            m = min(left[0].shape[2], count)
-            k[:, :, count - m :] = left[0][:, :, -m:]
-            v[:, :, count - m :] = left[1][:, :, -m:]
-        return torch.cat([k, rk], dim=2), torch.cat([v, rv], dim=2)
+            m = min(left[0].shape[2], coded)
+            k[:, :, coded - m :] = left[0][:, :, -m:]
+            v[:, :, coded - m :] = left[1][:, :, -m:]
+        return (
+            torch.cat([rk[:, :, :head], k, rk[:, :, head:]], dim=2),
+            torch.cat([rv[:, :, :head], v, rv[:, :, head:]], dim=2),
+        )
 
     def drop_front(self, count: int) -> None:
+        from_head = min(count, self.head)
+        if from_head:
+            self.recent.drop_front(from_head)
+            self.head -= from_head
+        count -= from_head
         from_segment = min(count, self.segment.length)
         if from_segment:
             self.segment.drop_front(from_segment)
@@ -227,21 +272,24 @@ class QuantizedStorage(KVStorage):
 
     def drop_back(self, count: int) -> None:
         self._prompt = None  # the tokens that follow are no longer the prompt's
-        from_recent = min(count, self.recent.length)
-        if from_recent:
-            self.recent.drop_back(from_recent)
-        rest = count - from_recent
+        from_window = min(count, self.recent.length - self.head)
+        if from_window:
+            self.recent.drop_back(from_window)
+        rest = count - from_window
         if not rest:
             return
-        keep = self.segment.length - rest
-        cut = max(self.segment.group_start(keep), 0)
-        if cut < keep:  # the kept head of a cut group returns to the window, dequantized
+        from_head = max(0, rest - self.segment.length)  # rolled back through every coded token into the head
+        keep = self.segment.length - (rest - from_head)
+        cut = max(self.segment.group_start(keep), 0) if keep else 0
+        if cut < keep:  # the kept head of a cut group returns to the window (after the head), dequantized
             k, v = self.segment.dequantized(cut, keep, self._dtype())
             self.segment.truncate(cut)
-            self.recent.reset()
             self.recent.append(k.contiguous(), v.contiguous())
         else:
             self.segment.truncate(keep)
+        if from_head:
+            self.recent.drop_back(from_head)
+            self.head -= from_head
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.segment.index_batch(indices)
@@ -253,6 +301,7 @@ class QuantizedStorage(KVStorage):
     def reset(self) -> None:
         self.segment.reset()
         self.recent.reset()
+        self.head = 0
         self._left = None
         self._flushed, self._prompt = 0, None
 
@@ -262,6 +311,10 @@ class QuantizedStorage(KVStorage):
     def quantized_part(self) -> tuple[MemoryReport, int]:
         """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row."""
         return self.segment.memory(), self.segment.length
+
+    def exact_part(self) -> int:
+        """Tokens per row held at full precision outside the window: the head."""
+        return self.head
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return prefixed("segment", self.segment.tensors()) | prefixed("recent", self.recent.tensors())
@@ -275,3 +328,10 @@ class QuantizedStorage(KVStorage):
 
     def _dtype(self) -> torch.dtype:
         return self.recent.keys.dtype if self.recent.keys is not None else self.segment.dtype
+
+
+def _head_after_codes(head: int, coded: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The model's `[batch, head + coded + window]` decode mask (token order) in a read's layout: codes, head, window."""
+    if mask is None:
+        return None
+    return torch.cat([mask[:, head : head + coded], mask[:, :head], mask[:, head + coded :]], dim=1)

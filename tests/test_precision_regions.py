@@ -1,0 +1,176 @@
+"""Precision regions (`PrecisionRegions`): the first tokens of each row and boundary layers at full precision (or at
+other bits), in every quantized storage that holds them; and the bits per coordinate that count them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import reference
+
+from conformance.models import get_model
+from hf_kvplus import ConfigError, QuantizedCache, UnsupportedOperationError
+from hf_kvplus.attention.route import KV_READ_ATTR, attend
+from hf_kvplus.kernels.quant_format import QuantFormat
+from hf_kvplus.specs import parse_cache_spec
+from hf_kvplus.storage.dense import DenseStorage
+from hf_kvplus.storage.packed_segment import PackedSegment
+from hf_kvplus.storage.quantized import QuantizedStorage
+from hf_kvplus.storage.reads import PackedRead
+
+FIRST, WINDOW = 4, 8
+
+
+def kv(batch, tokens, heads=2, dim=16):
+    k, v = torch.randn(batch, heads, tokens, dim), torch.randn(batch, heads, tokens, dim)
+    k[..., 3] *= 20
+    return k, v
+
+
+def storage(first=FIRST):
+    return QuantizedStorage(PackedSegment(QuantFormat(4, 4)), window=WINDOW, first=first)
+
+
+@pytest.mark.parametrize("steps", [[30, 1, 1, 9, 1], [2, 1, 1, 1, 1, 1, 20, 1], [4, 40, 1]])
+def test_the_first_tokens_stay_exact_and_in_order(steps, seed):
+    s, keys, values = storage(), [], []
+    for n in steps:
+        k, v = kv(2, n)
+        s.append(k, v)
+        keys.append(k)
+        values.append(v)
+        all_k, all_v = torch.cat(keys, 2), torch.cat(values, 2)
+        got_k, got_v = s.view(s.length)
+        assert got_k.shape == all_k.shape
+        head = min(FIRST, s.length)
+        assert s.head == head
+        assert torch.equal(got_k[:, :, :head], all_k[:, :, :head]), f"seed {seed}"
+        assert torch.equal(got_v[:, :, :head], all_v[:, :, :head])
+        window = min(WINDOW, s.length)
+        assert torch.equal(got_k[:, :, -window:], all_k[:, :, -window:])
+        assert s.segment.length == s.length - s.recent.length  # nothing of the head was quantized
+
+
+def test_decode_reads_codes_then_head_and_window_and_masks_them_in_that_order(seed):
+    s = storage()
+    s.append(*kv(2, 30))
+    s.append(*kv(2, 1))
+    read = s.read(s.length, 1)
+    assert isinstance(read, PackedRead) and read.keys.stride(-1) == 0, "decode must read the codes in place"
+    assert read.recent_k.shape[2] == s.recent.length  # one residual: the head and the window
+    dense_k, dense_v = s.view(s.length)
+    assert all(torch.equal(a, b) for a, b in zip(read.dense(), (dense_k, dense_v), strict=True))
+    q = torch.randn(2, 4, 1, 16)
+    mask = torch.rand(2, 1, 1, s.length) > 0.3  # a mask in token order: the read reorders it
+    mask[..., -1] = True
+    out, _ = attend(read, None, q, mask, 0.25)
+    ref = reference(q[:, :, 0], dense_k, dense_v, 0.25, mask=mask[:, 0, 0])
+    assert ((out[:, 0].double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_drop_and_rollback_through_the_head(seed):
+    s = storage()
+    k, v = kv(1, 33)
+    s.append(k, v)
+    held = s.view(s.length)[0].clone()
+    s.drop_back(s.recent.length - s.head + 5)  # through the window into the codes, mid-group
+    assert torch.allclose(s.view(s.length)[0], held[:, :, : s.length], atol=1e-6)
+    assert torch.equal(s.view(s.length)[0][:, :, :FIRST], k[:, :, :FIRST])
+    s.drop_back(s.length - 2)  # through every code into the head
+    assert s.head == 2 and s.segment.length == 0 and torch.equal(s.view(2)[0], k[:, :, :2])
+    k2, v2 = kv(1, 30)
+    s.append(k2, v2)  # the head takes the first tokens again
+    assert s.head == FIRST and torch.equal(s.view(s.length)[0][:, :, 2:FIRST], k2[:, :, :2])
+    s.drop_front(3)  # the oldest first: the head
+    assert s.head == 1 and torch.equal(s.view(s.length)[0][:, :, :1], k2[:, :, 1:2])
+    s.index_batch(torch.tensor([0, 0]))
+    assert s.head == 1 and s.batch_size == 2
+
+
+SPECS = [
+    f"quantized:int4:group=4:window={WINDOW}:first={FIRST}",
+    f"quantized:int4:group=4:window={WINDOW}:first={FIRST}:backend=quanto",
+    f"quantized:k4v2:window={WINDOW}:first={FIRST}",
+    f"paged-quantized:int4:group=4:window={WINDOW}:block=8:first={FIRST}",
+    f"offloaded-quantized:int4:group=4:window={WINDOW}:first={FIRST}",
+]
+
+
+def seen_by_attention(cache, layer, keys, values):
+    """The keys attention gets from `layer` for this forward, densely in token order."""
+    k, v = cache.update(keys, values, layer)
+    read = getattr(k, KV_READ_ATTR, None)
+    cache.layers[layer].attend(None, torch.randn(keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3]), k, v,
+                               None, 1.0)  # fmt: skip
+    return read.dense()[0] if read is not None else k
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_quantized_storage_holds_a_first_tokens_region(spec, seed):
+    if "quanto" in spec:
+        pytest.importorskip("optimum.quanto")
+    config = get_model("llama").config
+    cache = parse_cache_spec(spec).build(config)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    k, v = kv(2, 60, heads, dim)
+    seen_by_attention(cache, 0, k[:, :, :40], v[:, :, :40])
+    for t in range(40, 60):  # decode steps: the kernel's path
+        got = seen_by_attention(cache, 0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert torch.equal(got[:, :, :FIRST], k[:, :, :FIRST]), "the first tokens were quantized"
+    assert not torch.equal(got[:, :, FIRST : FIRST + 8], k[:, :, FIRST : FIRST + 8]), "nothing after them was"
+
+
+@pytest.mark.parametrize("spec", [f"quantized:int4:group=4:window={WINDOW}:boundary=1",
+                                  f"offloaded-quantized:int4:group=4:window={WINDOW}:boundary=1"])  # fmt: skip
+def test_boundary_layers_are_held_at_full_precision(spec, seed):
+    config = get_model("llama").config
+    cache = parse_cache_spec(spec).build(config)
+    n = config.num_hidden_layers
+    assert [type(layer.storage) for layer in cache.layers] == [DenseStorage] + [QuantizedStorage] * (n - 2) + [DenseStorage]
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    k, v = kv(1, 40, heads, dim)
+    got = {}
+    for layer in (n - 1, 1):  # a prompt, then a decode step, which reads what the prompt left coded
+        seen_by_attention(cache, layer, k[:, :, :39], v[:, :, :39])
+        got[layer] = seen_by_attention(cache, layer, k[:, :, 39:], v[:, :, 39:])
+    assert torch.equal(got[n - 1], k)
+    assert not torch.equal(got[1], k)
+
+
+def test_boundary_layers_at_other_bits():
+    config = get_model("llama").config
+    cache = QuantizedCache(config, bits=2, group_size=4, window=16, boundary_layers=1, boundary_bits=8)
+    bits = [layer.storage.fmt.bits for layer in cache.layers]
+    assert bits == [8] + [2] * (config.num_hidden_layers - 2) + [8]
+
+
+def test_bits_per_coordinate_count_the_full_precision_regions():
+    config = get_model("llama").config  # float32, 3 layers
+    heads, dim, layers = config.num_key_value_heads, config.hidden_size // config.num_attention_heads, 3
+    assert config.num_hidden_layers == layers
+    plain = QuantizedCache(config, bits=4, group_size=4, window=WINDOW)
+    regions = QuantizedCache(config, bits=4, group_size=4, window=WINDOW, first_tokens=FIRST, boundary_layers=1)
+    k, v = kv(1, 40, heads, dim)
+    for cache in (plain, regions):
+        for layer in range(layers):
+            cache.update(k, v, layer)
+    # int4 with groups of 4 tokens (keys) and 4 channels (values), float16 scale and zero per group: 4 + 2*16/4 = 12
+    assert plain.quantized_report()["bits_per_coordinate"] == pytest.approx(12.0)
+    # Outside the window: 32 tokens per layer. The middle layer holds 4 of them at float32 and 28 coded (at 12 bits);
+    # the two boundary layers hold all 32 at float32.
+    want = (28 * 12 + 4 * 32 + 2 * 32 * 32) / (3 * 32)
+    assert regions.quantized_report()["bits_per_coordinate"] == pytest.approx(want)
+
+
+def test_static_storage_refuses_a_first_tokens_region():
+    with pytest.raises(ConfigError, match="first=4"):
+        QuantizedCache(get_model("llama").config, bits=4, max_tokens=64, first_tokens=4)
+    with pytest.raises(ConfigError, match="first must be an int >= 0"):
+        QuantizedCache(get_model("llama").config, bits=4, first_tokens=-1)
+
+
+def test_paged_prefix_reuse_refuses_a_first_tokens_region():
+    cache = parse_cache_spec(f"paged-quantized:int4:group=4:window={WINDOW}:block=8:first={FIRST}").build(
+        get_model("llama").config
+    )
+    with pytest.raises(UnsupportedOperationError, match="first_tokens=4"):
+        cache.reuse_prefix(torch.arange(40))
