@@ -205,6 +205,19 @@ CASES: list[CacheCase] = [
         "all layers are full)",
     ),
     CacheCase(
+        name="quantized-int4-regions",
+        make=lambda model: _quantized_cache(model, bits=4, first_tokens=4, boundary_layers=1),
+        lossless=False, logits_atol=2.0, logits_rtol=0.0, min_token_agreement=0.0,
+        note=_QUANTIZED_NOTE + "; the first 4 tokens of each row and the first and last layers at full precision",
+    ),
+    CacheCase(
+        name="paged-quantized-int8-first",
+        make=lambda model: _paged_cache(model, bits=8, group_size=4, window=4, block_size=8, first_tokens=4),
+        lossless=False, logits_atol=0.15, logits_rtol=0.0, min_token_agreement=0.0,
+        note="hf_kvplus.PagedCache(bits=8, first_tokens=4): as paged-quantized-int8, the first 4 tokens of each row "
+        "outside the blocks at full precision",
+    ),
+    CacheCase(
         name="quantized-int4-quanto",
         make=lambda model: _quantized_cache(model, bits=4, backend="quanto"),
         lossless=False, logits_atol=2.0, logits_rtol=0.0, min_token_agreement=0.0,
