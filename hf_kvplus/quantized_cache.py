@@ -45,18 +45,13 @@ def quantized_storage(
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if max_tokens is not None and backend != "kvplus":
         raise ConfigError(f"max_tokens needs backend='kvplus' (its static storage packs codes itself), got {backend!r}")
-    if max_tokens is not None and regions.first:
-        raise ConfigError(
-            f"first={regions.first} full-precision first tokens need the growing storage: a static quantized storage "
-            "(max_tokens) holds no first-tokens region"
-        )
     model = ModelSpec.from_config(config)
     fmt = resolve_format(model, bits, group_size, rotation_seed)
     boundary_fmt = resolve_format(model, regions.boundary_bits, None, rotation_seed)
     if backend == "quanto" and (fmt.rotated or (boundary_fmt is not None and boundary_fmt.rotated)):
         raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r}")
     if max_tokens is not None:
-        StaticQuantizedStorage(fmt, window, max_tokens)  # bad sizes fail here, not at a forward
+        StaticQuantizedStorage(fmt, window, max_tokens, regions.first)  # bad sizes fail here, not at a forward
 
     def segment(fmt=fmt) -> QuantizedSegment:
         if backend == "quanto":
@@ -79,9 +74,9 @@ def quantized_storage(
                 return DenseStorage(max_tokens=max_tokens if static else None, static=static)
             layer_fmt = boundary_fmt
         layer_fmt = layer_fmt.for_layer(spec.index)
-        if max_tokens is not None and spec.kind == "full":
-            return StaticQuantizedStorage(layer_fmt, window, max_tokens)
         first = regions.first if spec.kind == "full" else 0
+        if max_tokens is not None and spec.kind == "full":
+            return StaticQuantizedStorage(layer_fmt, window, max_tokens, first)
         return QuantizedStorage(segment(layer_fmt), window=window, first=first)
 
     return storage

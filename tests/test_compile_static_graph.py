@@ -36,6 +36,7 @@ STATIC_SPECS = [
     "paged:block=8:compile=on",
     "quantized:int4:group=8:window=8:compile=on",
     "quantized:k4v2:window=8:compile=on",
+    "quantized:int4:group=8:window=8:compile=on:first=4",
     "sink:2:6:compile=on",  # the prompts are longer than the evicting caches' budgets
     "sink:2:6:bits=int4:group=8:compile=on",
     "sink:2:6:bits=k3v2:compile=on",

@@ -38,7 +38,10 @@ class StaticQuantizedStorage(KVStorage):
     Only tokens that leave the window are coded, and with `max_tokens` held the newest `window` never do: the code
     buffers hold `max_tokens - window` positions (whole groups, at least one), which every step reads and decodes.
 
-    Attention reads all positions every step: the code positions then the ring, with a mask of its own
+    With `first`, tokens p < `first` (the head) stay exact in `first` slots before the ring (slot p), never in the
+    ring nor read from their codes, which the mask hides (a key group still codes them with its other tokens).
+
+    Attention reads all positions every step: the code positions then the head and the ring, with a mask of its own
     (codes before the frontier, ring slots holding a token at or past it) combined with the model's (padding).
     `static_length` is codes plus ring, the length the model's mask is built for; prefill reads the same
     length densely, its tokens at their positions (the fresh ones and the `window - 1` before them exact: each
@@ -48,7 +51,7 @@ class StaticQuantizedStorage(KVStorage):
     reads_in_place = True
     device_count = True
 
-    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int):
+    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, first: int = 0):
         g = fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < g:
             raise ConfigError(
@@ -56,16 +59,18 @@ class StaticQuantizedStorage(KVStorage):
             )
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        self.fmt, self.window, self.max_tokens = fmt, window, max_tokens
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < max_tokens:
+            raise ConfigError(f"the full-precision first tokens must be an int in 0..max_tokens-1, got {first!r}")
+        self.fmt, self.window, self.max_tokens, self.first = fmt, window, max_tokens, first
         self.code_fmt = fmt.with_rotated_inputs() if fmt.rotated else fmt  # what codes the ring's tokens
         self.positions = max(g, -(-(max_tokens - window) // g) * g)  # code positions: whole groups
         self.ring = window + 2 * g
-        self.static_length = self.positions + self.ring
+        self.static_length = self.positions + first + self.ring
         self.count = TokenCount()  # `end`: tokens held (token p at code position p), on the device for decode steps
         self.buffers: PackedKV | None = None
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
-        self._aranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # positions, ring, group
+        self._aranges: tuple[torch.Tensor, ...] | None = None  # positions, ring, group, head
         # The last chunk after the past's window: what the chunk attends exact (`_with_past_window`).
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -111,7 +116,7 @@ class StaticQuantizedStorage(KVStorage):
         past = min(self.end, self.window - 1)
         if past == 0:
             return keys, values
-        slots = torch.arange(self.end - past, self.end, device=keys.device) % self.ring
+        slots = self._slots(torch.arange(self.end - past, self.end, device=keys.device))
         k, v = self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
         return torch.cat([k, keys], dim=2), torch.cat([v, values], dim=2)
 
@@ -137,19 +142,19 @@ class StaticQuantizedStorage(KVStorage):
     def _decode_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token: into the ring; then, from the ring, the newest key group out of the window quantized and the
         value that has just left it (values are coded per token: one, not a group), all at tensor positions."""
-        g, ring = self.fmt.group_size, self.ring
-        _, _, group = self._ranges()
+        g = self.fmt.group_size
+        group = self._ranges()[2]
         token = self.count.positions(1)
-        slot = token % ring
+        slot = self._slots(token)
         self.ring_k.index_copy_(2, slot, keys)
         self.ring_v.index_copy_(2, slot, values)
         # Before the first group leaves the window this re-quantizes key group 0 from whatever the ring holds, and
         # value 0 from token 0: those codes are masked (the frontier is 0) and written again once they have left.
         index = ((token + 1 - self.window) // g - 1).clamp_(min=0)
         tokens = index * g + group
-        self._quantize_keys(self.ring_k.index_select(2, tokens % ring), tokens, index)
+        self._quantize_keys(self.ring_k.index_select(2, self._slots(tokens)), tokens, index)
         left = (token - self.window).clamp_(min=0)
-        self._quantize_values(self.ring_v.index_select(2, left % ring), left)
+        self._quantize_values(self.ring_v.index_select(2, self._slots(left)), left)
 
     def _chunk_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Prefill or a chunk (eager, as the ring holds it): the key groups it completes and the values that leave
@@ -159,7 +164,7 @@ class StaticQuantizedStorage(KVStorage):
         lo = max(0, self.frontier(first) - g)  # the last group quantized may be completed by this chunk
         hi, left = self.frontier(end), max(0, end - self.window)  # hi <= left: values are coded up to `left`
         if left > lo:
-            old = torch.arange(lo, first, device=keys.device) % ring
+            old = self._slots(torch.arange(lo, first, device=keys.device))
             tokens = torch.arange(lo, left, device=keys.device)
             if hi > lo:
                 source_k = torch.cat([self.ring_k.index_select(2, old), keys], dim=2)[:, :, : hi - lo]
@@ -167,9 +172,19 @@ class StaticQuantizedStorage(KVStorage):
             source_v = torch.cat([self.ring_v.index_select(2, old), values], dim=2)[:, :, : left - lo]
             self._quantize_values(source_v, tokens)
         kept = min(new, ring)
-        slots = torch.arange(end - kept, end, device=keys.device) % ring
+        slots = self._slots(torch.arange(end - kept, end, device=keys.device))
         self.ring_k.index_copy_(2, slots, keys[:, :, new - kept :])
         self.ring_v.index_copy_(2, slots, values[:, :, new - kept :])
+        head = min(end, self.first) - first  # the chunk's tokens of the head, which the ring's part may not reach
+        if head > 0:
+            self.ring_k[:, :, first : first + head] = keys[:, :, :head]
+            self.ring_v[:, :, first : first + head] = values[:, :, :head]
+
+    def _slots(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The buffer slots of `tokens`: the head's own (p < first), else the ring's (first + p % ring)."""
+        if not self.first:
+            return tokens % self.ring
+        return torch.where(tokens < self.first, tokens, self.first + tokens % self.ring)
 
     def _quantize_keys(self, keys: torch.Tensor, tokens: torch.Tensor, groups: torch.Tensor) -> None:
         """Quantizes whole groups of exact keys into code positions `tokens` (key groups `groups`)."""
@@ -202,12 +217,16 @@ class StaticQuantizedStorage(KVStorage):
     def _mask(self, model_mask: torch.Tensor | None) -> torch.Tensor:
         """The decode kernel's `[batch, positions + ring]` mask: codes before the frontier, ring slots holding a
         token at or past it, each where the model's mask (causal, padding) allows that token."""
-        positions, slots, _ = self._ranges()
-        g, ring = self.fmt.group_size, self.ring
+        positions, slots, _, head = self._ranges()
+        g, ring, first = self.fmt.group_size, self.ring, self.first
         token = self.count.positions(1) - 1  # the query's position
         frontier = ((token + 1 - self.window) // g * g).clamp_(min=0)
         held = token - (token - slots) % ring  # the token in each ring slot (negative: none yet)
-        coded, exact = positions < frontier, (held >= frontier) & (held >= 0)
+        coded, exact = positions < frontier, (held >= frontier) & (held >= first)
+        if first:
+            coded = coded & (positions >= first)
+            exact = torch.cat([head <= token, exact])  # the head's slots hold tokens 0..first-1
+            held = torch.cat([head, held])
         if model_mask is None:
             return torch.cat([coded, exact]).expand(self.batch_size, -1)
         allowed = model_mask.gather(1, held.clamp(min=0).expand(model_mask.shape[0], -1))
@@ -220,7 +239,7 @@ class StaticQuantizedStorage(KVStorage):
         if not torch.compiler.is_compiling():
             return self._aranges
         device = self.ring_k.device
-        return tuple(torch.arange(n, device=device) for n in (self.positions, self.ring, self.fmt.group_size))
+        return tuple(torch.arange(n, device=device) for n in (self.positions, self.ring, self.fmt.group_size, self.first))
 
     def _dense(self, fresh: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """All `static_length` positions densely: tokens at their positions (codes dequantized before the
@@ -238,15 +257,21 @@ class StaticQuantizedStorage(KVStorage):
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         first, frontier = self.end - last, self.frontier(self.end)
+        exact_to = min(frontier, self.first)  # the head's tokens before the frontier: exact too
         parts = []
-        if first < frontier:
-            parts.append(self._dequantized(first, frontier))
-        exact_from = max(first, frontier)
-        slots = torch.arange(exact_from, self.end, device=self.ring_k.device) % self.ring
-        parts.append(self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)))
+        if first < exact_to:
+            parts.append(self._exact(first, exact_to))
+        if max(first, exact_to) < frontier:
+            parts.append(self._dequantized(max(first, exact_to), frontier))
+        parts.append(self._exact(max(first, frontier), self.end))
         if len(parts) == 1:
             return parts[0]
-        return torch.cat([parts[0][0], parts[1][0]], dim=2), torch.cat([parts[0][1], parts[1][1]], dim=2)
+        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+
+    def _exact(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `lo .. hi - 1` from their exact slots (head or ring), in the model's space."""
+        slots = self._slots(torch.arange(lo, hi, device=self.ring_k.device))
+        return self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
 
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.fmt.group_size
@@ -264,10 +289,10 @@ class StaticQuantizedStorage(KVStorage):
         last quantized group and those past it) return to it dequantized; they are quantized again later."""
         end = self.end - count
         g = self.fmt.group_size
-        lo, hi = max(0, self.frontier(end) - g), max(0, self.frontier(self.end) - g)
+        lo, hi = max(self.first, self.frontier(end) - g), max(0, self.frontier(self.end) - g)  # (the head stays)
         if hi > lo:
             k, v = self._to_ring(*self._dequantized(lo, hi))
-            slots = torch.arange(lo, hi, device=k.device) % self.ring
+            slots = self._slots(torch.arange(lo, hi, device=k.device))
             self.ring_k.index_copy_(2, slots, k)
             self.ring_v.index_copy_(2, slots, v)
         self.end = end
@@ -293,7 +318,7 @@ class StaticQuantizedStorage(KVStorage):
         if self.ring_k is None:
             return MemoryReport()
         coded, _ = self.quantized_part()
-        exact = self.end - self.frontier(self.end)
+        exact = self.end - self.frontier(self.end) + self.exact_part()
         ring = self.ring_k[:, :, :exact].numel() + self.ring_v[:, :, :exact].numel()
         payload = coded.payload_bytes + ring * self.ring_k.element_size()
         allocated = tensor_bytes(list(self.tensors().values()))
@@ -307,8 +332,13 @@ class StaticQuantizedStorage(KVStorage):
         if self.buffers is None:
             return MemoryReport(), 0
         n = self.frontier(self.end)
-        codes, params = span_bytes(self.buffers, self.fmt.group_size, 0, n)
-        return MemoryReport(payload_bytes=codes, metadata_bytes=params, batch_size=self.batch_size), n
+        lo = min(self.first, n) // self.fmt.group_size * self.fmt.group_size  # the groups the head fills alone: none
+        codes, params = span_bytes(self.buffers, self.fmt.group_size, lo, n)
+        return MemoryReport(payload_bytes=codes, metadata_bytes=params, batch_size=self.batch_size), n - min(self.first, n)
+
+    def exact_part(self) -> int:
+        """Tokens per row held at full precision outside the window: the head's, before the frontier."""
+        return min(self.first, self.frontier(self.end))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.ring_k is None:
@@ -322,10 +352,8 @@ class StaticQuantizedStorage(KVStorage):
         v_dim, device = values.shape[-1], keys.device
         # Zeros: positions not yet written are read (and masked) by every step; they must hold finite numbers.
         self.buffers = new_buffers(self.fmt, batch, heads, n, dim, v_dim, device, torch.zeros)
-        self.ring_k = keys.new_zeros(batch, heads, self.ring, dim)
-        self.ring_v = values.new_zeros(batch, heads, self.ring, v_dim)
-        self._aranges = (
-            torch.arange(n, device=device), torch.arange(self.ring, device=device), torch.arange(g, device=device)
-        )
+        self.ring_k = keys.new_zeros(batch, heads, self.first + self.ring, dim)
+        self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
+        self._aranges = tuple(torch.arange(size, device=device) for size in (n, self.ring, g, self.first))
         self.count.place(device)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)
