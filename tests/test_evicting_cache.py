@@ -266,8 +266,8 @@ def test_quantized_slots_decode_reads_the_codes_in_place_as_the_dequantized_slot
         return torch.cat(out, dim=1)
 
     in_place = logits(in_place=True)
-    attend = route.slot_attention  # the dequantizing route: attention over the dense slots, read as they are now
-    monkeypatch.setattr(route, "slot_attention", lambda q, read, *a, **k: attend(q, SlotRead(*read.dense(), read.valid), *a, **k))
+    decode = route.slot_decode  # the dequantizing route: attention over the dense slots, read as they are now
+    monkeypatch.setattr(route, "slot_decode", lambda q, read, *a, **k: decode(q, SlotRead(*read.dense(), read.valid), *a, **k))
     torch.testing.assert_close(in_place, logits(in_place=False), atol=1e-5, rtol=1e-5)
 
 

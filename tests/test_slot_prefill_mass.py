@@ -1,6 +1,6 @@
 """Prefill over slots with attention mass (H2O's and SnapKV's prefill), against an explicit float64 softmax.
 
-`slot_attention` computes the output and the per-key mass of the fresh queries in query chunks, each building its
+`slot_prefill` computes the output and the per-key mass of the fresh queries in query chunks, each building its
 own rows of the causal and padding mask. The chunk budget is shrunk here so that one prefill runs in many chunks,
 uneven ones included; the output and the mass must not depend on it. Bound: the float32 softmax of the same inputs
 (1e-5 relative to the float64 one, measured below 1e-6).
@@ -49,7 +49,7 @@ def test_chunked_prefill_gives_the_float64_output_and_mass(monkeypatch, seed, el
     if padded:
         valid = torch.ones(batch, n, dtype=torch.bool)
         valid[1, :22] = False  # row 1: 22 padding slots, reaching into the fresh tokens when held < 22
-    out, mass = slots.slot_attention(query, SlotRead(keys, values, lambda: valid), DIM**-0.5, mass_queries=mass_queries)
+    out, mass = slots.slot_prefill(query, SlotRead(keys, values, lambda: valid), DIM**-0.5, mass_queries=mass_queries)
     expected_out, expected_mass = reference(query, keys, values, valid, DIM**-0.5, mass_queries)
     torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5, msg=f"seed {seed}: output")
     torch.testing.assert_close(mass.double(), expected_mass, atol=1e-5, rtol=1e-5, msg=f"seed {seed}: mass")

@@ -1,6 +1,6 @@
 """The one place that picks the kernel for what a storage describes (`storage.reads`). Slots (a scored
-retention's storage), whose attention also reports the mass each key received, go to `attention.slots`, which
-picks among the same kernels.
+retention's storage), whose attention also reports the mass each key received, go to `attention.slots`: its decode
+(the same kernels, with the mass) or its prefill.
 
 A decode step (one query per row) whose mask the kernels can express goes to the decode kernel that
 reads the storage in place: dense, paged or quantized (Triton on CUDA, its torch twin elsewhere).
@@ -19,7 +19,7 @@ from ..kernels.decode_attention import decode_attention
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.quant_attention import quantized_decode_attention
 from ..storage.reads import DenseRead, PagedRead, Read, SlotRead
-from .slots import slot_attention
+from .slots import slot_decode, slot_prefill
 
 #: Attributes of the key tensor a hf_kvplus layer's `update` returns: the layer that attends over it, and
 #: (when it is not the dense keys themselves) the `storage.reads` description of what that layer reads.
@@ -60,6 +60,7 @@ def attend(
         for name in ("softcap", "s_aux"):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"evicting caches do not support attention with {name}")
+        slot_attention = slot_decode if query.shape[2] == 1 else slot_prefill
         return slot_attention(query, read, scaling, mass_queries=mass_queries)
     mask = kernel_mask(query, attention_mask, kwargs)
     if mask is not False:

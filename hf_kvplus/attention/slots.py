@@ -3,8 +3,9 @@
 Slots hold tokens in any order, so the mask is built here from what the slots hold (padding slots
 are never attended) plus causality among the fresh tokens, which sit in the last `q` slots. The
 mass of key n for KV head h is the softmax weight it received, summed over the query heads of h's
-group and over the queries asked for: decode reads it off the decode kernel (Triton on CUDA, its
-torch twin elsewhere), prefill computes output and mass in one chunked pass. Quantized slots are read in
+group and over the queries asked for: decode (`slot_decode`) reads it off the decode kernel (Triton on CUDA, its
+torch twin elsewhere), prefill (`slot_prefill`) computes output and mass in one chunked pass; `attention.route`
+chooses between them. Quantized slots are read in
 place by the quantized decode kernels (keys per token), with or without the mass; a prefill over them
 dequantizes first.
 """
@@ -31,38 +32,38 @@ def _prefill_mask(valid: torch.Tensor, q: int) -> torch.Tensor:
     return (valid[:, None, :] & (cols[None, :] <= rows))[:, None]
 
 
-def slot_attention(
+def slot_decode(
     query: torch.Tensor, read: SlotRead, scaling: float, *, mass_queries: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of `query` [batch, q_heads, q, d] over the slots of `read` ([batch, kv_heads, n, d]).
-
-    `read.valid()` [batch, n] marks the slots that hold real tokens (None: all do); the last q slots are the
-    queries' own tokens. Returns the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
-    `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last
-    `mass_queries` queries. A query with no valid key outputs zeros. Queries that report no mass go
-    through SDPA (its causal fast path for a first prefill without padding).
-    """
-    q, valid = query.shape[2], read.valid()
+    """One query per row `[batch, q_heads, 1, d]` over the slots of `read` (`[batch, kv_heads, n, d]`, or their codes,
+    read in place): the output `[batch, 1, q_heads, d]` and, with `mass_queries`, the mass `[batch, kv_heads, n]`
+    (float32) each slot received. `read.valid()` `[batch, n]` masks the slots holding no real token."""
+    valid = read.valid()
     if read.packed is not None:
-        if q == 1:
-            kernel = quantized_decode_attention_with_mass if mass_queries else quantized_decode_attention
-            result = kernel(
-                query[:, :, 0], read.packed, read.fmt, start=0, length=read.packed.k.shape[2], scale=scaling,
-                mask=valid, keys_per_token=True, check=False,
-            )  # fmt: skip
-            out, mass = result if mass_queries else (result, None)
-            return out.unsqueeze(1), mass
-        keys, values = read.dense()
+        kernel = quantized_decode_attention_with_mass if mass_queries else quantized_decode_attention
+        result = kernel(
+            query[:, :, 0], read.packed, read.fmt, start=0, length=read.packed.k.shape[2], scale=scaling,
+            mask=valid, keys_per_token=True, check=False,
+        )  # fmt: skip
+        out, mass = result if mass_queries else (result, None)
+    elif mass_queries:
+        out, mass = decode_attention_with_mass(query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid,
+                                               check=False)  # fmt: skip
     else:
-        keys, values = read.keys, read.values
-    if q == 1:
-        if mass_queries:
-            out, mass = decode_attention_with_mass(
-                query[:, :, 0], keys, values, scale=scaling, mask=valid, check=False
-            )
-        else:
-            out, mass = decode_attention(query[:, :, 0], keys, values, scale=scaling, mask=valid, check=False), None
-        return out.unsqueeze(1), mass
+        out, mass = decode_attention(query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid, check=False), None
+    return out.unsqueeze(1), mass
+
+
+def slot_prefill(
+    query: torch.Tensor, read: SlotRead, scaling: float, *, mass_queries: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of `query` [batch, q_heads, q, d] over the slots of `read` (quantized slots dequantized first), the
+    fresh tokens in the last q slots: the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
+    `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last `mass_queries`
+    queries. A query with no valid key outputs zeros. Queries that report no mass go through SDPA (its causal fast
+    path for a first prefill without padding)."""
+    q, valid = query.shape[2], read.valid()
+    keys, values = read.dense() if read.packed is not None else (read.keys, read.values)
     head = q - mass_queries  # the first queries need their output only: SDPA
     parts = [_sdpa_rows(query[:, :, :head], keys, values, valid, scaling, q)] if head else []
     mass = None
