@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 
 try:
     import triton

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
@@ -56,6 +55,7 @@ from hf_kvplus.kernels.decode_attention import (
     _split_kv_attention,
     grouped_sdpa,
 )
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 
 try:
     import triton
@@ -75,6 +75,10 @@ __all__ = [
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
+#: Block size in tokens. 16 is vLLM's default: a block of K/V for head_dim 128 in fp16 is 4 KiB per
+#: head, a whole number of the decode kernel's 16..64-key tiles, and a sequence wastes at most 15
+#: token slots per layer.
+DEFAULT_BLOCK_SIZE = 16
 # Keys per chunk of the torch twin (whole blocks: max(1, TWIN_CHUNK_TOKENS // block_size) columns).
 TWIN_CHUNK_TOKENS = 1024
 # Tokens per program of the store kernel.

@@ -76,7 +76,6 @@ import sys
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
@@ -93,6 +92,7 @@ from hf_kvplus.kernels.decode_attention import (
     decode_attention_with_mass_torch,
     grouped_sdpa,
 )
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from hf_kvplus.kernels.rotated_format import (

@@ -69,9 +69,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import _is_interpreted
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, QuantFormat
 from hf_kvplus.kernels.quant_format import quantize_keys as quantize_keys_torch
 from hf_kvplus.kernels.quant_format import quantize_values as quantize_values_torch

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, KernelUnavailableError
 from hf_kvplus.kernels.decode_attention import _is_interpreted
+from hf_kvplus.kernels.errors import ConfigError, KernelUnavailableError
 from hf_kvplus.kernels.quant_attention import LOG2E, _check_inputs, _dims, optional_args, split_decode
 from hf_kvplus.kernels.rotated_format import RotatedFormat, codebook
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvplus.errors import ConfigError, ShapeError
+from hf_kvplus.kernels.errors import ConfigError, ShapeError
 
 __all__ = [
     "ROTATED_BITS",
