@@ -140,12 +140,9 @@ class Case:
 
     def _quantized(self, kind):
         from hf_kvplus.formats import DEFAULT_GROUP, parse_bits
-        from hf_kvplus.kernels.quant_attention import (
-            quantized_decode_attention,
-            quantized_decode_attention_triton,
-        )
+        from hf_kvplus.kernels.dispatch import quantize_keys, quantize_values, quantized_decode_attention
+        from hf_kvplus.kernels.quant_attention import quantized_decode_attention_triton
         from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
-        from hf_kvplus.kernels.quant_pack import quantize_keys, quantize_values
         from hf_kvplus.kernels.rotated_format import RotatedFormat
 
         bits = parse_bits(kind)

@@ -6,13 +6,21 @@ place, and each message names what was asked and what is available.
 
 from __future__ import annotations
 
+# The errors the kernels raise live with them (the bottom layer); these are the very same classes.
+from .kernels.errors import (
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    KernelUnavailableError,
+    KVPlusError,
+    ShapeError,
+)
 
-class KVPlusError(Exception):
-    """Base class of every error raised by hf_kvplus."""
-
-
-class ConfigError(KVPlusError, ValueError):
-    """A cache or kernel was configured with values it cannot work with (bad budget, bit width...)."""
+__all__ = [
+    "CacheMismatchError", "CapacityError", "ConfigError", "DeviceError", "DiskTierError", "DTypeError", "FetchError",
+    "KVPlusError", "KernelUnavailableError", "RDataError", "ShapeError", "UnsupportedModelError",
+    "UnsupportedOperationError",
+]  # fmt: skip
 
 
 class UnsupportedModelError(KVPlusError, ValueError):
@@ -21,18 +29,6 @@ class UnsupportedModelError(KVPlusError, ValueError):
 
 class CacheMismatchError(KVPlusError, ValueError):
     """A cache built for one model (layer count, heads, head_dim, dtype, device) was fed another's tensors."""
-
-
-class ShapeError(KVPlusError, ValueError):
-    """A tensor has the wrong number of dimensions or the wrong size along one of them."""
-
-
-class DTypeError(KVPlusError, TypeError):
-    """A tensor has a dtype the operation does not accept."""
-
-
-class DeviceError(KVPlusError, ValueError):
-    """Tensors that must live on one device live on different ones."""
 
 
 class CapacityError(KVPlusError, RuntimeError):
@@ -46,10 +42,6 @@ class DiskTierError(KVPlusError, OSError):
     """
 
 
-class KernelUnavailableError(KVPlusError, RuntimeError):
-    """A Triton kernel was requested where Triton (or a CUDA device) is not available."""
-
-
 class UnsupportedOperationError(KVPlusError, RuntimeError):
     """The cache cannot do this operation in its present state (e.g. roll back tokens it has dropped)."""
 
@@ -59,7 +51,6 @@ class FetchError(KVPlusError, RuntimeError):
 
     The message says what was tried (the exact command) and how to supply the file by hand.
     """
-
 
 
 class RDataError(KVPlusError, ValueError):

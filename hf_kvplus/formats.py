@@ -12,13 +12,10 @@ import math
 import re
 
 from .errors import ConfigError
-from .kernels.quant_format import BIT_WIDTHS, QuantFormat
+from .kernels.quant_format import BIT_WIDTHS, DEFAULT_GROUP, QuantFormat
 from .kernels.rotated_format import ROTATED_BITS, RotatedFormat
 from .model_spec import ModelSpec
 
-#: Default group size per format: the largest that keeps int8 under 0.56, int4 under 0.32 and int2 under
-#: 0.19 of float16's bytes per token (codes plus float16 scales and zero points).
-DEFAULT_GROUP = {8: 64, 4: 32, 2: 32, "fp8": 32}
 _ROTATED = re.compile(r"k(\d)v(\d)")
 _WIDTHS = "8, 4, 2 or 'fp8' (int8/int4/int2/fp8), or a rotated format 'k<key bits>v<value bits>' such as 'k4v2'"
 

@@ -7,6 +7,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .attention.route import KV_READ_ATTR, KV_SOURCE_ATTR, attend
 from .errors import CacheMismatchError, ShapeError, UnsupportedModelError, UnsupportedOperationError
+from .kernels.dispatch import prepare
 from .memory import MemoryReport
 from .model_spec import LayerSpec
 from .placement.base import Placement
@@ -124,7 +125,7 @@ class KVLayer(CacheLayerMixin):
         check_states(self.spec, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         for fmt in self.storage.formats():  # its tables (a rotated format's), made now, not at a decode step's flush
-            fmt.prepare(key_states.shape[-1], value_states.shape[-1], self.device)
+            prepare(fmt, key_states.shape[-1], value_states.shape[-1], self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

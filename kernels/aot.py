@@ -76,8 +76,6 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import KernelInterface
 
-from hf_kvplus.errors import ConfigError
-from hf_kvplus.formats import DEFAULT_GROUP
 from hf_kvplus.kernels import (
     decode_attention,
     paged_attention,
@@ -86,9 +84,10 @@ from hf_kvplus.kernels import (
     rotated_attention,
     rotated_pack,
 )
-from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
+from hf_kvplus.kernels.errors import ConfigError
+from hf_kvplus.kernels.paged_attention import DEFAULT_BLOCK_SIZE
+from hf_kvplus.kernels.quant_format import BIT_WIDTHS, DEFAULT_GROUP, PackedKV, QuantFormat
 from hf_kvplus.kernels.rotated_format import ROTATED_BITS, KeyCenter, RotatedFormat
-from hf_kvplus.paging import DEFAULT_BLOCK_SIZE
 
 __all__ = [
     "ARCHS", "MAX_SHARED", "Row", "Spec", "covering", "format_table", "main", "parse_arch", "run", "specializations",

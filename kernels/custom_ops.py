@@ -6,8 +6,8 @@ CUDA dynamo would have to trace the Triton launch code and its planning. As a cu
 kernel is one opaque node, with a fake implementation that gives its output shapes without reading
 data: CUDA tensors run the Triton kernel, all others the torch twin, the functions eager calls, always
 with ``check=False`` (inside a graph nothing is validated and no tensor value is read on the host).
-The entry points route here only while tracing (``torch.compiler.is_compiling()``) and with
-``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call). Every
+The entry points (``kernels/dispatch.py``) route here only while tracing (``torch.compiler.is_compiling()``) and
+with ``check=False``; eager calls never pay the custom-op dispatch (tens of microseconds per call). Every
 entry point but the paged store routes here with CUDA tensors only: elsewhere its twin is traced inline
 (SDPA, the with-mass softmax, a gather of blocks, chunked dequantization, quantize-and-pack), which a
 compiled graph fuses with the ops around it, at the price of specializing on the twins' chunking (on CPU

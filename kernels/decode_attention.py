@@ -1,9 +1,8 @@
 """Decode attention: one query token per batch row against a dense K/V cache, GQA-aware.
 
-Three entry points share one contract:
+Entry points sharing one contract (the dispatcher, ``decode_attention``, which runs the Triton kernel on CUDA
+tensors and the twin elsewhere, is in ``kernels/dispatch.py``):
 
-- :func:`decode_attention` dispatches: CUDA tensors go to the Triton kernel, everything else to the
-  plain-torch twin.
 - :func:`decode_attention_torch` is the twin: scaled_dot_product_attention with each KV head's query
   group packed as the query length, so K/V are read as they are (no repeat, no copy).
 - :func:`decode_attention_triton` is split-KV flash-decoding: kernel 1 walks one slice of keys per
@@ -11,9 +10,9 @@ Three entry points share one contract:
   32 query heads per KV head), kernel 2 merges the splits. Kernel 1 has a compile-time storage
   switch (``PAGED``): the same code reads paged pools through a block table for
   ``kernels/paged_attention.py``, which also reuses the merge kernel.
-- :func:`decode_attention_with_mass` (dispatching like :func:`decode_attention`, twins
-  :func:`decode_attention_with_mass_torch` and :func:`decode_attention_with_mass_triton`) also returns
-  each key's attention mass per KV head, for heavy-hitter (H2O) eviction: the Triton path turns on two
+- :func:`decode_attention_with_mass_torch` and :func:`decode_attention_with_mass_triton` (dispatcher
+  ``decode_attention_with_mass``) also return each key's attention mass per KV head, for heavy-hitter
+  (H2O) eviction: the Triton path turns on two
   more compile-time switches, ``STORE_SCORES`` (kernel 1 stores its logits) and ``STORE_LSE`` (the merge
   kernel stores each query head's log-sum-exp), so the probabilities are rebuilt from N floats per
   query head without a second pass over K.
@@ -24,13 +23,13 @@ whose keys are all masked outputs zeros. Attention mass [B, Hkv, N] float32: mas
 over the query heads of KV head j's group, of their softmax probability of key n (so each row with an
 unmasked key sums to G = Hq // Hkv); masked keys and fully masked rows get 0.
 
-``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates the whole
+``check`` (keyword, every entry point; the dispatchers pass it on): True (the default) validates the whole
 contract above and raises typed errors. False skips all of it (types, shapes, dtypes, devices, mask,
 scale, ``num_splits``, whether Triton can run) and only reads sizes off the shapes: for callers whose
 inputs are valid by construction, e.g. the caches' storages on the decode hot path. Invalid input is
 then undefined behaviour. No path of these functions reads a tensor value on the host.
 While ``torch.compile`` (or ``torch.export``) traces CUDA tensors, a dispatcher called with
-``check=False`` becomes one custom operator, ``torch.ops.kvplus.decode_attention`` /
+``check=False`` runs one custom operator, ``torch.ops.kvplus.decode_attention`` /
 ``decode_attention_with_mass`` (``kernels/custom_ops.py``), which runs the same Triton kernel. Other
 devices trace the twin inline: it is straight-line torch, which the compiler fuses with its neighbours.
 """
@@ -44,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 
 try:
     import triton
@@ -54,10 +53,8 @@ except ImportError:  # the torch twin still works without triton
     tl = None
 
 __all__ = [
-    "decode_attention",
     "decode_attention_torch",
     "decode_attention_triton",
-    "decode_attention_with_mass",
     "decode_attention_with_mass_torch",
     "decode_attention_with_mass_triton",
     "pick_num_splits",
@@ -151,23 +148,6 @@ def _check_num_splits(num_splits) -> None:
         raise ConfigError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
 
 
-def decode_attention(q, k, v, *, scale, mask=None, num_splits=None, check: bool = True) -> torch.Tensor:
-    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin.
-
-    ``num_splits`` only affects the Triton path (None = automatic, see :func:`pick_num_splits`).
-    ``check=False``: the caller guarantees the contract (see the module docstring).
-    """
-    if torch.compiler.is_compiling() and not check and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        return custom_ops.decode_attention(q, k, v, scale, mask, num_splits)
-    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
-        return decode_attention_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
-    if check:
-        _check_num_splits(num_splits)
-    return decode_attention_torch(q, k, v, scale=scale, mask=mask, check=check)
-
-
 def decode_attention_torch(q, k, v, *, scale, mask=None, check: bool = True) -> torch.Tensor:
     """Plain-torch twin: SDPA with the query group of each KV head packed as the query length."""
     if check:
@@ -189,27 +169,10 @@ def grouped_sdpa(q, k, v, mask, scale) -> torch.Tensor:
     return out.reshape(B, Hq, v.shape[-1])
 
 
-def decode_attention_with_mass(
-    q, k, v, *, scale, mask=None, num_splits=None, check: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention plus per-key attention mass [B, Hkv, N] float32; dispatches like decode_attention."""
-    if torch.compiler.is_compiling() and not check and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        return custom_ops.decode_attention_with_mass(q, k, v, scale, mask, num_splits)
-    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
-        return decode_attention_with_mass_triton(
-            q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check
-        )
-    if check:
-        _check_num_splits(num_splits)
-    return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=check)
-
-
 def decode_attention_with_mass_torch(
     q, k, v, *, scale, mask=None, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch twin of :func:`decode_attention_with_mass`: explicit float32 softmax.
+    """Plain-torch twin of ``decode_attention_with_mass`` (``kernels/dispatch.py``): explicit float32 softmax.
 
     SDPA does not hand back its probabilities, so the logits are formed here, with each KV head's
     query group packed as rows ([B, Hkv, G, N]: K is read once per group, never repeated).

@@ -11,7 +11,8 @@ e.g. -1), with an optional bool mask [B, length] (True = attend). q [B, Hq, D], 
 head h reads KV head h // (Hq // Hkv)); output [B, Hq, Dv] in q.dtype; a row whose keys are all masked
 outputs zeros.
 
-- :func:`paged_decode_attention` dispatches: CUDA tensors go to Triton, everything else to the twin.
+- ``paged_decode_attention`` (``kernels/dispatch.py``) dispatches: CUDA tensors go to Triton, everything else
+  to the twin.
 - :func:`paged_decode_attention_triton` is the split-KV kernel of ``decode_attention`` compiled with
   its paged storage switch (``PAGED=True``): each program walks one slice of keys for one (batch row,
   KV head) and its whole query group, looking up each key's block in the table; the same merge kernel
@@ -20,7 +21,7 @@ outputs zeros.
   ``TWIN_CHUNK_TOKENS`` keys), gathers one chunk of all rows and heads at a time and merges the chunks
   with an online softmax in float32, so the sequence is never copied whole.
 
-Store. :func:`paged_store` writes ``keys[b, :, i]`` / ``values[b, :, i]`` (keys [B, Hkv, n, D], values
+Store. ``paged_store`` (``kernels/dispatch.py``; twins :func:`paged_store_torch`, :func:`paged_store_triton`) writes ``keys[b, :, i]`` / ``values[b, :, i]`` (keys [B, Hkv, n, D], values
 [B, Hkv, n, Dv]) to pool slot ``slot_mapping[b, i]`` (int64 [B, n]; slot s is block s // block_size,
 offset s % block_size; -1 = skip), in place and bit-exact. Both paths skip slot -1; the twin rejects
 slots outside -1..num_blocks*block_size-1 with a typed error, the Triton path (no host sync) skips
@@ -30,13 +31,13 @@ The Triton paths check shapes, dtypes and devices but not the values inside the 
 slot mapping (that needs a host sync): a block id outside 0..num_blocks-1 in a column that is read
 counts as a masked key there (the twin raises ShapeError), never as an out-of-bounds read.
 
-``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates as above.
+``check`` (keyword, every entry point; the dispatchers pass it on): True (the default) validates as above.
 False skips every check (types, shapes, dtypes, devices, ranges, ``num_splits``, whether Triton can
 run) and the twins' host reads of table and slot values: sizes come off the shapes only, and no path
 reads a tensor value on the host. For callers whose inputs are valid by construction (the caches'
 storages); they guarantee that every block id the attention reads is in 0..num_blocks-1 and that
 every slot of a store is in 0..num_blocks*block_size-1 (no -1). Invalid input is undefined behaviour.
-While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
+While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` runs
 one custom operator, ``torch.ops.kvplus.paged_decode_attention`` / ``paged_store`` (``kernels/custom_ops.py``),
 which runs the same Triton kernel or twin; attention off CUDA is the twin traced inline instead.
 """
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
@@ -56,6 +56,7 @@ from hf_kvplus.kernels.decode_attention import (
     _split_kv_attention,
     grouped_sdpa,
 )
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 
 try:
     import triton
@@ -65,16 +66,19 @@ except ImportError:  # the torch twins still work without triton
     tl = None
 
 __all__ = [
-    "paged_decode_attention",
+    "DEFAULT_BLOCK_SIZE",
     "paged_decode_attention_torch",
     "paged_decode_attention_triton",
-    "paged_store",
     "paged_store_torch",
     "paged_store_triton",
 ]
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
+#: Block size in tokens. 16 is vLLM's default: a block of K/V for head_dim 128 in fp16 is 4 KiB per
+#: head, a whole number of the decode kernel's 16..64-key tiles, and a sequence wastes at most 15
+#: token slots per layer.
+DEFAULT_BLOCK_SIZE = 16
 # Keys per chunk of the torch twin (whole blocks: max(1, TWIN_CHUNK_TOKENS // block_size) columns).
 TWIN_CHUNK_TOKENS = 1024
 # Tokens per program of the store kernel.
@@ -262,32 +266,6 @@ def _check_runnable(name: str, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def paged_decode_attention(
-    q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, num_splits=None, check: bool = True
-) -> torch.Tensor:
-    """Paged decode attention; CUDA tensors run the Triton kernel, other devices the torch twin.
-
-    ``num_splits`` only affects the Triton path (None = automatic, see ``pick_num_splits``).
-    ``check=False``: the caller guarantees the contract (see the module docstring).
-    """
-    if torch.compiler.is_compiling() and not check and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        return custom_ops.paged_decode_attention(
-            q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits
-        )
-    if (not check or isinstance(q, torch.Tensor)) and q.is_cuda:
-        return paged_decode_attention_triton(
-            q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask,
-            num_splits=num_splits, check=check,
-        )
-    if check:
-        _check_num_splits(num_splits)
-    return paged_decode_attention_torch(
-        q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask, check=check
-    )
-
-
 def paged_decode_attention_triton(
     q, k_pool, v_pool, block_table, *, start, length, scale, mask=None, num_splits=None, check: bool = True
 ) -> torch.Tensor:
@@ -436,22 +414,6 @@ def paged_decode_attention_torch(
 # ---------------------------------------------------------------------------------------------------
 # Store
 # ---------------------------------------------------------------------------------------------------
-
-
-def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:
-    """Write new K/V into their pool slots in place; CUDA tensors run Triton, others the torch twin.
-
-    ``check=False``: the caller guarantees the contract, every slot in 0..num_blocks*block_size-1
-    (no -1; see the module docstring).
-    """
-    if torch.compiler.is_compiling() and not check:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        custom_ops.paged_store(k_pool, v_pool, keys, values, slot_mapping)
-    elif (not check or isinstance(k_pool, torch.Tensor)) and k_pool.is_cuda:
-        paged_store_triton(k_pool, v_pool, keys, values, slot_mapping, check=check)
-    else:
-        paged_store_torch(k_pool, v_pool, keys, values, slot_mapping, check=check)
 
 
 def paged_store_torch(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:

@@ -4,10 +4,11 @@ One query token per batch row attends to a quantized segment (group-quantized co
 scales/zeros, the layout of ``kernels/quant_format.py``) followed by an optional full-precision
 residual (the most recent tokens, not yet quantized). No full-length dequantized K/V is ever made.
 
-Three entry points share one contract:
+Entry points sharing one contract:
 
-- :func:`quantized_decode_attention` dispatches: CUDA tensors go to Triton, everything else to the
-  plain-torch twin.
+- ``quantized_decode_attention`` (``kernels/dispatch.py``) dispatches: CUDA tensors go to Triton, everything else
+  to the plain-torch twin; a rotated format's attention runs in the rotated space (``rotated_attention`` on CUDA,
+  the C++ operator of ``rotated_cpu`` on the CPU where it is built, else this module's twin).
 - :func:`quantized_decode_attention_triton` is split-KV flash-decoding. Kernel 1 (``_quant_split_kernel``)
   walks one slice of the quantized tokens per (batch row, KV head, split) for the whole query group:
   it loads uint8 code tiles [BLOCK_N, P] and, per token and channel, the token's key scale/zero row
@@ -20,7 +21,7 @@ Three entry points share one contract:
   (``TWIN_CHUNK_TOKENS`` keys; whole key groups dense, whole blocks paged), dequantizes one chunk at
   a time with ``quant_format``'s functions, then the residual, merging with an online softmax in
   float32 (memory O(chunk), not O(length)).
-- :func:`quantized_decode_attention_with_mass` (twins ``..._with_mass_torch`` and ``..._with_mass_triton``)
+- ``quantized_decode_attention_with_mass`` (twins :func:`..._with_mass_torch` and :func:`..._with_mass_triton`)
   also returns each key's attention mass per KV head, for heavy-hitter (H2O) eviction over quantized slots:
   mass [B, Hkv, length + R] float32, mass[b, j, n] the sum over KV head j's query group of the softmax
   weight of key n (quantized keys first, then the residual; zeros where masked and on a fully masked
@@ -58,13 +59,13 @@ channels (``quant_format.quantize_values``): k_scale/k_zero [L, Hkv, T, D // G],
 tokens, so ``start``/``length`` need not respect group bounds and a paged block size need not be a multiple
 of G. The layout of storages that overwrite single tokens in place (an evicting cache's slots).
 
-``check`` (keyword, every entry point; dispatchers pass it on): True (the default) validates the whole
+``check`` (keyword, every entry point; the dispatchers pass it on): True (the default) validates the whole
 contract above. False skips all of it (types, shapes, dtypes, devices, format and range checks,
 ``num_splits``, whether Triton can run) and the twin's host read of the block ids it uses: sizes come
 off the shapes only, and no path reads a tensor value on the host. For callers whose inputs are valid
 by construction (the caches' storages), who guarantee every block id read is in 0..num_blocks-1.
 Invalid input is undefined behaviour.
-While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes
+While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` runs
 one custom operator, ``torch.ops.kvplus.quantized_decode_attention`` (``kernels/custom_ops.py``), which
 runs the same Triton kernel; off CUDA the twin is traced inline instead.
 """
@@ -72,12 +73,9 @@ runs the same Triton kernel; off CUDA the twin is traced inline instead.
 from __future__ import annotations
 
 import itertools
-import sys
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
-from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
@@ -93,13 +91,13 @@ from hf_kvplus.kernels.decode_attention import (
     decode_attention_with_mass_torch,
     grouped_sdpa,
 )
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
     from_plane_order,
     planes_of,
-    rotation,
 )
 
 try:
@@ -110,10 +108,8 @@ except ImportError:  # the torch twin still works without triton
     tl = None
 
 __all__ = [
-    "quantized_decode_attention",
     "quantized_decode_attention_torch",
     "quantized_decode_attention_triton",
-    "quantized_decode_attention_with_mass",
     "quantized_decode_attention_with_mass_torch",
     "quantized_decode_attention_with_mass_triton",
 ]
@@ -299,142 +295,6 @@ def _dims(q, packed, fmt, residual_k, block_table) -> _Info:
 # ---------------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------------
-
-
-def quantized_decode_attention(
-    q,
-    packed,
-    fmt,
-    *,
-    start,
-    length,
-    scale,
-    residual_k=None,
-    residual_v=None,
-    mask=None,
-    block_table=None,
-    num_splits=None,
-    keys_per_token: bool = False,
-    check: bool = True,
-) -> torch.Tensor:
-    """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin.
-
-    ``check=False``: the caller guarantees the contract (see the module docstring).
-    """
-    kw = dict(
-        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
-    )  # fmt: skip
-    return _dispatch("quantized_decode_attention", q, packed, fmt, kw)
-
-
-def _dispatch(name: str, q, packed, fmt, kw: dict):
-    """Both dispatchers: while compiling with ``check=False`` on CUDA the custom operator ``name``, else its Triton
-    path on CUDA, else its twin (looked up by name at call time); a rotated format through :func:`_rotated`."""
-    if isinstance(fmt, RotatedFormat):
-        return _rotated(name, q, packed, fmt, kw)
-    if torch.compiler.is_compiling() and not kw["check"] and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        p, args = packed, [kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask")]
-        return getattr(custom_ops, name)(
-            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), *args,
-            kw["block_table"], kw["num_splits"], kw["keys_per_token"],
-        )  # fmt: skip
-    path = "triton" if (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda else "torch"
-    return getattr(sys.modules[__name__], f"{name}_{path}")(q, packed, fmt, **kw)
-
-
-def _rotated(name: str, q, packed, fmt, kw: dict):
-    """A rotated format's attention, computed in the rotated space: q and the residual rotated in (float32; q . k
-    and the softmax are unchanged by an orthogonal rotation; a residual of a format with `inputs_rotated` comes
-    rotated), the codes read as they are, the output (a weighted sum of rotated values) rotated back once."""
-    D, kw = q.shape[-1], dict(kw)
-    if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
-        raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
-    Dv = fmt.channels(packed.v.shape[-1], "values")
-    if rotated_cpu.supports(q, fmt, kw["block_table"]):
-        return _rotated_cpu(name, q, packed, fmt, kw)
-    # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
-    # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
-    # output unchanged, so the rotations' columns are permuted to match.
-    planes = torch.compiler.is_compiling() and not q.is_cuda
-    # A ring held rotated stays in channel order: the twin folds it in after the codes, with q and the running output
-    # turned to channel order (a few floats), where putting the ring in plane order copied all of it every step.
-    ring_in_channels = planes and kw["residual_k"] is not None and fmt.inputs_rotated
-    r_k = rotation(D, fmt.seed, q.device, plane_bits=fmt.key_bits if planes else None)
-    r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes and not ring_in_channels else None)
-    if kw["residual_k"] is not None and fmt.inputs_rotated:
-        kw["residual_k"], kw["residual_v"] = kw["residual_k"].float(), kw["residual_v"].float()
-    elif kw["residual_k"] is not None:
-        kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
-    with_mass, q_rot = name.endswith("mass"), q.float() @ r_k
-    if torch.compiler.is_compiling() and not kw["check"] and q.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        p = packed
-        op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
-        center = fmt.key_center
-        result = op(
-            q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
-            *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
-            None if center is None else center.rotated,
-        )  # fmt: skip
-        result = result if with_mass else (result, None)
-    elif (not kw["check"] or isinstance(q, torch.Tensor)) and q.is_cuda:
-        from hf_kvplus.kernels import rotated_attention  # imported here: it imports this module
-
-        result = rotated_attention.rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
-    else:
-        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=planes,
-                       ring_in_channels=ring_in_channels)  # fmt: skip
-    out = (result[0] @ r_v.T).to(q.dtype)
-    return (out, result[1]) if with_mass else out
-
-
-def _rotated_cpu(name: str, q, packed, fmt, kw: dict):
-    """:func:`_rotated` through the CPU operator (`rotated_cpu`), which rotates q and the output itself."""
-    if kw["check"]:
-        _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
-    with_mass = name.endswith("mass")
-    out, mass = rotated_cpu.rotated_decode_cpu(
-        q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
-        with_mass,
-    )  # fmt: skip
-    out = out.to(q.dtype)
-    return (out, mass) if with_mass else out
-
-
-#: `_twin`'s positional arguments after (q, packed, fmt), by keyword name.
-_TWIN_ARGS = (
-    "start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits", "keys_per_token",
-    "check",
-)  # fmt: skip
-
-
-def quantized_decode_attention_with_mass(
-    q,
-    packed,
-    fmt,
-    *,
-    start,
-    length,
-    scale,
-    residual_k=None,
-    residual_v=None,
-    mask=None,
-    block_table=None,
-    num_splits=None,
-    keys_per_token: bool = False,
-    check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantized_decode_attention` plus each key's attention mass [B, Hkv, length + R] float32 (quantized
-    keys, then the residual; see the module docstring); dispatches the same way."""
-    kw = dict(
-        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
-    )  # fmt: skip
-    return _dispatch("quantized_decode_attention_with_mass", q, packed, fmt, kw)
 
 
 def quantized_decode_attention_with_mass_triton(
@@ -912,7 +772,7 @@ def quantized_decode_attention_with_mass_torch(
     keys_per_token: bool = False,
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch twin of :func:`quantized_decode_attention_with_mass`: the chunks of
+    """Plain-torch twin of ``quantized_decode_attention_with_mass`` (``kernels/dispatch.py``): the chunks of
     :func:`quantized_decode_attention_torch`, each chunk's logits kept (float32 [B, Hq, length + R], what the
     Triton path stores too) and turned into probabilities once the log-sum-exp is known; keys that fit one
     chunk go through ``decode_attention_with_mass_torch``."""

@@ -32,10 +32,12 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
+from hf_kvplus.kernels.errors import ConfigError, DTypeError, ShapeError
 from hf_kvplus.kernels.rotated_format import dequantize_rotated, quantize_rotated
 
 __all__ = [
+    "BIT_WIDTHS",
+    "DEFAULT_GROUP",
     "FP8_MAX",
     "PackedKV",
     "QuantFormat",
@@ -56,6 +58,9 @@ _TINY = 2.0**-24
 #: Half the float16 subnormal spacing: added before rounding a scale so that it rounds up there too.
 _HALF_TINY = 2.0**-25
 BIT_WIDTHS = (8, 4, 2, "fp8")
+#: Default group size per format: the largest that keeps int8 under 0.56, int4 under 0.32 and int2 under
+#: 0.19 of float16's bytes per token (codes plus float16 scales and zero points).
+DEFAULT_GROUP = {8: 64, 4: 32, 2: 32, "fp8": 32}
 
 
 @dataclass(frozen=True)

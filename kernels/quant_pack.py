@@ -2,9 +2,9 @@
 
 Two operations share one contract, each with three entry points:
 
-- :func:`quantize_keys` / :func:`quantize_values` dispatch: CUDA tensors go to the Triton kernels,
-  everything else to the plain-torch twins of ``quant_format`` (with ``out`` given, the twin's results
-  are copied into it).
+- ``quantize_keys`` / ``quantize_values`` (``kernels/dispatch.py``) dispatch: CUDA tensors go to the Triton
+  kernels, everything else to :func:`quantize_off_cuda`, the plain-torch twins of ``quant_format`` (with ``out``
+  given, the twin's results are copied into it).
 - :func:`quantize_keys_triton` / :func:`quantize_values_triton` are the Triton kernels (CUDA tensors,
   or any tensors under ``TRITON_INTERPRET=1``), bit-identical to the twins of ``quant_format`` run on
   the CPU for the integer formats; fp8 codes are identical except that a code of zero may carry either
@@ -24,7 +24,8 @@ of exactly those shapes and dtypes on x's device, with any strides: typically sl
 dim of larger storage buffers. Every element of the out tensors is written and nothing outside them;
 they are returned.
 
-:func:`quantize_values_at` (twins ``quantize_values_at_torch`` and ``quantize_values_at_triton``) quantizes
+``quantize_values_at`` (``kernels/dispatch.py``; twins :func:`quantize_values_at_torch` and
+:func:`quantize_values_at_triton`) quantizes
 values the same way into given rows of larger buffers (an int64 ``slots`` [B, H, T] names the row of each
 token), the values kernel storing each token at its slot: a storage that refills single slots writes its
 codes, scales and zeros in one launch.
@@ -58,7 +59,7 @@ contract above. False skips it (``fmt``, x's type, dtype and shape, ``out``'s te
 can run): sizes come off x's shape only. For callers whose inputs are valid by construction (the
 caches' storages); invalid input is then undefined behaviour. No path reads a tensor value on the host.
 (The twins are ``quant_format``'s functions, which keep their own few shape checks.)
-While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` becomes one
+While ``torch.compile`` (or ``torch.export``) traces, a dispatcher called with ``check=False`` runs one
 custom operator, ``torch.ops.kvplus.quantize_keys`` / ``quantize_values`` (``kernels/custom_ops.py``),
 writing into ``out`` (or into tensors allocated first), with the same Triton kernel; off CUDA the twin is
 traced inline instead, except for a rotated format's [B, H, T, D] CPU tensors, which eager and compiled calls alike
@@ -69,14 +70,13 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import _is_interpreted
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, QuantFormat
 from hf_kvplus.kernels.quant_format import quantize_keys as quantize_keys_torch
 from hf_kvplus.kernels.quant_format import quantize_values as quantize_values_torch
 from hf_kvplus.kernels.rotated_format import RotatedFormat
-from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 try:
     import triton
@@ -86,10 +86,8 @@ except ImportError:  # the torch twins still work without triton
     tl = None
 
 __all__ = [
-    "quantize_keys",
     "quantize_keys_triton",
-    "quantize_values",
-    "quantize_values_at",
+    "quantize_off_cuda",
     "quantize_values_at_torch",
     "quantize_values_at_triton",
     "quantize_values_triton",
@@ -182,25 +180,15 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Dispatchers
+# Off CUDA
 # ---------------------------------------------------------------------------------------------------
 
 
-def _dispatch(x, fmt, out, kind: str, triton_fn, twin, check: bool):
-    if isinstance(fmt, RotatedFormat) and isinstance(x, torch.Tensor) and x.is_cuda:
-        return _rotated_cuda(x, fmt, out, kind, None, check)
-    if torch.compiler.is_compiling() and not check and x.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        codes, scale, zero = _new_out(kind, tuple(x.shape), fmt, x.device) if out is None else out
-        op = custom_ops.quantize_keys if kind == "keys" else custom_ops.quantize_values
-        op(x, *custom_ops.format_args(fmt), codes, scale, zero)
-        return codes, scale, zero
-    if (not check or isinstance(x, torch.Tensor)) and x.is_cuda:
-        return triton_fn(x, fmt, out=out, check=check)
+def quantize_off_cuda(x, fmt, out, kind: str, check: bool):
+    """The dispatchers' path off CUDA: :func:`_off_cuda`'s codes, copied into ``out`` when it is given."""
     if check:
         _check_fmt(fmt)
-    result = _off_cuda(x, fmt, kind, twin)
+    result = _off_cuda(x, fmt, kind, quantize_keys_torch if kind == "keys" else quantize_values_torch)
     if out is None:
         return result
     codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device) if check else out
@@ -218,57 +206,8 @@ def _off_cuda(x, fmt, side: str, twin):
     return twin(x, fmt)
 
 
-def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, check: bool):
-    """A rotated format on CUDA: the custom operator while compiling (``check=False``), else the Triton kernel."""
-    if torch.compiler.is_compiling() and not check:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
-        center = fmt.center_of(side)
-        if center is not None and not fmt.inputs_rotated:
-            center.observe(x, fmt.seed)  # the layer's first keys set its centre (once; see rotated_format)
-        mu = None if center is None else center.mu
-        custom_ops.quantize_rotated(
-            x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
-        )
-        return codes, norms, None
-    return quantize_rotated_triton(x, fmt, side, out, slots, check=check)
-
-
-def quantize_keys(x, fmt: QuantFormat, out=None, *, check: bool = True):
-    """Keys [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
-
-    The Triton path needs 4-d keys [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
-    results are written into it (see the module doc) and ``out``'s tensors are returned. ``check=False``:
-    the caller guarantees the contract (see the module doc).
-    """
-    return _dispatch(x, fmt, out, "keys", quantize_keys_triton, quantize_keys_torch, check)
-
-
-def quantize_values_at(x, fmt: QuantFormat, out, slots, *, check: bool = True):
-    """Values x [B, H, T, D] quantized per token (as :func:`quantize_values`) straight into rows ``slots``
-    (int64 [B, H, T]) of ``out`` = (codes [B, H, N, P], scale, zero [B, H, N, D // G]; zero None for fp8; any
-    strides): token t of row b and head h lands in row ``slots[b, h, t]``, every other row untouched. What a
-    storage that refills single slots writes per decode step (an evicting cache's hole), one launch where
-    quantizing then scattering each of the three tensors would be four. Slots must be distinct per (b, h) and
-    in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
-    CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
-    if isinstance(fmt, RotatedFormat) and isinstance(x, torch.Tensor) and x.is_cuda:
-        return _rotated_cuda(x, fmt, out, "values", slots, check)
-    if torch.compiler.is_compiling() and not check and x.is_cuda:
-        from hf_kvplus.kernels import custom_ops  # imported here: it imports this module
-
-        custom_ops.quantize_values_at(x, *custom_ops.format_args(fmt), *out, slots)
-        return out
-    if (not check or isinstance(x, torch.Tensor)) and x.is_cuda:
-        return quantize_values_at_triton(x, fmt, out, slots, check=check)
-    if check:
-        _check_at(x, fmt, out, slots)
-    return quantize_values_at_torch(x, fmt, out, slots)
-
-
 def quantize_values_at_torch(x, fmt: QuantFormat, out, slots):
-    """The twin of :func:`quantize_values_at`: ``quant_format.quantize_values`` (a rotated format's CPU operator where
+    """The twin of ``quantize_values_at`` (``kernels/dispatch.py``): ``quant_format.quantize_values`` (a rotated format's CPU operator where
     it takes x), then one ``scatter_`` per tensor."""
     for dst, part in zip(out, _off_cuda(x, fmt, "values", quantize_values_torch), strict=True):
         if dst is not None:
@@ -289,16 +228,6 @@ def _check_at(x, fmt, out, slots) -> None:
         raise DeviceError(f"slots are on {slots.device}, values on {x.device}")
     rows = out[0].shape[2] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else T
     _check_out(out, "values", (B, H, rows, D), fmt, x.device)
-
-
-def quantize_values(x, fmt: QuantFormat, out=None, *, check: bool = True):
-    """Values [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
-
-    The Triton path needs 4-d values [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
-    results are written into it (see the module doc) and ``out``'s tensors are returned. ``check=False``:
-    the caller guarantees the contract (see the module doc).
-    """
-    return _dispatch(x, fmt, out, "values", quantize_values_triton, quantize_values_torch, check)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -596,7 +525,7 @@ def quantize_values_triton(x, fmt: QuantFormat, out=None, *, check: bool = True)
 
 def quantize_values_at_triton(x, fmt: QuantFormat, out, slots, *, check: bool = True):
     """Values [B, H, T, D] quantized into rows ``slots`` [B, H, T] of ``out`` with the Triton kernel (see
-    :func:`quantize_values_at`)."""
+    ``quantize_values_at`` in ``kernels/dispatch.py``)."""
     if check:
         if triton is None:
             raise KernelUnavailableError("quantize_values_at_triton needs triton, which is not installed")

@@ -1,6 +1,6 @@
 """Decode attention over a rotated format's codes (``kernels/rotated_format.py``), in the rotated space.
 
-:func:`rotated_decode_attention_triton` is what ``quant_attention``'s dispatcher runs on CUDA for a
+:func:`rotated_decode_attention_triton` is what the quantized dispatcher (``kernels/dispatch.py``) runs on CUDA for a
 :class:`RotatedFormat`: it has already rotated q and the residual (``x @ R``, float32), and rotates the output
 back. Since ``q . k = (q @ R) . (k @ R)``, the softmax needs no rotation of the keys: the codes are read as they
 are. Split-KV flash-decoding as ``quant_attention``'s KIVI path: kernel 1 (``_rotated_split_kernel``) walks one
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, KernelUnavailableError
 from hf_kvplus.kernels.decode_attention import _is_interpreted
+from hf_kvplus.kernels.errors import ConfigError, KernelUnavailableError
 from hf_kvplus.kernels.quant_attention import LOG2E, _check_inputs, _dims, optional_args, split_decode
 from hf_kvplus.kernels.rotated_format import RotatedFormat, codebook
 

@@ -16,7 +16,7 @@ step: an evicting cache codes its new token and re-codes its moved sinks at ever
 Both are built on first use, as one library, with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and
 ninja; tens of seconds once, then cached by torch under ``TORCH_EXTENSIONS_DIR``), for the CPU it runs on
 (``-march=native``: the build's name carries a digest of the sources, the flags and the CPU's), when a rotated
-layer first sees its shapes on the CPU (``RotatedFormat.prepare``). Where they cannot be built, or with
+layer first sees its shapes on the CPU (``dispatch.prepare``). Where they cannot be built, or with
 ``HF_KVPLUS_CPU_KERNELS=0``, the twins run, as everywhere off CUDA before; a failed build warns once.
 """
 

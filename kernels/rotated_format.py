@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvplus.errors import ConfigError, ShapeError
+from hf_kvplus.kernels.errors import ConfigError, ShapeError
 
 __all__ = [
     "ROTATED_BITS",
@@ -150,17 +150,12 @@ class RotatedFormat:
         """Makes the rotations (every plane order) and codebooks of both sides on `device`, where shapes become
         fixed (a layer's first call): made later, at a decode step's first flush, they would be a host-to-device
         copy (a wait for the device) and, for a head dim that is not shipped, a Lloyd-Max run inside the step. On
-        the CPU also the byte tables and the C++ operators (`rotated_cpu`, built on first use), so that a graph
-        compiled later finds them."""
+        the CPU also the byte tables (`dispatch.prepare` builds the C++ operators there too)."""
         for dim, bits in ((key_dim, self.key_bits), (value_dim, self.value_bits)):
             rotation(dim, self.seed, device)
             codebook(dim, bits, device)
             if torch.device(device).type == "cpu":
                 byte_table(dim, bits, device)
-        if torch.device(device).type == "cpu":
-            from hf_kvplus.kernels import rotated_cpu  # imported here: it imports this module
-
-            rotated_cpu.available()
 
     def with_rotated_inputs(self) -> RotatedFormat:
         """This format (the same centres) taking rotated vectors."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.decode_attention import _is_interpreted
+from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.rotated_format import PLAIN_NORM, RotatedFormat, centered, codebook, rotation
 
 try:

@@ -18,6 +18,18 @@ def test_errors_share_one_base():
     assert issubclass(UnsupportedModelError, KVPlusError) and issubclass(CacheMismatchError, KVPlusError)
 
 
+def test_kernel_errors_are_the_packages_errors():
+    """The kernels define the errors they raise (they import nothing above them); hf_kvplus.errors re-exports the
+    very classes, so an ``except hf_kvplus.errors.ShapeError`` catches a kernel's."""
+    from hf_kvplus import errors
+    from hf_kvplus.kernels import errors as kernel_errors
+
+    for name in ("KVPlusError", "ConfigError", "ShapeError", "DTypeError", "DeviceError", "KernelUnavailableError"):
+        assert getattr(errors, name) is getattr(kernel_errors, name)
+    assert issubclass(errors.ShapeError, ValueError) and issubclass(errors.DTypeError, TypeError)
+    assert issubclass(errors.KernelUnavailableError, RuntimeError) and issubclass(errors.DeviceError, KVPlusError)
+
+
 def test_model_without_attention_layers_is_refused():
     config = llama_config()
     config.layer_types = ["mlp", "mlp"]

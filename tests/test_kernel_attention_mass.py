@@ -20,14 +20,15 @@ import torch
 from kernel_checks import check, check_mass, left_padding, reference
 
 import hf_kvplus.kernels.decode_attention as mod
+import hf_kvplus.kernels.dispatch as dispatch
 from hf_kvplus.errors import ConfigError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.decode_attention import (
     decode_attention_torch,
     decode_attention_triton,
-    decode_attention_with_mass,
     decode_attention_with_mass_torch,
     decode_attention_with_mass_triton,
 )
+from hf_kvplus.kernels.dispatch import decode_attention_with_mass
 
 
 def make(B, Hkv, G, N, D, Dv, dtype):
@@ -166,8 +167,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(mod, "decode_attention_with_mass_triton", boom)
-    monkeypatch.setattr(mod, "decode_attention_with_mass_torch", twin)
+    monkeypatch.setattr(dispatch, "decode_attention_with_mass_triton", boom)
+    monkeypatch.setattr(dispatch, "decode_attention_with_mass_torch", twin)
     out, mass = decode_attention_with_mass(q, k, v, scale=0.125, mask=mask, num_splits=3)
     assert calls == [1]
     assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])

@@ -38,30 +38,26 @@ from test_kernel_unchecked import (
 )
 
 import hf_kvplus.kernels.custom_ops as ops
-from hf_kvplus.kernels.decode_attention import (
+from hf_kvplus.kernels.decode_attention import decode_attention_triton, decode_attention_with_mass_triton
+from hf_kvplus.kernels.dispatch import (
     decode_attention,
-    decode_attention_triton,
     decode_attention_with_mass,
-    decode_attention_with_mass_triton,
-)
-from hf_kvplus.kernels.paged_attention import (
     paged_decode_attention,
-    paged_decode_attention_triton,
     paged_store,
-    paged_store_triton,
-)
-from hf_kvplus.kernels.quant_attention import (
+    quantize_keys,
+    quantize_values,
+    quantize_values_at,
     quantized_decode_attention,
-    quantized_decode_attention_triton,
     quantized_decode_attention_with_mass,
+)
+from hf_kvplus.kernels.paged_attention import paged_decode_attention_triton, paged_store_triton
+from hf_kvplus.kernels.quant_attention import (
+    quantized_decode_attention_triton,
     quantized_decode_attention_with_mass_triton,
 )
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.kernels.quant_pack import (
-    quantize_keys,
     quantize_keys_triton,
-    quantize_values,
-    quantize_values_at,
     quantize_values_at_triton,
     quantize_values_triton,
 )

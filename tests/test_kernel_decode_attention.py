@@ -20,6 +20,7 @@ import torch
 from kernel_checks import check, left_padding, reference
 
 import hf_kvplus.kernels.decode_attention as mod
+import hf_kvplus.kernels.dispatch as dispatch
 from hf_kvplus.errors import (
     ConfigError,
     DeviceError,
@@ -29,11 +30,11 @@ from hf_kvplus.errors import (
     ShapeError,
 )
 from hf_kvplus.kernels.decode_attention import (
-    decode_attention,
     decode_attention_torch,
     decode_attention_triton,
     pick_num_splits,
 )
+from hf_kvplus.kernels.dispatch import decode_attention
 
 #: The device the tests make their tensors on (torch's default: see conftest.py).
 HOME = torch.get_default_device().type
@@ -214,8 +215,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(mod, "decode_attention_triton", boom)
-    monkeypatch.setattr(mod, "decode_attention_torch", twin)
+    monkeypatch.setattr(dispatch, "decode_attention_triton", boom)
+    monkeypatch.setattr(dispatch, "decode_attention_torch", twin)
     out = decode_attention(q, k, v, scale=0.125, mask=mask, num_splits=3)
     assert calls == [1]
     assert torch.equal(out, expected)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from kernel_checks import check, left_padding, reference
 
+import hf_kvplus.kernels.dispatch as dispatch
 import hf_kvplus.kernels.paged_attention as mod
 from hf_kvplus.errors import (
     ConfigError,
@@ -30,11 +31,10 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
+from hf_kvplus.kernels.dispatch import paged_decode_attention, paged_store
 from hf_kvplus.kernels.paged_attention import (
-    paged_decode_attention,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
-    paged_store,
     paged_store_torch,
     paged_store_triton,
 )
@@ -274,8 +274,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(mod, "paged_decode_attention_triton", boom)
-    monkeypatch.setattr(mod, "paged_decode_attention_torch", twin)
+    monkeypatch.setattr(dispatch, "paged_decode_attention_triton", boom)
+    monkeypatch.setattr(dispatch, "paged_decode_attention_torch", twin)
     out = paged_decode_attention(*args, **lay.kwargs(), scale=0.125, mask=mask, num_splits=3)
     assert calls == [1]
     assert torch.equal(out, expected)
@@ -344,8 +344,8 @@ def test_store_dispatcher_uses_torch_twin_on_cpu(monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(mod, "paged_store_triton", boom)
-    monkeypatch.setattr(mod, "paged_store_torch", twin)
+    monkeypatch.setattr(dispatch, "paged_store_triton", boom)
+    monkeypatch.setattr(dispatch, "paged_store_torch", twin)
     paged_store(**args)
     assert calls == [1]
     assert torch.equal(args["k_pool"][1, :, 1], args["keys"][0, :, 1])

@@ -21,6 +21,7 @@ import pytest
 import torch
 from kernel_checks import MASS_BOUND, check, check_mass, left_padding, reference, rel_err
 
+import hf_kvplus.kernels.dispatch as dispatch
 import hf_kvplus.kernels.quant_attention as mod
 from hf_kvplus.errors import (
     ConfigError,
@@ -30,11 +31,10 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
+from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_attention import (
-    quantized_decode_attention,
     quantized_decode_attention_torch,
     quantized_decode_attention_triton,
-    quantized_decode_attention_with_mass,
     quantized_decode_attention_with_mass_torch,
     quantized_decode_attention_with_mass_triton,
 )
@@ -426,7 +426,7 @@ def test_with_mass_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(mod, "quantized_decode_attention_with_mass_triton", boom)
+    monkeypatch.setattr(dispatch, "quantized_decode_attention_with_mass_triton", boom)
     out, mass = run(quantized_decode_attention_with_mass, q, fmt, lay, 0.2, mask=mask, keys_per_token=True)
     assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
     with pytest.raises(ShapeError, match="mask"):
@@ -504,8 +504,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(mod, "quantized_decode_attention_triton", boom)
-    monkeypatch.setattr(mod, "quantized_decode_attention_torch", twin)
+    monkeypatch.setattr(dispatch, "quantized_decode_attention_triton", boom)
+    monkeypatch.setattr(dispatch, "quantized_decode_attention_torch", twin)
     out = run(quantized_decode_attention, q, fmt, lay, 0.2, rk, rv, num_splits=3)
     assert calls == [1]
     assert torch.equal(out, expected)

@@ -12,7 +12,7 @@ the torch twins and the Triton paths (under TRITON_INTERPRET=1 on the CPU, compi
    records the ops that make the host wait for the device (``_local_scalar_dense`` is every ``int()``,
    ``float()``, ``bool()`` and ``.item()`` of a tensor; ``nonzero``, ``equal``, the ``unique`` ops,
    indexing with a bool mask, ``tolist``...); zero is required. ``check=True`` on the twins that validate table and slot values records some,
-   so the detector is shown to fire. Separately, every validator of the four modules is replaced by
+   so the detector is shown to fire. Separately, every validator of the four modules (and of the dispatchers) is replaced by
    one that raises: ``check=False`` must not call any of them (and ``check=True`` must).
 3. Less Python work: ``sys.setprofile`` counts the Python function calls of one dispatcher call on the
    CPU; ``check=False`` must make strictly fewer (the counts are printed, ``pytest -s`` shows them).
@@ -29,40 +29,40 @@ import torch
 from kernel_checks import left_padding
 
 import hf_kvplus.kernels.decode_attention as dense_mod
+import hf_kvplus.kernels.dispatch as dispatch_mod
 import hf_kvplus.kernels.paged_attention as paged_mod
 import hf_kvplus.kernels.quant_attention as quant_mod
 import hf_kvplus.kernels.quant_pack as pack_mod
 from hf_kvplus.evaluation.host_cost import count_syncs
 from hf_kvplus.kernels.decode_attention import (
-    decode_attention,
     decode_attention_torch,
     decode_attention_triton,
-    decode_attention_with_mass,
     decode_attention_with_mass_torch,
     decode_attention_with_mass_triton,
 )
-from hf_kvplus.kernels.paged_attention import (
+from hf_kvplus.kernels.dispatch import (
+    decode_attention,
+    decode_attention_with_mass,
     paged_decode_attention,
+    paged_store,
+    quantize_keys,
+    quantize_values,
+    quantized_decode_attention,
+)
+from hf_kvplus.kernels.paged_attention import (
     paged_decode_attention_torch,
     paged_decode_attention_triton,
-    paged_store,
     paged_store_torch,
     paged_store_triton,
 )
 from hf_kvplus.kernels.quant_attention import (
-    quantized_decode_attention,
     quantized_decode_attention_torch,
     quantized_decode_attention_triton,
 )
 from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat
 from hf_kvplus.kernels.quant_format import quantize_keys as twin_quantize_keys
 from hf_kvplus.kernels.quant_format import quantize_values as twin_quantize_values
-from hf_kvplus.kernels.quant_pack import (
-    quantize_keys,
-    quantize_keys_triton,
-    quantize_values,
-    quantize_values_triton,
-)
+from hf_kvplus.kernels.quant_pack import quantize_keys_triton, quantize_values_triton
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -440,7 +440,7 @@ def test_checked_twins_do_read_on_host():
         assert reads["nonzero"] == 1, dict(reads)
 
 
-#: Every validation helper of the four modules, by the module namespace it is looked up in.
+#: Every validation helper of the four kernel modules and the dispatchers, by the module namespace it is looked up in.
 VALIDATORS = {
     dense_mod: ["_check_inputs", "_check_mask_and_scale", "_check_num_splits", "_is_interpreted"],
     paged_mod: [
@@ -452,6 +452,7 @@ VALIDATORS = {
         "_is_interpreted", "_is_int",
     ],
     pack_mod: ["_check_fmt", "_check_x", "_check_out", "_check_inputs", "_is_interpreted"],
+    dispatch_mod: ["_check_num_splits", "_check_inputs", "_check_at"],
 }  # fmt: skip
 
 

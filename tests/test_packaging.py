@@ -68,3 +68,20 @@ def test_the_wheel_ships_every_module_and_no_top_level_kernels(tmp_path):
     expected |= {f"hf_kvplus/kernels/{p.name}" for p in (REPO / "kernels").glob("*.cpp")}  # built on first use
     expected |= {f"hf_kvplus/{p.relative_to(REPO / 'hf_kvplus')}" for p in (REPO / "hf_kvplus" / "data").rglob("*.json")}
     assert expected - names == set()
+
+
+def test_kernels_import_hf_kvplus_at_module_level_only():
+    """No kernel module imports hf_kvplus inside a function: such an import hides a cycle. The device choice that
+    needed them lives above the kernel modules, in kernels/dispatch.py (the layers: pyproject's import contracts)."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                    names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                    if (isinstance(node, ast.ImportFrom) and node.level) or any(n.startswith("hf_kvplus") for n in names):
+                        found.append(f"{path.name}:{node.lineno}")
+    assert not found, found

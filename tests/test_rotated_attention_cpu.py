@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_kvplus.kernels import rotated_cpu
-from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_format import (
     KeyCenter,

@@ -9,7 +9,7 @@ from kernel_checks import reference
 
 from hf_kvplus.errors import ConfigError
 from hf_kvplus.kernels import rotated_format as rf
-from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import (
     PackedKV,
     dequantize_keys,

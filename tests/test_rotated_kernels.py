@@ -27,7 +27,7 @@ from test_kernel_unchecked import assert_same
 import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
 from hf_kvplus.kernels import rotated_cpu
-from hf_kvplus.kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
 from hf_kvplus.kernels.rotated_format import (

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_rotated_attention_cpu import needs_operator
 
-from hf_kvplus.kernels import quant_pack, rotated_cpu
+from hf_kvplus.kernels import dispatch, rotated_cpu
 from hf_kvplus.kernels.rotated_format import (
     KeyCenter,
     RotatedFormat,
@@ -122,7 +122,7 @@ def test_the_dispatchers_code_cpu_tensors_with_the_operator(monkeypatch, kind):
     calls = []
     real = rotated_cpu.rotated_encode_cpu
     monkeypatch.setattr(rotated_cpu, "rotated_encode_cpu", lambda *a: calls.append(a[2]) or real(*a))
-    quantize = quant_pack.quantize_keys if kind == "keys" else quant_pack.quantize_values
+    quantize = dispatch.quantize_keys if kind == "keys" else dispatch.quantize_values
     out = tuple(torch.zeros_like(t) for t in quantize_rotated(x, fmt, kind))
     codes, norms, zero = quantize(x, fmt, out=(*out, None))
     assert calls == [kind] and zero is None and codes is out[0]
@@ -130,7 +130,7 @@ def test_the_dispatchers_code_cpu_tensors_with_the_operator(monkeypatch, kind):
     slots = torch.tensor([[[3, 0]] * 3] * 2)  # [B, H, T=2]
     want = quantize_rotated(x[:, :, :2], fmt, "values")
     buffers = tuple(torch.zeros(2, 3, 5, t.shape[-1], dtype=t.dtype) for t in want)
-    quant_pack.quantize_values_at(x[:, :, :2], fmt, (*buffers, None), slots)
+    dispatch.quantize_values_at(x[:, :, :2], fmt, (*buffers, None), slots)
     assert calls == [kind, "values"]
     for buffer, part in zip(buffers, want, strict=True):
         assert torch.equal(buffer[:, :, 3], part[:, :, 0]) and torch.equal(buffer[:, :, 0], part[:, :, 1])
@@ -151,7 +151,7 @@ def test_a_compiled_call_is_one_node_of_the_graph():
         return gm.forward
 
     def step(x):
-        return quant_pack.quantize_keys(x, fmt, check=False)[:2]
+        return dispatch.quantize_keys(x, fmt, check=False)[:2]
 
     torch._dynamo.reset()
     got = torch.compile(step, backend=backend, fullgraph=True)(x)

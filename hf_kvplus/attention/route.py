@@ -15,9 +15,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import UnsupportedModelError
-from ..kernels.decode_attention import decode_attention
-from ..kernels.paged_attention import paged_decode_attention
-from ..kernels.quant_attention import quantized_decode_attention
+from ..kernels.dispatch import decode_attention, paged_decode_attention, quantized_decode_attention
 from ..storage.reads import DenseRead, PagedRead, Read, SlotRead
 from .slots import slot_decode, slot_prefill
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.decode_attention import decode_attention, decode_attention_with_mass
-from ..kernels.quant_attention import quantized_decode_attention, quantized_decode_attention_with_mass
+from ..kernels.dispatch import (
+    decode_attention,
+    decode_attention_with_mass,
+    quantized_decode_attention,
+    quantized_decode_attention_with_mass,
+)
 from ..storage.reads import SlotRead
 
 #: Prefill computes the score matrix in query chunks of at most this many elements: on the CPU a chunk that stays in

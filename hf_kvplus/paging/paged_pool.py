@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import CacheMismatchError, ConfigError
 from ..formats import resolve_format
+from ..kernels.paged_attention import DEFAULT_BLOCK_SIZE
 from ..kernels.quant_format import QuantFormat
 from ..model_spec import LayerSpec, ModelSpec
 from .block_pool import BlockPool
@@ -14,10 +15,6 @@ from .layer_pool import LayerPool
 from .prefix_store import PrefixStore
 from .quant_layer_pool import QuantLayerPool, check_block_size
 
-#: Block size in tokens. 16 is vLLM's default: a block of K/V for head_dim 128 in fp16 is 4 KiB per
-#: head, a whole number of the decode kernel's 16..64-key tiles, and a sequence wastes at most 15
-#: token slots per layer.
-DEFAULT_BLOCK_SIZE = 16
 #: A growable pool starts this small: a short prompt should not hold a large empty pool at rest.
 GROWABLE_INITIAL_BLOCKS = 8
 

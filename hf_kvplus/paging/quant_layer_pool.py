@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError, ConfigError
+from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_keys, dequantize_values
-from ..kernels.quant_pack import quantize_keys, quantize_values
 from .block_pool import BlockPool
 from .layer_pool import BlockTensors
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheMismatchError
+from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_keys, dequantize_values
-from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment

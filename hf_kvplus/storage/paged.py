@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from ..errors import CacheMismatchError, ConfigError
-from ..kernels.paged_attention import paged_store
+from ..kernels.dispatch import paged_store
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool

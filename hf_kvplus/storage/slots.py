@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
+from ..kernels.dispatch import quantize_values, quantize_values_at
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
-from ..kernels.quant_pack import quantize_values, quantize_values_at
 from ..memory import MemoryReport
 from ..static_address import mark_static
 from .base import FitMemo, KVStorage, check_fits

@@ -8,8 +8,8 @@ from functools import partial
 import torch
 
 from ..errors import CacheMismatchError, CapacityError, ConfigError, UnsupportedOperationError
+from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
-from ..kernels.quant_pack import quantize_keys, quantize_values
 from ..kernels.rotated_format import rotated, rotation
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
