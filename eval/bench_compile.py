@@ -67,6 +67,8 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from hf_kvplus import cache_kwargs
+
 #: The GPU pass's step: every static cache against StaticCache, the evicting ones at an eighth of 32K. Inductor's
 #: graph partition is off: torch 2.11 generated a partition naming a size symbol it was not passed (NameError
 #: 's85') for the paged cache's store.
@@ -129,7 +131,7 @@ def decode_seconds(model, spec, prompt, new: tuple[int, int], max_length, config
     n1, n2 = new
     cache = spec.build(model.config, max_length=max_length)
     clock = StepClock()
-    model.generate(prompt, past_key_values=cache, max_new_tokens=n2, min_new_tokens=n2, do_sample=False,
+    model.generate(prompt, **cache_kwargs(cache), max_new_tokens=n2, min_new_tokens=n2, do_sample=False,
                    compile_config=config, pad_token_id=0, stopping_criteria=StoppingCriteriaList([clock]))  # fmt: skip
     return (clock.stamps[n2 - 1] - clock.stamps[n1 - 1]) / (n2 - n1)
 

@@ -4,7 +4,7 @@ Bytes are read off the caches after the run: payload (the tokens held) and headr
 allocated but unfilled capacity, which appends write into instead of concatenating).
 
 A small random Llama (GQA) prefills a prompt, then decodes greedily one token at a time through
-`model(..., past_key_values=cache)`. Each cache is timed `--repeats` times, alternating, after a
+`model(..., **cache_kwargs(cache))`. Each cache is timed `--repeats` times, alternating, after a
 warm-up; the table shows the medians and DenseCache's speed as a ratio of DynamicCache's.
 
     python eval/bench_dense_decode.py --prompt 1024 --new 256 --threads 2 --json eval/results/dense_decode.json
@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from hf_kvplus import DenseCache
+from hf_kvplus import DenseCache, cache_kwargs
 from hf_kvplus.evaluation.report import stamp
 
 CACHES = {
@@ -50,13 +50,13 @@ def run_once(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> dict:
     """Prefill then `new_tokens` greedy decode steps; returns timings and the cache's bytes at rest."""
     cache = make_cache(model.config)
     start = time.perf_counter()
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
+    logits = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True).logits
     prefill_s = time.perf_counter() - start
     token = logits[:, -1:].argmax(-1)
     tokens = [token]
     start = time.perf_counter()
     for _ in range(new_tokens):
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
         tokens.append(token)
     decode_s = time.perf_counter() - start

@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from hf_kvplus import cache_kwargs
 from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs, stubbing_kernels, timing_kernels
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -77,12 +78,12 @@ def build_model(**shape):
 
 def prefilled(model, spec, prompt, steps):
     cache = spec.build(model.config, max_length=prompt.shape[1] + steps + 2)
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
     return cache, logits[:, -1:].argmax(-1)
 
 
 def decode(model, cache, token):
-    return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    return model(input_ids=token, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
 
 
 def time_steps(model, spec, prompt, steps, stub: bool = False) -> tuple[float, float, float]:
@@ -103,7 +104,7 @@ def graph_breaks(model, spec, prompt, steps) -> tuple[int | str, list[str]]:
     cache, token = prefilled(model, spec, prompt, steps)
     torch._dynamo.reset()
     try:
-        explained = torch._dynamo.explain(model)(input_ids=token, past_key_values=cache, use_cache=True)
+        explained = torch._dynamo.explain(model)(input_ids=token, **cache_kwargs(cache), use_cache=True)
     except Exception as exc:  # a cache dynamo cannot trace at all is reported, not hidden
         return "error", [f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"]
     reasons = [str(getattr(b, "reason", b)).splitlines()[0][:160] for b in explained.break_reasons]

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import hf_kvplus
+from hf_kvplus import cache_kwargs
 from hf_kvplus.evaluation.report import format_table, stamp
 
 MiB = 2**20
@@ -163,7 +164,7 @@ def synchronize(device: torch.device) -> None:
 
 def greedy(model, cache, input_ids) -> torch.Tensor:
     """One forward; the argmax of its last position, shaped (batch, 1) to be fed back."""
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
     return logits[:, -1:].argmax(-1)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from hf_kvplus import PagedCache, PagedPool
+from hf_kvplus import PagedCache, PagedPool, cache_kwargs
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.memory import cache_bytes
 from hf_kvplus.planner import load_config
@@ -60,7 +60,7 @@ def beam_search(model, prompt, new_tokens, beams):
         cache = make(model.config, prompt.shape[1] + new_tokens)
         timer = ReorderTimer(cache)
         start = time.perf_counter()
-        out = model.generate(prompt, past_key_values=cache, num_beams=beams, max_new_tokens=new_tokens,
+        out = model.generate(prompt, **cache_kwargs(cache), num_beams=beams, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, early_stopping=False)
         seconds = time.perf_counter() - start
         sequences[name] = out
@@ -78,7 +78,7 @@ def samples(model, prompt, new_tokens, count):
     for name, make in CACHES.items():
         cache = make(model.config, prompt.shape[1] + new_tokens)
         torch.manual_seed(0)
-        model.generate(prompt, past_key_values=cache, do_sample=True, num_return_sequences=count,
+        model.generate(prompt, **cache_kwargs(cache), do_sample=True, num_return_sequences=count,
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         rows.append({"cache": name, "bytes_at_rest": cache_bytes(cache), "rows": count,
                      "tokens_per_row": cache.get_seq_length()})
@@ -99,7 +99,7 @@ def padded_batch(model, lengths):
     rows = []
     for name, make in makers.items():
         cache = make(model.config, longest + 1)
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
         report = cache.memory_report() if hasattr(cache, "memory_report") else None
         rows.append({"cache": name, "bytes_at_rest": cache_bytes(cache),
                      "payload_bytes": report.payload_bytes + report.metadata_bytes if report else cache_bytes(cache),
@@ -119,7 +119,7 @@ def prefix_reuse(model, prefix, suffix):
         cache = PagedCache(config=model.config, pool=pool, namespace="bench")
         start = time.perf_counter()
         reused = cache.reuse_prefix(ids)
-        model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=1, do_sample=False)
         ttft = time.perf_counter() - start
         cache.store_prefix(ids)
         rows.append({"call": call, "prompt": ids.shape[1], "reused_tokens": reused, "ttft_s": ttft})

@@ -62,31 +62,32 @@ def kvplus_specs(budget: int) -> dict[str, str]:
 
 
 @torch.no_grad()
-def continuation_nll(model, ids: list[int], context: int, make_cache, compressing) -> list[float]:
-    """NLL of tokens `context ..` of `ids`: the first `context` as one compressed prompt, then one at a time."""
+def continuation_nll(model, ids: list[int], context: int, fresh_cache, compressing) -> list[float]:
+    """NLL of tokens `context ..` of `ids`: the first `context` as one compressed prompt, then one at a time.
+    `fresh_cache()` gives the model's keyword arguments that pass it a new cache (each half knows the name)."""
     tokens = torch.tensor([ids])
-    cache = make_cache()
+    with_cache = fresh_cache()
     with compressing():
-        logits = model(tokens[:, :context], past_key_values=cache, logits_to_keep=1).logits[0, -1]
+        logits = model(tokens[:, :context], **with_cache, logits_to_keep=1).logits[0, -1]
     nll = []
     for t in range(context, tokens.shape[1]):
         nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[t]]))
         if t + 1 < tokens.shape[1]:
-            out = model(tokens[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[t]]))
+            out = model(tokens[:, t : t + 1], **with_cache, position_ids=torch.tensor([[t]]))
             logits = out.logits[0, -1]
     return nll
 
 
 @torch.no_grad()
-def greedy_answer(model, tokenizer, prompt: list[int], new_tokens: int, make_cache, compressing) -> str:
+def greedy_answer(model, tokenizer, prompt: list[int], new_tokens: int, fresh_cache, compressing) -> str:
     """`new_tokens` greedy tokens after `prompt` compressed as one forward, decoded at the original positions."""
-    cache = make_cache()
+    with_cache = fresh_cache()
     with compressing():
-        logits = model(torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1).logits[0, -1]
+        logits = model(torch.tensor([prompt]), **with_cache, logits_to_keep=1).logits[0, -1]
     answer = [int(logits.argmax())]
     for i in range(new_tokens - 1):
         position = torch.tensor([[len(prompt) + i]])
-        logits = model(torch.tensor([[answer[-1]]]), past_key_values=cache, position_ids=position).logits[0, -1]
+        logits = model(torch.tensor([[answer[-1]]]), **with_cache, position_ids=position).logits[0, -1]
         answer.append(int(logits.argmax()))
     return tokenizer.decode(answer, skip_special_tokens=True)
 
@@ -97,11 +98,11 @@ def is_correct(answer: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
-def evaluate(model, tokenizer, inputs: dict, make_cache, compressing, new_tokens: int) -> dict:
+def evaluate(model, tokenizer, inputs: dict, fresh_cache, compressing, new_tokens: int) -> dict:
     """Continuation perplexity and needle answers of one method."""
     start = time.perf_counter()
-    nll = continuation_nll(model, inputs["text_ids"], inputs["context"], make_cache, compressing)
-    answers = [greedy_answer(model, tokenizer, n["ids"], new_tokens, make_cache, compressing) for n in inputs["needles"]]
+    nll = continuation_nll(model, inputs["text_ids"], inputs["context"], fresh_cache, compressing)
+    answers = [greedy_answer(model, tokenizer, n["ids"], new_tokens, fresh_cache, compressing) for n in inputs["needles"]]
     right = [is_correct(a, n["key"]) for a, n in zip(answers, inputs["needles"], strict=True)]
     return {
         "continuation_ppl": math.exp(sum(nll) / len(nll)),
@@ -131,13 +132,16 @@ def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, t
                                                                 attn_implementation=attn).eval()  # fmt: skip
         return models[attn]
 
+    def fresh_cache():  # kvpress's transformers (< 5.3) takes the cache under this name only
+        return {"past_key_values": DynamicCache()}
+
     rows = []
     for ratio in inputs["ratios"]:
         for name, (cls, kwargs) in PRESSES.items():
             attn = "eager" if cls == "ObservedAttentionPress" else "sdpa"
             model = model_for(attn)
             press = getattr(kvpress, cls)(compression_ratio=ratio, **kwargs)
-            result = evaluate(model, tokenizer, inputs, DynamicCache, lambda press=press, model=model: press(model),
+            result = evaluate(model, tokenizer, inputs, fresh_cache, lambda press=press, model=model: press(model),
                               new_tokens)  # fmt: skip
             rows.append({"method": name, "ratio": ratio, **result})
             print(f"{name} r={ratio}: ppl {result['continuation_ppl']:.3f} needle {result['needle_accuracy']:.0%}",
@@ -168,14 +172,15 @@ def run_kvplus(model, tokenizer, inputs: dict, new_tokens: int) -> list[dict]:
     from tqdm import tqdm
     from transformers import DynamicCache
 
+    from hf_kvplus import cache_kwargs
     from hf_kvplus.specs import parse_cache_spec
 
-    methods = [("full cache (DynamicCache)", None, lambda: DynamicCache(config=model.config))]
+    methods = [("full cache (DynamicCache)", None, lambda: cache_kwargs(DynamicCache(config=model.config)))]
     for ratio in inputs["ratios"]:
         budget = round((1 - ratio) * inputs["context"])
         for name, spec in kvplus_specs(budget).items():
             parsed = parse_cache_spec(spec)
-            methods.append((name, ratio, lambda parsed=parsed: parsed.build(model.config)))
+            methods.append((name, ratio, lambda parsed=parsed: cache_kwargs(parsed.build(model.config))))
     rows = []
     for name, ratio, make in tqdm(methods, desc="hf_kvplus", file=sys.stderr):
         rows.append({"method": name, "ratio": ratio, **evaluate(model, tokenizer, inputs, make, contextlib.nullcontext,

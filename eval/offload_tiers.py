@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from hf_kvplus import OffloadedCache
+from hf_kvplus import OffloadedCache, cache_kwargs
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.resolve import load_model, load_text
 
@@ -38,8 +38,8 @@ def dynamic_bytes(cache: DynamicCache) -> int:
 def run(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
     """Prefills `ids` in chunks, then one decode step; returns the decode step's logits."""
     for start in range(0, ids.shape[1] - 1, chunk):
-        model(ids[:, start : min(start + chunk, ids.shape[1] - 1)], past_key_values=cache)
-    return model(ids[:, -1:], past_key_values=cache).logits[:, -1]
+        model(ids[:, start : min(start + chunk, ids.shape[1] - 1)], **cache_kwargs(cache))
+    return model(ids[:, -1:], **cache_kwargs(cache)).logits[:, -1]
 
 
 def main() -> None:

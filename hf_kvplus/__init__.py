@@ -36,6 +36,7 @@ from .precision import PrecisionRegions
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
 from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore, StaticQuantizedStorage
+from .transformers_compat import cache_kwarg, cache_kwargs
 
 __version__ = "0.1.0"
 
@@ -86,6 +87,8 @@ __all__ = [
     "TierBytes",
     "UnsupportedModelError",
     "UnsupportedOperationError",
+    "cache_kwarg",
+    "cache_kwargs",
     "install",
     "kvplus_attention",
     "model_retention",

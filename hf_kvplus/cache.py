@@ -176,7 +176,7 @@ class DenseCache(KVCache):
     Eager steps then attend over all `max_tokens` positions, so it is opt-in.
 
     >>> cache = DenseCache(config=model.config)
-    >>> model.generate(**inputs, past_key_values=cache)
+    >>> model.generate(**inputs, cache=cache)  # past_key_values=cache before Transformers 5.24
     """
 
     def __init__(

@@ -102,7 +102,7 @@ class SinkCache(EvictingCache):
     it. Supports greedy, sampling, beam search and assisted decoding.
 
     >>> cache = SinkCache(model.config, num_sinks=4, window=1020)  # bits=4: the kept tokens in int4
-    >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
+    >>> model.generate(**inputs, cache=cache, max_new_tokens=100_000)
 
     `compress="prefill"` compresses only after multi-token forwards (each prompt), as kvpress's presses do,
     and lets decode steps append: the budget then bounds what a prompt leaves, not the cache.

@@ -29,7 +29,7 @@ class OffloadedCache(KVCache):
 
     >>> cache = OffloadedCache(model.config)                                   # host memory, 1 layer ahead
     >>> cache = OffloadedCache(model.config, bits=4, host_budget=8 << 30, folder="/scratch/kv")
-    >>> model.generate(**inputs, past_key_values=cache)
+    >>> model.generate(**inputs, cache=cache)
     """
 
     def __init__(

@@ -42,7 +42,7 @@ class PagedCache(KVCache):
     >>> pool = PagedPool(model.config)                       # once per model
     >>> cache = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
     >>> cache.reuse_prefix(input_ids)                        # attach stored blocks of the prompt's prefix
-    >>> out = model.generate(input_ids, past_key_values=cache)  # prefills only the rest
+    >>> out = model.generate(input_ids, cache=cache)  # prefills only the rest (past_key_values= before 5.24)
     >>> cache.store_prefix(input_ids)                        # offer the prompt's full blocks to later calls
 
     Paged and quantized (`bits` 8, 4, 2 or "fp8", as `QuantizedCache`): each layer is a `QuantizedStorage`

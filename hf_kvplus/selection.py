@@ -12,13 +12,12 @@ Idempotent; `uninstall()` puts both back. Importing hf_kvplus installs it.
 
 from __future__ import annotations
 
-import inspect
-
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 from .errors import ConfigError, UnsupportedModelError
 from .specs import CacheSpec, parse_cache_spec
+from .transformers_compat import cache_kwarg
 
 #: What a `cache_implementation` starts with to name an hf_kvplus cache spec.
 PREFIX = "kvplus:"
@@ -45,16 +44,6 @@ def spec(name: str) -> CacheSpec:
         raise ConfigError(f"cache_implementation={name!r}: {error}") from None
 
 
-def _cache_key(prepare) -> str:
-    """The model_kwargs key Transformers' cache preparation uses: "cache" since it renamed `past_key_values`
-    (read off its source; without the source, the current name)."""
-    try:
-        source = inspect.getsource(prepare)
-    except (OSError, TypeError):
-        return "cache"
-    return "cache" if 'model_kwargs.get("cache")' in source else "past_key_values"
-
-
 _installed: tuple | None = None  # (Transformers' names, its function) while installed
 
 
@@ -65,7 +54,7 @@ def install() -> None:
         return
     names = getattr(configuration_utils, "ALL_CACHE_IMPLEMENTATIONS", None)  # (absent: nothing validates names)
     original = GenerationMixin._prepare_cache_for_generation
-    key = _cache_key(original)
+    key = cache_kwarg()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         name = generation_config.cache_implementation

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from conformance.models import PAD_TOKEN_ID, build_model
+from hf_kvplus import cache_kwargs
 
 if "--plugin" in sys.argv:
     import hf_kvplus  # noqa: F401
@@ -37,7 +38,7 @@ for arch in ["llama", "gemma3"]:
                 attention_mask=mask,
                 max_new_tokens=10,
                 do_sample=False,
-                past_key_values=make(),
+                **cache_kwargs(make()),
                 return_dict_in_generate=True,
                 output_logits=True,
             )

@@ -6,7 +6,7 @@ from kernel_checks import reference
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conformance.models import ARCHITECTURES, PAD_TOKEN_ID, build_model, make_config
-from hf_kvplus import ATTN_IMPLEMENTATION, DenseCache, KVLayer
+from hf_kvplus import ATTN_IMPLEMENTATION, DenseCache, KVLayer, cache_kwargs
 from hf_kvplus.attention.route import attend, decode_mask, dense_attention
 from hf_kvplus.storage.reads import DenseRead, PackedRead, PagedRead
 
@@ -28,12 +28,12 @@ def test_sdpa_model_routes_our_caches_to_our_attention(attend_calls):
     model = build_model("qwen2")
     assert model.config._attn_implementation == "sdpa"
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
-    model.generate(prompt, max_new_tokens=4, do_sample=False, past_key_values=DenseCache(config=model.config))
+    model.generate(prompt, max_new_tokens=4, do_sample=False, **cache_kwargs(DenseCache(config=model.config)))
     layers = model.config.num_hidden_layers
     assert len(attend_calls) == 4 * layers  # one prefill + three decode steps, every layer
     assert [q for _, q in attend_calls] == [5] * layers + [1] * 3 * layers
     attend_calls.clear()
-    model.generate(prompt, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    model.generate(prompt, max_new_tokens=4, do_sample=False, **cache_kwargs(DynamicCache(config=model.config)))
     assert attend_calls == []
 
 
@@ -49,12 +49,12 @@ def test_kvplus_attn_implementation(attend_calls):
     mask[0, :3] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
                   output_logits=True)
-    reference = sdpa_model.generate(prompt, past_key_values=DynamicCache(config=config), **kwargs)
-    plain = kvplus_model.generate(prompt, past_key_values=DynamicCache(config=config), **kwargs)
+    reference = sdpa_model.generate(prompt, **cache_kwargs(DynamicCache(config=config)), **kwargs)
+    plain = kvplus_model.generate(prompt, **cache_kwargs(DynamicCache(config=config)), **kwargs)
     assert attend_calls == []
     for got, want in zip(plain.logits, reference.logits, strict=True):
         assert torch.equal(got, want)  # other caches under "kvplus" are plain SDPA
-    ours = kvplus_model.generate(prompt, past_key_values=DenseCache(config=config), **kwargs)
+    ours = kvplus_model.generate(prompt, **cache_kwargs(DenseCache(config=config)), **kwargs)
     assert len(attend_calls) == 6 * config.num_hidden_layers
     assert torch.equal(ours.sequences, reference.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), atol=1e-5, rtol=1e-5)
@@ -91,7 +91,7 @@ def test_chunks_and_steps_through_the_cache_equal_one_cache_free_forward(attn_mo
         cache, pieces, start = DenseCache(config=model.config), [], 0
         for size in [12, 1, 1, 5, 1, 9, 1]:
             end = start + size
-            out = model(tokens[:, start:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True)
+            out = model(tokens[:, start:end], attention_mask=mask[:, :end], **cache_kwargs(cache), use_cache=True)
             pieces.append(out.logits)
             start = end
     assert start == tokens.shape[1] and cache.get_seq_length() == start

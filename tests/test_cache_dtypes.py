@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
+from hf_kvplus import cache_kwargs
 from hf_kvplus.specs import parse_cache_spec
 
 #: Lossless specs: every token stays, at full precision (evicting caches with room for all of them).
@@ -27,9 +28,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def teacher_forced_logits(model, cache, prompt, forced) -> torch.Tensor:
     """Last-position logits of the prefill and of each forced token fed one at a time, as float64."""
     with torch.no_grad():
-        out = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]]
+        out = [model(input_ids=prompt, **cache_kwargs(cache), use_cache=True).logits[:, -1]]
         for i in range(forced.shape[1]):
-            out.append(model(input_ids=forced[:, i : i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            out.append(model(input_ids=forced[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
     return torch.stack(out).double()
 
 

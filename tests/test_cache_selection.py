@@ -13,7 +13,7 @@ from transformers.generation.utils import GenerationMixin
 from word_model import save_word_model
 
 import hf_kvplus
-from hf_kvplus import ConfigError, QuantizedCache, SinkCache, selection
+from hf_kvplus import ConfigError, QuantizedCache, SinkCache, cache_kwarg, cache_kwargs, selection
 
 TEXT = " ".join(f"w{i}" for i in range(60))
 
@@ -49,9 +49,9 @@ def generate(model, **kwargs):
 )
 def test_a_name_in_generate_builds_that_cache(model, name, explicit):
     out = generate(model, cache_implementation=name, return_dict_in_generate=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = getattr(out, cache_kwarg())
     assert type(cache) is type(explicit(model.config))
-    assert torch.equal(out.sequences, generate(model, past_key_values=explicit(model.config)))
+    assert torch.equal(out.sequences, generate(model, **cache_kwargs(explicit(model.config))))
 
 
 def test_lossless_names_give_dynamic_tokens(model):
@@ -67,7 +67,7 @@ def test_a_saved_generation_config_names_the_cache(model, tmp_path):
     assert loaded.cache_implementation == "kvplus:sink:4:20"
     with torch.no_grad():
         got = model.generate(prompt(), generation_config=loaded, max_new_tokens=12)
-    assert torch.equal(got, generate(model, past_key_values=SinkCache(model.config, num_sinks=4, window=20)))
+    assert torch.equal(got, generate(model, **cache_kwargs(SinkCache(model.config, num_sinks=4, window=20))))
 
 
 def test_a_pipeline_passes_the_name_through(folder, model):
@@ -77,7 +77,7 @@ def test_a_pipeline_passes_the_name_through(folder, model):
     want = pipe(text, cache_implementation="kvplus:dense", **kwargs)[0]["generated_text"]
     assert want == pipe(text, **kwargs)[0]["generated_text"]
     sink = pipe(text, cache_implementation="kvplus:sink:2:8", **kwargs)[0]["generated_text"]
-    explicit = pipe(text, past_key_values=SinkCache(model.config, num_sinks=2, window=8), **kwargs)[0]["generated_text"]
+    explicit = pipe(text, **cache_kwargs(SinkCache(model.config, num_sinks=2, window=8)), **kwargs)[0]["generated_text"]
     assert sink == explicit
 
 

@@ -20,6 +20,7 @@ import torch
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
+from hf_kvplus import cache_kwargs
 from hf_kvplus.errors import UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
@@ -49,10 +50,10 @@ PROMPT, STEPS = 13, 8  # 7 compiled steps, within the recompile limit of 8
 
 def greedy(model, cache, ids, forward) -> list[list[int]]:
     with torch.no_grad():
-        token = model(input_ids=ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         tokens = [token]
         for _ in range(STEPS - 1):
-            token = forward(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = forward(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
             tokens.append(token)
     return torch.cat(tokens, dim=1).tolist()
 

@@ -18,7 +18,7 @@ from transformers import CompileConfig, DynamicCache
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import DenseCache, H2OCache, Offloaded, PagedCache, SinkCache
+from hf_kvplus import DenseCache, H2OCache, Offloaded, PagedCache, SinkCache, cache_kwargs
 from hf_kvplus.errors import ConfigError, UnsupportedModelError
 from hf_kvplus.specs import parse_cache_spec
 
@@ -51,12 +51,12 @@ def test_generate_compiles_the_decode_step_of_compileable_caches(spec, padded):
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     cache_spec = parse_cache_spec(spec)
     with torch.no_grad():
-        eager = model.generate(ids, past_key_values=cache_spec.build(model.config), disable_compile=True, **kwargs)
+        eager = model.generate(ids, **cache_kwargs(cache_spec.build(model.config)), disable_compile=True, **kwargs)
         assert not GRAPHS
         cache = cache_spec.build(model.config)
         assert cache.is_compileable
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            compiled = model.generate(ids, past_key_values=cache, compile_config=compile_config(), **kwargs)
+            compiled = model.generate(ids, **cache_kwargs(cache), compile_config=compile_config(), **kwargs)
     assert torch.equal(compiled, eager)
     # The decode steps ran compiled, and recompiled at most while the slots filled, not once per step.
     assert 1 <= len(GRAPHS) <= 3, f"{len(GRAPHS)} graphs for {NEW_TOKENS} tokens"
@@ -76,7 +76,7 @@ def test_a_compileable_evicting_cache_keeps_what_the_other_keeps(spec, padded):
         mask[0, :4] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, disable_compile=True)
     with torch.no_grad():
-        tokens = [model.generate(ids, past_key_values=parse_cache_spec(text).build(model.config), **kwargs)
+        tokens = [model.generate(ids, **cache_kwargs(parse_cache_spec(text).build(model.config)), **kwargs)
                   for text in (spec, spec + ":compile=on")]  # fmt: skip
     assert torch.equal(tokens[1], tokens[0])
 
@@ -92,10 +92,10 @@ def test_a_compiled_static_paged_cache_serves_samples_that_share_their_prompt():
     cache = PagedCache(model.config, block_size=8, max_tokens=40, compileable=True)
     with torch.no_grad():
         torch.manual_seed(0)
-        want = model.generate(ids, past_key_values=DynamicCache(), disable_compile=True, **kwargs)
+        want = model.generate(ids, **cache_kwargs(DynamicCache()), disable_compile=True, **kwargs)
         torch.manual_seed(0)
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            got = model.generate(ids, past_key_values=cache, compile_config=compile_config(), **kwargs)
+            got = model.generate(ids, **cache_kwargs(cache), compile_config=compile_config(), **kwargs)
     assert torch.equal(got, want)
     assert 1 <= len(GRAPHS) <= 3
     tables = cache.groups["full"].tables
@@ -139,8 +139,8 @@ def test_a_static_dense_cache_is_lossless_and_reads_its_whole_buffer(padded):
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, disable_compile=True)
     cache = DenseCache(model.config, max_tokens=40, compileable=True)
     with torch.no_grad():
-        want = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
-        got = model.generate(ids, past_key_values=cache, **kwargs)
+        want = model.generate(ids, **cache_kwargs(DynamicCache()), **kwargs)
+        got = model.generate(ids, **cache_kwargs(cache), **kwargs)
     assert torch.equal(got, want)
     layer = cache.layers[0]
     assert layer.get_mask_sizes(1) == (40, 0) and layer.get_max_length() == 40 and layer.get_seq_length() == 24
@@ -188,7 +188,7 @@ def test_a_compiled_decode_step_writes_the_cache_in_place(spec):
         fw_compiler=forward_compiler, decompositions=select_decomp_table(), keep_inference_input_mutations=True))
     config._compile_all_devices = True
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+        model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=4, do_sample=False,
                        pad_token_id=0, compile_config=config)  # fmt: skip
     assert graphs, "no decode step was compiled"
     fields = {t.numel() for layer in cache.layers for t in layer.storage.tensors().values()}
@@ -207,6 +207,6 @@ def test_generate_on_cuda_compiles_with_its_default_config(device, spec):
     kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     cache_spec = parse_cache_spec(spec)
     with torch.no_grad():
-        eager = model.generate(ids, past_key_values=cache_spec.build(model.config), disable_compile=True, **kwargs)
-        compiled = model.generate(ids, past_key_values=cache_spec.build(model.config), **kwargs)
+        eager = model.generate(ids, **cache_kwargs(cache_spec.build(model.config)), disable_compile=True, **kwargs)
+        compiled = model.generate(ids, **cache_kwargs(cache_spec.build(model.config)), **kwargs)
     assert torch.equal(compiled, eager)

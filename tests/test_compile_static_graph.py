@@ -26,7 +26,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import DenseCache
+from hf_kvplus import DenseCache, cache_kwargs
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.specs import parse_cache_spec
 
@@ -93,7 +93,7 @@ def decode(model, cache, ids, mask, backend=None) -> list[list[int]]:
         config = CompileConfig(backend=backend, fullgraph=True)
         config._compile_all_devices = True  # generate() compiles on CUDA only, unless told
     out = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
         compile_config=config, disable_compile=backend is None, pad_token_id=0,
     )  # fmt: skip
     return out[:, ids.shape[1] :].tolist()
@@ -212,10 +212,10 @@ def test_the_checks_catch_a_cache_that_carries_graph_outputs(model):
     ids = make_prompt(PROMPT)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache).logits
+        logits = model(input_ids=ids, **cache_kwargs(cache)).logits
         for step in range(3):
             token = logits[:, -1:].argmax(-1)
-            logits = forward(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[PROMPT + step]])).logits
+            logits = forward(input_ids=token, **cache_kwargs(cache), position_ids=torch.tensor([[PROMPT + step]])).logits
     assert graphs and any(graph["fed_back"] for graph in graphs)
 
 
@@ -226,7 +226,7 @@ def test_the_tensors_stay_static_through_a_beam_reorder(model, spec):
     cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + NEW)
     ids, mask = left_padded()
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
     cache.reorder_cache(torch.tensor([1, 0]))
     for layer in cache.layers:
         tensors = layer.storage.tensors()

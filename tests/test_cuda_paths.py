@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvplus import OffloadedCache
+from hf_kvplus import OffloadedCache, cache_kwargs
 from hf_kvplus.kernels.decode_attention import decode_attention_triton, decode_attention_with_mass_triton
 from hf_kvplus.kernels.paged_attention import paged_decode_attention_triton, paged_store_triton
 from hf_kvplus.kernels.quant_attention import quantized_decode_attention_triton
@@ -95,9 +95,9 @@ def test_offloaded_cache_on_cuda_rests_in_pinned_memory_and_matches_dynamic(cuda
     ids = make_prompt(12, batch=2).to(cuda)
     kwargs = dict(max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
-        expected = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+        expected = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), **kwargs)
         cache = OffloadedCache(model.config)
-        got = model.generate(ids, past_key_values=cache, **kwargs)
+        got = model.generate(ids, **cache_kwargs(cache), **kwargs)
     assert torch.equal(got, expected)
     rests = _rests_per_layer(cache)
     assert all(layer and all(t.device.type == "cpu" and t.is_pinned() for t in layer) for layer in rests)

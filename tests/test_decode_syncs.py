@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from conformance.models import PAD_TOKEN_ID, get_model
 from conformance.modes import make_prompt
+from hf_kvplus import cache_kwargs
 from hf_kvplus.evaluation.host_cost import count_syncs
 from hf_kvplus.specs import parse_cache_spec
 
@@ -57,12 +58,12 @@ def decode_syncs(model, cache, ids, mask, forced, count=count_syncs) -> list:
     reads; `cuda_syncs`: its synchronizing CUDA calls)."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
         counts = []
         for i in range(forced.shape[1]):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             position = positions[:, -1:] + 1 + i
-            step = dict(input_ids=forced[:, i : i + 1], attention_mask=mask, position_ids=position, past_key_values=cache)
+            step = dict(input_ids=forced[:, i : i + 1], attention_mask=mask, position_ids=position, **cache_kwargs(cache))
             counts.append(count(lambda step=step: model(**step)))
     return counts
 
@@ -165,10 +166,10 @@ def test_kernel_time_counts_every_kernel_call_of_a_step_and_unwraps_after(spec, 
     cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + 2)
     before = [getattr(module, name) for module, name in _kernel_sites()]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_kwargs(cache))
         with timing_kernels() as spent:
             assert route.quantized_decode_attention is not before[2] and dispatch._fallback is not before[6]
-            model(input_ids=ids[:, :1], past_key_values=cache)
+            model(input_ids=ids[:, :1], **cache_kwargs(cache))
     assert spent.calls == kernels_per_layer_step * model.config.num_hidden_layers
     assert spent.seconds > 0
     assert [getattr(module, name) for module, name in _kernel_sites()] == before
@@ -212,14 +213,14 @@ def test_stubbed_kernels_compute_nothing_and_return_the_kernels_shapes(spec, mon
     ids = make_prompt(PROMPT, batch=2)
     cache = parse_cache_spec(spec).build(model.config, max_length=PROMPT + 3)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_kwargs(cache))
         checked.clear()
-        model(input_ids=ids[:, :1], past_key_values=cache)  # a real decode step: every rule checked
+        model(input_ids=ids[:, :1], **cache_kwargs(cache))  # a real decode step: every rule checked
         attention = [name for name in checked if not name.startswith("quantize_")]  # (quantizing: checked too)
         assert len(attention) == model.config.num_hidden_layers
         computed.clear()
         with stubbing_kernels() as spent:
-            logits = model(input_ids=ids[:, 1:2], past_key_values=cache).logits
+            logits = model(input_ids=ids[:, 1:2], **cache_kwargs(cache)).logits
     assert computed == [] and spent.calls >= model.config.num_hidden_layers
     assert logits.shape == (2, 1, model.config.vocab_size) and cache.get_seq_length() == PROMPT + 2
 

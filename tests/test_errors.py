@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conformance.models import build_model, make_config
-from hf_kvplus import CacheMismatchError, DenseCache, KVPlusError, UnsupportedModelError
+from hf_kvplus import CacheMismatchError, DenseCache, KVPlusError, UnsupportedModelError, cache_kwargs
 
 
 def llama_config(**overrides):
@@ -74,11 +74,11 @@ def test_cache_for_another_models_heads_fails_at_the_first_call():
     cache = DenseCache(config=make_config("llama"))
     gemma = build_model("gemma3")
     with pytest.raises(CacheMismatchError, match="built for 2 KV heads of head_dim 16"):
-        gemma.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, past_key_values=cache)
+        gemma.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, **cache_kwargs(cache))
 
 
 def test_cache_for_fewer_layers_fails_at_the_first_call():
     cache = DenseCache(config=llama_config(num_hidden_layers=1))
     model = LlamaForCausalLM(llama_config(num_hidden_layers=3)).eval()
     with pytest.raises(CacheMismatchError, match="layer_idx 1 is out of range: .* 1 layers"):
-        model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        model(torch.tensor([[5, 6, 7]]), **cache_kwargs(cache))

@@ -15,6 +15,7 @@ from hf_kvplus import (
     SnapKVCache,
     UnsupportedModelError,
     UnsupportedOperationError,
+    cache_kwargs,
 )
 from hf_kvplus.attention import route
 from hf_kvplus.eviction import RotaryShift
@@ -73,9 +74,9 @@ def test_sink_keys_equal_keys_rotated_from_scratch_at_their_cache_position(seed)
     cache = SinkCache(model.config, num_sinks=num_sinks, window=window)
     ids = make_prompt(30)
     with torch.no_grad():
-        model(ids[:, :12], past_key_values=cache)
+        model(ids[:, :12], **cache_kwargs(cache))
         for t in range(12, 30):
-            model(ids[:, t : t + 1], past_key_values=cache)
+            model(ids[:, t : t + 1], **cache_kwargs(cache))
     # Layer 0 keys depend on the token and its position only: recompute the sinks' from scratch.
     layer = model.model.layers[0].self_attn
     hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[:, :num_sinks]))
@@ -89,7 +90,7 @@ def test_sink_keys_equal_keys_rotated_from_scratch_at_their_cache_position(seed)
     # The window keys keep their original rotation: their distance to the query is already right.
     dense = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=dense)
+        model(ids, **cache_kwargs(dense))
     newest = store.positions[0, 0].tolist().index(29)
     torch.testing.assert_close(store.slots()[0][:, :, newest], dense.layers[0].keys[:, :, 29], atol=1e-5, rtol=1e-5)
 
@@ -108,10 +109,10 @@ def test_a_left_padded_row_matches_the_row_run_alone(name, arch):
     model = get_model(arch)
     ids, mask = left_padded_batch()
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    batched = model.generate(ids, attention_mask=mask, past_key_values=EVICTING[name](model.config), **kwargs)
+    batched = model.generate(ids, attention_mask=mask, **cache_kwargs(EVICTING[name](model.config)), **kwargs)
     for row in range(ids.shape[0]):
         real = ids[row : row + 1, ~mask[row].logical_not()]
-        alone = model.generate(real, past_key_values=EVICTING[name](model.config), **kwargs)
+        alone = model.generate(real, **cache_kwargs(EVICTING[name](model.config)), **kwargs)
         assert torch.equal(batched.sequences[row, ids.shape[1] :], alone.sequences[0, real.shape[1] :]), f"row {row}"
         for step, (got, want) in enumerate(zip(batched.logits, alone.logits, strict=True)):
             torch.testing.assert_close(got[row], want[0], atol=1e-4, rtol=1e-4, msg=f"row {row} step {step}")
@@ -123,9 +124,9 @@ def test_memory_stays_constant_as_the_sequence_grows(name):
     cache = EVICTING[name](model.config)
     sizes = {}
     with torch.no_grad():
-        model(make_prompt(40), past_key_values=cache)
+        model(make_prompt(40), **cache_kwargs(cache))
         for t in range(200):
-            model(make_prompt(1, seed=t), past_key_values=cache)
+            model(make_prompt(1, seed=t), **cache_kwargs(cache))
             if t in (20, 199):
                 sizes[t] = cache.memory_report()
     assert sizes[20].total_bytes == sizes[199].total_bytes
@@ -140,8 +141,8 @@ def test_only_policies_that_rank_by_attention_keep_a_score_per_slot():
     per_slot = {}
     for name, cache in (("sink", SinkCache(model.config, num_sinks=2, window=30)), ("h2o", H2OCache(model.config, budget=32))):
         with torch.no_grad():
-            model(make_prompt(40), past_key_values=cache)
-            model(make_prompt(1), past_key_values=cache)
+            model(make_prompt(40), **cache_kwargs(cache))
+            model(make_prompt(1), **cache_kwargs(cache))
         store = cache.layers[0].storage
         per_slot[name] = store.memory().metadata_bytes // (store.batch_size * store.pos.shape[1] * store.capacity)
         assert ("score" in store.fields) == (name == "h2o")
@@ -154,7 +155,7 @@ def test_snapkv_memory_is_bounded_in_the_prompt_length():
     for length in (40, 160):
         cache = SnapKVCache(model.config, budget=16, observation=4)
         with torch.no_grad():
-            model(make_prompt(length), past_key_values=cache)
+            model(make_prompt(length), **cache_kwargs(cache))
         held.append((cache.memory_report().tokens_held, cache.memory_report().total_bytes))
     assert held[0] == held[1] and held[0][0] == 16
 
@@ -190,15 +191,15 @@ def test_eager_attention_is_refused_at_construction_and_at_run_time():
     cache = SinkCache(config, num_sinks=1, window=4)
     model.config._attn_implementation = "eager"
     with torch.no_grad(), pytest.raises(UnsupportedModelError, match="did not go through hf_kvplus"):
-        model(make_prompt(6), past_key_values=cache)
-        model(make_prompt(1), past_key_values=cache)
+        model(make_prompt(6), **cache_kwargs(cache))
+        model(make_prompt(1), **cache_kwargs(cache))
 
 
 @pytest.mark.parametrize("cls, extra", [(H2OCache, {}), (SnapKVCache, {"observation": 4})])
 def test_assisted_decoding_is_refused_before_it_starts(cls, extra):
     model = get_model("llama")
     with pytest.raises(UnsupportedOperationError, match="cannot roll tokens back"):
-        model.generate(make_prompt(6), past_key_values=cls(model.config, budget=16, **extra), max_new_tokens=4,
+        model.generate(make_prompt(6), **cache_kwargs(cls(model.config, budget=16, **extra)), max_new_tokens=4,
                        prompt_lookup_num_tokens=2, do_sample=False)
 
 
@@ -224,9 +225,9 @@ def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload()
     for bits in (None, 4):
         cache = SinkCache(model.config, num_sinks=2, window=30, bits=bits, group_size=None if bits is None else 16)
         with torch.no_grad():
-            model(make_prompt(60), past_key_values=cache)
+            model(make_prompt(60), **cache_kwargs(cache))
             for t in range(10):
-                model(make_prompt(1, seed=t), past_key_values=cache)
+                model(make_prompt(1, seed=t), **cache_kwargs(cache))
         sizes[bits] = cache.memory_report()
     assert sizes[4].tokens_held == sizes[None].tokens_held == 32
     # float32 K/V of 16 channels -> 8 bytes of int4 codes + one float16 scale and zero per token and tensor.
@@ -252,7 +253,7 @@ def test_quantized_slots_decode_reads_the_codes_in_place_as_the_dequantized_slot
     def logits(in_place):
         cache = QUANTIZED_SLOTS[name](model.config, bits)
         with torch.no_grad():
-            model(input_ids=input_ids, attention_mask=mask, past_key_values=cache)
+            model(input_ids=input_ids, attention_mask=mask, **cache_kwargs(cache))
             seen, out = mask, []
             for t in range(12):
                 seen = torch.cat([seen, seen.new_ones(3, 1)], dim=1)
@@ -260,9 +261,9 @@ def test_quantized_slots_decode_reads_the_codes_in_place_as_the_dequantized_slot
                 if in_place:  # the decode steps must not build the dense slots
                     with monkeypatch.context() as patched:
                         patched.setattr(SlotStore, "slots", lambda self: pytest.fail("dequantized the slots"))
-                        out.append(model(input_ids=step, attention_mask=seen, past_key_values=cache).logits)
+                        out.append(model(input_ids=step, attention_mask=seen, **cache_kwargs(cache)).logits)
                 else:
-                    out.append(model(input_ids=step, attention_mask=seen, past_key_values=cache).logits)
+                    out.append(model(input_ids=step, attention_mask=seen, **cache_kwargs(cache)).logits)
         return torch.cat(out, dim=1)
 
     in_place = logits(in_place=True)
@@ -298,14 +299,14 @@ def test_sink_ring_evicts_by_bookkeeping_and_matches_ranked_eviction(monkeypatch
         cache = SinkCache(model.config, num_sinks=2, window=5, positions=positions)
         logits, versions, views = [], [], []
         with torch.no_grad():
-            model(ids[:, :9], past_key_values=cache)
+            model(ids[:, :9], **cache_kwargs(cache))
             for t in range(9, 40):
                 if t == 25:  # a chunk of three: the hole settles, the ring starts again after compaction
-                    logits.append(model(ids[:, t : t + 3], past_key_values=cache).logits[:, -1])
+                    logits.append(model(ids[:, t : t + 3], **cache_kwargs(cache)).logits[:, -1])
                     continue
                 if 25 < t < 28:
                     continue
-                logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+                logits.append(model(ids[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1])
                 if t < 25:
                     versions.append(cache.layers[0].storage.version)
                 if t % 7 == 0:
@@ -350,12 +351,12 @@ def test_prefill_compression_compresses_each_prompt_and_lets_decode_steps_append
     held = {compress: [] for compress in caches}
     with torch.no_grad():
         for compress, cache in caches.items():
-            model(make_prompt(20), past_key_values=cache)
+            model(make_prompt(20), **cache_kwargs(cache))
             held[compress].append(cache.layers[0].storage.held)
             for t in range(5):
-                model(make_prompt(1, seed=t), past_key_values=cache)
+                model(make_prompt(1, seed=t), **cache_kwargs(cache))
                 held[compress].append(cache.layers[0].storage.held)
-            model(make_prompt(4, seed=9), past_key_values=cache)  # a second prompt compresses again
+            model(make_prompt(4, seed=9), **cache_kwargs(cache))  # a second prompt compresses again
             held[compress].append(cache.layers[0].storage.held)
     assert held["always"] == [8] * 7
     assert held["prefill"] == [8, 9, 10, 11, 12, 13, 8]
@@ -375,17 +376,17 @@ def test_a_sink_cache_compressing_its_prompt_decodes_as_dynamic_with_the_evicted
     positions = torch.arange(prompt)[None]
     got, want = [], []
     with torch.no_grad():
-        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         # The prompt's own forward sees every token (eviction follows it): only later queries see the mask.
-        reference = model(ids, past_key_values=dense, position_ids=positions).logits[:, -1:].argmax(-1)
+        reference = model(ids, **cache_kwargs(dense), position_ids=positions).logits[:, -1:].argmax(-1)
         assert torch.equal(token, reference)
         for step in range(steps):
             got.append(token)
             want.append(reference)
             position = torch.tensor([[prompt + step]])
             mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
-            token = model(token, past_key_values=cache, position_ids=position).logits[:, -1:].argmax(-1)
-            reference = model(reference, past_key_values=dense, attention_mask=mask,
+            token = model(token, **cache_kwargs(cache), position_ids=position).logits[:, -1:].argmax(-1)
+            reference = model(reference, **cache_kwargs(dense), attention_mask=mask,
                               position_ids=position).logits[:, -1:].argmax(-1)
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
     assert cache.layers[0].storage.held == num_sinks + window + steps

@@ -14,6 +14,7 @@ from hf_kvplus import (
     OnDevice,
     SlidingWindow,
     UnsupportedOperationError,
+    cache_kwargs,
 )
 from hf_kvplus.errors import CacheMismatchError, ShapeError
 
@@ -132,10 +133,10 @@ def test_slots_serve_an_ordered_retention_like_dense_storage(window):
     caches = [KVCache(model.config, storage=lambda spec, make=make: make(), retention=retention) for make in (DenseStorage, SlotStore)]
     ids = torch.randint(3, 120, (2, 13), generator=torch.Generator().manual_seed(5), device="cpu")
     ids = ids.to(torch.get_default_device())
-    logits = [[model(ids[:, :9], past_key_values=cache).logits[:, -1]] for cache in caches]
+    logits = [[model(ids[:, :9], **cache_kwargs(cache)).logits[:, -1]] for cache in caches]
     for t in range(9, 13):
         for cache, out in zip(caches, logits, strict=True):
-            out.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+            out.append(model(ids[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1])
     for got, want in zip(logits[1], logits[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     dense, slots = caches[0].layers[0], caches[1].layers[0]

@@ -25,6 +25,7 @@ from hf_kvplus import (
     QuantizedCache,
     SinkCache,
     UnsupportedOperationError,
+    cache_kwargs,
 )
 
 LAYERS = 4
@@ -50,7 +51,7 @@ def prompt():
 def generate(model, ids, cache, **kwargs):
     kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0} | kwargs
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kwargs)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), **kwargs)
 
 
 def held(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -147,7 +148,7 @@ def test_disk_reads_start_ahead_of_use(model, prompt, tmp_path):
     with torch.no_grad():
         for token in range(3):
             cache_position = torch.tensor([cache.get_seq_length()])
-            model(torch.full((2, 1), token), past_key_values=cache, cache_position=cache_position)
+            model(torch.full((2, 1), token), **cache_kwargs(cache), cache_position=cache_position)
     # Each step reads every layer once, all from a prefetch (layer 0 from the last layer's step).
     assert len(misses) == 3 * LAYERS and not any(misses)
 
@@ -195,17 +196,17 @@ def test_a_full_disk_is_a_typed_error_raised_before_the_next_forward_and_the_cac
     cache = OffloadedCache(model.config, host_budget=0, folder=tmp_path)
     ids = torch.cat([prompt, torch.ones(2, 1, dtype=prompt.dtype)], dim=1)
     with torch.no_grad():
-        model(prompt, past_key_values=reference)
+        model(prompt, **cache_kwargs(reference))
         monkeypatch.setattr(disk_module, "open", no_space, raising=False)
-        model(prompt, past_key_values=cache)  # every spill fails: the layers stay in host memory
+        model(prompt, **cache_kwargs(cache))  # every spill fails: the layers stay in host memory
         with pytest.raises(DiskTierError, match=r"could not write \d+ bytes .* bytes are free"):
-            model(ids[:, -1:], past_key_values=cache)
+            model(ids[:, -1:], **cache_kwargs(cache))
         assert [cache.get_seq_length(i) for i in range(LAYERS)] == [prompt.shape[1]] * LAYERS
         assert cache.tier_bytes().disk == 0 and cache.placement.disk.files() == []
         monkeypatch.undo()  # space again: the cache carries on and spills
         assert_same_kv(cache, reference)
-        out = model(ids[:, -1:], past_key_values=cache).logits
-        expected = model(ids[:, -1:], past_key_values=reference).logits
+        out = model(ids[:, -1:], **cache_kwargs(cache)).logits
+        expected = model(ids[:, -1:], **cache_kwargs(reference)).logits
     assert torch.equal(out, expected)
     assert_same_kv(cache, reference)
 
@@ -255,8 +256,8 @@ def test_written_regions_are_what_goes_back(model, prompt, tmp_path):
     rest = placement._rest(cache.layers[1].storage)
     before = rest.rest["keys"].clone()
     with torch.no_grad():
-        model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache, cache_position=torch.tensor([cache.get_seq_length()]))
-        model(torch.ones(2, 1, dtype=torch.long), past_key_values=cache, cache_position=torch.tensor([cache.get_seq_length()]))
+        model(torch.ones(2, 1, dtype=torch.long), **cache_kwargs(cache), cache_position=torch.tensor([cache.get_seq_length()]))
+        model(torch.ones(2, 1, dtype=torch.long), **cache_kwargs(cache), cache_position=torch.tensor([cache.get_seq_length()]))
     after = rest.rest["keys"]
     assert after.shape == before.shape, "the layer's file was rewritten instead of written in place"
     end = cache.layers[1].storage.end
@@ -277,7 +278,7 @@ def test_inference_mode_tensors_without_version_counters_are_written_back_right(
     runs = []
     with torch.inference_mode():
         for cache in caches:
-            chunks = [model(ids[:, i : i + 8], past_key_values=cache).logits for i in range(0, 40, 8)]
-            chunks += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(20)]
+            chunks = [model(ids[:, i : i + 8], **cache_kwargs(cache)).logits for i in range(0, 40, 8)]
+            chunks += [model(ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(20)]
             runs.append(torch.cat(chunks, dim=1))
     assert torch.equal(runs[0], runs[1])

@@ -14,6 +14,7 @@ from hf_kvplus import (
     PagedCache,
     PagedPool,
     UnsupportedOperationError,
+    cache_kwargs,
 )
 
 
@@ -30,10 +31,10 @@ def free_blocks(pool: PagedPool) -> dict:
 def test_a_released_cache_leaves_the_pool_as_it_was(arch):
     model = build_model(arch)
     pool = PagedPool(model.config, block_size=8)
-    model.generate(prompt(5), past_key_values=PagedCache(config=model.config, pool=pool), max_new_tokens=2)
+    model.generate(prompt(5), **cache_kwargs(PagedCache(config=model.config, pool=pool)), max_new_tokens=2)
     before = free_blocks(pool)
     cache = PagedCache(config=model.config, pool=pool)
-    model.generate(prompt(21), past_key_values=cache, num_beams=3, num_return_sequences=2, max_new_tokens=9)
+    model.generate(prompt(21), **cache_kwargs(cache), num_beams=3, num_return_sequences=2, max_new_tokens=9)
     assert free_blocks(pool) != before
     del cache
     gc.collect()
@@ -47,18 +48,18 @@ def test_rows_of_one_prompt_share_blocks_and_copy_only_a_partial_last_block():
     cache = PagedCache(config=model.config, block_size=8)
     ids = prompt(20)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(cache))
         blocks = cache.block_pools()["full"]
         assert blocks.num_used == 3  # 20 tokens in blocks of 8
         cache.batch_repeat_interleave(3)
         assert blocks.num_used == 3  # shared, not copied
         step = torch.tensor([[7], [8], [9]])
-        model(step, past_key_values=cache)
+        model(step, **cache_kwargs(cache))
         assert blocks.num_used == 5  # rows 1 and 2 got their own copy of the partly filled third block
         reference = DynamicCache(config=model.config)
-        model(ids, past_key_values=reference)
+        model(ids, **cache_kwargs(reference))
         reference.batch_repeat_interleave(3)
-        model(step, past_key_values=reference)
+        model(step, **cache_kwargs(reference))
     for ours, theirs in zip(cache.layers, reference.layers, strict=True):
         torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
@@ -68,7 +69,7 @@ def test_beams_from_one_prompt_share_the_prompt_blocks():
     model = build_model("llama")
     cache = PagedCache(config=model.config, block_size=8)
     with torch.no_grad():
-        model(prompt(24, batch=1).repeat(4, 1), past_key_values=cache)
+        model(prompt(24, batch=1).repeat(4, 1), **cache_kwargs(cache))
     assert cache.block_pools()["full"].num_used == 3  # 4 identical rows, 3 blocks each, stored once
 
 
@@ -76,15 +77,15 @@ def test_a_full_pool_raises_with_numbers_and_the_cache_stays_consistent():
     model = build_model("llama")
     cache = PagedCache(config=model.config, block_size=8, num_blocks=4)
     with torch.no_grad():
-        model(prompt(30), past_key_values=cache)  # 4 blocks
+        model(prompt(30), **cache_kwargs(cache))  # 4 blocks
         with pytest.raises(CapacityError, match=r"needs 1 blocks?, 0 free of 4"):
-            model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+            model(torch.tensor([[5, 6, 7]]), **cache_kwargs(cache))
     assert cache.get_seq_length() == 30
     blocks = cache.block_pools()["full"]
     blocks.check()
     cache.crop(-6)
     with torch.no_grad():
-        model(torch.tensor([[5, 6]]), past_key_values=cache)  # fits again
+        model(torch.tensor([[5, 6]]), **cache_kwargs(cache))  # fits again
     assert cache.get_seq_length() == 26
     cache.reset()
     assert blocks.num_free == 4
@@ -95,13 +96,13 @@ def test_reserved_tables_take_their_blocks_at_the_first_fill_and_count_them_as_h
     cache = PagedCache(config=model.config, block_size=8, max_tokens=40)
     blocks = cache.block_pools()["full"]
     with torch.no_grad():
-        model(prompt(13, batch=2), past_key_values=cache)
+        model(prompt(13, batch=2), **cache_kwargs(cache))
         assert blocks.num_used == 10  # 2 rows x 5 columns of 8, taken at once
         for token in range(27):  # up to 40 tokens: no more blocks, a table that never changes width
-            model(torch.tensor([[3 + token], [4 + token]]), past_key_values=cache)
+            model(torch.tensor([[3 + token], [4 + token]]), **cache_kwargs(cache))
             assert blocks.num_used == 10 and cache.groups["full"].table_tensor(torch.device("cpu")).shape == (2, 5)
         with pytest.raises(CapacityError, match="41 tokens per row do not fit in the cache's max_tokens=40"):
-            model(torch.tensor([[3], [4]]), past_key_values=cache)
+            model(torch.tensor([[3], [4]]), **cache_kwargs(cache))
     assert cache.get_seq_length() == 40
 
 
@@ -109,7 +110,7 @@ def test_reserved_tables_report_the_blocks_ahead_as_reserved():
     model = build_model("llama")
     cache = PagedCache(config=model.config, block_size=8, max_tokens=64, num_blocks=32)
     with torch.no_grad():
-        model(prompt(20, batch=2), past_key_values=cache)
+        model(prompt(20, batch=2), **cache_kwargs(cache))
     layers = len(cache.layers)
     block = cache.layers[0].storage.pool.block_bytes
     report = cache.memory_report()
@@ -122,7 +123,7 @@ def test_a_pool_too_small_for_the_reservation_raises_and_takes_nothing():
     model = build_model("llama")
     cache = PagedCache(config=model.config, block_size=8, max_tokens=64, num_blocks=12)
     with torch.no_grad(), pytest.raises(CapacityError, match="needs 16 blocks, 12 free of 12"):
-        model(prompt(20, batch=2), past_key_values=cache)
+        model(prompt(20, batch=2), **cache_kwargs(cache))
     blocks = cache.block_pools()["full"]
     assert blocks.num_free == 12 and not cache.groups["full"].tables
     blocks.check()
@@ -132,7 +133,7 @@ def test_rows_of_one_prompt_share_the_prompt_but_own_the_blocks_they_write_next(
     model = build_model("llama")
     cache = PagedCache(config=model.config, block_size=8, max_tokens=32)
     with torch.no_grad():
-        model(prompt(20).repeat(3, 1), past_key_values=cache)  # three rows of one prompt
+        model(prompt(20).repeat(3, 1), **cache_kwargs(cache))  # three rows of one prompt
     tables = cache.groups["full"].tables
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the two full blocks, stored once
     ahead = [block for table in tables for block in table[2:]]  # the partial block and the one after it
@@ -148,7 +149,7 @@ def test_a_pool_that_runs_out_while_unsharing_leaves_every_table_naming_its_toke
     model = build_model("llama")
     cache = PagedCache(config=model.config, block_size=8, max_tokens=32, num_blocks=9)
     with torch.no_grad():
-        model(prompt(20).repeat(3, 1), past_key_values=cache)  # 2 shared blocks + 2 of each row's own: 1 free
+        model(prompt(20).repeat(3, 1), **cache_kwargs(cache))  # 2 shared blocks + 2 of each row's own: 1 free
     with pytest.raises(CapacityError, match=r"needs 1 blocks?, 0 free of 9"):
         cache.batch_repeat_interleave(2)  # 6 rows: the second copy of a block ahead finds no room
     group, pool = cache.groups["full"], cache.layers[0].storage.pool
@@ -163,9 +164,9 @@ def test_sliding_layers_free_blocks_that_left_the_window():
     model = build_model("mistral")  # every layer slides over 8 tokens
     cache = PagedCache(config=model.config, block_size=8)
     with torch.no_grad():
-        model(prompt(40), past_key_values=cache)
+        model(prompt(40), **cache_kwargs(cache))
         for token in range(30):
-            model(torch.tensor([[3 + token]]), past_key_values=cache)
+            model(torch.tensor([[3 + token]]), **cache_kwargs(cache))
     report = cache.memory_report()
     assert report.tokens_seen == 70 and report.tokens_held == 7
     assert cache.block_pools()["sliding:8"].num_used <= 2
@@ -182,12 +183,12 @@ def test_a_pool_the_padded_prefill_fills_takes_the_zero_block_from_the_padding_i
     cache, reference = PagedCache(config=model.config, block_size=8, num_blocks=8), DynamicCache(config=model.config)
     step = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kwargs(cache))
         assert cache.block_pools()["full"].num_free == 0
         # The step releases the padding (3 blocks back, 1 zero block), then takes a new block per row.
-        ours = model(torch.tensor([[5]] * 2), attention_mask=step, past_key_values=cache).logits
-        model(ids, attention_mask=mask, past_key_values=reference)
-        theirs = model(torch.tensor([[5]] * 2), attention_mask=step, past_key_values=reference).logits
+        ours = model(torch.tensor([[5]] * 2), attention_mask=step, **cache_kwargs(cache)).logits
+        model(ids, attention_mask=mask, **cache_kwargs(reference))
+        theirs = model(torch.tensor([[5]] * 2), attention_mask=step, **cache_kwargs(reference)).logits
     assert cache.block_pools()["full"].num_free == 0
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
@@ -202,7 +203,7 @@ def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_real_tokens
         mask[row, 30 - length :] = 1
     cache = PagedCache(config=model.config, block_size=8)
     with torch.no_grad():
-        model(ids.masked_fill(mask == 0, PAD_TOKEN_ID), attention_mask=mask, past_key_values=cache)
+        model(ids.masked_fill(mask == 0, PAD_TOKEN_ID), attention_mask=mask, **cache_kwargs(cache))
     config = model.config
     per_token = 2 * config.num_key_value_heads * config.head_dim * 4  # one layer, float32
     report = cache.memory_report()
@@ -213,10 +214,10 @@ def test_bytes_at_rest_are_within_one_block_per_row_and_layer_of_the_real_tokens
     reference = DynamicCache(config=model.config)
     with torch.no_grad():
         ours = model(torch.tensor([[5]] * 4), attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
-                     past_key_values=cache).logits
-        model(ids.masked_fill(mask == 0, PAD_TOKEN_ID), attention_mask=mask, past_key_values=reference)
+                     **cache_kwargs(cache)).logits
+        model(ids.masked_fill(mask == 0, PAD_TOKEN_ID), attention_mask=mask, **cache_kwargs(reference))
         theirs = model(torch.tensor([[5]] * 4), attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
-                       past_key_values=reference).logits
+                       **cache_kwargs(reference)).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
@@ -227,13 +228,13 @@ def test_prefix_reuse_skips_the_stored_prefix_and_gives_the_same_tokens():
     kwargs = dict(max_new_tokens=6, do_sample=False)
     cache = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
     assert cache.reuse_prefix(first) == 0
-    model.generate(first, past_key_values=cache, **kwargs)
+    model.generate(first, **cache_kwargs(cache), **kwargs)
     assert cache.store_prefix(first) == 3
     del cache
     reusing = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
     assert reusing.reuse_prefix(second) == 24  # the three full blocks the prompts share
-    out = model.generate(second, past_key_values=reusing, **kwargs)
-    fresh = model.generate(second, past_key_values=DynamicCache(config=model.config), **kwargs)
+    out = model.generate(second, **cache_kwargs(reusing), **kwargs)
+    fresh = model.generate(second, **cache_kwargs(DynamicCache(config=model.config)), **kwargs)
     assert torch.equal(out, fresh)
     assert pool.prefix_store.stats.hit_blocks == 3
 
@@ -243,7 +244,7 @@ def test_a_prefix_stored_for_one_namespace_is_never_served_to_another():
     pool = PagedPool(model.config, block_size=8)
     ids = prompt(30, seed=3)
     cache = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
-    model.generate(ids, past_key_values=cache, max_new_tokens=2)
+    model.generate(ids, **cache_kwargs(cache), max_new_tokens=2)
     cache.store_prefix(ids)
     assert PagedCache(config=model.config, pool=pool, namespace="tenant-b").reuse_prefix(ids) == 0
     assert PagedCache(config=model.config, pool=pool, namespace="tenant-a").reuse_prefix(ids) == 24
@@ -256,7 +257,7 @@ def test_prefix_reuse_is_refused_where_it_cannot_work():
     model = build_model("llama")
     cache = PagedCache(config=model.config)
     with torch.no_grad():
-        model(prompt(5), past_key_values=cache)
+        model(prompt(5), **cache_kwargs(cache))
     with pytest.raises(UnsupportedOperationError, match="needs an empty cache; this one holds 5 tokens"):
         cache.reuse_prefix(prompt(20))
     with pytest.raises(ConfigError, match=r"one prompt, .* got shape \(2, 20\)"):
@@ -299,7 +300,7 @@ def test_a_row_operation_reaches_every_layer_and_moves_the_shared_tables_once(bi
     model = build_model("llama")
     kwargs = {} if bits is None else {"bits": bits, "group_size": 8, "window": 8}
     cache = PagedCache(config=model.config, block_size=8, **kwargs)
-    model(prompt(27, seed=3, batch=3), past_key_values=cache)
+    model(prompt(27, seed=3, batch=3), **cache_kwargs(cache))
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     order = torch.tensor([2, 0, 2])
     cache.reorder_cache(order)

@@ -21,6 +21,7 @@ from hf_kvplus import (
     PagedPool,
     QuantizedCache,
     UnsupportedOperationError,
+    cache_kwargs,
 )
 from hf_kvplus.kernels.quant_format import QuantFormat, dequantize_keys, quantize_keys
 from hf_kvplus.paging import QuantLayerPool
@@ -52,7 +53,7 @@ def dense(model, **kwargs):
 
 
 def generate(model, cache, prompt, **kwargs):
-    out = model.generate(prompt, past_key_values=cache, do_sample=False, output_logits=True,
+    out = model.generate(prompt, **cache_kwargs(cache), do_sample=False, output_logits=True,
                          return_dict_in_generate=True, **{"max_new_tokens": 6, **kwargs})
     return out.sequences, torch.stack(out.logits)
 
@@ -63,7 +64,7 @@ def segments(cache):
 
 def step(model, cache, tokens):
     with torch.no_grad():
-        return model(torch.as_tensor(tokens), past_key_values=cache).logits
+        return model(torch.as_tensor(tokens), **cache_kwargs(cache)).logits
 
 
 # ------------------------------------------------------------------------------------------------ the same values

@@ -16,7 +16,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
 
 from conformance.models import build_model, make_config
-from hf_kvplus import CapacityError, ConfigError, DenseCache, KVPlusError, UnsupportedModelError, planner
+from hf_kvplus import (
+    CapacityError,
+    ConfigError,
+    DenseCache,
+    KVPlusError,
+    UnsupportedModelError,
+    cache_kwargs,
+    planner,
+)
 from hf_kvplus.cli import plan as plan_cli
 
 FULL_ATTENTION_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "smollm2-135m"]
@@ -629,7 +637,7 @@ def test_plan_matches_what_a_dense_cache_holds(arch):
     tokens, batch = 40, 2
     cache = DenseCache(config=config)
     with torch.no_grad():
-        model(torch.randint(3, 100, (batch, tokens)), past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 100, (batch, tokens)), **cache_kwargs(cache), use_cache=True)
     p = planner.plan(config, tokens, batch, kv_format="fp32")
     held = {k.kind: k.tokens_held for k in p.layer_kinds}
     per_token = {}

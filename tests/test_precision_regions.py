@@ -16,6 +16,7 @@ from hf_kvplus.storage.dense import DenseStorage
 from hf_kvplus.storage.packed_segment import PackedSegment
 from hf_kvplus.storage.quantized import QuantizedStorage
 from hf_kvplus.storage.reads import PackedRead
+from hf_kvplus.transformers_compat import cache_kwargs
 
 FIRST, WINDOW = 4, 8
 
@@ -186,7 +187,7 @@ def test_a_static_storage_with_a_head_decodes_as_the_growing_one():
     for max_tokens in (None, 48):
         cache = QuantizedCache(model.config, bits=4, group_size=4, window=4, first_tokens=FIRST, max_tokens=max_tokens)
         with torch.no_grad():
-            outs.append(model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30,
+            outs.append(model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=30,
                                        do_sample=False, pad_token_id=0, output_scores=True,
                                        return_dict_in_generate=True, disable_compile=True))  # fmt: skip
     assert torch.equal(outs[0].sequences, outs[1].sequences)

@@ -7,7 +7,7 @@ from transformers import DynamicCache, LlamaConfig
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import ConfigError, KVCache, QuantizedCache, quantized_storage
+from hf_kvplus import ConfigError, KVCache, QuantizedCache, cache_kwargs, quantized_storage
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.retention import SlidingWindow
 from hf_kvplus.specs import parse_cache_spec
@@ -86,7 +86,7 @@ def test_fused_decode_matches_the_dense_path(arch, bits):
         try:
             groups = {} if str(bits).startswith("k") else {"group_size": 4}  # rotated formats have none
             cache = QuantizedCache(model.config, bits=bits, window=4, **groups)
-            out = model.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=cache,
+            out = model.generate(prompt, max_new_tokens=6, do_sample=False, **cache_kwargs(cache),
                                  output_logits=True, return_dict_in_generate=True)
         finally:
             model.set_attn_implementation("sdpa")
@@ -99,17 +99,17 @@ def test_fused_decode_matches_the_dense_path(arch, bits):
 def test_sliding_and_hybrid_models_quantize_and_stay_close(arch):
     model = get_model(arch)
     prompt = make_prompt(30, seed=4)
-    ref = model(prompt, past_key_values=DynamicCache(config=model.config)).logits
+    ref = model(prompt, **cache_kwargs(DynamicCache(config=model.config))).logits
     cache = QuantizedCache(model.config, bits=8, group_size=4, window=4)
-    got = model(prompt, past_key_values=cache).logits
+    got = model(prompt, **cache_kwargs(cache)).logits
     assert any(layer.storage.segment.length for layer in cache.layers if hasattr(layer, "storage"))
     # One prefill chunk attends at full precision: identical to the reference.
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     # A decode step reads the quantized past: close to the reference, not equal.
     step = torch.tensor([[5]])
     dyn = DynamicCache(config=model.config)
-    model(prompt, past_key_values=dyn)
-    got_step, ref_step = model(step, past_key_values=cache).logits, model(step, past_key_values=dyn).logits
+    model(prompt, **cache_kwargs(dyn))
+    got_step, ref_step = model(step, **cache_kwargs(cache)).logits, model(step, **cache_kwargs(dyn)).logits
     torch.testing.assert_close(got_step, ref_step, atol=0.15, rtol=0)
     assert not torch.equal(got_step, ref_step)
 

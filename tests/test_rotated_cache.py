@@ -8,7 +8,15 @@ from transformers import DynamicCache, LlamaConfig
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import ConfigError, H2OCache, OffloadedCache, PagedCache, QuantizedCache, SinkCache
+from hf_kvplus import (
+    ConfigError,
+    H2OCache,
+    OffloadedCache,
+    PagedCache,
+    QuantizedCache,
+    SinkCache,
+    cache_kwargs,
+)
 from hf_kvplus.kernels.rotated_format import RotatedFormat
 from hf_kvplus.specs import parse_cache_spec
 
@@ -79,13 +87,13 @@ def test_every_quantized_storage_takes_the_rotated_formats(kind, arch):
     model = get_model(arch)
     prompt, step = make_prompt(30, seed=4), torch.tensor([[5]])
     dyn = DynamicCache(config=model.config)
-    model(prompt, past_key_values=dyn)
-    ref = model(step, past_key_values=dyn).logits
+    model(prompt, **cache_kwargs(dyn))
+    ref = model(step, **cache_kwargs(dyn)).logits
     errors = {}
     for bits in ("k2v2", "k4v4", "k8v8"):
         cache = CACHES[kind](model.config, bits)
-        model(prompt, past_key_values=cache)
-        got = model(step, past_key_values=cache).logits
+        model(prompt, **cache_kwargs(cache))
+        got = model(step, **cache_kwargs(cache)).logits
         errors[bits] = (got - ref).abs().max().item()
     if kind in ("sink", "h2o") and arch == "mistral":  # evicting caches keep sliding layers exact; all are here
         assert set(errors.values()) == {0.0}

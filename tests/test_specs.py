@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
 
 from conformance.models import build_model, make_config
-from hf_kvplus import ConfigError, DenseCache, PagedCache
+from hf_kvplus import ConfigError, DenseCache, PagedCache, cache_kwargs
 from hf_kvplus.memory import cache_bytes
 from hf_kvplus.specs import available_cache_specs, parse_cache_spec
 
@@ -21,7 +21,7 @@ def test_specs_build_their_cache_and_it_serves_the_model(text, cls):
     cache = parse_cache_spec(text).build(model.config, max_length=40)
     assert isinstance(cache, cls)
     ids = torch.randint(3, 128, (1, 30))
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(cache))
     assert cache.get_seq_length() == 30 and cache_bytes(cache) > 0
 
 
@@ -33,7 +33,7 @@ def test_spec_options_reach_the_cache():
     assert paged.block_size == 8 and paged.block_pools()["full"].capacity == 40
     quantized = parse_cache_spec("hf-quantized:quanto:2:residual=16:group=32").build(config)
     model = build_model("llama")
-    model(torch.randint(3, 128, (1, 20)), past_key_values=quantized)
+    model(torch.randint(3, 128, (1, 20)), **cache_kwargs(quantized))
     layer = quantized.layers[0]
     assert (layer.nbits, layer.residual_length, layer.q_group_size) == (2, 16, 32)
 

@@ -12,7 +12,7 @@ import torch
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
-from hf_kvplus import CapacityError, ConfigError, Offloaded, QuantizedCache
+from hf_kvplus import CapacityError, ConfigError, Offloaded, QuantizedCache, cache_kwargs
 from hf_kvplus.errors import UnsupportedModelError
 from hf_kvplus.formats import QuantFormat
 from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat, quantize_rotated, rotation
@@ -26,7 +26,7 @@ def generate(cache, new=30, **kwargs):
     mask[0, :4] = 0  # a left-padded row
     with torch.no_grad():
         return model.generate(
-            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+            ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new, do_sample=False, pad_token_id=0,
             output_scores=True, return_dict_in_generate=True, disable_compile=True, **kwargs,
         )  # fmt: skip
 

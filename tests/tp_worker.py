@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from hf_kvplus import cache_kwargs
 from hf_kvplus.specs import parse_cache_spec
 
 NEW_TOKENS = 24
@@ -20,7 +21,7 @@ NEW_TOKENS = 24
 
 def generate(model, ids, cache):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=cache)[0].tolist()
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **cache_kwargs(cache))[0].tolist()
 
 
 def main(folder: str, out: str, specs: list[str]) -> None:

@@ -32,6 +32,7 @@ from ..evaluation.needle import is_correct, needle_ids, passkey_prompt, prompt_f
 from ..evaluation.report import format_table
 from ..memory import cache_bytes
 from ..specs import parse_cache_spec
+from ..transformers_compat import cache_kwargs
 from . import common
 
 COLUMNS = [
@@ -129,14 +130,14 @@ def _prompt_run(model, spec, prompt: torch.Tensor, scored: torch.Tensor, new_tok
     cache = spec.build(model.config, max_length=n + new_tokens + 1)
     losses = []
     for first in range(0, n, chunk):
-        logits = model(input_ids=prompt[:, first : first + chunk], past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=prompt[:, first : first + chunk], **cache_kwargs(cache), use_cache=True).logits[0]
         targets = prompt[0, first + 1 : first + chunk + 1]  # the last logits predict the next chunk's first token
         nll = torch.nn.functional.cross_entropy(logits[: targets.shape[0]].float(), targets, reduction="none")
         losses.append(nll[scored[first + 1 : first + 1 + targets.shape[0]]])
     token = logits[-1:].argmax(-1)[None]
     tokens, start = [token], time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         tokens.append(token)
     decode = time.perf_counter() - start
     return {

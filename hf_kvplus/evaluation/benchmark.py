@@ -1,6 +1,6 @@
 """Prefill time, time to first token, decode speed and memory of caches, measured in one run.
 
-Each cache runs a greedy prefill + decode loop through `model(..., past_key_values=cache)`; caches
+Each cache runs a greedy prefill + decode loop through `model(..., **cache_kwargs(cache))`; caches
 alternate within each repeat after a warm-up, and the medians are reported with the first spec
 (the baseline) measured in the same run. Bytes at rest are read off the cache after the run;
 peak memory is how far the run took the CUDA allocator (GPU) or the process's RSS (CPU) above
@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from ..memory import cache_bytes
 from ..specs import CacheSpec
+from ..transformers_compat import cache_kwargs
 
 
 @dataclass
@@ -88,7 +89,7 @@ def run_once(
     memory_start = _start_peak(device)
 
     def step(input_ids):
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
         return logits[:, -1:].argmax(-1)
 
     chunk = prefill_chunk or prompt.shape[1]

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from ..errors import ConfigError
 from ..memory import cache_bytes
 from ..specs import CacheSpec
+from ..transformers_compat import cache_kwargs
 from .retrieval_tasks import PassKey, RetrievalTask, assemble, encode, frame
 
 INSTRUCTION, QUESTION, ANSWER_START, NEEDLE = PassKey.instruction, PassKey.question, PassKey.answer_start, PassKey.needle
@@ -153,7 +154,7 @@ def needle_grid(
                 start = time.perf_counter()
                 with torch.no_grad():
                     generated = model.generate(
-                        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                        ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=new,
                         do_sample=False, pad_token_id=pad,
                     )  # fmt: skip
                 answer = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import Cache, PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
+from ..transformers_compat import cache_kwargs
 
 MODES = {"chunked": 256, "streaming": 1, "continuation": 1}  # mode -> default chunk size
 
@@ -162,7 +163,7 @@ def perplexity(
     bar = tqdm(total=total, desc=f"ppl {label or mode}", unit="tok", disable=not progress, leave=False)
     for start, end in zip(starts, [*starts[1:], total], strict=True):
         piece = ids[:, start:end]
-        out = model(input_ids=piece, past_key_values=cache_obj, use_cache=cache_obj is not None)
+        out = model(input_ids=piece, **cache_kwargs(cache_obj), use_cache=cache_obj is not None)
         logits = out.logits[0]
         if previous_last is not None:  # the previous chunk's last logits score this chunk's first token
             pieces.append(_token_nll(previous_last[None], piece[0, :1]))

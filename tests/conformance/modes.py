@@ -1,7 +1,7 @@
 """The generate modes of the conformance suite.
 
 Each mode is a function ``run_<mode>(model, cache_factory, assistant) -> ModeResult``. It calls
-``cache_factory(model)`` for every cache it needs, passes that object explicitly (``past_key_values=cache``) and
+``cache_factory(model)`` for every cache it needs, passes that object explicitly (``**cache_kwargs(cache)``) and
 records what a comparison needs. The same function is run once with the reference factory
 (``DynamicCache(config=model.config)``) and once with the factory of the case under test; everything else
 (prompts, seeds, generation arguments) is identical between the two runs.
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import Cache, PreTrainedModel
+
+from hf_kvplus import cache_kwarg, cache_kwargs
 
 from .models import FIRST_ORDINARY_TOKEN, PAD_TOKEN_ID, SLIDING_WINDOW, VOCAB_SIZE
 
@@ -53,7 +55,7 @@ class ModeResult:
     aux_logits: tuple[torch.Tensor, ...] = ()
     #: every cache object the factory built for this run, in order
     caches: list[Cache] = field(default_factory=list)
-    #: ``past_key_values`` handed back (by generate, or by every forward of ``manual_loop``; None if they differ)
+    #: the cache handed back (by generate, or by every forward of ``manual_loop``; None if they differ)
     returned_cache: Cache | None = None
     #: contract values that must equal the reference's exactly (e.g. ``get_seq_length()`` after each forward)
     info: dict = field(default_factory=dict)
@@ -97,7 +99,7 @@ def _generate(
     with torch.no_grad():
         out = model.generate(
             input_ids,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             return_dict_in_generate=True,
             output_logits=True,
             **kwargs,
@@ -109,7 +111,7 @@ def _generate(
         logits=tuple(out.logits),
         scores=tuple(out.scores) if out.scores is not None else None,
         caches=caches,
-        returned_cache=out.past_key_values,
+        returned_cache=getattr(out, cache_kwarg()),
     )
 
 
@@ -254,13 +256,13 @@ def _prefix_then_generate(
     caches: list[Cache] = []
     cache = _new_cache(cache_factory, model, caches)
     with torch.no_grad():
-        prefix_out = model(input_ids=prompt[:, :prefix_length], past_key_values=cache, use_cache=True)
+        prefix_out = model(input_ids=prompt[:, :prefix_length], **cache_kwargs(cache), use_cache=True)
         seen_after_prefix = cache.get_seq_length()
         if fan_out > 1:
             cache.batch_repeat_interleave(fan_out)
         out = model.generate(
             prompt,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             return_dict_in_generate=True,
             output_logits=True,
             do_sample=False,
@@ -274,7 +276,7 @@ def _prefix_then_generate(
         logits=tuple(out.logits),
         aux_logits=(prefix_out.logits,),
         caches=caches,
-        returned_cache=out.past_key_values,
+        returned_cache=getattr(out, cache_kwarg()),
         info={"seq_length_after_prefix": seen_after_prefix},
     )
 
@@ -323,7 +325,7 @@ MANUAL_STEPS_AFTER_CHUNK = 4
 def run_manual_loop(
     model: PreTrainedModel, cache_factory: CacheFactory, assistant: PreTrainedModel
 ) -> ModeResult:
-    """A hand-written loop of ``model(input_ids=..., past_key_values=cache, use_cache=True)``, batch 2, no
+    """A hand-written loop of ``model(input_ids=..., **cache_kwargs(cache), use_cache=True)``, batch 2, no
     position_ids and no attention_mask (the model derives positions from ``cache.get_seq_length()``):
 
     prefill of 10 tokens, 4 greedy steps of one token, one chunk of 3 tokens (the greedy token + 2 fixed ones:
@@ -340,8 +342,8 @@ def run_manual_loop(
     with torch.no_grad():
 
         def step(ids: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            returned.append(out.past_key_values)
+            out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+            returned.append(getattr(out, cache_kwarg()))
             step_logits = out.logits.float()
             logits.append(step_logits)
             seq_lengths.append(cache.get_seq_length())
