@@ -236,9 +236,9 @@ class PagedCache(KVCache):
             slots = blocks * self.block_size
             tokens = max(tokens, slots)
             fp16_bytes += slots * 2 * coordinates
-            exact = storage.exact_part() * storage.batch_size
-            region_bits += blocks * segment.pool.block_bytes * 8
-            region_bits += exact * coordinates * (storage.recent.keys.element_size() * 8 if exact else 0)
+            exact, element_size = storage.exact_part()
+            exact *= storage.batch_size
+            region_bits += blocks * segment.pool.block_bytes * 8 + exact * coordinates * element_size * 8
             region_coordinates += (slots + exact) * coordinates
         return {
             "format": str(self.format),

@@ -180,9 +180,9 @@ def precision_report(cache: KVCache, format_name: str, window: int) -> dict:
         held = length * report.batch_size
         tokens = max(tokens, held)
         fp16_bytes += held * 2 * coordinates
-        exact = getattr(storage, "exact_part", lambda: 0)() * report.batch_size
-        dtype_bits = storage.recent.keys.element_size() * 8 if exact else 0
-        region_bits += coded * 8 + exact * coordinates * dtype_bits
+        exact, element_size = storage.exact_part()
+        exact *= report.batch_size
+        region_bits += coded * 8 + exact * coordinates * element_size * 8
         region_coordinates += (held + exact) * coordinates
     return {
         "format": format_name,

@@ -312,9 +312,9 @@ class QuantizedStorage(KVStorage):
         """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row."""
         return self.segment.memory(), self.segment.length
 
-    def exact_part(self) -> int:
-        """Tokens per row held at full precision outside the window: the head."""
-        return self.head
+    def exact_part(self) -> tuple[int, int]:
+        """Tokens per row held at full precision outside the window (the head), and bytes per element there."""
+        return self.head, 0 if self.recent.keys is None else self.recent.keys.element_size()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return prefixed("segment", self.segment.tensors()) | prefixed("recent", self.recent.tensors())

@@ -318,7 +318,7 @@ class StaticQuantizedStorage(KVStorage):
         if self.ring_k is None:
             return MemoryReport()
         coded, _ = self.quantized_part()
-        exact = self.end - self.frontier(self.end) + self.exact_part()
+        exact = self.end - self.frontier(self.end) + self.exact_part()[0]
         ring = self.ring_k[:, :, :exact].numel() + self.ring_v[:, :, :exact].numel()
         payload = coded.payload_bytes + ring * self.ring_k.element_size()
         allocated = tensor_bytes(list(self.tensors().values()))
@@ -336,9 +336,10 @@ class StaticQuantizedStorage(KVStorage):
         codes, params = span_bytes(self.buffers, self.fmt.group_size, lo, n)
         return MemoryReport(payload_bytes=codes, metadata_bytes=params, batch_size=self.batch_size), n - min(self.first, n)
 
-    def exact_part(self) -> int:
-        """Tokens per row held at full precision outside the window: the head's, before the frontier."""
-        return min(self.first, self.frontier(self.end))
+    def exact_part(self) -> tuple[int, int]:
+        """Tokens per row held at full precision outside the window (the head's, before the frontier), and bytes per
+        element there."""
+        return min(self.first, self.frontier(self.end)), 0 if self.ring_k is None else self.ring_k.element_size()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.ring_k is None:
