@@ -73,9 +73,10 @@ def _path(x, check: bool, op_off_cuda: bool = False) -> str:
     """Where a call on `x` runs: "op" (the custom operator: an unchecked call being traced, on CUDA unless
     `op_off_cuda`), "triton" (CUDA tensors) or "twin" (everything else, a checked call's non-tensor included,
     which the twin's checks refuse). The device is asked first: an eager call off CUDA never asks the compiler."""
-    if (not check or isinstance(x, torch.Tensor)) and x.is_cuda:
-        return "op" if not check and torch.compiler.is_compiling() else "triton"
-    return "op" if op_off_cuda and not check and torch.compiler.is_compiling() else "twin"
+    cuda = (not check or isinstance(x, torch.Tensor)) and x.is_cuda
+    if not check and (cuda or op_off_cuda) and torch.compiler.is_compiling():
+        return "op"
+    return "triton" if cuda else "twin"
 
 
 def prepare(fmt, key_dim: int, value_dim: int, device) -> None:

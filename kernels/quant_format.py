@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, DTypeError, ShapeError
 from hf_kvplus.kernels.rotated_format import dequantize_rotated, quantize_rotated
 
@@ -195,18 +196,15 @@ def unpack_planes(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return (packed.unsqueeze(-2) >> _shifts(per, fmt.code_bits, packed.device)) & fmt.qmax
 
 
-_SHIFTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_SHIFTS: Constants[torch.Tensor] = Constants()
 
 
 def _shifts(per: int, bits: int, device: torch.device) -> torch.Tensor:
-    """uint8 ``[per, 1]``: the shift of each code in a byte, made once per device (eagerly)."""
-    key = (per, bits, device)
-    shifts = _SHIFTS.get(key)
-    if shifts is None:
-        shifts = torch.arange(0, per * bits, bits, dtype=torch.uint8, device=device).view(per, 1)
-        if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
-            _SHIFTS[key] = shifts
-    return shifts
+    """uint8 ``[per, 1]``: the shift of each code in a byte, made once per device."""
+    return _SHIFTS.get(
+        (per, bits, device),
+        lambda: torch.arange(0, per * bits, bits, dtype=torch.uint8, device=device).view(per, 1),
+    )
 
 
 def _params_int(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, ShapeError
 
 __all__ = [
@@ -208,8 +209,8 @@ class RotatedFormat:
 # Rotations and codebooks (made once per head dim, seed and device, eagerly)
 # ---------------------------------------------------------------------------------------------------
 
-_ROTATIONS: dict[tuple[int, int, torch.device, int], torch.Tensor] = {}
-_CODEBOOKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_ROTATIONS: Constants[dict[int, torch.Tensor]] = Constants()  # by (head_dim, seed, device): R in each plane order
+_CODEBOOKS: Constants[tuple[torch.Tensor, torch.Tensor]] = Constants()
 
 
 def rotation(
@@ -221,14 +222,12 @@ def rotation(
     compiled graph reads them as they are."""
     device = torch.device(device)
     k = 1 if plane_bits is None else planes_of(head_dim, plane_bits)
-    r = _ROTATIONS.get((head_dim, seed, device, k))
-    if r is None:
+
+    def make() -> dict[int, torch.Tensor]:
         base = _make_rotation(head_dim, seed).to(device, non_blocking=True)
-        made = {1: base, **{planes_of(head_dim, bits): in_plane_order(base, bits).contiguous() for bits in (1, 2, 3, 4)}}
-        if not torch.compiler.is_compiling():  # a traced one is not a tensor to keep
-            _ROTATIONS.update({(head_dim, seed, device, n): m for n, m in made.items()})
-        r = made[k]
-    return r
+        return {1: base, **{planes_of(head_dim, bits): in_plane_order(base, bits).contiguous() for bits in (1, 2, 3, 4)}}
+
+    return _ROTATIONS.get((head_dim, seed, device), make)[k]
 
 
 def rotated(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -266,17 +265,15 @@ def codebook(head_dim: int, bits: int, device: torch.device | str = "cpu") -> tu
     """(centroids float32 [2**bits], decision boundaries float32 [2**bits - 1]) for coordinates of a rotated unit
     vector of `head_dim` dims: shipped, or computed on first use (Lloyd-Max; 8 bits: a uniform grid)."""
     device = torch.device(device)
-    key = (head_dim, bits, device)
-    book = _CODEBOOKS.get(key)
-    if book is None:
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
         values = _centroids(head_dim, bits)
+        if bits <= 4:  # what a compiled decode reads as constants
+            _ODD_POLYNOMIALS.setdefault((head_dim, bits), _interpolated(values))
         centroids = torch.tensor(values, dtype=torch.float64, device="cpu")
-        book = tuple(t.float().to(device, non_blocking=True) for t in (centroids, (centroids[1:] + centroids[:-1]) / 2))
-        if not torch.compiler.is_compiling():
-            _CODEBOOKS[key] = book
-            if bits <= 4:  # what a compiled decode reads as constants
-                _ODD_POLYNOMIALS.setdefault((head_dim, bits), _interpolated(values))
-    return book
+        return tuple(t.float().to(device, non_blocking=True) for t in (centroids, (centroids[1:] + centroids[:-1]) / 2))
+
+    return _CODEBOOKS.get((head_dim, bits, device), make)
 
 
 def _centroids(head_dim: int, bits: int) -> list[float]:
@@ -342,18 +339,14 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((word[..., None] >> _offsets(8, bits, packed.device)) & (2**bits - 1)).flatten(-2)
 
 
-_OFFSETS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_OFFSETS: Constants[torch.Tensor] = Constants()
 
 
 def _offsets(count: int, step: int, device: torch.device) -> torch.Tensor:
-    """int64 ``[0, step, 2 * step, ...]`` of `count` entries, made once per device (eagerly)."""
-    key = (count, step, device)
-    t = _OFFSETS.get(key)
-    if t is None:
-        t = torch.arange(0, count * step, step, dtype=torch.int64, device=device)
-        if not torch.compiler.is_compiling():
-            _OFFSETS[key] = t
-    return t
+    """int64 ``[0, step, 2 * step, ...]`` of `count` entries, made once per device."""
+    return _OFFSETS.get(
+        (count, step, device), lambda: torch.arange(0, count * step, step, dtype=torch.int64, device=device)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -531,22 +524,20 @@ def _interpolated(centroids: list[float]) -> tuple[float, ...]:
     return tuple(poly)
 
 
-_BYTE_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_BYTE_TABLES: Constants[torch.Tensor] = Constants()
 
 
 def byte_table(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
     """float32 ``[2**width, width // bits]``: the codebook values of every `width`-bit chunk of the stream (8 bits;
     12 for 3-bit codes), in stream order."""
-    key = (head_dim, bits, device)
-    table = _BYTE_TABLES.get(key)
-    if table is None:
+
+    def make() -> torch.Tensor:
         width = 12 if bits == 3 else 8
         centroids, _ = codebook(head_dim, bits, device)
         chunks = torch.arange(2**width, device=device)[:, None]
-        table = centroids[(chunks >> _offsets(width // bits, bits, device)) & (2**bits - 1)]
-        if not torch.compiler.is_compiling():
-            _BYTE_TABLES[key] = table
-    return table
+        return centroids[(chunks >> _offsets(width // bits, bits, device)) & (2**bits - 1)]
+
+    return _BYTE_TABLES.get((head_dim, bits, device), make)
 
 
 def dequantize_rotated(

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.constants import Constants
 from ..kernels.quant_format import PackedKV, QuantFormat
 
 #: A dense copy of the tokens a read describes: `[batch, kv_heads, last, head_dim]` keys and values.
@@ -85,16 +86,11 @@ def placeholders(
     like: torch.Tensor, batch: int, kv_heads: int, last: int, key_dim: int, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shape-correct NaN keys and values of `like`'s dtype and device, with no memory of their own."""
-    key = (like.dtype, like.device)
-    nan = _NAN.get(key)
-    if nan is None:  # one scalar per dtype and device, made eagerly: a decode step's ops are its host cost
-        nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
-        if not torch.compiler.is_compiling():  # (a traced one is not a tensor to keep)
-            _NAN[key] = nan
+    nan = _NAN.get((like.dtype, like.device), lambda: torch.full((), float("nan"), dtype=like.dtype, device=like.device))
     return nan.expand(batch, kv_heads, last, key_dim), nan.expand(batch, kv_heads, last, value_dim)
 
 
-_NAN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_NAN: Constants[torch.Tensor] = Constants()  # one scalar per dtype and device
 
 
 def quantized_read(
