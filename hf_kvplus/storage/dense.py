@@ -37,23 +37,26 @@ class DenseStorage(KVStorage):
     `max_tokens` fixes the capacity: the buffers are allocated once and appending past it raises
     `CapacityError`, leaving the storage as it was. `static=True` (with `max_tokens`, as Transformers'
     StaticCache) reads the whole buffer every time, token t at position t, unwritten positions zero and
-    masked by the model: every decode step has the same shapes, so a compiled decode never recompiles; such a
-    storage is a `StaticDenseStorage`.
+    masked by the model: every decode step has the same shapes, so a compiled decode never recompiles. Such a
+    storage counts its tokens on the device too (`TokenCount`) and writes at the positions counted there, into
+    buffers at static addresses, so that a compiled step reads and writes no Python int and one CUDA graph serves
+    every step (past `max_tokens`, a compiled step's write fails on the device, as StaticCache's does).
     """
-
-    def __new__(cls, max_tokens: int | None = None, static: bool = False):
-        return super().__new__(StaticDenseStorage if static and cls is DenseStorage else cls)
 
     def __init__(self, max_tokens: int | None = None, static: bool = False):
         if static and max_tokens is None:
             raise ConfigError("a static dense storage needs max_tokens: it reads that many positions every step")
         self.max_tokens = max_tokens
         self.static_length = max_tokens if static else None
+        self.device_count = static
+        self.count = TokenCount()  # `end`; a static storage's on the device too
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.start = self.end = 0
         self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
         self._fits = FitMemo()  # what `check_fits` last passed (the keys buffer, new tokens' shapes)
+
+    end = counted("Tokens start..end-1 are held (`count`; a static storage's on the device too).")
 
     @property
     def length(self) -> int:
@@ -73,16 +76,25 @@ class DenseStorage(KVStorage):
             self._allocate(keys, values, self.max_tokens or _round_up(max(new, 1)))
         else:
             self._check_compatible(keys, values)
-        if self.end + new > self.capacity:
+        if self.device_count:  # at the positions counted on the device, as a compiled step writes
+            self.count.check_room(new, self.max_tokens)
+            positions = self.count.positions(new)
+            self.keys.index_copy_(2, positions, keys)
+            self.values.index_copy_(2, positions, values)
+            self.count.advance(new)
+            return
+        end = self.end
+        if end + new > self.capacity:
             self._make_room(new)
-        self.keys[:, :, self.end : self.end + new] = keys
-        self.values[:, :, self.end : self.end + new] = values
-        self._note_written(self.end, self.end + new)
-        self.end += new
+            end = self.end
+        self.keys[:, :, end : end + new] = keys
+        self.values[:, :, end : end + new] = values
+        self._note_written(end, end + new)
+        self.end = end + new
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first = self.end - last
-        return self.keys[:, :, first : self.end], self.values[:, :, first : self.end]
+        end = self.end
+        return self.keys[:, :, end - last : end], self.values[:, :, end - last : end]
 
     def read(self, last: int, new: int) -> DenseRead:
         if self.static_length is not None:
@@ -126,6 +138,8 @@ class DenseStorage(KVStorage):
         else:
             self.keys = self.keys.index_select(0, indices)
             self.values = self.values.index_select(0, indices)
+        if self.device_count:
+            mark_static(self.keys, self.values)
 
     def reset(self) -> None:
         self.keys = self.values = None
@@ -157,6 +171,10 @@ class DenseStorage(KVStorage):
         static = self.static_length is not None
         self.keys = (keys.new_zeros if static else keys.new_empty)(batch, heads, capacity, dim)
         self.values = (values.new_zeros if static else values.new_empty)(batch, heads, capacity, values.shape[-1])
+        if static:
+            mark_static(self.keys, self.values)
+            if self.count.tensor is None:
+                self.count.place(keys.device)
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`check_fits`, once per buffer and new tokens' shapes (`FitMemo`)."""
@@ -203,42 +221,3 @@ class DenseStorage(KVStorage):
     def _note_written(self, lo: int, hi: int) -> None:
         self._written = widened(self._written, lo, hi)
 
-
-class StaticDenseStorage(DenseStorage):
-    """`DenseStorage(max_tokens, static=True)`: token t at position t of buffers for `max_tokens` positions, read
-    whole at every step, written at positions counted on the device (`TokenCount`) into buffers at static
-    addresses, so that a compiled decode step reads and writes no Python int and one CUDA graph serves every step.
-
-    A compiled step does not check `max_tokens` (past it, its write fails on the device, as StaticCache's does).
-    """
-
-    device_count = True
-
-    def __init__(self, max_tokens: int | None = None, static: bool = True):
-        self.count = TokenCount()  # `end`, on the device too
-        super().__init__(max_tokens, static=True)
-
-    end = counted("Tokens start..end-1 are held (`count`, on the device too).")
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        new = keys.shape[2]
-        if self.keys is None:
-            self._allocate(keys, values, self.max_tokens)
-        else:
-            self._check_compatible(keys, values)
-        if not torch.compiler.is_compiling() and self.end + new > self.max_tokens:
-            self._make_room(new)  # raises CapacityError
-        positions = self.count.positions(new)
-        self.keys.index_copy_(2, positions, keys)
-        self.values.index_copy_(2, positions, values)
-        self.count.advance(new)
-
-    def index_batch(self, indices: torch.Tensor) -> None:
-        super().index_batch(indices)
-        mark_static(*self.tensors().values())
-
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        super()._allocate(keys, values, capacity)
-        mark_static(*self.tensors().values())
-        if self.count.tensor is None:
-            self.count.place(keys.device)

@@ -26,8 +26,11 @@ class PagedStorage(KVStorage):
 
     `static=True` (a group with `fixed_tokens`: every row's table reserved to that length at the first fill)
     reads all `fixed_tokens` positions every step, as StaticCache does, the model's mask hiding those not yet
-    written: a decode step's shapes and block table never change, so a compiled decode never recompiles; such a
-    storage is a `StaticPagedStorage`.
+    written: a decode step's shapes and block table never change, so a compiled decode never recompiles. Such a
+    storage counts its tokens on the device too (`TokenCount`): a compiled step takes its write positions from
+    there, so that it reads and writes no Python int and one CUDA graph serves every step (the pools are at static
+    addresses, `LayerPool`). A compiled step reserves nothing (the fixed group reserved every row's blocks at the
+    first fill) and checks nothing: past `fixed_tokens`, its write fails on the device, as StaticCache's does.
     """
 
     reads_in_place = True
@@ -35,17 +38,15 @@ class PagedStorage(KVStorage):
     #: Other layers' block operations (copy-on-write, pool growth) write this layer's tensors while it rests.
     shared_at_rest = True
 
-    def __new__(cls, group: BlockGroup | None = None, pool: LayerPool | None = None, static=False):
-        # (defaults: `copy` makes an instance with no arguments)
-        return super().__new__(StaticPagedStorage if static and cls is PagedStorage else cls)
-
     def __init__(self, group: BlockGroup, pool: LayerPool, static: bool = False):
         if static and group.fixed_tokens is None:
             raise ConfigError("a static paged storage needs a block group of fixed_tokens: it reads that many every step")
         self.group = group
         self.pool = pool
         self.static_length = group.fixed_tokens if static else None
-        self.start = self.end = 0  # logical tokens held: start..end-1
+        self.device_count = static
+        self.count = TokenCount()  # `end`; a static storage's on the device too
+        self.start = self.end = 0
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
     def shard_heads(self, local: int) -> None:
@@ -59,6 +60,8 @@ class PagedStorage(KVStorage):
     def v_pool(self) -> torch.Tensor | None:
         return self.pool.v
 
+    end = counted("Logical tokens start..end-1 are held (`count`; a static storage's on the device too).")
+
     @property
     def length(self) -> int:
         return self.end - self.start
@@ -68,6 +71,9 @@ class PagedStorage(KVStorage):
         return self.group.rows_of(self.member)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.device_count and torch.compiler.is_compiling():
+            self._append_counted(keys, values)
+            return
         self.pool.ensure(keys, values)
         if self.group.tables and keys.shape[0] != self.group.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.group.batch_size} rows")
@@ -91,6 +97,19 @@ class PagedStorage(KVStorage):
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
         self.end += new
+        if self.device_count and self.count.tensor is None:
+            self.count.place(keys.device)
+
+    def _append_counted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A compiled step's write: at the positions counted on the device, through the table the fixed group
+        reserved at the first fill."""
+        new, bs = keys.shape[2], self.group.block_size
+        positions = self.count.positions(new)  # (a fixed group's base is 0)
+        blocks = self.group.table_tensor(keys.device)[:, positions // bs]  # [batch, new]
+        offsets = positions % bs
+        self.k_pool[blocks, :, offsets] = keys.transpose(1, 2)
+        self.v_pool[blocks, :, offsets] = values.transpose(1, 2)
+        self.count.advance(new)
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers the last `last` tokens into dense `[batch, kv_heads, last, head_dim]` tensors."""
@@ -122,8 +141,10 @@ class PagedStorage(KVStorage):
         )  # fmt: skip
 
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
-        """Left padding of the first prefill: key columns no query attends to, from the start of each row."""
-        if self.start != 0 or self.end != new:  # not a first prefill, or part of it already dropped
+        """Left padding of the first prefill: key columns no query attends to, from the start of each row. A one-token
+        step is not such a prefill (a row of one token has no padding to free), so a compiled decode step, which reads
+        no count, returns at once."""
+        if new == 1 or self.start != 0 or self.end != new:  # not a first prefill, or part of it already dropped
             return
         if attention_mask.dtype != torch.bool or attention_mask.ndim != 4 or attention_mask.shape[0] != self.batch_size:
             return
@@ -175,37 +196,3 @@ class PagedStorage(KVStorage):
             batch_size=self.batch_size,
         )
 
-
-class StaticPagedStorage(PagedStorage):
-    """`PagedStorage(group, pool, static=True)`, counting its tokens on the device too (`TokenCount`): a compiled step
-    takes its write positions from there, so that it reads and writes no Python int and one CUDA graph serves every
-    step. The pools are at static addresses (`LayerPool`). A compiled step reserves nothing (the fixed group reserved
-    every row's blocks at the first fill) and checks nothing: past `fixed_tokens`, its write fails on the device, as
-    StaticCache's does.
-    """
-
-    device_count = True
-
-    def __init__(self, group: BlockGroup, pool: LayerPool, static: bool = True):
-        self.count = TokenCount()  # `end`, on the device too
-        super().__init__(group, pool, static=True)
-
-    end = counted("Logical tokens start..end-1 are held (`count`, on the device too).")
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if not torch.compiler.is_compiling():
-            super().append(keys, values)
-            if self.count.tensor is None:
-                self.count.place(keys.device)
-            return
-        new, bs = keys.shape[2], self.group.block_size
-        positions = self.count.positions(new)  # (a fixed group's base is 0)
-        blocks = self.group.table_tensor(keys.device)[:, positions // bs]  # [batch, new]
-        offsets = positions % bs
-        self.k_pool[blocks, :, offsets] = keys.transpose(1, 2)
-        self.v_pool[blocks, :, offsets] = values.transpose(1, 2)
-        self.count.advance(new)
-
-    def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
-        if not torch.compiler.is_compiling():  # (a compiled step reads no count; its padding is only not freed)
-            super().note_mask(attention_mask, new)

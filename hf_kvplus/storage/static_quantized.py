@@ -7,14 +7,13 @@ from functools import partial
 
 import torch
 
-from ..errors import CacheMismatchError, CapacityError, ConfigError, UnsupportedOperationError
+from ..errors import CacheMismatchError, ConfigError, UnsupportedOperationError
 from ..kernels.dispatch import quantize_keys, quantize_values
-from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
+from ..kernels.quant_format import PackedKV, QuantFormat
 from ..kernels.rotated_format import rotated, rotation
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
 from .base import KVStorage
-from .packed_segment import dequantized_span, group_views, new_buffers, span_bytes
 from .reads import PackedRead, Read, placeholders
 from .token_count import TokenCount, counted
 
@@ -98,9 +97,7 @@ class StaticQuantizedStorage(KVStorage):
             self._allocate(keys, values)
         elif keys.shape[0] != self.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
-        # (past max_tokens, a compiled step's write fails on the device, as StaticCache's does)
-        if not torch.compiler.is_compiling() and self.end + new > self.max_tokens:
-            raise CapacityError(f"{self.end + new} tokens per row do not fit in the cache's max_tokens={self.max_tokens}")
+        self.count.check_room(new, self.max_tokens)
         ring_k, ring_v = self._to_ring(keys, values)
         if new == 1:
             self._fresh = None
@@ -276,7 +273,7 @@ class StaticQuantizedStorage(KVStorage):
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.fmt.group_size
         a, z = lo // g * g, -(-hi // g) * g
-        return dequantized_span(group_views(self.buffers, g, a, z), self.fmt, lo - a, hi - a, self.ring_k.dtype)
+        return self.buffers.span(g, a, z).dequantized(self.fmt, lo - a, hi - a, self.ring_k.dtype)
 
     # ------------------------------------------------------------------ edits
     def drop_front(self, count: int) -> None:
@@ -302,8 +299,7 @@ class StaticQuantizedStorage(KVStorage):
             return
         indices = indices.to(self.ring_k.device)
         self.ring_k, self.ring_v = self.ring_k.index_select(0, indices), self.ring_v.index_select(0, indices)
-        b = self.buffers
-        self.buffers = PackedKV(**{n: None if (t := getattr(b, n)) is None else t.index_select(0, indices) for n in PACKED_NAMES})
+        self.buffers = self.buffers.select_rows(indices)
         mark_static(*self.tensors().values())
 
     def formats(self) -> tuple:
@@ -333,7 +329,7 @@ class StaticQuantizedStorage(KVStorage):
             return MemoryReport(), 0
         n = self.frontier(self.end)
         lo = min(self.first, n) // self.fmt.group_size * self.fmt.group_size  # the groups the head fills alone: none
-        codes, params = span_bytes(self.buffers, self.fmt.group_size, lo, n)
+        codes, params = self.buffers.span_bytes(self.fmt.group_size, lo, n)
         return MemoryReport(payload_bytes=codes, metadata_bytes=params, batch_size=self.batch_size), n - min(self.first, n)
 
     def exact_part(self) -> tuple[int, int]:
@@ -344,15 +340,14 @@ class StaticQuantizedStorage(KVStorage):
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.ring_k is None:
             return {}
-        codes = {name: t for name in PACKED_NAMES if (t := getattr(self.buffers, name)) is not None}
-        return {**codes, "ring_k": self.ring_k, "ring_v": self.ring_v}
+        return {**self.buffers.tensors(), "ring_k": self.ring_k, "ring_v": self.ring_v}
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         g, n = self.fmt.group_size, self.positions
         batch, heads, _, dim = keys.shape
         v_dim, device = values.shape[-1], keys.device
         # Zeros: positions not yet written are read (and masked) by every step; they must hold finite numbers.
-        self.buffers = new_buffers(self.fmt, batch, heads, n, dim, v_dim, device, torch.zeros)
+        self.buffers = PackedKV.allocate(self.fmt, batch, heads, n, dim, v_dim, device, torch.zeros)
         self.ring_k = keys.new_zeros(batch, heads, self.first + self.ring, dim)
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
         self._aranges = tuple(torch.arange(size, device=device) for size in (n, self.ring, g, self.first))

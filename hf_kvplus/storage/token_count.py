@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import CapacityError
 from ..static_address import mark_static
 
 
@@ -45,6 +46,12 @@ class TokenCount:
         if self.tensor is not None:
             self.tensor.fill_(tokens)
 
+    def check_room(self, new: int, max_tokens: int) -> None:
+        """Raises `CapacityError`, in an eager step, when `new` more tokens would not fit in `max_tokens` positions. A
+        compiled step checks nothing (it reads no int): past them, its write fails on the device, as StaticCache's."""
+        if not torch.compiler.is_compiling() and self.value + new > max_tokens:
+            raise CapacityError(f"{self.value + new} tokens per row do not fit in the cache's max_tokens={max_tokens}")
+
     def positions(self, new: int) -> torch.Tensor:
         """`[new]` positions of the next `new` tokens, on the device."""
         if new == 1:  # (one op; a copy, not a view of the counter that `advance` changes)
@@ -69,7 +76,8 @@ def counted(doc: str) -> property:
     the storage's `count`."""
 
     def get(self) -> int:
-        return self.count.value
+        count = self.count  # (the int straight away unless compiled steps left it behind: read every step)
+        return count.value if count._behind else count._value
 
     def put(self, tokens: int) -> None:
         self.count.value = tokens
