@@ -425,14 +425,12 @@ def _rotated(fmt, head_dim, group, mask, block_size, mass) -> list[Spec]:
         table, rows, tokens = None, BATCH, KEYS
     else:
         (table, rows), tokens = _table(block_size), block_size
-    k = _meta(rows, KV_HEADS, tokens, fmt.code_dim(head_dim, "keys"), dtype=torch.uint8)
-    v = _meta(rows, KV_HEADS, tokens, fmt.code_dim(head_dim, "values"), dtype=torch.uint8)
-    norms = _meta(rows, KV_HEADS, tokens, 1)
+    packed = PackedKV.allocate(fmt, rows, KV_HEADS, tokens, head_dim, head_dim, "meta")
     storage = "dense" if block_size is None else f"paged bs{block_size}"
     flags = f"{' mask' if mask else ''}{' scores' if mass else ''}"
     return _record(
         lambda: rotated_attention.rotated_decode_attention_triton(
-            q, PackedKV(k, norms, None, v, norms, None), fmt, start=0, length=KEYS, scale=0.125, residual_k=residual,
+            q, packed, fmt, start=0, length=KEYS, scale=0.125, residual_k=residual,
             residual_v=residual, mask=_mask(mask, KEYS + RESIDUAL), block_table=table, with_mass=mass,
         ),
         {
@@ -460,8 +458,8 @@ def _rotated_pack(bits, head_dim, centered) -> list[Spec]:
         tiles.append(spec)
         tokens *= 2
     x, slots = _meta(BATCH, KV_HEADS, 1, head_dim), _meta(BATCH, KV_HEADS, 1, dtype=torch.int64)
-    out = (_meta(BATCH, KV_HEADS, KEYS, fmt.code_dim(head_dim, "keys"), dtype=torch.uint8),
-           _meta(BATCH, KV_HEADS, KEYS, 1), None)  # fmt: skip
+    codes = PackedKV.allocate(fmt, BATCH, KV_HEADS, KEYS, head_dim, head_dim, "meta")
+    out = (codes.k, codes.k_scale, None)
     at = _record(
         lambda: rotated_pack.quantize_rotated_triton(x, fmt, "keys", out, slots),
         {"_rotated_pack_kernel": f"{name} slots"},

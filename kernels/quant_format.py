@@ -157,6 +157,58 @@ class PackedKV:
     v_scale: torch.Tensor  # float16 [..., T, Dv // group_size]
     v_zero: torch.Tensor | None
 
+    @classmethod
+    def allocate(cls, fmt, rows: int, heads: int, tokens: int, key_dim: int, value_dim: int, device, make=torch.empty):
+        """Code and parameter buffers `[rows, heads, tokens, ...]` made by `make`: batch rows of `tokens` positions
+        (contiguous and static storage), or a pool's blocks of `tokens` = block size. `tokens` is a multiple of the
+        group size. The one layout every quantized storage of hf_kvplus holds, whatever it addresses tokens by."""
+
+        def params(side: str, dim: int) -> torch.Tensor:
+            return make(rows, heads, *fmt.param_shape(side, tokens, dim), dtype=torch.float16, device=device)
+
+        return cls(
+            k=make(rows, heads, tokens, fmt.code_dim(key_dim, "keys"), dtype=torch.uint8, device=device),
+            k_scale=params("keys", key_dim),
+            k_zero=params("keys", key_dim) if fmt.has_zero else None,
+            v=make(rows, heads, tokens, fmt.code_dim(value_dim, "values"), dtype=torch.uint8, device=device),
+            v_scale=params("values", value_dim),
+            v_zero=params("values", value_dim) if fmt.has_zero else None,
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers by field name (no zeros for fp8): what an offloading placement moves."""
+        return {name: t for name in PACKED_NAMES if (t := getattr(self, name)) is not None}
+
+    def select_rows(self, indices: torch.Tensor) -> PackedKV:
+        """New buffers holding rows `indices` (a batch reorder or a new batch size)."""
+        return PackedKV(*(None if t is None else t.index_select(0, indices) for t in (getattr(self, n) for n in PACKED_NAMES)))
+
+    def span(self, group_size: int, a: int, z: int) -> PackedKV:
+        """Views on tokens `a .. z - 1`, both on key-group boundaries."""
+        g = group_size
+        return PackedKV(
+            self.k[:, :, a:z], self.k_scale[:, :, a // g : z // g], _rows(self.k_zero, a // g, z // g),
+            self.v[:, :, a:z], self.v_scale[:, :, a:z], _rows(self.v_zero, a, z),
+        )  # fmt: skip
+
+    def span_bytes(self, group_size: int, lo: int, hi: int) -> tuple[int, int]:
+        """Bytes of tokens `lo .. hi - 1` (`lo` on a group boundary): codes, and scales plus zeros."""
+        g = group_size
+        codes = (self.k[:, :, lo:hi].numel() + self.v[:, :, lo:hi].numel()) * self.k.element_size()
+        key_params = sum(t[:, :, lo // g : hi // g].numel() * 2 for t in (self.k_scale, self.k_zero) if t is not None)
+        value_params = sum(t[:, :, lo:hi].numel() * 2 for t in (self.v_scale, self.v_zero) if t is not None)
+        return codes, key_params + value_params
+
+    def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V."""
+        k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt, dtype)
+        v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt, dtype)
+        return k[:, :, lo:hi], v[:, :, lo:hi]
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[:, :, lo:hi]
+
 
 #: The field names of a `PackedKV`, in order (the tensors a storage of codes holds).
 PACKED_NAMES = tuple(f.name for f in fields(PackedKV))

@@ -103,7 +103,7 @@ class QuantLayerPool(BlockTensors):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The code and parameter block tensors by name: what an offloading placement moves."""
-        return {name: t for name in PACKED_NAMES if (t := getattr(self, name)) is not None}
+        return {} if self.k is None else self.packed.tensors()
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         for name in PACKED_NAMES:
@@ -111,17 +111,10 @@ class QuantLayerPool(BlockTensors):
 
     # ---------------------------------------------------------- internals
     def _allocate(self, capacity: int, device: torch.device, v_dim: int) -> None:
-        fmt, bs, h, d = self.fmt, self.block_size, self.num_kv_heads, self.head_dim
-
-        def new(*shape, dtype=torch.float16):
-            return torch.zeros(capacity, h, *shape, dtype=dtype, device=device)
-
-        self.k = new(bs, fmt.code_dim(d, "keys"), dtype=torch.uint8)
-        self.k_scale = new(*fmt.param_shape("keys", bs, d))
-        self.k_zero = new(*fmt.param_shape("keys", bs, d)) if fmt.has_zero else None
-        self.v = new(bs, fmt.code_dim(v_dim, "values"), dtype=torch.uint8)
-        self.v_scale = new(*fmt.param_shape("values", bs, v_dim))
-        self.v_zero = new(*fmt.param_shape("values", bs, v_dim)) if fmt.has_zero else None
+        codes = PackedKV.allocate(
+            self.fmt, capacity, self.num_kv_heads, self.block_size, self.head_dim, v_dim, device, torch.zeros
+        )
+        self.load_tensors(codes.tensors())
 
     def _grow(self, capacity: int) -> None:
         if self.k is None:

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import CacheMismatchError
 from ..kernels.dispatch import quantize_keys, quantize_values
-from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_keys, dequantize_values
+from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment
@@ -77,7 +77,7 @@ class PackedSegment(QuantizedSegment):
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
         lo, hi = self.start + first, self.start + last
         a, b = self._groups(lo, hi)
-        return dequantized_span(b, self.fmt, lo - a, hi - a, dtype or self.dtype)
+        return b.dequantized(self.fmt, lo - a, hi - a, dtype or self.dtype)
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
         lo = self.start + first
@@ -92,7 +92,7 @@ class PackedSegment(QuantizedSegment):
         a, z = lo // g * g, -(-hi // g) * g
         cut = self._cut
         if cut is None or cut[0] != (a, z) or cut[1] is not self.buffers:
-            cut = self._cut = ((a, z), self.buffers, group_views(self.buffers, g, a, z))
+            cut = self._cut = ((a, z), self.buffers, self.buffers.span(g, a, z))
         return a, cut[2]
 
     def drop_front(self, count: int) -> None:
@@ -117,16 +117,14 @@ class PackedSegment(QuantizedSegment):
                     t[:, :, rows] = t[indices, :, rows]
             self._note_written(a, self.end)
         else:
-            self.buffers = PackedKV(**{n: None if t is None else t.index_select(0, indices) for n, t in tensors.items()})
+            self.buffers = self.buffers.select_rows(indices)
 
     def reset(self) -> None:
         self.buffers = None
         self.start = self.end = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        if self.buffers is None:
-            return {}
-        return {name: t for name in PACKED_NAMES if (t := getattr(self.buffers, name)) is not None}
+        return {} if self.buffers is None else self.buffers.tensors()
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.buffers = PackedKV(**{name: tensors.get(name) for name in PACKED_NAMES}) if tensors else None
@@ -149,7 +147,7 @@ class PackedSegment(QuantizedSegment):
         allocated = tensor_bytes([getattr(b, n) for n in PACKED_NAMES])
         if self.length == 0:
             return MemoryReport(reserved_bytes=allocated, batch_size=self.batch_size)
-        payload, metadata = span_bytes(b, g, self.start // g * g, self.end)
+        payload, metadata = b.span_bytes(g, self.start // g * g, self.end)
         return MemoryReport(
             payload_bytes=payload,
             metadata_bytes=metadata,
@@ -162,7 +160,7 @@ class PackedSegment(QuantizedSegment):
         return -(-n // self.granule) * self.granule
 
     def _allocate(self, batch, heads, dim, v_dim, device, capacity) -> None:
-        self.buffers = new_buffers(self.fmt, batch, heads, capacity, dim, v_dim, device, torch.empty)
+        self.buffers = PackedKV.allocate(self.fmt, batch, heads, capacity, dim, v_dim, device)
 
     def _compact(self, needed: int) -> None:
         """Moves the held groups to the front of buffers sized for `needed` tokens (plus headroom)."""
@@ -182,49 +180,6 @@ class PackedSegment(QuantizedSegment):
         self.start, self.end = self.start - a, held
 
 
-def new_buffers(fmt: QuantFormat, batch, heads, capacity, dim, v_dim, device, make=torch.empty) -> PackedKV:
-    """Code and parameter buffers for `capacity` tokens (a multiple of the group size), made by `make`."""
-
-    def f16(side, d):
-        return make(batch, heads, *fmt.param_shape(side, capacity, d), dtype=torch.float16, device=device)
-
-    return PackedKV(
-        k=make(batch, heads, capacity, fmt.code_dim(dim, "keys"), dtype=torch.uint8, device=device),
-        k_scale=f16("keys", dim),
-        k_zero=f16("keys", dim) if fmt.has_zero else None,
-        v=make(batch, heads, capacity, fmt.code_dim(v_dim, "values"), dtype=torch.uint8, device=device),
-        v_scale=f16("values", v_dim),
-        v_zero=f16("values", v_dim) if fmt.has_zero else None,
-    )
-
-
-def group_views(b: PackedKV, g: int, a: int, z: int) -> PackedKV:
-    """Views of buffers `b` on tokens `a .. z - 1`, both on group boundaries (`g` tokens per key group)."""
-    return PackedKV(
-        b.k[:, :, a:z], b.k_scale[:, :, a // g : z // g], _rows(b.k_zero, a // g, z // g),
-        b.v[:, :, a:z], b.v_scale[:, :, a:z], _rows(b.v_zero, a, z),
-    )  # fmt: skip
-
-
-def dequantized_span(b: PackedKV, fmt: QuantFormat, lo: int, hi: int, dtype: torch.dtype):
-    """Tokens `lo .. hi - 1` of whole-group buffers `b` dequantized to dense `[batch, heads, hi - lo, dim]` K/V."""
-    k = dequantize_keys(b.k, b.k_scale, b.k_zero, fmt, dtype)
-    v = dequantize_values(b.v, b.v_scale, b.v_zero, fmt, dtype)
-    return k[:, :, lo:hi], v[:, :, lo:hi]
-
-
-def span_bytes(b: PackedKV, g: int, lo: int, hi: int) -> tuple[int, int]:
-    """Bytes of tokens `lo .. hi - 1` of buffers `b` (`lo` on a group boundary): codes, and scales plus zeros."""
-    codes = (b.k[:, :, lo:hi].numel() + b.v[:, :, lo:hi].numel()) * b.k.element_size()
-    key_params = sum(t[:, :, lo // g : hi // g].numel() * 2 for t in (b.k_scale, b.k_zero) if t is not None)
-    value_params = sum(t[:, :, lo:hi].numel() * 2 for t in (b.v_scale, b.v_zero) if t is not None)
-    return codes, key_params + value_params
-
-
-def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if t is None else t[:, :, lo:hi]
-
-
 def _out(codes, scale, zero, lo, hi):
-    return codes, scale[:, :, lo:hi], _rows(zero, lo, hi)
+    return codes, scale[:, :, lo:hi], None if zero is None else zero[:, :, lo:hi]
 
