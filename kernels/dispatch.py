@@ -57,7 +57,6 @@ from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 __all__ = [
     "decode_attention",
-    "decode_attention_with_mass",
     "paged_decode_attention",
     "paged_store",
     "prepare",
@@ -65,7 +64,6 @@ __all__ = [
     "quantize_values",
     "quantize_values_at",
     "quantized_decode_attention",
-    "quantized_decode_attention_with_mass",
 ]
 
 
@@ -93,36 +91,26 @@ def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def decode_attention(q, k, v, *, scale, mask=None, num_splits=None, check: bool = True) -> torch.Tensor:
-    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin.
+def decode_attention(
+    q, k, v, *, scale, mask=None, num_splits=None, with_mass: bool = False, check: bool = True
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin. `with_mass`: returns
+    `(out, mass)`, each key's attention mass [B, Hkv, N] float32 too (what a scored eviction ranks by).
 
     ``num_splits`` only affects the Triton path (None = automatic, see ``decode_attention.pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see ``decode_attention``'s module docstring).
     """
     path = _path(q, check)
     if path == "op":
-        return custom_ops.decode_attention(q, k, v, scale, mask, num_splits)
+        op = custom_ops.decode_attention_with_mass if with_mass else custom_ops.decode_attention
+        return op(q, k, v, scale, mask, num_splits)
     if path == "triton":
-        return decode_attention_triton(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
+        fn = decode_attention_with_mass_triton if with_mass else decode_attention_triton
+        return fn(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
     if check:
         _check_num_splits(num_splits)
-    return decode_attention_torch(q, k, v, scale=scale, mask=mask, check=check)
-
-
-def decode_attention_with_mass(
-    q, k, v, *, scale, mask=None, num_splits=None, check: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention plus per-key attention mass [B, Hkv, N] float32; dispatches like decode_attention."""
-    path = _path(q, check)
-    if path == "op":
-        return custom_ops.decode_attention_with_mass(q, k, v, scale, mask, num_splits)
-    if path == "triton":
-        return decode_attention_with_mass_triton(
-            q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check
-        )
-    if check:
-        _check_num_splits(num_splits)
-    return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=check)
+    fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
+    return fn(q, k, v, scale=scale, mask=mask, check=check)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,9 +178,12 @@ def quantized_decode_attention(
     block_table=None,
     num_splits=None,
     keys_per_token: bool = False,
+    with_mass: bool = False,
     check: bool = True,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin.
+    `with_mass`: returns `(out, mass)`, each key's attention mass [B, Hkv, length + R] float32 too (quantized keys,
+    then the residual).
 
     ``check=False``: the caller guarantees the contract (see ``quant_attention``'s module docstring).
     """
@@ -200,36 +191,11 @@ def quantized_decode_attention(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
     )  # fmt: skip
-    return _quantized(q, packed, fmt, kw, False)
-
-
-def quantized_decode_attention_with_mass(
-    q,
-    packed,
-    fmt,
-    *,
-    start,
-    length,
-    scale,
-    residual_k=None,
-    residual_v=None,
-    mask=None,
-    block_table=None,
-    num_splits=None,
-    keys_per_token: bool = False,
-    check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantized_decode_attention` plus each key's attention mass [B, Hkv, length + R] float32 (quantized
-    keys, then the residual; see ``quant_attention``'s module docstring); dispatches the same way."""
-    kw = dict(
-        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
-    )  # fmt: skip
-    return _quantized(q, packed, fmt, kw, True)
+    return _quantized(q, packed, fmt, kw, with_mass)
 
 
 def _quantized(q, packed, fmt, kw: dict, with_mass: bool):
-    """Both quantized entry points: a rotated format through :func:`_rotated`, else the path of :func:`_path`."""
+    """A rotated format through :func:`_rotated`, else the path of :func:`_path`."""
     if isinstance(fmt, RotatedFormat):
         return _rotated(q, packed, fmt, kw, with_mass)
     path = _path(q, kw["check"])

@@ -14,6 +14,7 @@ sees in float64, so their error does not depend on the input dtype: float32 roun
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from hf_kvplus.kernels.decode_attention import (
     decode_attention_with_mass_torch,
     decode_attention_with_mass_triton,
 )
-from hf_kvplus.kernels.dispatch import decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import decode_attention
 
 
 def make(B, Hkv, G, N, D, Dv, dtype):
@@ -169,7 +170,7 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
 
     monkeypatch.setattr(dispatch, "decode_attention_with_mass_triton", boom)
     monkeypatch.setattr(dispatch, "decode_attention_with_mass_torch", twin)
-    out, mass = decode_attention_with_mass(q, k, v, scale=0.125, mask=mask, num_splits=3)
+    out, mass = decode_attention(q, k, v, scale=0.125, mask=mask, num_splits=3, with_mass=True)
     assert calls == [1]
     assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
 
@@ -178,6 +179,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
 # Validation (the shared checks; test_kernel_decode_attention.py covers every case)
 # ---------------------------------------------------------------------------------------------------
 
+#: The dispatcher asked for the mass, and the two implementations that give it.
+decode_attention_with_mass = partial(decode_attention, with_mass=True)
 FNS = [decode_attention_with_mass, decode_attention_with_mass_torch, decode_attention_with_mass_triton]
 
 

@@ -31,7 +31,7 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
-from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_attention import (
     quantized_decode_attention_torch,
     quantized_decode_attention_triton,
@@ -427,10 +427,10 @@ def test_with_mass_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
     monkeypatch.setattr(dispatch, "quantized_decode_attention_with_mass_triton", boom)
-    out, mass = run(quantized_decode_attention_with_mass, q, fmt, lay, 0.2, mask=mask, keys_per_token=True)
+    out, mass = run(quantized_decode_attention, q, fmt, lay, 0.2, mask=mask, keys_per_token=True, with_mass=True)
     assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
     with pytest.raises(ShapeError, match="mask"):
-        run(quantized_decode_attention_with_mass, q, fmt, lay, 0.2, mask=mask[:, 1:], keys_per_token=True)
+        run(quantized_decode_attention, q, fmt, lay, 0.2, mask=mask[:, 1:], keys_per_token=True, with_mass=True)
 
 
 # ---------------------------------------------------------------------------------------------------

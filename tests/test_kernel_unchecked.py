@@ -42,7 +42,6 @@ from hf_kvplus.kernels.decode_attention import (
 )
 from hf_kvplus.kernels.dispatch import (
     decode_attention,
-    decode_attention_with_mass,
     paged_decode_attention,
     paged_store,
     quantize_keys,
@@ -239,6 +238,7 @@ PACK_CASES = [
 ]
 
 DENSE_FNS = [decode_attention, decode_attention_torch, decode_attention_triton]
+decode_attention_with_mass = partial(decode_attention, with_mass=True)  # the dispatcher asked for the mass
 MASS_FNS = [decode_attention_with_mass, decode_attention_with_mass_torch, decode_attention_with_mass_triton]
 PAGED_FNS = [paged_decode_attention, paged_decode_attention_torch, paged_decode_attention_triton]
 STORE_FNS = [paged_store, paged_store_torch, paged_store_triton]
@@ -504,7 +504,7 @@ def dispatcher_calls():
         v_x, v_fmt, _ = pack_case("values", 4, 16, F32, 1, 2, 1, 32, False)
     return [
         ("decode_attention", lambda c: decode_attention(*d_args, **d_kw, check=c)),
-        ("decode_attention_with_mass", lambda c: decode_attention_with_mass(*d_args, **d_kw, check=c)),
+        ("decode_attention_with_mass", lambda c: decode_attention(*d_args, **d_kw, with_mass=True, check=c)),
         ("paged_decode_attention", lambda c: paged_decode_attention(*p_args, **p_kw, check=c)),
         ("paged_store", lambda c: paged_store(*s_args, check=c)),
         (

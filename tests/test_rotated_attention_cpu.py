@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_kvplus.kernels import rotated_cpu
-from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_format import (
     KeyCenter,
@@ -153,8 +153,9 @@ def test_without_a_ring_or_a_mask_and_with_every_key_masked():
 @pytest.mark.parametrize("with_mass", [False, True])
 def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin(monkeypatch, with_mass):
     fmt, packed, q, ring_k, ring_v, mask, start = make_case(3, 2, 32, centred=True)
-    kernel = quantized_decode_attention_with_mass if with_mass else quantized_decode_attention
-    kw = dict(start=start, length=packed.k.shape[2] - start, scale=0.3, residual_k=ring_k, residual_v=ring_v, mask=mask)
+    kernel = quantized_decode_attention
+    kw = dict(start=start, length=packed.k.shape[2] - start, scale=0.3, residual_k=ring_k, residual_v=ring_v, mask=mask,
+              with_mass=with_mass)  # fmt: skip
     calls = []
     real = rotated_cpu.rotated_decode_cpu
     monkeypatch.setattr(rotated_cpu, "rotated_decode_cpu", lambda *a: calls.append(a) or real(*a))

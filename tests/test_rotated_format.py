@@ -9,7 +9,7 @@ from kernel_checks import reference
 
 from hf_kvplus.errors import ConfigError
 from hf_kvplus.kernels import rotated_format as rf
-from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_format import (
     PackedKV,
     dequantize_keys,
@@ -172,7 +172,7 @@ def test_decode_attention_in_the_rotated_space_equals_attention_over_the_dequant
     got = quantized_decode_attention(q, packed, fmt, **kw)
     assert got.dtype == q.dtype
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
-    out, mass = quantized_decode_attention_with_mass(q, packed, fmt, **kw)
+    out, mass = quantized_decode_attention(q, packed, fmt, **kw, with_mass=True)
     torch.testing.assert_close(out, got, atol=1e-6, rtol=1e-6)
     scores = torch.einsum("bhd,bhnd->bhn", q.double(), keys.repeat_interleave(Hq // Hkv, 1).double()) * 0.125
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)

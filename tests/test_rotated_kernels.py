@@ -27,7 +27,7 @@ from test_kernel_unchecked import assert_same
 import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.errors import ConfigError, DTypeError, ShapeError
 from hf_kvplus.kernels import rotated_cpu
-from hf_kvplus.kernels.dispatch import quantized_decode_attention, quantized_decode_attention_with_mass
+from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
 from hf_kvplus.kernels.rotated_format import (
@@ -474,8 +474,8 @@ def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits
     if with_mass:
         mask = torch.rand(1, length + 5) > 0.2
         mask[:, length:] = True
-    kw = dict(start=0, length=length, scale=0.2, mask=mask, check=False)
-    attention = quantized_decode_attention_with_mass if with_mass else quantized_decode_attention
+    kw = dict(start=0, length=length, scale=0.2, mask=mask, with_mass=with_mass, check=False)
+    attention = quantized_decode_attention
 
     def attend(fmt, rk, rv):
         return attention(q, packed, fmt, residual_k=rk, residual_v=rv, **kw)

@@ -15,12 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.dispatch import (
-    decode_attention,
-    decode_attention_with_mass,
-    quantized_decode_attention,
-    quantized_decode_attention_with_mass,
-)
+from ..kernels.dispatch import decode_attention, quantized_decode_attention
 from ..storage.reads import SlotRead
 
 #: Prefill computes the score matrix in query chunks of at most this many elements: on the CPU a chunk that stays in
@@ -42,19 +37,17 @@ def slot_decode(
     """One query per row `[batch, q_heads, 1, d]` over the slots of `read` (`[batch, kv_heads, n, d]`, or their codes,
     read in place): the output `[batch, 1, q_heads, d]` and, with `mass_queries`, the mass `[batch, kv_heads, n]`
     (float32) each slot received. `read.valid()` `[batch, n]` masks the slots holding no real token."""
-    valid = read.valid()
+    valid, with_mass = read.valid(), mass_queries > 0
     if read.packed is not None:
-        kernel = quantized_decode_attention_with_mass if mass_queries else quantized_decode_attention
-        result = kernel(
+        result = quantized_decode_attention(
             query[:, :, 0], read.packed, read.fmt, start=0, length=read.packed.k.shape[2], scale=scaling,
-            mask=valid, keys_per_token=True, check=False,
+            mask=valid, keys_per_token=True, with_mass=with_mass, check=False,
         )  # fmt: skip
-        out, mass = result if mass_queries else (result, None)
-    elif mass_queries:
-        out, mass = decode_attention_with_mass(query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid,
-                                               check=False)  # fmt: skip
     else:
-        out, mass = decode_attention(query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid, check=False), None
+        result = decode_attention(
+            query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid, with_mass=with_mass, check=False
+        )
+    out, mass = result if with_mass else (result, None)
     return out.unsqueeze(1), mass
 
 

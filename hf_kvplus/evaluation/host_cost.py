@@ -127,8 +127,7 @@ def _kernel_sites() -> list[tuple[object, str]]:
                   for name in ("quantize_keys", "quantize_values")]  # fmt: skip
     return [
         (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
-        (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "decode_attention_with_mass"),
-        (slots, "quantized_decode_attention"), (slots, "quantized_decode_attention_with_mass"),
+        (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "quantized_decode_attention"),
         (dispatch, "_fallback"), (slot_store, "quantize_values"), (slot_store, "quantize_values_at"), *quantizing,
     ]  # fmt: skip
 
@@ -155,21 +154,17 @@ def _stub_outputs() -> dict[str, Callable]:
     `[batch, q_heads, value_dim]` (with the mass `[batch, kv_heads, n]` float32), SDPA Transformers' layout, a
     quantize its codes, scales and zeros (or the buffers it was given to write)."""
 
-    def decode(q, keys, values, **kwargs):
-        return _Zeros((q.shape[0], q.shape[1], values.shape[-1]), q.dtype)
+    def decode(q, keys, values, *, with_mass=False, **kwargs):
+        out = _Zeros((q.shape[0], q.shape[1], values.shape[-1]), q.dtype)
+        return (out, _Zeros((keys.shape[0], keys.shape[1], keys.shape[2]), torch.float32)) if with_mass else out
 
     def paged(q, k_pool, v_pool, block_table, **kwargs):
         return _Zeros((q.shape[0], q.shape[1], v_pool.shape[-1]), q.dtype)
 
-    def quantized(q, packed, fmt, **kwargs):
-        return _Zeros((q.shape[0], q.shape[1], fmt.channels(packed.v.shape[-1], "values")), q.dtype)
-
-    def with_mass(q, keys, values, **kwargs):
-        return decode(q, keys, values), _Zeros((keys.shape[0], keys.shape[1], keys.shape[2]), torch.float32)
-
-    def quantized_with_mass(q, packed, fmt, *, length, residual_k=None, **kwargs):
+    def quantized(q, packed, fmt, *, length, residual_k=None, with_mass=False, **kwargs):
+        out = _Zeros((q.shape[0], q.shape[1], fmt.channels(packed.v.shape[-1], "values")), q.dtype)
         keys = length + (0 if residual_k is None else residual_k.shape[2])
-        return quantized(q, packed, fmt), _Zeros((q.shape[0], packed.k.shape[1], keys), torch.float32)
+        return (out, _Zeros((q.shape[0], packed.k.shape[1], keys), torch.float32)) if with_mass else out
 
     def quantize(side):
         def rule(x, fmt, out=None, **kwargs):
@@ -187,7 +182,6 @@ def _stub_outputs() -> dict[str, Callable]:
 
     return {
         "decode_attention": decode, "paged_decode_attention": paged, "quantized_decode_attention": quantized,
-        "decode_attention_with_mass": with_mass, "quantized_decode_attention_with_mass": quantized_with_mass,
         "sdpa_attention_forward": sdpa, "_fallback": sdpa,
         "quantize_keys": quantize("keys"), "quantize_values": quantize("values"),
         "quantize_values_at": lambda x, fmt, out, slots, **kwargs: out,  # writes the given buffers: returns them
