@@ -22,7 +22,8 @@ printf '%-58s %s\n' \
     "decode-vs-SDPA tests in storage reads (new ==/> 1, fused)" "$(read_choices)" \
     "storages told the attention implementation (fused=)" "$(count 'fused: bool|fused=' hf_kvplus/storage/*.py hf_kvplus/*.py)" \
     "quantized layouts (classes holding codes)" "$(count '^class (PackedSegment|QuantLayerPool|StaticQuantizedStorage|TokenQuantCodec|QuantoSegment|[A-Za-z]*Codes?)\b' hf_kvplus/storage/*.py hf_kvplus/paging/*.py)" \
-    "is_compiling() calls in hf_kvplus/ and kernels/" "$(count 'is_compiling\(\)' $(find hf_kvplus kernels -name '*.py'))" \
+    "code buffer layouts (files that allocate uint8 codes)" "$(grep -lE 'code_dim\(.*dtype=torch\.uint8' $(find hf_kvplus kernels -name '*.py') | wc -l)" \
+    "is_compiling() calls in hf_kvplus/ and kernels/" "$(count 'is_compiling\(\)($|[^`])' $(find hf_kvplus kernels -name '*.py'))" \
     "lines in the core (hf_kvplus less tooling, kernels)" "$core" \
     "lines in tooling (evaluation, cli, resolve, planning)" "$(lines "${TOOLING[@]}")"
 echo "longest files:"
