@@ -170,13 +170,13 @@ class SinkCache(EvictingCache):
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
+        SinkPolicy(num_sinks, window, rotary, compress)  # refuse bad sizes before building layers
         if isinstance(first_tokens, int) and first_tokens > num_sinks:
             raise ConfigError(
                 f"first_tokens={first_tokens} exceeds num_sinks={num_sinks}: a SinkCache keeps the first {num_sinks} "
                 "tokens of each row (and moves only those when positions='cache'); give first_tokens <= num_sinks"
             )
-        rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
-        SinkPolicy(num_sinks, window, rotary, compress)  # refuse bad sizes before building layers
         _check_compileable(compress, compileable)
         super().__init__(
             config, lambda spec: SinkPolicy(num_sinks, window, rotary, compress), bits=bits, group_size=group_size,
