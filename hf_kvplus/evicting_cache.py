@@ -23,6 +23,7 @@ from .eviction.snapkv import SnapKVPolicy
 from .formats import resolve_format
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
+from .precision import PrecisionRegions, precision_report
 from .storage.dense import DenseStorage
 from .storage.slots import DenseCodec, SlotStore, TokenQuantCodec
 
@@ -34,6 +35,12 @@ class EvictingCache(KVCache):
     groups of `group_size` channels (the quantized caches' defaults); None keeps them at full
     precision. Sliding-window layers keep their own window at full precision either way.
     `placement` (e.g. `Offloaded()`) says where every layer's tokens rest; on the device by default.
+
+    Precision regions (`PrecisionRegions`, as `QuantizedCache`'s), with `bits`: `first_tokens` keeps the first tokens of
+    each row (positions 0 .. first_tokens - 1; with left padding, a padded row's first positions are its padding)
+    exact beside their slots' codes, and no policy evicts them (they rank with the recent window, so they take room in
+    the budget: each cache checks they fit); `boundary_layers` holds the first and last that many layers' slots at full
+    precision, or at `boundary_bits`. `quantized_report()` counts them.
 
     `compileable=True` (SinkCache, H2OCache: their budget holds every decode step's shape once full)
     declares `is_compileable`, so `generate()` compiles the decode forward as it does StaticCache's:
@@ -57,6 +64,9 @@ class EvictingCache(KVCache):
         group_size: int | None = None,
         placement: Placement | None = None,
         compileable: bool = False,
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
@@ -64,18 +74,41 @@ class EvictingCache(KVCache):
                 f"{type(self).__name__} attends through hf_kvplus's attention, but the model uses "
                 f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
             )
-        fmt = resolve_format(ModelSpec.from_config(config), bits, group_size)
+        model = ModelSpec.from_config(config)
+        fmt = resolve_format(model, bits, group_size)
+        #: The exact regions (no window: every kept token past the first ones is coded).
+        self.regions = regions = PrecisionRegions(0, first_tokens, boundary_layers, boundary_bits)
+        if fmt is None and (first_tokens or boundary_layers):
+            raise ConfigError(
+                f"first_tokens={first_tokens} and boundary_layers={boundary_layers} need bits: slots at full precision "
+                "are exact everywhere"
+            )
+        boundary_fmt = resolve_format(model, boundary_bits, None)
+        self.format = fmt
 
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
             if spec.kind != "full":
                 return DenseStorage()
-            codec = DenseCodec() if fmt is None else TokenQuantCodec(fmt.for_layer(spec.index))
-            return SlotStore(codec, scores=self.keeps_scores, device_count=compileable)
+            layer_fmt = fmt
+            if regions.is_boundary(spec.index, model.num_layers):
+                layer_fmt = boundary_fmt
+            codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index))
+            return SlotStore(codec, scores=self.keeps_scores, device_count=compileable, first=first_tokens)
 
         def retention(spec: LayerSpec) -> EvictionPolicy:
             return policy(spec) if spec.kind == "full" else model_retention(spec)
 
         super().__init__(config, storage=storage, retention=retention, placement=placement, compileable=compileable)
+
+    def quantized_report(self) -> dict:
+        """As `QuantizedCache.quantized_report`: bytes at rest of the coded tokens (codes, scales and zero points), per
+        token and as a fraction of float16 K/V for the same tokens; and `bits_per_coordinate` over every held token
+        (there is no full-precision window), the first-tokens region, full-precision boundary layers and sliding layers
+        included at their dtype's bits. (The region's slots also hold codes, which attention does not read:
+        `memory_report` counts them, these figures do not.)"""
+        if self.format is None:
+            raise UnsupportedOperationError(f"quantized_report needs a quantized {type(self).__name__} (built with bits=...)")
+        return precision_report(self, str(self.format), 0)
 
     def activate_past_recording(self) -> None:
         if not self.rollback:
@@ -84,6 +117,15 @@ class EvictingCache(KVCache):
                 "assisted and prompt-lookup decoding need a croppable cache such as SinkCache"
             )
         super().activate_past_recording()
+
+
+def _check_first_fits(first_tokens, room: int, what: str, ranked: str) -> None:
+    """The first-tokens region is never evicted, so it takes room that the policy's ranked tokens would have."""
+    if isinstance(first_tokens, int) and not isinstance(first_tokens, bool) and first_tokens > room:
+        raise ConfigError(
+            f"first_tokens={first_tokens} does not fit: the region is never evicted and takes the room of the "
+            f"{ranked}, {what} = {room} slots per head; give first_tokens <= {room}"
+        )
 
 
 def _check_compileable(compress: str, compileable: bool) -> None:
@@ -122,15 +164,24 @@ class SinkCache(EvictingCache):
         placement: Placement | None = None,
         compileable: bool = False,
         compress: str = "always",
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
         rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
         SinkPolicy(num_sinks, window, rotary, compress)  # refuse bad sizes before building layers
+        if isinstance(first_tokens, int) and first_tokens > num_sinks:
+            raise ConfigError(
+                f"first_tokens={first_tokens} exceeds num_sinks={num_sinks}: a SinkCache keeps the first {num_sinks} "
+                "tokens of each row (and moves only those when positions='cache'); give first_tokens <= num_sinks"
+            )
         _check_compileable(compress, compileable)
         super().__init__(
             config, lambda spec: SinkPolicy(num_sinks, window, rotary, compress), bits=bits, group_size=group_size,
-            placement=placement, compileable=compileable,
+            placement=placement, compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
+            boundary_bits=boundary_bits,
         )
 
 
@@ -155,13 +206,18 @@ class H2OCache(EvictingCache):
         placement: Placement | None = None,
         compileable: bool = False,
         compress: str = "always",
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         recent = budget // 2 if recent is None else recent
         HeavyHitterPolicy(budget, recent, compress)
         _check_compileable(compress, compileable)
+        _check_first_fits(first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "heavy hitters")
         super().__init__(
             config, lambda spec: HeavyHitterPolicy(budget, recent, compress), bits=bits, group_size=group_size,
-            placement=placement, compileable=compileable,
+            placement=placement, compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
+            boundary_bits=boundary_bits,
         )
 
 
@@ -186,7 +242,15 @@ class SnapKVCache(EvictingCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         placement: Placement | None = None,
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         SnapKVPolicy(budget, observation, kernel_size, pooling)
+        _check_first_fits(first_tokens, budget - observation, f"budget - observation = {budget} - {observation}",
+                          "selected tokens")  # fmt: skip
         policy = lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling)  # noqa: E731
-        super().__init__(config, policy, bits=bits, group_size=group_size, placement=placement)
+        super().__init__(
+            config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
+            boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+        )

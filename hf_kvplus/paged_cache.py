@@ -60,6 +60,12 @@ class PagedCache(KVCache):
 
     >>> cache = PagedCache(config=model.config, bits=4, window=128)       # int4 blocks, 128 exact recent tokens
 
+    Precision regions (`PrecisionRegions`, as `QuantizedCache`'s), with `bits`: `first_tokens` keeps the first tokens
+    of each row of full layers at full precision outside the blocks; `boundary_layers` holds the first and last that
+    many layers in full-precision blocks of the same groups (a `PagedStorage` each), or at `boundary_bits` (quantized
+    blocks in that format): the pool holds each layer's format (`PagedPool(layer_bits=...)`), and a pool passed in
+    must hold the same. Prefix reuse refuses either region.
+
     `max_tokens` (full precision) reserves each row's blocks for that many tokens at the first fill, so the
     tables never grow and a decode step allocates nothing; more raises `CapacityError`. Beams and samples still
     share the prompt's full blocks; a batch-row operation gives each row its own copy of the blocks it writes
@@ -88,6 +94,8 @@ class PagedCache(KVCache):
         max_tokens: int | None = None,
         compileable: bool = False,
         first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
     ):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -98,10 +106,18 @@ class PagedCache(KVCache):
         self.namespace = namespace
         self._owns_pool = pool is None
         spec = ModelSpec.from_config(config)
+        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
+        lossless = (pool.format if pool is not None and bits is None else resolve_format(spec, bits, group_size)) is None
+        if (first_tokens or boundary_layers) and lossless:
+            raise ConfigError(
+                f"first_tokens={first_tokens} and boundary_layers={boundary_layers} need bits: full-precision blocks "
+                "are exact everywhere"
+            )
+        boundary = [i.index for i in spec.layers if i.holds_kv and self.regions.is_boundary(i.index, spec.num_layers)]
         if pool is None:
             pool = PagedPool(
                 config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes, bits=bits,
-                group_size=group_size,
+                group_size=group_size, layer_bits=dict.fromkeys(boundary, boundary_bits) if boundary_layers else None,
             )
         else:
             if placement is not None and placement.moves:
@@ -112,6 +128,11 @@ class PagedCache(KVCache):
             pool.check_model(spec)
             if bits is not None or group_size is not None:
                 pool.check_format(resolve_format(spec, bits, group_size))
+            if pool.format is not None:
+                boundary_fmt = None if boundary_bits is None else resolve_format(spec, boundary_bits, group_size)
+                pool.check_layer_formats(
+                    {i: boundary_fmt if i in boundary else pool.format for i in pool.layer_formats}
+                )
         self.pool = pool
         #: The quantized format of the blocks (None: full precision, lossless).
         self.format = pool.format
@@ -124,9 +145,6 @@ class PagedCache(KVCache):
                     f"(group_size={self.format.group_size} tokens)"
                 )
             self.window = window
-        self.regions = PrecisionRegions(window, first_tokens)
-        if first_tokens and self.format is None:
-            raise ConfigError(f"first_tokens={first_tokens} needs bits: full-precision blocks are exact everywhere")
         if max_tokens is not None and self.format is not None:
             raise ConfigError(
                 f"max_tokens applies to full-precision blocks; a quantized PagedCache ({self.format}) fills its blocks "
@@ -140,7 +158,7 @@ class PagedCache(KVCache):
             if key not in self.groups:  # sliding layers' windows bound their tables: only full layers reserve ahead
                 fixed = max_tokens if key == "full" else None
                 self.groups[key] = BlockGroup(self.pool.blocks[key], self.pool.block_size, fixed_tokens=fixed)
-            if self.format is None:
+            if self.format is None or self.pool.layer_formats[spec.index] is None:  # (a full-precision boundary layer)
                 return PagedStorage(self.groups[key], self.pool.layers[spec.index], static=compileable)
             segment = PagedSegment(self.groups[key], self.pool.layers[spec.index])
             return QuantizedStorage(segment, window=window, first=first_tokens if spec.kind == "full" else 0)
@@ -184,6 +202,11 @@ class PagedCache(KVCache):
         return store.insert(ids[: full * self.block_size], group.tables[0][:full], self.namespace)
 
     def _store(self):
+        if self.regions.boundary:
+            raise UnsupportedOperationError(
+                f"prefix reuse serves caches whose layers all hold one block format; with boundary_layers="
+                f"{self.regions.boundary} the first and last layers hold theirs"
+            )
         if self.regions.first:
             raise UnsupportedOperationError(
                 f"prefix reuse needs blocks that start at the prompt's first token; with first_tokens="
@@ -230,8 +253,13 @@ class PagedCache(KVCache):
             if not isinstance(layer, KVLayer):
                 continue
             storage, coordinates = layer.storage, 2 * layer.spec.num_kv_heads * layer.spec.head_dim
+            if isinstance(storage, PagedStorage):  # a boundary layer in full-precision blocks: past the window, exact
+                outside = max(0, storage.length - self.window) * storage.batch_size
+                region_bits += outside * coordinates * (0 if storage.k_pool is None else storage.k_pool.element_size() * 8)
+                region_coordinates += outside * coordinates
+                continue
             segment = storage.segment
-            blocks = segment.group.blocks_in_use() if segment.pool.k is not None else 0
+            blocks = segment.group.blocks_in_use(segment.end) if segment.pool.k is not None else 0
             quantized_bytes += blocks * segment.pool.block_bytes
             slots = blocks * self.block_size
             tokens = max(tokens, slots)

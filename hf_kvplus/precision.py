@@ -35,3 +35,40 @@ class PrecisionRegions:
     def is_boundary(self, index: int, num_layers: int) -> bool:
         """Whether layer `index` of `num_layers` is one of the first or last `boundary`."""
         return index < self.boundary or index >= num_layers - self.boundary
+
+
+def precision_report(cache, format_name: str, window: int) -> dict:
+    """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage`, `StaticQuantizedStorage`,
+    `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a `DenseStorage` (a boundary
+    or sliding layer: every token past the `window` counts at its dtype's bits)."""
+    quantized_bytes = tokens = fp16_bytes = 0
+    region_bits = region_coordinates = 0
+    for layer in cache.layers:
+        storage = getattr(layer, "storage", None)
+        if storage is None:
+            continue
+        coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
+        if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
+            outside = max(0, storage.length - window) * storage.batch_size
+            bits = 0 if storage.keys is None else storage.keys.element_size() * 8
+            region_bits += outside * coordinates * bits
+            region_coordinates += outside * coordinates
+            continue
+        report, length = storage.quantized_part()
+        coded = report.payload_bytes + report.metadata_bytes
+        quantized_bytes += coded
+        held = length * report.batch_size
+        tokens = max(tokens, held)
+        fp16_bytes += held * 2 * coordinates
+        exact, element_size = storage.exact_part()
+        exact *= report.batch_size
+        region_bits += coded * 8 + exact * coordinates * element_size * 8
+        region_coordinates += (held + exact) * coordinates
+    return {
+        "format": format_name,
+        "quantized_tokens": tokens,
+        "quantized_bytes": quantized_bytes,
+        "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
+        "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
+        "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
+    }

@@ -11,7 +11,7 @@ from .errors import ConfigError
 from .formats import resolve_format, rotated_bits
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
-from .precision import PrecisionRegions
+from .precision import PrecisionRegions, precision_report
 from .storage.base import KVStorage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
@@ -156,39 +156,3 @@ class QuantizedCache(KVCache):
         over every token outside the window, the full-precision regions (first tokens, boundary layers) included at
         their dtype's bits."""
         return precision_report(self, str(self.format), self.window) | {"backend": self.backend}
-
-
-def precision_report(cache: KVCache, format_name: str, window: int) -> dict:
-    """`quantized_report` of a cache whose layers hold a `QuantizedStorage`, `StaticQuantizedStorage` or (a boundary
-    layer at full precision) a `DenseStorage`."""
-    quantized_bytes = tokens = fp16_bytes = 0
-    region_bits = region_coordinates = 0
-    for layer in cache.layers:
-        storage = getattr(layer, "storage", None)
-        if storage is None:
-            continue
-        coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
-        if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
-            outside = max(0, storage.length - window) * storage.batch_size
-            bits = 0 if storage.keys is None else storage.keys.element_size() * 8
-            region_bits += outside * coordinates * bits
-            region_coordinates += outside * coordinates
-            continue
-        report, length = storage.quantized_part()
-        coded = report.payload_bytes + report.metadata_bytes
-        quantized_bytes += coded
-        held = length * report.batch_size
-        tokens = max(tokens, held)
-        fp16_bytes += held * 2 * coordinates
-        exact, element_size = storage.exact_part()
-        exact *= report.batch_size
-        region_bits += coded * 8 + exact * coordinates * element_size * 8
-        region_coordinates += (held + exact) * coordinates
-    return {
-        "format": format_name,
-        "quantized_tokens": tokens,
-        "quantized_bytes": quantized_bytes,
-        "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
-        "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
-        "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
-    }

@@ -19,9 +19,13 @@
                             each row at full precision), `boundary=N` (the first and last N layers at full
                             precision, or at `boundary_bits=int8|...`)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
-                            `group=N`, `window=N`, `block=N`, `blocks=N`, `first=N` may follow
+                            `group=N`, `window=N`, `block=N`, `blocks=N` and the precision regions of `quantized`
+                            (`first=N`, `boundary=N`: full-precision blocks, `boundary_bits=...`) may follow
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
-                            every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage
+                            every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage, and
+                            with it the precision regions of `quantized`: `first=N` (positions 0..N-1 exact and
+                            never evicted: N <= the sinks, budget - recent, budget - observation), `boundary=N`,
+                            `boundary_bits=...` (e.g. `sink:4:1020:bits=k4v2:first=4:boundary=1`)
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget);
                             sink and h2o take `compile=on`: generate() may compile them (`compileable=True`),
                             and `compress=prefill`: compress after prompts only, decode steps append (kvpress)
@@ -222,7 +226,7 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "paged-quantized":
-        _check_arity(spec, 1, {"group", "window", "block", "blocks", "first"})
+        _check_arity(spec, 1, {"group", "window", "block", "blocks"} | REGION_OPTIONS)
         if len(spec.args) != 1:
             raise ConfigError(
                 f"cache spec {spec.text!r}: expected paged-quantized:<int8|int4|int2|fp8>, e.g. paged-quantized:int4"
@@ -276,7 +280,7 @@ EVICTING_OPTIONS = {
 
 def _validate_evicting(spec: CacheSpec) -> None:
     positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
-    _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"})
+    _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS)
     if len(spec.args) != len(positional):
         example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024"}[spec.kind.name]
         raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
@@ -286,6 +290,7 @@ def _validate_evicting(spec: CacheSpec) -> None:
         _int(spec.text, key, spec.kwargs[key], minimum=0)
     if "bits" in spec.kwargs:
         _check_bits(spec, spec.kwargs["bits"])
+    _check_regions(spec)
     for key, allowed in choices.items():
         if key in spec.kwargs and spec.kwargs[key] not in allowed:
             raise ConfigError(f"cache spec {spec.text!r}: {key} must be one of {allowed}, got {spec.kwargs[key]!r}")
@@ -317,7 +322,9 @@ def _offloaded(config, args, kwargs, max_length):
 
 
 def _storage(kwargs) -> dict:
-    return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None}
+    """An evicting cache's storage arguments: bits, group size and precision regions."""
+    return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
+            **_regions(kwargs)}  # fmt: skip
 
 
 def _sink(config, args, kwargs, max_length):
@@ -391,7 +398,7 @@ def _paged_quantized(config, args, kwargs, max_length):
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         block_size=int(kwargs["block"]) if "block" in kwargs else None,
         num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
-        first_tokens=int(kwargs.get("first", 0)),
+        **_regions(kwargs),
     )
 
 

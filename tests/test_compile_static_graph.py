@@ -42,6 +42,8 @@ STATIC_SPECS = [
     "sink:2:6:bits=k3v2:compile=on",
     "h2o:8:compile=on",
     "h2o:8:bits=fp8:compile=on",
+    "sink:2:6:bits=int4:group=8:first=2:compile=on",  # a first-tokens region beside the codes
+    "h2o:8:recent=4:bits=k4v2:first=2:compile=on",
 ]
 
 

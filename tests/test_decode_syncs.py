@@ -49,6 +49,9 @@ SPECS = [
     "paged-quantized:k2v2:window=8:block=8",
     "sink:2:6:bits=k4v2",
     "offloaded-quantized:k4v4:window=8",
+    "sink:2:6:bits=int4:group=8:first=2",
+    "h2o:8:recent=4:bits=k4v2:first=2:compile=on",
+    "paged-quantized:int4:group=8:window=8:block=8:boundary=1",
 ]
 PROMPT, STEPS = 10, 20
 

@@ -238,7 +238,11 @@ PACK_CASES = [
 ]
 
 DENSE_FNS = [decode_attention, decode_attention_torch, decode_attention_triton]
-decode_attention_with_mass = partial(decode_attention, with_mass=True)  # the dispatcher asked for the mass
+def decode_attention_with_mass(*args, **kwargs):
+    """The dispatcher asked for the mass."""
+    return decode_attention(*args, with_mass=True, **kwargs)
+
+
 MASS_FNS = [decode_attention_with_mass, decode_attention_with_mass_torch, decode_attention_with_mass_triton]
 PAGED_FNS = [paged_decode_attention, paged_decode_attention_torch, paged_decode_attention_triton]
 STORE_FNS = [paged_store, paged_store_torch, paged_store_triton]

@@ -6,8 +6,8 @@ mass of key n for KV head h is the softmax weight it received, summed over the q
 group and over the queries asked for: decode (`slot_decode`) reads it off the decode kernel (Triton on CUDA, its
 torch twin elsewhere), prefill (`slot_prefill`) computes output and mass in one chunked pass; `attention.route`
 chooses between them. Quantized slots are read in
-place by the quantized decode kernels (keys per token), with or without the mass; a prefill over them
-dequantizes first.
+place by the quantized decode kernels (keys per token), with or without the mass, and a store's first-tokens region
+(`SlotCodes`) as the kernel's exact residual after them; a prefill over them dequantizes first (the region exact).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..kernels.dispatch import decode_attention, quantized_decode_attention
 from ..storage.reads import SlotRead
+from ..storage.slots import SlotCodes
 
 #: Prefill computes the score matrix in query chunks of at most this many elements: on the CPU a chunk that stays in
 #: cache (2^22 took 0.4-0.6x 2^24's time at 1K-2K tokens), on a GPU larger matrix products.
@@ -37,17 +38,25 @@ def slot_decode(
     """One query per row `[batch, q_heads, 1, d]` over the slots of `read` (`[batch, kv_heads, n, d]`, or their codes,
     read in place): the output `[batch, 1, q_heads, d]` and, with `mass_queries`, the mass `[batch, kv_heads, n]`
     (float32) each slot received. `read.valid()` `[batch, n]` masks the slots holding no real token."""
-    valid, with_mass = read.valid(), mass_queries > 0
-    if read.packed is not None:
+    packed, with_mass = read.packed, mass_queries > 0
+    if packed is not None:
+        slots = packed.k.shape[2]
+        if type(packed) is SlotCodes:  # the first-tokens region, exact, after the codes
+            exact = {"residual_k": packed.exact_k, "residual_v": packed.exact_v, "mask": packed.mask()}
+        else:
+            exact = {"mask": read.valid()}
         result = quantized_decode_attention(
-            query[:, :, 0], read.packed, read.fmt, start=0, length=read.packed.k.shape[2], scale=scaling,
-            mask=valid, keys_per_token=True, with_mass=with_mass, check=False,
+            query[:, :, 0], packed, read.fmt, start=0, length=slots, scale=scaling, keys_per_token=True,
+            with_mass=with_mass, check=False, **exact,
         )  # fmt: skip
+        out, mass = result if with_mass else (result, None)
+        if mass is not None and mass.shape[-1] != slots:  # (the region's entries: tokens no policy evicts)
+            mass = mass[..., :slots]
     else:
         result = decode_attention(
-            query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid, with_mass=with_mass, check=False
+            query[:, :, 0], read.keys, read.values, scale=scaling, mask=read.valid(), with_mass=with_mass, check=False
         )
-    out, mass = result if with_mass else (result, None)
+        out, mass = result if with_mass else (result, None)
     return out.unsqueeze(1), mass
 
 

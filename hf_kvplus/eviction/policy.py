@@ -68,14 +68,14 @@ class EvictionPolicy(Retention):
         """Hook run after every eviction (sinks re-rotate here)."""
 
     def prepare_compiled(self, store: SlotStore) -> None:  # noqa: B027 - an optional hook
-        """Hook run by every eager step of a compileable store (`device_count`), before any compiled one: makes the
-        state that compiled steps update in place."""
+        """Hook run by every step of a compileable store (`device_count`), first at its prompt, which is eager, before
+        any compiled step: makes (once) the state that compiled steps update in place."""
 
     def evict(self, store: SlotStore, new: int, refill: bool) -> None:
         """Evicts down to the budget. After a one-token step whose next append refills, the one victim per row
         and head is freed where it lies (`SlotStore.free`), by a Python int when `victim` knows it; otherwise
         the highest scores are kept."""
-        if store.device_count and not torch.compiler.is_compiling():
+        if store.device_count:  # (idempotent: its first call, at the eager prompt, makes what it makes)
             self.prepare_compiled(store)
         store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
         count = self.excess(store.length, new)
@@ -99,8 +99,11 @@ class EvictionPolicy(Retention):
 
 
 def padding_and_recent(store: SlotStore, recent: int, ranks: torch.Tensor) -> torch.Tensor:
-    """A copy of `ranks` with the `recent` newest positions set to KEEP and padding slots (there are none
-    while the store's `first_real` is None) to DROP."""
+    """A copy of `ranks` with the `recent` newest positions and the store's first-tokens region (`SlotStore.first`:
+    positions 0 .. first - 1, which it may hold exact) set to KEEP, and padding slots (there are none while the store's
+    `first_real` is None) to DROP."""
     pos = store.positions
     ranks = ranks.masked_fill(pos >= store.seen_now() - recent, KEEP) if recent else ranks.clone()
+    if store.first:
+        ranks.masked_fill_(pos < store.first, KEEP)  # (padding there, PAD, is dropped next)
     return ranks if store.first_real is None else ranks.masked_fill(pos == PAD, DROP)

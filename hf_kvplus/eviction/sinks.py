@@ -41,13 +41,10 @@ class SinkPolicy(EvictionPolicy):
     def victim(self, store: SlotStore) -> int | None:
         """The oldest window token's slot, while every row is real from position 0 (sinks in slots 0..)
         and the slot layout is known: in position order, or a ring of `window + 1` slots after the sinks
-        that the last victim's slot, refilled by the newest token, walks around. Not in a compiled step, whose
-        graph would take the slot as an int input (one CUDA graph recorded per slot): it ranks by position, on the
-        device, and the ring is followed again from the next in-order layout."""
-        if torch.compiler.is_compiling():
-            self._ring = None
-            return None
-        if store.first_real is not None or store.length != self.budget + 1:
+        that the last victim's slot, refilled by the newest token, walks around. Not for a compileable store, whose
+        compiled graph would take the slot as an int input (one CUDA graph recorded per slot): it ranks by position,
+        on the device."""
+        if store.device_count or store.first_real is not None or store.length != self.budget + 1:
             self._ring = None
             return None
         if store.in_order:

@@ -220,9 +220,12 @@ class BlockGroup:
         self.base = self.reserved = 0
         self._table_tensor = None
 
-    def blocks_in_use(self) -> int:
-        """Distinct blocks the tables reference (shared blocks count once)."""
-        return len({block for table in self.tables for block in table})
+    def blocks_in_use(self, end: int | None = None) -> int:
+        """Distinct blocks the tables reference (shared blocks count once); with `end`, those holding tokens before
+        logical token `end` only (a member that holds fewer tokens than another: a quantized layer beside a
+        full-precision boundary layer, whose window tokens are in blocks too)."""
+        columns = None if end is None else -(-(end - self.base) // self.block_size)
+        return len({block for table in self.tables for block in table[:columns]})
 
     def _release_padding(self) -> None:
         pads, self._pads = self._pads, None

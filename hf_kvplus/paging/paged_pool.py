@@ -39,6 +39,10 @@ class PagedPool:
     default group, reduced to divide every head_dim), and a `max_bytes` budget counts quantized blocks. The block
     size must be a multiple of the group size; by default it is `DEFAULT_BLOCK_SIZE`, or the group size if larger.
     Caches on a pool use its format (`format`, None for full precision).
+
+    `layer_bits` ({layer index: bits}) holds those layers in other formats than `bits` (None: full-precision blocks, in
+    the same block groups), in groups of `group_size` too (a block holds whole groups): a quantized cache's boundary
+    layers (`PrecisionRegions`). `layer_formats` gives each layer's format.
     """
 
     def __init__(
@@ -51,9 +55,19 @@ class PagedPool:
         dtype: torch.dtype | None = None,
         bits: int | str | None = None,
         group_size: int | None = None,
+        layer_bits: dict[int, int | str | None] | None = None,
     ):
         self.model_spec = ModelSpec.from_config(config)
         self.format = resolve_format(self.model_spec, bits, group_size)
+        layer_bits = layer_bits or {}
+        if layer_bits and self.format is None:
+            raise ConfigError(f"layer_bits={layer_bits} needs bits: a full-precision pool holds every layer exact")
+        #: Each layer's block format (None: full precision).
+        self.layer_formats: dict[int, QuantFormat | None] = {
+            spec.index: self._layer_format(layer_bits[spec.index], group_size) if spec.index in layer_bits
+            else self.format
+            for spec in self.model_spec.layers if spec.holds_kv
+        }  # fmt: skip
         if block_size is None:
             block_size = DEFAULT_BLOCK_SIZE if self.format is None else max(DEFAULT_BLOCK_SIZE, self.format.group_size)
         if (
@@ -61,8 +75,8 @@ class PagedPool:
             or block_size < 8 or block_size > 128 or block_size & (block_size - 1)
         ):
             raise ConfigError(f"block_size must be a power of two in 8..128, got {block_size}")
-        if self.format is not None:
-            check_block_size(block_size, self.format)
+        for fmt in {fmt for fmt in self.layer_formats.values() if fmt is not None}:
+            check_block_size(block_size, fmt)
         if num_blocks is not None and num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1 (or None to grow on demand), got {num_blocks}")
         self.block_size = block_size
@@ -79,11 +93,12 @@ class PagedPool:
             if key not in self.blocks:
                 fixed = budgets[key] if max_bytes is not None else num_blocks
                 self.blocks[key] = BlockPool(fixed, initial=GROWABLE_INITIAL_BLOCKS)
-            if self.format is None:
+            fmt = self.layer_formats[spec.index]
+            if fmt is None:
                 self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
             else:
                 self.layers[spec.index] = QuantLayerPool(
-                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, self.format.for_layer(spec.index)
+                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, fmt.for_layer(spec.index)
                 )
         only_full = set(self.blocks) == {"full"}
         self.prefix_store = PrefixStore(self.blocks["full"], block_size) if only_full else None
@@ -99,14 +114,12 @@ class PagedPool:
         total = sum(len(group) for group in layers.values())
         budgets = {}
         for key, group in layers.items():
-            if self.format is None:
-                block_bytes = sum(2 * s.num_kv_heads * block_size * s.head_dim * dtype.itemsize for s in group)
-                held_as = f"in {dtype}"
-            else:
-                block_bytes = sum(
-                    QuantLayerPool.bytes_per_block(self.format, block_size, s.num_kv_heads, s.head_dim) for s in group
-                )
-                held_as = f"quantized {self.format}"
+            block_bytes = sum(
+                2 * s.num_kv_heads * block_size * s.head_dim * dtype.itemsize if self.layer_formats[s.index] is None
+                else QuantLayerPool.bytes_per_block(self.layer_formats[s.index], block_size, s.num_kv_heads, s.head_dim)
+                for s in group
+            )  # fmt: skip
+            held_as = f"in {dtype}" if self.format is None else f"quantized {self.format}"
             budgets[key] = max_bytes * len(group) // total // block_bytes
             if budgets[key] < 1:
                 raise ConfigError(
@@ -114,6 +127,19 @@ class PagedPool:
                     f"less than one block of {block_bytes:,} bytes ({len(group)} layers x {block_size} tokens {held_as})"
                 )
         return budgets
+
+    def _layer_format(self, bits: int | str | None, group_size: int | None) -> QuantFormat | None:
+        return None if bits is None else resolve_format(self.model_spec, bits, group_size)
+
+    def check_layer_formats(self, formats: dict[int, QuantFormat | None]) -> None:
+        """A cache with boundary layers needs a pool that holds them in their formats."""
+        if formats != self.layer_formats:
+            differ = sorted(i for i in formats if formats[i] != self.layer_formats.get(i))
+            raise CacheMismatchError(
+                f"this PagedPool holds layers {differ} in {[str(self.layer_formats.get(i)) for i in differ]}; the cache "
+                f"asks for {[str(formats[i]) for i in differ]} (None: full precision): build the pool with the same "
+                "layer_bits"
+            )
 
     def check_format(self, fmt: QuantFormat | None) -> None:
         """A pool holds blocks in one format: caches on it must ask for that one."""

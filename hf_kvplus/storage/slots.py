@@ -9,13 +9,22 @@ first), which keeps padding slots at the same indices in every head of a row.
 
 How a token's key and value are held is the codec's business: full precision, or quantized per
 token (a token's key and value each stand alone, so any slot can be overwritten in place).
+
+A first-tokens region (`first`: the tokens at positions 0 .. first - 1 of each row, attention sinks) stays exact in
+quantized slots: the store keeps their keys and values at full precision in a small side buffer indexed by position
+(`exact`), reads hand it to the decode kernel as the residual after the codes (`SlotCodes`), with those slots' codes
+masked out, and dense reads put it over the decoded slots. Policies never evict a real token of the region (it ranks
+with the recent window), so it is at the same slots in every head.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from ..errors import ShapeError
+from ..errors import ConfigError, ShapeError
 from ..kernels.dispatch import quantize_values, quantize_values_at
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..memory import MemoryReport
@@ -50,6 +59,18 @@ def padding_of_new(
         last = row.index_select(-1, end - new + torch.arange(new, device=row.device))
     allowed = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
     return ~allowed.expand(batch, -1)
+
+
+@dataclass(frozen=True)
+class SlotCodes(PackedKV):
+    """Quantized slots' codes as the decode kernel reads them, and the store's first-tokens region at full precision,
+    which the kernel reads after the codes as its residual: `exact_k`/`exact_v` `[batch, kv_heads, first, dim]` (entry
+    i: position i) and `mask()`, the kernel's `[batch, slots + first]` mask (the region's slots masked in the codes,
+    its entries valid where a slot holds their position)."""
+
+    exact_k: torch.Tensor
+    exact_v: torch.Tensor
+    mask: Callable[[], torch.Tensor]
 
 
 def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -196,6 +217,8 @@ class SlotStore(KVStorage):
     padding slots get `pos` PAD and `first_real` [batch] is kept on the device, updated with each
     forward's tokens, never read back.
 
+    `first` keeps the first tokens of each row exact (see the module's docstring): `exact_part` counts them.
+
     With `device_count` (a compileable cache's store) `seen` is counted on the device too (`TokenCount`) and the
     fields are at static addresses, so that a compiled step reads and writes no Python int: its new tokens' positions
     come from the device count, and it holds `budget + 1` slots from the prompt on, the unused ones free (`fill_free`).
@@ -204,9 +227,21 @@ class SlotStore(KVStorage):
     reads_in_place = True
 
     def __init__(
-        self, codec: DenseCodec | TokenQuantCodec | None = None, scores: bool = True, device_count: bool = False
+        self,
+        codec: DenseCodec | TokenQuantCodec | None = None,
+        scores: bool = True,
+        device_count: bool = False,
+        first: int = 0,
     ):
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError(f"the first-tokens region must be an int >= 0 tokens, got first={first!r}")
         self.codec = codec or DenseCodec()
+        #: Positions 0 .. first - 1 of each row: never evicted while real (policies rank them with the recent window),
+        #: and held exact in `exact` too where the codec codes.
+        self.first = first
+        # Their keys and values, `[batch, kv_heads, first + 1, dim]` by position (the last entry takes the writes of
+        # positions past the region in a compileable store's steps, which write by index whatever the position).
+        self.exact: dict[str, torch.Tensor] | None = None
         self.keeps_scores = scores
         self.device_count = device_count
         self.fields: dict[str, torch.Tensor] = {}
@@ -231,9 +266,9 @@ class SlotStore(KVStorage):
     seen = counted("Tokens appended (the next token's logical position), less those dropped from the back.")
 
     def seen_now(self) -> int | torch.Tensor:
-        """`seen` as a step computes with it: the device count in a compiled step (which reads no Python int), else
-        the int."""
-        if self.count.tensor is not None and torch.compiler.is_compiling():
+        """`seen` as a step computes with it: a compileable store's device count (once placed: a compiled step reads
+        no Python int, and its eager steps take the same path), else the int."""
+        if self.device_count and self.count.tensor is not None:
             return self.count.tensor
         return self.seen
 
@@ -280,9 +315,9 @@ class SlotStore(KVStorage):
 
     def used(self) -> dict[str, torch.Tensor]:
         """Every field cut to the used slots: views, made again only when the length or the buffers change
-        (every slice is host work in a decode step). A compiled graph makes them afresh: kept views would
-        enter it as inputs aliasing the fields, and a write to aliased inputs copies whole buffers."""
-        if torch.compiler.is_compiling():
+        (every slice is host work in a decode step). A compileable store makes them afresh: kept views would enter
+        its compiled graph as inputs aliasing the fields, and a write to aliased inputs copies whole buffers."""
+        if self.device_count:
             return {name: held[:, :, : self.length] for name, held in self.fields.items()}
         cut = self._used
         if cut is None or cut[0] != self.length or cut[1] is not self.fields:
@@ -312,6 +347,12 @@ class SlotStore(KVStorage):
             if self.keeps_scores:
                 slot_fields["score"] = keys.new_empty(keys.shape[:3], dtype=torch.float32)
             self._allocate({**self.codec.encode(keys[:, :, :1], values[:, :, :1]), **slot_fields}, _grown(new))
+            if self.first and self.codec.packed(self.fields) is not None:  # full precision is exact already
+                batch, heads = keys.shape[:2]
+                self.exact = {name: x.new_zeros(batch, heads, self.first + 1, x.shape[3])
+                              for name, x in (("k", keys), ("v", values))}  # fmt: skip
+                if self.device_count:
+                    mark_static(*self.exact.values())
         elif self.length + new > self.capacity:
             self._resize(_grown(self.length + new))
         self._write(self.length, keys, values, first_pos)
@@ -322,7 +363,9 @@ class SlotStore(KVStorage):
         zeroed."""
         new = keys.shape[2]
         self.fresh = (lo, lo + new)
-        if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
+        if self.exact is not None:
+            self._write_exact(first_pos, keys, values)
+        if self.device_count:  # by index, as `_write_slots` says why (its positions come from the device count)
             slots = self._span_slots(lo, lo + new)
             self._write_slots(slots, {**self.codec.encode(keys, values), "pos": slots + (first_pos - lo), **self._zeroed})
             return
@@ -336,12 +379,42 @@ class SlotStore(KVStorage):
             self.fields["score"][:, :, span].zero_()
 
     def add_scores(self, mass: torch.Tensor) -> None:
-        """Adds `mass` [batch, kv_heads, length] to the used slots' scores (in place; by index when traced, as
-        `_write_slots` says why)."""
-        if torch.compiler.is_compiling():
+        """Adds `mass` [batch, kv_heads, length] to the used slots' scores (in place; by index in a compileable
+        store, as `_write_slots` says why)."""
+        if self.device_count:
             self._write_slots(self._span_slots(0, self.length), {"score": self.scores + mass})
         else:
             self.scores.add_(mass)
+
+    def _write_exact(self, first_pos: int | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies the tokens at positions `first_pos ..` that fall in the first-tokens region into `exact`: by slices
+        (nothing once past it) with a Python int, by index with a device count (every step, the positions past the
+        region into the spare last entry)."""
+        new = keys.shape[2]
+        if isinstance(first_pos, int):
+            n = min(self.first - first_pos, new)
+            if n > 0:
+                self.exact["k"][:, :, first_pos : first_pos + n] = keys[:, :, :n]
+                self.exact["v"][:, :, first_pos : first_pos + n] = values[:, :, :n]
+            return
+        at = (first_pos + torch.arange(new, device=keys.device)).clamp(max=self.first).view(1, 1, new)
+        rows, heads = self._grid_of(keys.shape[0], keys.shape[1], keys.device)
+        self.exact["k"].index_put_((rows, heads, at), keys)
+        self.exact["v"].index_put_((rows, heads, at), values)
+
+    def _exact_where(self, pos: torch.Tensor, exact: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """`held` `[batch, kv_heads, k, dim]` (decoded slots whose positions are `pos`) with the first-tokens region's
+        exact copies in place of those slots' decoded codes."""
+        index = pos.clamp(0, self.first)
+        region = exact.gather(2, index[..., None].expand(*index.shape, exact.shape[-1]))
+        return torch.where(((pos >= 0) & (pos < self.first))[..., None], region.to(held.dtype), held)
+
+    def exact_mask(self) -> torch.Tensor:
+        """The decode kernel's `[batch, slots + first]` mask over the codes then the exact region (`SlotCodes`): a
+        slot's codes where it holds a real token past the region; region entry i where a slot holds position i."""
+        pos = self.positions[:, 0]  # (the region and padding are at the same slots in every head)
+        region = torch.arange(self.first, device=pos.device)
+        return torch.cat([pos >= self.first, (pos[:, :, None] == region).any(1)], dim=-1)
 
     def _span_slots(self, lo: int, hi: int) -> torch.Tensor:
         """Slots `lo .. hi - 1` of every row and head, `[batch, kv_heads, hi - lo]`."""
@@ -355,7 +428,9 @@ class SlotStore(KVStorage):
             self._write(hole, keys, values, first_pos)
             return
         self.fresh = self._carried("fresh", hole)
-        if torch.compiler.is_compiling():
+        if self.exact is not None:
+            self._write_exact(first_pos, keys, values)
+        if self.device_count:
             self._write_slots(hole, {**self.codec.encode(keys, values), "pos": first_pos, **self._zeroed})
             return
         self.codec.write_at(self.fields, hole, keys, values)
@@ -376,9 +451,9 @@ class SlotStore(KVStorage):
         self.hole = self._carried("hole", slot)
         if self.first_real is not None:
             self._write_slots(self.hole, {"pos": PAD})
-        # No layout a policy could follow in Python ints. (A compiled step writes no Python int: a policy stops
-        # following the layout in one, as `SinkPolicy.victim` does.)
-        if not torch.compiler.is_compiling():
+        # No layout a policy could follow in Python ints. (A compileable store's steps write no Python int, which a
+        # compiled graph would take as an input: no policy follows its layout, as `SinkPolicy.victim` says.)
+        if not self.device_count:
             self.version += 1
 
     def fill_free(self, slots: int) -> None:
@@ -419,7 +494,11 @@ class SlotStore(KVStorage):
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
         used = self.used()
-        return self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
+        keys, values = self.codec.decode_keys(used, self.dtype), self.codec.decode_values(used, self.dtype)
+        if self.exact is None:
+            return keys, values
+        pos = used["pos"]
+        return self._exact_where(pos, self.exact["k"], keys), self._exact_where(pos, self.exact["v"], values)
 
     def read(self, last: int, new: int) -> SlotRead:
         """Every used slot (slots are not in sequence order: attention masks them by what they hold); quantized
@@ -427,15 +506,18 @@ class SlotStore(KVStorage):
         Kept while the used slots' views are (a decode step at the budget reads the same slots as the last)."""
         used = self.used()
         kept = self._read
-        if kept is not None and not torch.compiler.is_compiling() and kept[0] is used:  # (torch 2.11 cannot trace `is` of dicts)
+        if kept is not None and kept[0] is used:  # (a compileable store's views are new each step: never kept)
             return kept[1]
         packed = self.codec.packed(used)
         if packed is None:
             read = SlotRead(*self.slots(), self.valid)
         else:
             keys, values = placeholders(self._like, *packed.k.shape[:3], *self.head_dims[1:])
+            if self.exact is not None:
+                exact_k, exact_v = (self.exact[name][:, :, : self.first] for name in ("k", "v"))
+                packed = SlotCodes(*(getattr(packed, name) for name in PACKED_NAMES), exact_k, exact_v, self.exact_mask)
             read = SlotRead(keys, values, self.valid, packed, self.codec.fmt, self.slots)
-        if not torch.compiler.is_compiling():  # (a traced read is not one to keep)
+        if not self.device_count:  # (a compileable store's read is made afresh, as its views: `used`)
             self._read = (used, read)
         return read
 
@@ -468,7 +550,7 @@ class SlotStore(KVStorage):
     def note_no_mask(self) -> None:
         """Every row starts at position 0, where no mask came before: `first_real` made now (eagerly, at the prompt)
         rather than in the first masked step, which may be compiled, and a graph that made it would return it."""
-        if self.first_real is None and not torch.compiler.is_compiling():
+        if self.first_real is None:
             self.first_real = self._carried("first_real", self.pos.new_zeros(self.batch_size))
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -493,19 +575,20 @@ class SlotStore(KVStorage):
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """Dense keys of slots `slots` [batch, kv_heads, k]."""
         names = [name for name in self.fields if name in self.codec.key_fields]
-        return self.codec.decode_keys(self._gather(slots, names), self.dtype)
+        keys = self.codec.decode_keys(self._gather(slots, names), self.dtype)
+        return keys if self.exact is None else self._exact_where(self.pos.gather(2, slots), self.exact["k"], keys)
 
     def write_leading_keys(self, keys: torch.Tensor) -> None:
         """Overwrites the keys of slots 0 .. n - 1 of every row and head with `keys` [batch, kv_heads, n, head_dim]."""
         n = keys.shape[2]
-        if torch.compiler.is_compiling():  # by index, as `_write_slots` says why
-            self._write_slots(self._span_slots(0, n), self.codec.encode_keys(keys))
-            return
         lead = self._lead
         if lead is None or lead[0] != n or lead[1] is not self.fields:  # the same slots every step: cut once
             cut = {name: self.fields[name][:, :, :n] for name in self.codec.key_fields if name in self.fields}
             lead = self._lead = (n, self.fields, cut)
         self.codec.write_keys(lead[2], None, keys)
+        if self.exact is not None:  # (slots 0 .. n - 1 hold positions 0 .. n - 1 here: `SinkPolicy._shift_unpadded`)
+            m = min(n, self.first)
+            self.exact["k"][:, :, :m] = keys[:, :, :m]
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
@@ -515,11 +598,17 @@ class SlotStore(KVStorage):
             kept = self._gather(slots, parts)
             parts = {name: torch.where(rows.view(-1, *[1] * (p.ndim - 1)), p, kept[name]) for name, p in parts.items()}
         self._write_slots(slots, parts)
+        if self.exact is not None:  # the region's slots in the written rows, the others into the spare last entry
+            pos = self.pos.gather(2, slots)
+            inside = (pos >= 0) & (pos < self.first)
+            at = torch.where(inside if rows is None else inside & rows[:, None, None], pos, self.first)
+            grid = self._grid_of(*slots.shape[:2], slots.device)
+            self.exact["k"].index_put_((*grid, at), keys.to(self.exact["k"].dtype))
 
     def mark_padding(self, padding: torch.Tensor) -> None:
         """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
         padding = padding[:, None, :].to(self.device)
-        if isinstance(self.fresh, tuple) and not torch.compiler.is_compiling():
+        if isinstance(self.fresh, tuple) and not self.device_count:
             self.pos[:, :, self.fresh[0] : self.fresh[1]].masked_fill_(padding, PAD)
             return
         slots = self._span_slots(*self.fresh) if isinstance(self.fresh, tuple) else self.fresh
@@ -560,8 +649,10 @@ class SlotStore(KVStorage):
         if self.fields:
             indices = indices.to(self.device)
             self.fields = {name: held.index_select(0, indices) for name, held in self.fields.items()}
+            if self.exact is not None:
+                self.exact = {name: held.index_select(0, indices) for name, held in self.exact.items()}
             if self.device_count:
-                mark_static(*self.fields.values())
+                mark_static(*self.fields.values(), *(self.exact or {}).values())
         carried = {name: getattr(self, name) is held for name, held in self._carry.items()}
         self._carry = {name: held.index_select(0, indices.to(held.device)) for name, held in self._carry.items()}
         mark_static(*self._carry.values())
@@ -578,6 +669,7 @@ class SlotStore(KVStorage):
 
     def reset(self) -> None:
         self.fields = {}
+        self.exact = None
         self._used = self._read = self._lead = None  # (views of the old buffers would keep them)
         self.length = self.seen = 0
         self.first_real = None
@@ -588,11 +680,15 @@ class SlotStore(KVStorage):
         self.version += 1
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The per-slot tensors by name: what an offloading placement moves."""
-        return dict(self.fields)
+        """The per-slot tensors by name, and the exact region's (`exact_k`, `exact_v`): what an offloading placement
+        moves."""
+        exact = {f"exact_{name}": held for name, held in (self.exact or {}).items()}
+        return {**self.fields, **exact}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.fields = dict(tensors)
+        self.fields = {name: held for name, held in tensors.items() if not name.startswith("exact_")}
+        if self.exact is not None:
+            self.exact = {name: tensors[f"exact_{name}"] for name in self.exact}
 
     def take_written(self) -> dict:
         """Slots are overwritten anywhere (evictions): a changed field is written back whole."""
@@ -605,12 +701,34 @@ class SlotStore(KVStorage):
         payload = sum(per_slot[name] for name in self.codec.payload)
         metadata = sum(per_slot.values()) - payload
         held = min(self.held, self.seen)  # (a compileable store's free slots are not tokens)
+        exact = sum(x.numel() * x.element_size() for x in (self.exact or {}).values())
         return MemoryReport(
-            payload_bytes=payload * held,
+            payload_bytes=payload * held + exact,
             reserved_bytes=payload * (self.capacity - held),
             metadata_bytes=metadata * self.capacity,
             batch_size=self.batch_size,
         )
+
+    def quantized_part(self) -> tuple[MemoryReport, int]:
+        """Bytes of the coded tokens held (codes as payload, scales and zeros as metadata) and their count per row: the
+        held tokens less the exact region's (whose slots' codes are not read); nothing at full precision."""
+        if not self.fields or self.codec.packed(self.fields) is None:
+            return MemoryReport(), 0
+        per_slot = {name: held[:, :, :1].numel() * held.element_size() for name, held in self.fields.items()}
+        coded = min(self.held, self.seen) - self.exact_part()[0]
+        payload = sum(per_slot[name] for name in self.codec.payload)
+        metadata = sum(size for name, size in per_slot.items() if name not in self.codec.payload and name not in ("pos", "score"))
+        return MemoryReport(payload_bytes=payload * coded, metadata_bytes=metadata * coded, batch_size=self.batch_size), coded
+
+    def exact_part(self) -> tuple[int, int]:
+        """Tokens per row held at full precision (every one at full precision, else the exact region's), and bytes per
+        element there."""
+        if not self.fields:
+            return 0, 0
+        if self.exact is None:
+            full = self.codec.packed(self.fields) is None
+            return (min(self.held, self.seen) if full else 0), self.fields["keys"].element_size() if full else 0
+        return min(self.first, self.seen, self.held), self.exact["k"].element_size()
 
     def _write_slots(self, slots: torch.Tensor, parts: dict[str, torch.Tensor | float]) -> None:
         """`fields[name][:, :, slots] = parts[name]` for each part, `slots` [batch, kv_heads, k].
@@ -618,31 +736,35 @@ class SlotStore(KVStorage):
         Written by `index_put_` with (row, head, slot) indices: a compiled graph updates the fields in place even
         when a step writes one twice with reads between (a refill or an append, then an eviction); a slice
         assignment, a `scatter_` or an `index_copy_` into a flat view made it copy whole buffers every step, so a
-        traced step writes every span through here too. Eagerly, a scalar (a position, a zeroed score, PAD) goes
-        into a per-slot field by `scatter_` with the value: a third of a `torch.tensor` plus `index_put_`.
+        compileable store (`device_count`) writes every span through here too, its eager steps as its compiled ones.
+        Otherwise a scalar (a position, a zeroed score, PAD) goes into a per-slot field by `scatter_` with the value:
+        a third of a `torch.tensor` plus `index_put_`.
         """
-        traced = torch.compiler.is_compiling()
         index = None
         for name, part in parts.items():
             field = self.fields[name]
             if not isinstance(part, torch.Tensor):
-                if not traced and field.ndim == slots.ndim:  # a scalar, eagerly: one op and no tensor to make
+                if not self.device_count and field.ndim == slots.ndim:  # a scalar: one op and no tensor to make
                     field.scatter_(2, slots, part)
                     continue
                 part = torch.tensor(part, dtype=field.dtype, device=field.device)
-            index = index or self._index(slots, traced)
+            index = index or self._index(slots)
             field.index_put_(index, part)
 
-    def _index(self, slots: torch.Tensor, traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(row, head, slot) indices of `slots` for `index_put_`; the row and head grids are kept between steps."""
+    def _index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, head, slot) indices of `slots` for `index_put_`."""
+        return (*self._grid_of(*slots.shape[:2], slots.device), slots)
+
+    def _grid_of(self, batch: int, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[batch, 1, 1]` row and `[1, heads, 1]` head indices; kept between steps, but for a compileable store, whose
+        graph makes them (kept ones would be inputs it does not need)."""
         grid = self._grid
-        batch, heads = slots.shape[:2]
-        if grid is None or grid[0] != (batch, heads, slots.device) or traced:
-            rows = torch.arange(batch, device=slots.device).view(batch, 1, 1)
-            grid = ((batch, heads, slots.device), rows, torch.arange(heads, device=slots.device).view(1, heads, 1))
-            if not traced:  # a traced one is not a tensor to keep
+        if grid is None or grid[0] != (batch, heads, device) or self.device_count:
+            rows = torch.arange(batch, device=device).view(batch, 1, 1)
+            grid = ((batch, heads, device), rows, torch.arange(heads, device=device).view(1, heads, 1))
+            if not self.device_count:
                 self._grid = grid
-        return grid[1], grid[2], slots
+        return grid[1], grid[2]
 
     def _gather(self, slots: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         names = self.fields if names is None else names
