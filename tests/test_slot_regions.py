@@ -20,7 +20,7 @@ from hf_kvplus.paging.paged_pool import PagedPool
 from hf_kvplus.specs import parse_cache_spec
 from hf_kvplus.storage.paged import PagedStorage
 from hf_kvplus.storage.quantized import QuantizedStorage
-from hf_kvplus.storage.slots import DenseCodec, SlotCodes, SlotStore, TokenQuantCodec
+from hf_kvplus.storage.slots import DenseCodec, SlotStore, TokenQuantCodec
 from hf_kvplus.transformers_compat import cache_kwargs
 
 FIRST = 4
@@ -63,8 +63,8 @@ def test_decode_reads_the_codes_then_the_exact_region(seed):
     s.keep(torch.tensor([0, 1, 2, 3, 9, 12, 15, 19]).expand(2, 2, -1))  # an eviction: the region stays in slots 0..3
     s.append(*kv(2, 1))
     read = s.read(s.length, 1)
-    assert type(read.packed) is SlotCodes and read.keys.stride(-1) == 0, "decode must read the codes in place"
-    assert read.packed.mask().tolist() == [[False] * 4 + [True] * 5 + [True] * 4] * 2
+    assert read.residual_k is not None and read.keys.stride(-1) == 0, "decode must read the codes in place"
+    assert read.decode_mask().tolist() == [[False] * 4 + [True] * 5 + [True] * 4] * 2
     q = torch.randn(2, 4, 1, 16)
     out, mass = slot_decode(q, read, 0.25, mass_queries=1)
     dense_k, dense_v = read.dense()

@@ -7,7 +7,7 @@ group and over the queries asked for: decode (`slot_decode`) reads it off the de
 torch twin elsewhere), prefill (`slot_prefill`) computes output and mass in one chunked pass; `attention.route`
 chooses between them. Quantized slots are read in
 place by the quantized decode kernels (keys per token), with or without the mass, and a store's first-tokens region
-(`SlotCodes`) as the kernel's exact residual after them; a prefill over them dequantizes first (the region exact).
+(`SlotRead.residual_k`) as the kernel's exact residual after them; a prefill over them dequantizes first (the region exact).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..kernels.dispatch import decode_attention, quantized_decode_attention
 from ..storage.reads import SlotRead
-from ..storage.slots import SlotCodes
 
 #: Prefill computes the score matrix in query chunks of at most this many elements: on the CPU a chunk that stays in
 #: cache (2^22 took 0.4-0.6x 2^24's time at 1K-2K tokens), on a GPU larger matrix products.
@@ -41,8 +40,8 @@ def slot_decode(
     packed, with_mass = read.packed, mass_queries > 0
     if packed is not None:
         slots = packed.k.shape[2]
-        if type(packed) is SlotCodes:  # the first-tokens region, exact, after the codes
-            exact = {"residual_k": packed.exact_k, "residual_v": packed.exact_v, "mask": packed.mask()}
+        if read.residual_k is not None:  # the first-tokens region, exact, after the codes
+            exact = {"residual_k": read.residual_k, "residual_v": read.residual_v, "mask": read.decode_mask()}
         else:
             exact = {"mask": read.valid()}
         result = quantized_decode_attention(

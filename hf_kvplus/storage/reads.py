@@ -69,7 +69,9 @@ class SlotRead(NamedTuple):
     slots holding real tokens (None: all do), known once attention has seen the model's mask.
 
     Quantized slots come as their codes (`packed`, keys per token, in `fmt`) with placeholders as keys and values,
-    and `dense()` dequantizes them for a call that cannot take the decode kernel."""
+    and `dense()` dequantizes them for a call that cannot take the decode kernel. A first-tokens region comes as the
+    exact `residual_k`/`residual_v` `[batch, kv_heads, first, dim]` the decode kernel reads after the codes, with
+    `decode_mask()` its `[batch, slots + first]` mask (the region's slots masked in the codes)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -77,6 +79,9 @@ class SlotRead(NamedTuple):
     packed: PackedKV | None = None
     fmt: QuantFormat | None = None
     dense: Gather | None = None
+    residual_k: torch.Tensor | None = None
+    residual_v: torch.Tensor | None = None
+    decode_mask: Callable[[], torch.Tensor] | None = None
 
 
 Read = DenseRead | PagedRead | PackedRead | SlotRead

@@ -12,14 +12,13 @@ token (a token's key and value each stand alone, so any slot can be overwritten 
 
 A first-tokens region (`first`: the tokens at positions 0 .. first - 1 of each row, attention sinks) stays exact in
 quantized slots: the store keeps their keys and values at full precision in a small side buffer indexed by position
-(`exact`), reads hand it to the decode kernel as the residual after the codes (`SlotCodes`), with those slots' codes
+(`exact`), reads hand it to the decode kernel as the residual after the codes (`SlotRead.residual_k`), with those slots' codes
 masked out, and dense reads put it over the decoded slots. Policies never evict a real token of the region (it ranks
 with the recent window), so it is at the same slots in every head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +61,6 @@ def padding_of_new(
 
 
 @dataclass(frozen=True)
-class SlotCodes(PackedKV):
-    """Quantized slots' codes as the decode kernel reads them, and the store's first-tokens region at full precision,
-    which the kernel reads after the codes as its residual: `exact_k`/`exact_v` `[batch, kv_heads, first, dim]` (entry
-    i: position i) and `mask()`, the kernel's `[batch, slots + first]` mask (the region's slots masked in the codes,
-    its entries valid where a slot holds their position)."""
-
-    exact_k: torch.Tensor
-    exact_v: torch.Tensor
-    mask: Callable[[], torch.Tensor]
-
-
 def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """`slots` [batch, kv_heads, k] broadcast over the trailing dims of a per-slot tensor, for gather."""
     return slots.view(*slots.shape, *([1] * (held.ndim - 3))).expand(*slots.shape, *held.shape[3:])
@@ -410,7 +398,7 @@ class SlotStore(KVStorage):
         return torch.where(((pos >= 0) & (pos < self.first))[..., None], region.to(held.dtype), held)
 
     def exact_mask(self) -> torch.Tensor:
-        """The decode kernel's `[batch, slots + first]` mask over the codes then the exact region (`SlotCodes`): a
+        """The decode kernel's `[batch, slots + first]` mask over the codes then the exact region (`SlotRead.decode_mask`): a
         slot's codes where it holds a real token past the region; region entry i where a slot holds position i."""
         pos = self.positions[:, 0]  # (the region and padding are at the same slots in every head)
         region = torch.arange(self.first, device=pos.device)
@@ -513,10 +501,10 @@ class SlotStore(KVStorage):
             read = SlotRead(*self.slots(), self.valid)
         else:
             keys, values = placeholders(self._like, *packed.k.shape[:3], *self.head_dims[1:])
+            read = SlotRead(keys, values, self.valid, packed, self.codec.fmt, self.slots)
             if self.exact is not None:
                 exact_k, exact_v = (self.exact[name][:, :, : self.first] for name in ("k", "v"))
-                packed = SlotCodes(*(getattr(packed, name) for name in PACKED_NAMES), exact_k, exact_v, self.exact_mask)
-            read = SlotRead(keys, values, self.valid, packed, self.codec.fmt, self.slots)
+                read = read._replace(residual_k=exact_k, residual_v=exact_v, decode_mask=self.exact_mask)
         if not self.device_count:  # (a compileable store's read is made afresh, as its views: `used`)
             self._read = (used, read)
         return read
