@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import io
 from collections.abc import Callable
 
+import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
@@ -98,6 +101,30 @@ class KVCache(Cache):
             for i in self._placed:
                 placement.register(self.layers[i].storage)
 
+    # ------------------------------------------------------------------ pickling and copies
+    # A used cache travels whole (tensors, bookkeeping, placement) and the copy continues with the same logits. What
+    # cannot travel refuses in `__getstate__` with `UnsupportedOperationError` (a disk tier's files, a shared pool);
+    # memos that hold weak references (`FitMemo`) travel empty.
+
+    def __reduce_ex__(self, protocol):
+        """Pickles the state through `torch.save`, which keeps views of one buffer views of one buffer (plain pickle
+        gives each tensor its own storage, so a storage's memoized views would stop seeing its writes)."""
+        buffer = io.BytesIO()
+        torch.save(self.__getstate__(), buffer)
+        return _restore_cache, (type(self), buffer.getvalue())
+
+    def __deepcopy__(self, memo):
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def _transformers_layer(self, spec: LayerSpec):
         """Transformers' own layer for a layer without per-token KV: a recurrent state (`LinearAttentionLayer`) or
         none (`DummyLayer`, shared-KV and attention-free layers)."""
@@ -161,6 +188,13 @@ class KVCache(Cache):
     def bytes_per_token(self) -> float:
         """Bytes at rest per token seen by each batch row."""
         return self.memory_report().bytes_per_token
+
+
+def _restore_cache(cls: type, data: bytes) -> KVCache:
+    """Unpickles a `KVCache` that `KVCache.__reduce_ex__` saved."""
+    cache = cls.__new__(cls)
+    cache.__setstate__(torch.load(io.BytesIO(data), weights_only=False))
+    return cache
 
 
 class DenseCache(KVCache):

@@ -148,6 +148,21 @@ class PagedCache(KVCache):
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         weakref.finalize(self, _release, list(self.groups.values()))
 
+    def __getstate__(self) -> dict:
+        """A cache with a pool of its own travels with it (prefix store included); one sharing a `PagedPool` passed in
+        cannot: its copy would hold a private copy of the pool that the other caches no longer share."""
+        if not self._owns_pool:
+            raise UnsupportedOperationError(
+                f"this PagedCache shares a PagedPool ({sum(g.pool.num_used for g in self.groups.values())} blocks in "
+                f"use under namespace {self.namespace!r}) with other caches, so it cannot be pickled or copied; a "
+                "PagedCache built without pool= can"
+            )
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        weakref.finalize(self, _release, list(self.groups.values()))
+
     @property
     def block_size(self) -> int:
         return self.pool.block_size
