@@ -11,7 +11,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
 from .attention.dispatch import takes_fused_path
-from .errors import CacheMismatchError, ConfigError, UnsupportedModelError
+from .errors import CacheMismatchError, ConfigError, GradientError, UnsupportedModelError
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -97,6 +97,10 @@ class KVCache(Cache):
         self._placed = [i for i, layer in enumerate(self.layers) if getattr(layer, "placement", None) is placement]
         self._position = {layer_idx: position for position, layer_idx in enumerate(self._placed)}
         self._active: int | None = None  # the layer updated last, whose device copy is in use
+        # Why this cache refuses gradients (a lossy layer, a placement that keeps no history), or None: checked in
+        # grad mode before the first layer changes.
+        lossy = [layer.gradient_refusal() for layer in self.layers if isinstance(layer, KVLayer) and layer.lossy]
+        self._gradient_refusal = lossy[0] if lossy else placement.gradient_refusal()
         if placement.moves:
             for i in self._placed:
                 placement.register(self.layers[i].storage)
@@ -148,6 +152,10 @@ class KVCache(Cache):
                 f"layer_idx {layer_idx} is out of range: this cache was built for a {self.model_spec.model_type} "
                 f"config with {len(self.layers)} layers"
             )
+        if self._gradient_refusal is not None and torch.is_grad_enabled() and (
+            key_states.requires_grad or value_states.requires_grad
+        ):
+            raise GradientError(self._gradient_refusal)
         if self.placement.moves and layer_idx in self._position:
             self._stage(layer_idx, key_states.device)
         # Straight to the layer: what Transformers' `Cache.update` adds (its own offloading, layers built on first

@@ -18,7 +18,7 @@ from .kernels.errors import (
 
 __all__ = [
     "CacheMismatchError", "CapacityError", "ConfigError", "DeviceError", "DiskTierError", "DTypeError", "FetchError",
-    "KVPlusError", "KernelUnavailableError", "RDataError", "ShapeError", "UnsupportedModelError",
+    "GradientError", "KVPlusError", "KernelUnavailableError", "RDataError", "ShapeError", "UnsupportedModelError",
     "UnsupportedOperationError",
 ]  # fmt: skip
 
@@ -44,6 +44,12 @@ class DiskTierError(KVPlusError, OSError):
 
 class UnsupportedOperationError(KVPlusError, RuntimeError):
     """The cache cannot do this operation in its present state (e.g. roll back tokens it has dropped)."""
+
+
+class GradientError(KVPlusError, RuntimeError):
+    """A lossy cache (quantized codes, evicted tokens) was asked to carry gradients: it refuses in grad mode rather
+    than return gradients of a function other than the one it computes. Lossless caches (dense, paged, offloaded
+    full-precision) carry them as DynamicCache does."""
 
 
 class FetchError(KVPlusError, RuntimeError):

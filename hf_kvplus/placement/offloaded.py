@@ -96,6 +96,15 @@ class Offloaded(Placement):
         if failure is not None:
             raise failure
 
+    def gradient_refusal(self) -> str | None:
+        if self.disk is None:
+            return None
+        return (
+            f"an offloaded cache with a disk tier (host_budget={self.host_budget} bytes) cannot carry gradients: the "
+            "layers it writes to files lose their history; run the forward under torch.no_grad(), or use a lossless "
+            "cache that rests in memory (OffloadedCache without folder, DenseCache, PagedCache)"
+        )
+
     def register(self, storage) -> None:
         self._rest(storage)
 
