@@ -20,6 +20,7 @@ from .placement.base import Placement
 from .retention.base import Retention
 from .storage.base import KVStorage
 from .storage.reads import DenseRead, SlotRead
+from .storage.value_range import check_prompt, code_limit
 
 
 class KVLayer(CacheLayerMixin):
@@ -73,6 +74,9 @@ class KVLayer(CacheLayerMixin):
         self._pending: int | None = None  # a scored layer's fresh tokens of the last forward, while eviction waits
         self._awaiting_attention = False  # a scored layer's update was not yet followed by its attention
         self._checked: tuple | None = None  # the key and value shapes `check_states` last accepted
+        formats = storage.formats()  # quantized: a prompt's values are checked against what the codes hold
+        float32 = getattr(getattr(storage, "segment", None), "float32_scales", False)
+        self._codes = (formats[0], *code_limit(formats[0], float32)) if formats else None
 
     def __repr__(self) -> str:
         return (
@@ -159,6 +163,9 @@ class KVLayer(CacheLayerMixin):
                 "computes on its own, not through Transformers' attention functions, can only use dense caches)"
             )
         new = key_states.shape[2]
+        if self._codes is not None and new > 1 and not torch.compiler.is_compiling():
+            guard = getattr(self.storage, "range_guard", None)
+            check_prompt(self.spec.index, *self._codes, key_states, value_states, guard and guard.take())
         self.placement.acquire(self.storage)
         if self._pending is not None:
             self._evict(self._pending)

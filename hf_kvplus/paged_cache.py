@@ -22,6 +22,7 @@ from .precision import PrecisionRegions
 from .storage.paged import PagedStorage
 from .storage.paged_segment import PagedSegment
 from .storage.quantized import DEFAULT_WINDOW, QuantizedStorage
+from .storage.value_range import raise_pending
 
 
 class PagedCache(KVCache):
@@ -238,6 +239,7 @@ class PagedCache(KVCache):
         slot and as a fraction of float16 K/V for the same slots. Like `QuantizedCache.quantized_report`."""
         if self.format is None:
             raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
+        raise_pending(self.layers)  # values a decode step gave that the codes cannot hold (`storage.value_range`)
         for group in self.groups.values():
             group.trim()
         quantized_bytes = tokens = fp16_bytes = region_bits = region_coordinates = 0

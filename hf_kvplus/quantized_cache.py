@@ -16,6 +16,7 @@ from .storage.base import KVStorage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
 from .storage.static_quantized import StaticQuantizedStorage
+from .storage.value_range import raise_pending
 
 BACKENDS = ("kvplus", "quanto")
 
@@ -161,6 +162,7 @@ class QuantizedCache(KVCache):
 def precision_report(cache: KVCache, format_name: str, window: int) -> dict:
     """`quantized_report` of a cache whose layers hold a `QuantizedStorage`, `StaticQuantizedStorage` or (a boundary
     layer at full precision) a `DenseStorage`."""
+    raise_pending(cache.layers)  # values a decode step gave that the codes cannot hold (`storage.value_range`)
     quantized_bytes = tokens = fp16_bytes = 0
     region_bits = region_coordinates = 0
     for layer in cache.layers:

@@ -28,6 +28,9 @@ class QuantoSegment(QuantizedSegment):
     attention), so this backend measures quanto's quantizers, not a kernel.
     """
 
+    #: Quanto keeps float32 scales: every finite value codes (`value_range`).
+    float32_scales = True
+
     def __init__(self, fmt: QuantFormat):
         q = _quanto()
         self.fmt = fmt
