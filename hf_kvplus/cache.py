@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import io
 from collections.abc import Callable
 
+import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
 from .attention.dispatch import takes_fused_path
-from .errors import CacheMismatchError, ConfigError, UnsupportedModelError
+from .errors import CacheMismatchError, ConfigError, GradientError, UnsupportedModelError
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -94,9 +97,37 @@ class KVCache(Cache):
         self._placed = [i for i, layer in enumerate(self.layers) if getattr(layer, "placement", None) is placement]
         self._position = {layer_idx: position for position, layer_idx in enumerate(self._placed)}
         self._active: int | None = None  # the layer updated last, whose device copy is in use
+        # Why this cache refuses gradients (a lossy layer, a placement that keeps no history), or None: checked in
+        # grad mode before the first layer changes.
+        lossy = [layer.gradient_refusal() for layer in self.layers if isinstance(layer, KVLayer) and layer.lossy]
+        self._gradient_refusal = lossy[0] if lossy else placement.gradient_refusal()
         if placement.moves:
             for i in self._placed:
                 placement.register(self.layers[i].storage)
+
+    # ------------------------------------------------------------------ pickling and copies
+    # A used cache travels whole (tensors, bookkeeping, placement) and the copy continues with the same logits. What
+    # cannot travel refuses in `__getstate__` with `UnsupportedOperationError` (a disk tier's files, a shared pool);
+    # memos that hold weak references (`FitMemo`) travel empty.
+
+    def __reduce_ex__(self, protocol):
+        """Pickles the state through `torch.save`, which keeps views of one buffer views of one buffer (plain pickle
+        gives each tensor its own storage, so a storage's memoized views would stop seeing its writes)."""
+        buffer = io.BytesIO()
+        torch.save(self.__getstate__(), buffer)
+        return _restore_cache, (type(self), buffer.getvalue())
+
+    def __deepcopy__(self, memo):
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def _transformers_layer(self, spec: LayerSpec):
         """Transformers' own layer for a layer without per-token KV: a recurrent state (`LinearAttentionLayer`) or
@@ -121,6 +152,10 @@ class KVCache(Cache):
                 f"layer_idx {layer_idx} is out of range: this cache was built for a {self.model_spec.model_type} "
                 f"config with {len(self.layers)} layers"
             )
+        if self._gradient_refusal is not None and torch.is_grad_enabled() and (
+            key_states.requires_grad or value_states.requires_grad
+        ):
+            raise GradientError(self._gradient_refusal)
         if self.placement.moves and layer_idx in self._position:
             self._stage(layer_idx, key_states.device)
         # Straight to the layer: what Transformers' `Cache.update` adds (its own offloading, layers built on first
@@ -161,6 +196,13 @@ class KVCache(Cache):
     def bytes_per_token(self) -> float:
         """Bytes at rest per token seen by each batch row."""
         return self.memory_report().bytes_per_token
+
+
+def _restore_cache(cls: type, data: bytes) -> KVCache:
+    """Unpickles a `KVCache` that `KVCache.__reduce_ex__` saved."""
+    cache = cls.__new__(cls)
+    cache.__setstate__(torch.load(io.BytesIO(data), weights_only=False))
+    return cache
 
 
 class DenseCache(KVCache):

@@ -18,7 +18,7 @@ from .kernels.errors import (
 
 __all__ = [
     "CacheMismatchError", "CapacityError", "ConfigError", "DeviceError", "DiskTierError", "DTypeError", "FetchError",
-    "KVPlusError", "KernelUnavailableError", "RDataError", "ShapeError", "UnsupportedModelError",
+    "GradientError", "KVPlusError", "KernelUnavailableError", "OutOfRangeError", "RDataError", "ShapeError", "UnsupportedModelError",
     "UnsupportedOperationError",
 ]  # fmt: skip
 
@@ -44,6 +44,17 @@ class DiskTierError(KVPlusError, OSError):
 
 class UnsupportedOperationError(KVPlusError, RuntimeError):
     """The cache cannot do this operation in its present state (e.g. roll back tokens it has dropped)."""
+
+
+class GradientError(KVPlusError, RuntimeError):
+    """A lossy cache (quantized codes, evicted tokens) was asked to carry gradients: it refuses in grad mode rather
+    than return gradients of a function other than the one it computes. Lossless caches (dense, paged, offloaded
+    full-precision) carry them as DynamicCache does."""
+
+
+class OutOfRangeError(KVPlusError, ValueError):
+    """Keys or values that a quantized format cannot code: NaN, inf, or finite values beyond the range of its float16
+    scales, zero points or norms (`storage.value_range`). Raised where the host waits anyway (a prompt, a report)."""
 
 
 class FetchError(KVPlusError, RuntimeError):

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention.route import KV_READ_ATTR, KV_SOURCE_ATTR, attend
-from .errors import CacheMismatchError, ShapeError, UnsupportedModelError, UnsupportedOperationError
+from .attention.route import KV_READ_ATTR, KV_SOURCE_ATTR, attend, differentiable_attention
+from .errors import (
+    CacheMismatchError,
+    GradientError,
+    ShapeError,
+    UnsupportedModelError,
+    UnsupportedOperationError,
+)
 from .kernels.dispatch import prepare
 from .memory import MemoryReport
 from .model_spec import LayerSpec
@@ -14,6 +20,7 @@ from .placement.base import Placement
 from .retention.base import Retention
 from .storage.base import KVStorage
 from .storage.reads import DenseRead, SlotRead
+from .storage.value_range import check_prompt, code_limit
 
 
 class KVLayer(CacheLayerMixin):
@@ -34,6 +41,12 @@ class KVLayer(CacheLayerMixin):
     full (a budget of slots), so `generate()` may compile it as it compiles StaticCache. `in_place` says whether the
     model's attention is hf_kvplus's (`attention.dispatch`), which reads a storage in place; a model on eager or
     another attention function gets the read's dense gather instead.
+
+    Gradients: in grad mode, when the query, keys or values require grad, attention is SDPA over copies of the held
+    tokens (the kernels have no backward, and later appends write the buffers in place), so a lossless layer's
+    gradients are DynamicCache's. A lossy layer (`lossy`: quantized codes or a scored retention) refuses with
+    `GradientError` (the cache checks the keys before any layer changes; `attend` checks the query). Without grad
+    mode this costs one `torch.is_grad_enabled()` per call.
     """
 
     is_compileable = False
@@ -61,6 +74,9 @@ class KVLayer(CacheLayerMixin):
         self._pending: int | None = None  # a scored layer's fresh tokens of the last forward, while eviction waits
         self._awaiting_attention = False  # a scored layer's update was not yet followed by its attention
         self._checked: tuple | None = None  # the key and value shapes `check_states` last accepted
+        formats = storage.formats()  # quantized: a prompt's values are checked against what the codes hold
+        float32 = getattr(getattr(storage, "segment", None), "float32_scales", False)
+        self._codes = (formats[0], *code_limit(formats[0], float32)) if formats else None
 
     def __repr__(self) -> str:
         return (
@@ -147,6 +163,9 @@ class KVLayer(CacheLayerMixin):
                 "computes on its own, not through Transformers' attention functions, can only use dense caches)"
             )
         new = key_states.shape[2]
+        if self._codes is not None and new > 1 and not torch.compiler.is_compiling():
+            guard = getattr(self.storage, "range_guard", None)
+            check_prompt(self.spec.index, *self._codes, key_states, value_states, guard and guard.take())
         self.placement.acquire(self.storage)
         if self._pending is not None:
             self._evict(self._pending)
@@ -158,6 +177,8 @@ class KVLayer(CacheLayerMixin):
         read = self.storage.read(visible + new, new)
         if not self.in_place and type(read) is not DenseRead and type(read) is not SlotRead:
             read = DenseRead(*read.dense())  # the model's own attention computes on what it gets
+        if not self.in_place and torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            read = DenseRead(read.keys.clone(), read.values.clone())  # (what it saves for backward is never written)
         keys = read.keys
         setattr(keys, KV_SOURCE_ATTR, self)
         if type(read) is not DenseRead or self.retention.scored:
@@ -193,6 +214,11 @@ class KVLayer(CacheLayerMixin):
                 f"layer {self.spec.index}: the model changed the values this cache returned before attending, so its "
                 f"attention cannot read the {type(self.storage).__name__} in place; dense caches serve it"
             )
+        if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad):
+            self._awaiting_attention = False
+            if self.lossy:
+                raise GradientError(self.gradient_refusal())
+            return differentiable_attention(read, module, query, attention_mask, scaling, **kwargs)
         if not self.retention.scored:
             self._awaiting_attention = False
             return attend(read, module, query, attention_mask, scaling, **kwargs)[0]
@@ -206,6 +232,21 @@ class KVLayer(CacheLayerMixin):
         else:
             self._evict(new)
         return out
+
+    @property
+    def lossy(self) -> bool:
+        """Whether what attention reads differs from the keys and values given: quantized codes, or evicted tokens."""
+        return bool(self.storage.formats()) or self.retention.scored
+
+    def gradient_refusal(self) -> str:
+        formats = self.storage.formats()
+        what = f"it holds {formats[0]} codes" if formats else f"{self.retention!r} evicts tokens"
+        return (
+            f"layer {self.spec.index} of this cache cannot carry gradients ({what}; neither rounding nor eviction has "
+            "one): "
+            "run the forward under torch.no_grad() (or torch.inference_mode()), or use a lossless cache (DenseCache, "
+            "PagedCache or OffloadedCache without bits), which carries them as DynamicCache does"
+        )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.storage.static_length is not None:  # every position of the buffer, as StaticCache

@@ -22,6 +22,7 @@ from .precision import PrecisionRegions
 from .storage.paged import PagedStorage
 from .storage.paged_segment import PagedSegment
 from .storage.quantized import DEFAULT_WINDOW, QuantizedStorage
+from .storage.value_range import raise_pending
 
 
 class PagedCache(KVCache):
@@ -166,6 +167,21 @@ class PagedCache(KVCache):
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         weakref.finalize(self, _release, list(self.groups.values()))
 
+    def __getstate__(self) -> dict:
+        """A cache with a pool of its own travels with it (prefix store included); one sharing a `PagedPool` passed in
+        cannot: its copy would hold a private copy of the pool that the other caches no longer share."""
+        if not self._owns_pool:
+            raise UnsupportedOperationError(
+                f"this PagedCache shares a PagedPool ({sum(g.pool.num_used for g in self.groups.values())} blocks in "
+                f"use under namespace {self.namespace!r}) with other caches, so it cannot be pickled or copied; a "
+                "PagedCache built without pool= can"
+            )
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        weakref.finalize(self, _release, list(self.groups.values()))
+
     @property
     def block_size(self) -> int:
         return self.pool.block_size
@@ -246,6 +262,7 @@ class PagedCache(KVCache):
         slot and as a fraction of float16 K/V for the same slots. Like `QuantizedCache.quantized_report`."""
         if self.format is None:
             raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
+        raise_pending(self.layers)  # values a decode step gave that the codes cannot hold (`storage.value_range`)
         for group in self.groups.values():
             group.trim()
         quantized_bytes = tokens = fp16_bytes = region_bits = region_coordinates = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 from .storage.quantized import DEFAULT_WINDOW
+from .storage.value_range import raise_pending
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class PrecisionRegions:
 def precision_report(cache, format_name: str, window: int) -> dict:
     """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage`, `StaticQuantizedStorage`,
     `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a `DenseStorage` (a boundary
-    or sliding layer: every token past the `window` counts at its dtype's bits)."""
+    or sliding layer: every token past the `window` counts at its dtype's bits). First raises what a decode step gave
+    that the codes cannot hold (`storage.value_range`)."""
+    raise_pending(cache.layers)
     quantized_bytes = tokens = fp16_bytes = 0
     region_bits = region_coordinates = 0
     for layer in cache.layers:

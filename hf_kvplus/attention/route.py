@@ -83,6 +83,17 @@ def attend(
     return out, None
 
 
+def differentiable_attention(read: Read, module, query, attention_mask, scaling, **kwargs) -> torch.Tensor:
+    """SDPA over copies of what `read` describes, as Transformers' "sdpa" attention computes it, for a forward whose
+    gradients are wanted: no kernel (they have no backward), and no view of a buffer that later appends write in
+    place (autograd refuses a saved tensor modified since)."""
+    if type(read) is DenseRead:
+        keys, values = read.keys.clone(), read.values.clone()
+    else:
+        keys, values = read.dense()  # (gathered or dequantized: copies already)
+    return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)[0]
+
+
 def dense_attention(module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
     """`attend` over dense `keys`/`values` `[batch, kv_heads, n, head_dim]`."""
     return attend(DenseRead(keys, values), module, query, attention_mask, scaling, **kwargs)[0]

@@ -67,6 +67,10 @@ class Placement(ABC):
     def is_acquired(self, storage) -> bool:
         return True
 
+    def gradient_refusal(self) -> str | None:
+        """Why keys and values that require grad cannot rest here (the copies would lose their history), or None."""
+        return None
+
     @contextmanager
     def using(self, storage) -> Iterator[None]:
         """`storage` usable for the duration, and put back at rest afterwards if it was at rest before."""

@@ -33,6 +33,11 @@ class DiskTier:
         self._names = itertools.count()
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
 
+    def __reduce__(self):
+        """A copy gets a private folder of its own beside this one (its files are not copied: `Offloaded` refuses to
+        copy a tier that holds any)."""
+        return DiskTier, (self.root.parent,)
+
     def write(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Path | None]:
         """Writes `tensor` to a new file and returns it memory-mapped (same shape and dtype) with the path."""
         data = tensor.detach().contiguous().cpu()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
 import torch
 
-from ..errors import ConfigError, DiskTierError
+from ..errors import ConfigError, DiskTierError, UnsupportedOperationError
 from .base import Placement, TierBytes
 from .disk import DiskTier
 
@@ -95,6 +95,15 @@ class Offloaded(Placement):
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+    def gradient_refusal(self) -> str | None:
+        if self.disk is None:
+            return None
+        return (
+            f"an offloaded cache with a disk tier (host_budget={self.host_budget} bytes) cannot carry gradients: the "
+            "layers it writes to files lose their history; run the forward under torch.no_grad(), or use a lossless "
+            "cache that rests in memory (OffloadedCache without folder, DenseCache, PagedCache)"
+        )
 
     def register(self, storage) -> None:
         self._rest(storage)
@@ -276,6 +285,36 @@ class Offloaded(Placement):
         rest.rest.pop(name, None)
         if self.disk is not None:
             self.disk.remove(rest.files.pop(name, None))
+
+    # ------------------------------------------------------------------ pickling and copies
+    def __getstate__(self) -> dict:
+        """What travels: the tensors at rest and in use, per storage. A prefetch in flight is dropped (the copy
+        fetches again), write-backs are waited for, and the streams and the disk reader are made anew. A layer in
+        the disk tier's files cannot travel (`UnsupportedOperationError`); a disk tier without files travels as a
+        new private folder beside the original's."""
+        on_disk = [name for rest in self._rests.values() if rest.on_disk for name in rest.files]
+        if on_disk:
+            raise UnsupportedOperationError(
+                f"this offloaded cache keeps {len(on_disk)} tensors in its disk tier's files in {self.disk.root}, "
+                f"which cannot be pickled or copied (host_budget={self.host_budget} bytes); build the copy with "
+                "host_budget large enough to keep the layers in host memory, or without a disk tier"
+            )
+        for rest in self._rests.values():
+            if rest.written is not None:
+                rest.written.synchronize()
+        state = dict(self.__dict__)
+        state["_rests"] = [(storage, replace(rest, fetch=None, written=None)) for storage, rest in self._rests.items()]
+        state["_reader"] = state["_copy_in"] = state["_copy_out"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        rests = state.pop("_rests")
+        self.__dict__.update(state)
+        self._rests = WeakKeyDictionary(rests)
+        if self.disk is not None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplus-disk")
+        if self._cuda:
+            self._copy_in, self._copy_out = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
 
     # ------------------------------------------------------------------ bookkeeping
     def forget(self, storage) -> None:

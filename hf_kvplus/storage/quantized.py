@@ -14,6 +14,7 @@ from ..paging.group import identical_rows
 from .base import KVStorage, Region, part_of, prefixed
 from .dense import DenseStorage
 from .reads import DenseRead, Gather, Read
+from .value_range import RangeGuard, code_limit
 
 #: Full-precision recent tokens kept by default (KIVI's residual length).
 DEFAULT_WINDOW = 128
@@ -148,6 +149,8 @@ class QuantizedStorage(KVStorage):
         self._flushed = 0  # tokens ever quantized into the segment
         # For a segment that shares rows: which rows of the first forward (the prompt) are equal, and its length.
         self._prompt: tuple[list[int], int] | None = None
+        # What leaves the window is coded only if the format can hold it (`value_range`); else as 0, and counted.
+        self.range_guard = RangeGuard(*code_limit(segment.fmt, getattr(segment, "float32_scales", False)))
 
     @property
     def shared_at_rest(self) -> bool:
@@ -196,7 +199,8 @@ class QuantizedStorage(KVStorage):
                     self._left = (self._left[0].clone(), self._left[1].clone())
             in_prompt = self._prompt is not None and h + self._flushed + flush <= self._prompt[1]
             try:
-                self.segment.append(old_k, old_v, self._prompt[0] if in_prompt else None)
+                guard = self.range_guard
+                self.segment.append(guard(old_k), guard(old_v), self._prompt[0] if in_prompt else None)
             except CapacityError:  # no block for the group the new tokens filled: the storage stays as it was
                 self.recent.drop_back(new)
                 self.head, self._left = head, None

@@ -28,12 +28,25 @@ class QuantoSegment(QuantizedSegment):
     attention), so this backend measures quanto's quantizers, not a kernel.
     """
 
+    #: Quanto keeps float32 scales: every finite value codes (`value_range`).
+    float32_scales = True
+
     def __init__(self, fmt: QuantFormat):
         q = _quanto()
         self.fmt = fmt
         self.qtype = {2: q.qint2, 4: q.qint4, 8: q.qint8, "fp8": q.qfloat8_e4m3fn}[fmt.bits]
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int]] = []  # (qk, qv, shape, tokens)
         self.front = 0  # tokens dropped from the first chunk
+
+    def __getstate__(self) -> dict:
+        """Quanto's tensors are wrapper subclasses that neither pickle nor deep-copy: they travel as their parts."""
+        state = dict(self.__dict__)
+        state["chunks"] = [(_parts(qk), _parts(qv), shape, n) for qk, qv, shape, n in self.chunks]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.chunks = [(_joined(qk), _joined(qv), shape, n) for qk, qv, shape, n in self.chunks]
 
     @property
     def length(self) -> int:
@@ -151,3 +164,19 @@ class QuantoSegment(QuantizedSegment):
                     else:
                         metadata += nbytes
         return MemoryReport(payload_bytes=payload, metadata_bytes=metadata, batch_size=self.batch_size)
+
+
+def _parts(t: torch.Tensor):
+    """A wrapper tensor subclass as (class, its inner tensors' parts, context, size, stride); a plain tensor as is."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return t
+    names, context = t.__tensor_flatten__()
+    return (type(t), {name: _parts(getattr(t, name)) for name in names}, context, tuple(t.size()), tuple(t.stride()))
+
+
+def _joined(parts) -> torch.Tensor:
+    """The tensor `_parts` took apart."""
+    if isinstance(parts, torch.Tensor):
+        return parts
+    cls, inner, context, size, stride = parts
+    return cls.__tensor_unflatten__({name: _joined(p) for name, p in inner.items()}, context, size, stride)
