@@ -19,8 +19,6 @@ with the recent window), so it is at the same slots in every head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..errors import ConfigError, ShapeError
@@ -60,7 +58,6 @@ def padding_of_new(
     return ~allowed.expand(batch, -1)
 
 
-@dataclass(frozen=True)
 def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """`slots` [batch, kv_heads, k] broadcast over the trailing dims of a per-slot tensor, for gather."""
     return slots.view(*slots.shape, *([1] * (held.ndim - 3))).expand(*slots.shape, *held.shape[3:])
