@@ -66,6 +66,9 @@ def test_bench_and_demo_write_tables_and_plots(local_model, tmp_path, capsys):
     assert rows["dense"]["ppl_delta_pct"] == pytest.approx(0, abs=1e-2)
     assert rows["dense"]["same_tokens_as_baseline"] and rows["dense"]["needle_right"] == rows["dynamic"]["needle_right"]
     assert rows["dynamic"]["decode_vs_baseline"] == rows["dynamic"]["bytes_vs_baseline"] == 1.0
+    assert demo["settings"]["rounds"] == 3
+    for row in rows.values():  # the speed ratio is the median of the rounds, shown with their spread
+        assert 0 < row["decode_vs_baseline_min"] <= row["decode_vs_baseline"] <= row["decode_vs_baseline_max"], row
     for row in rows.values():  # numbers only, besides the names (no tensor written as text)
         assert all(isinstance(v, (int, float)) for k, v in row.items() if k not in ("cache", "kind")), row
         assert 0 <= row["needle_right"] <= 1
