@@ -41,14 +41,12 @@ import hf_kvplus.kernels.custom_ops as ops
 from hf_kvplus.kernels.decode_attention import decode_attention_triton, decode_attention_with_mass_triton
 from hf_kvplus.kernels.dispatch import (
     decode_attention,
-    decode_attention_with_mass,
     paged_decode_attention,
     paged_store,
     quantize_keys,
     quantize_values,
     quantize_values_at,
     quantized_decode_attention,
-    quantized_decode_attention_with_mass,
 )
 from hf_kvplus.kernels.paged_attention import paged_decode_attention_triton, paged_store_triton
 from hf_kvplus.kernels.quant_attention import (
@@ -64,6 +62,17 @@ from hf_kvplus.kernels.quant_pack import (
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 KV = torch.ops.kvplus
+
+
+def decode_attention_with_mass(*args, **kwargs):
+    """The dispatcher asked for the mass: the custom operator of this name when traced on CUDA."""
+    return decode_attention(*args, with_mass=True, **kwargs)
+
+
+def quantized_decode_attention_with_mass(*args, **kwargs):
+    """The dispatcher asked for the mass: the custom operator of this name when traced on CUDA."""
+    return quantized_decode_attention(*args, with_mass=True, **kwargs)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Inputs, as entry-point arguments and as op arguments
