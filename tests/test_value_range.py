@@ -69,6 +69,7 @@ def test_the_message_names_the_magnitude(bits):
 @torch.no_grad()
 def test_a_decode_steps_bad_value_spoils_no_other_tokens_codes_and_is_reported(bits, spike):
     for make in (lambda: QuantizedCache(config(), bits=bits, window=16),
+                 lambda: QuantizedCache(config(), bits=bits, window=16, max_tokens=128, compileable=True),
                  lambda: PagedCache(config(), bits=bits, window=16, block_size=16)):  # fmt: skip
         if isinstance(bits, str) and bits.startswith("k") and make().__class__ is PagedCache:
             continue

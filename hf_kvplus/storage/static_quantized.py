@@ -16,6 +16,7 @@ from ..static_address import mark_static
 from .base import KVStorage
 from .reads import PackedRead, Read, placeholders
 from .token_count import TokenCount, counted
+from .value_range import RangeGuard, code_limit
 
 
 class StaticQuantizedStorage(KVStorage):
@@ -66,6 +67,7 @@ class StaticQuantizedStorage(KVStorage):
         self.ring = window + 2 * g
         self.static_length = self.positions + first + self.ring
         self.count = TokenCount()  # `end`: tokens held (token p at code position p), on the device for decode steps
+        self.range_guard = RangeGuard(*code_limit(fmt))  # what a decode step gives that the codes cannot hold
         self.buffers: PackedKV | None = None
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
@@ -145,13 +147,16 @@ class StaticQuantizedStorage(KVStorage):
         slot = self._slots(token)
         self.ring_k.index_copy_(2, slot, keys)
         self.ring_v.index_copy_(2, slot, values)
+        guard = self.range_guard  # (counted once here; coded as 0 wherever the codes take it from the ring)
+        guard.count(self.ring_k.index_select(2, slot))
+        guard.count(self.ring_v.index_select(2, slot))
         # Before the first group leaves the window this re-quantizes key group 0 from whatever the ring holds, and
         # value 0 from token 0: those codes are masked (the frontier is 0) and written again once they have left.
         index = ((token + 1 - self.window) // g - 1).clamp_(min=0)
         tokens = index * g + group
-        self._quantize_keys(self.ring_k.index_select(2, self._slots(tokens)), tokens, index)
+        self._quantize_keys(guard.clean(self.ring_k.index_select(2, self._slots(tokens))), tokens, index)
         left = (token - self.window).clamp_(min=0)
-        self._quantize_values(self.ring_v.index_select(2, self._slots(left)), left)
+        self._quantize_values(guard.clean(self.ring_v.index_select(2, self._slots(left))), left)
 
     def _chunk_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Prefill or a chunk (eager, as the ring holds it): the key groups it completes and the values that leave
@@ -352,4 +357,5 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
         self._aranges = tuple(torch.arange(size, device=device) for size in (n, self.ring, g, self.first))
         self.count.place(device)
+        self.range_guard.place(device)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)

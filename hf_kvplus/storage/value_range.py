@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..errors import OutOfRangeError
+from ..static_address import mark_static
 
 #: The largest magnitude integer codes hold (float16 zero points, less the margin of their directed rounding).
 INT_LIMIT = 65000.0
@@ -79,15 +80,41 @@ class RangeGuard:
     def __init__(self, limit: float, by_norm: bool):
         self.limit, self.by_norm = limit, by_norm
         self.pending: torch.Tensor | None = None  # how many values (vectors) were coded as 0
+        self.in_place = False  # a static storage's counter: one tensor at a static address, added to in place
+
+    def place(self, device: torch.device) -> None:
+        """Makes the counter a static storage's compiled steps add to in place (`mark_static`: CUDA graphs)."""
+        self.pending, self.in_place = torch.zeros((), dtype=torch.long, device=device), True
+        mark_static(self.pending)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as coded: what the format cannot hold as 0, counted."""
+        self.count(x)
+        return self.clean(x)
+
+    def _ok(self, x: torch.Tensor) -> torch.Tensor:
         size, finite = _sizes(x, self.by_norm)
-        ok = finite & (size <= self.limit)
-        bad = (~ok).sum()
-        self.pending = bad if self.pending is None else self.pending + bad
+        return finite & (size <= self.limit)
+
+    def clean(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` with what the format cannot hold as 0, not counted (a static storage counts a token once, as it is
+        written, and codes its key group again at each step until the group is full)."""
+        ok = self._ok(x)
         return torch.where(ok[..., None] if self.by_norm else ok, x, 0)
 
+    def count(self, x: torch.Tensor) -> None:
+        """Counts the values (vectors) of `x` the format cannot hold, on the device."""
+        bad = (~self._ok(x)).sum()
+        if self.in_place:
+            self.pending.add_(bad)
+        else:
+            self.pending = bad if self.pending is None else self.pending + bad
+
     def take(self) -> torch.Tensor | None:
+        if self.in_place:
+            pending = self.pending.clone()
+            self.pending.zero_()
+            return pending
         pending, self.pending = self.pending, None
         return pending
 
