@@ -10,7 +10,7 @@ from .cache import KVCache
 from .errors import ConfigError
 from .placement.offloaded import Offloaded
 from .precision import PrecisionRegions
-from .quantized_cache import quantized_storage
+from .quantized_cache import preset_first_tokens, quantized_storage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW
 
@@ -42,12 +42,13 @@ class OffloadedCache(KVCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
-        first_tokens: int = 0,
+        first_tokens: int | None = None,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
         rotation_seed: int = 0,
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
+        first_tokens = preset_first_tokens(bits, first_tokens)  # a rotated preset's exact first tokens, as QuantizedCache
         regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
         if bits is None:
             if regions != PrecisionRegions(window):
