@@ -86,6 +86,41 @@ COLUMNS = [("config", "config", ""), ("first", "first", "d"), ("boundary", "boun
            ("range", "min .. max", ""), ("seed0", "seed 0", "+.3f"), ("seeds", "seeds", "d")]  # fmt: skip
 
 
+def wide(runs: list[dict]) -> str:
+    """One row per (config, first, boundary), one column per text and chunk size: the mean over seeds [min .. max],
+    the seeds; and the change from the same config without regions, seed by seed (the mean of the paired
+    differences)."""
+    quantized = [r for r in runs if r["config"] != "dynamic"]
+    panels = sorted(dict.fromkeys((r["chunk"], r["text"]) for r in quantized),
+                    key=lambda p: (p[0], p[1] != "austen:prideprejudice", p[1]))  # the project's text first
+    settings = sorted(dict.fromkeys((r["config"], r["first"], r["boundary"]) for r in quantized),
+                      key=lambda s: ({"k4v2": 0, "k3v2": 1, "k2v2": 2}.get(s[0], 3), s[0], s[2], s[1]))  # fmt: skip
+    by = {(r["config"], r["first"], r["boundary"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized}
+    header = ["config", "first", "boundary", "bits/coord"] + [f"{t.removeprefix('austen:')} c{c}" for c, t in panels]
+    lines = ["| " + " | ".join(header) + " |", "| --- | ---: | --- | ---: |" + " ---: |" * len(panels)]
+    for config, first, boundary in settings:
+        bits = [r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"], r["boundary"]) ==
+                (config, first, boundary) and r["tokens"] == max(q["tokens"] for q in quantized)]  # fmt: skip
+        cells = []
+        for chunk, text in panels:
+            seeds = sorted(s for (c, f, b, ch, t, s) in by if (c, f, b, ch, t) == (config, first, boundary, chunk, text))
+            if not seeds:
+                cells.append("")
+                continue
+            deltas = [by[(config, first, boundary, chunk, text, s)] for s in seeds]
+            cell = f"{statistics.fmean(deltas):+.2f}%"
+            if len(deltas) > 1:
+                cell += f" [{min(deltas):+.2f} .. {max(deltas):+.2f}]"
+            cell += f" ({len(deltas)})"
+            plain = [(by[(config, 0, "0", chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
+                     if (config, 0, "0", chunk, text, s) in by]  # fmt: skip
+            if (first, boundary) != (0, "0") and plain:
+                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs none"
+            cells.append(cell)
+        lines.append(f"| {config} | {first} | {boundary} | {statistics.fmean(bits):.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(runs: list[dict], meta: dict, out: Path) -> str:
     bases = [r for r in runs if r["config"] == "dynamic"]
     base_text = "; ".join(f"{r['text']} chunks of {r['chunk']}: {r['perplexity']:.4f}" for r in bases)
@@ -96,7 +131,9 @@ def report(runs: list[dict], meta: dict, out: Path) -> str:
              "the rotation seeds; first: exact first tokens of each row; boundary: the first and last N layers at "
              "full precision (N@int8: at int8); bits/coord: quantized_report()['bits_per_coordinate'] (every token "
              "outside the window, exact regions at float32), mean over seeds.")
-    md = f"{title}; {meta['machine']}, {meta['date']}\n\n```\n{table}\n```\n\n{notes}\n"
+    md = (f"{title}; {meta['machine']}, {meta['date']}\n\n```\n{table}\n```\n\n{notes}\n\n"
+          f"Per text (c: chunk size): mean over seeds [min .. max] (seeds), and the mean of the seed-by-seed change "
+          f"from the same config without regions (points):\n\n{wide(runs)}\n")  # fmt: skip
     (out / "lowbit_regions.md").write_text(md)
     (out / "lowbit_regions.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     plot(runs, out / "lowbit_regions.png", title)
