@@ -22,7 +22,7 @@ BACKENDS = ("kvplus", "quanto")
 #: The exact first tokens (attention sinks) each rotated preset keeps by default: `QuantizedCache(bits="k4v2")`,
 #: `quantized:k4v2`, `OffloadedCache(bits="k4v2")`. Measured on two texts and three rotation seeds (BENCHMARKS.md,
 #: "Issue 46"); `first_tokens=0` (spec `first=0`) turns it off, another number replaces it.
-PRESET_FIRST_TOKENS: dict[str, int] = {"k4v2": 4, "k3v2": 4}
+PRESET_FIRST_TOKENS: dict[str, int] = {"k4v2": 4, "k3v2": 4, "k2v2": 4}
 
 
 def preset_first_tokens(bits, first_tokens: int | None) -> int:
@@ -110,7 +110,7 @@ class QuantizedCache(KVCache):
 
     Precision regions (`PrecisionRegions`): `first_tokens` keeps the first tokens of each row of full-attention layers
     at full precision (attention sinks; with left padding, a padded row's first positions are its padding); left at
-    None it is the preset's: 4 for k4v2 and k3v2 (`PRESET_FIRST_TOKENS`), 0 otherwise; `first_tokens=0` turns
+    None it is the preset's: 4 for k4v2, k3v2 and k2v2 (`PRESET_FIRST_TOKENS`), 0 otherwise; `first_tokens=0` turns
     it off;
     `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`.
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.

@@ -16,7 +16,7 @@
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
                             128 full-precision tokens) and `backend=quanto` may follow; `max_tokens=N` and
                             `compile=on` as for `paged`; precision regions: `first=N` (the first N tokens of
-                            each row at full precision; k4v2 and k3v2 default to 4, `first=0` turns
+                            each row at full precision; k4v2, k3v2 and k2v2 default to 4, `first=0` turns
                             that off), `boundary=N` (the first and last N layers at full
                             precision, or at `boundary_bits=int8|...`); `seed=N` (default 0) picks a rotated
                             format's rotations (`rotation_seed`: layer i rotates with N + i), e.g.
@@ -207,7 +207,7 @@ def _seed(kwargs) -> int:
 
 def _regions(kwargs) -> dict:
     """`QuantizedCache`'s precision-region arguments from a spec's options."""
-    first = int(kwargs["first"]) if "first" in kwargs else None  # None: the preset's (4 for k4v2 and k3v2)
+    first = int(kwargs["first"]) if "first" in kwargs else None  # None: the preset's (4 for k4v2, k3v2 and k2v2)
     return {"first_tokens": first, "boundary_layers": int(kwargs.get("boundary", 0)),
             "boundary_bits": kwargs.get("boundary_bits")}  # fmt: skip
 

@@ -208,7 +208,7 @@ def test_paged_prefix_reuse_refuses_a_first_tokens_region():
         cache.reuse_prefix(torch.arange(40))
 
 
-PRESETS = ["quantized:k4v2", "quantized:k3v2", "offloaded-quantized:k4v2"]
+PRESETS = ["quantized:k4v2", "quantized:k3v2", "quantized:k2v2", "offloaded-quantized:k4v2"]
 
 
 @pytest.mark.parametrize("spec", PRESETS)
@@ -234,11 +234,11 @@ def test_the_preset_follows_the_format_and_gives_way_to_an_explicit_first():
     config = get_model("llama").config
     first = lambda **kw: QuantizedCache(config, window=WINDOW, **kw).regions.first  # noqa: E731
     assert first(key_bits=4, value_bits=2) == first(bits="k4v2") == 4  # the same preset by either name
-    assert first(bits="k4v2", first_tokens=0) == 0 and first(bits="k3v2", first_tokens=9) == 9
-    assert first(bits=4, group_size=4) == first(bits="k4v4") == first(bits="k2v2") == 0  # no preset measured there
+    assert first(bits="k2v2", first_tokens=0) == 0 and first(bits="k3v2", first_tokens=9) == 9
+    assert first(bits=4, group_size=4) == first(bits="k4v4") == first(bits="k8v8") == 0  # no preset measured there
 
 
-@pytest.mark.parametrize("bits, key_bits, value_bits", [("k4v2", 4, 2), ("k3v2", 3, 2)])
+@pytest.mark.parametrize("bits, key_bits, value_bits", [("k4v2", 4, 2), ("k3v2", 3, 2), ("k2v2", 2, 2)])
 def test_a_presets_bits_per_coordinate_are_its_storage(bits, key_bits, value_bits):
     """The report against the storage's own counts: per layer, `head` exact float32 tokens and `segment.length`
     coded ones (key and value codes plus one float16 norm each per head vector), over every token past the window."""
