@@ -112,10 +112,12 @@ def wide(runs: list[dict]) -> str:
             if len(deltas) > 1:
                 cell += f" [{min(deltas):+.2f} .. {max(deltas):+.2f}]"
             cell += f" ({len(deltas)})"
-            plain = [(by[(config, 0, "0", chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
-                     if (config, 0, "0", chunk, text, s) in by]  # fmt: skip
+            # a boundary row against the same first tokens without it; a first-tokens row against none
+            ref, name = ((first, "0"), f"first {first} alone") if boundary != "0" else ((0, "0"), "none")
+            plain = [(by[(config, *ref, chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
+                     if (config, *ref, chunk, text, s) in by]  # fmt: skip
             if (first, boundary) != (0, "0") and plain:
-                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs none"
+                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs {name}"
             cells.append(cell)
         lines.append(f"| {config} | {first} | {boundary} | {statistics.fmean(bits):.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -133,7 +135,7 @@ def report(runs: list[dict], meta: dict, out: Path) -> str:
              "outside the window, exact regions at float32), mean over seeds.")
     md = (f"{title}; {meta['machine']}, {meta['date']}\n\n```\n{table}\n```\n\n{notes}\n\n"
           f"Per text (c: chunk size): mean over seeds [min .. max] (seeds), and the mean of the seed-by-seed change "
-          f"from the same config without regions (points):\n\n{wide(runs)}\n")  # fmt: skip
+          f"(points) from the same config without regions (a boundary row: with its first tokens alone):\n\n{wide(runs)}\n")  # fmt: skip
     (out / "lowbit_regions.md").write_text(md)
     (out / "lowbit_regions.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     plot(runs, out / "lowbit_regions.png", title)
