@@ -10,7 +10,7 @@ from .cache import KVCache
 from .errors import ConfigError
 from .placement.offloaded import Offloaded
 from .precision import PrecisionRegions
-from .quantized_cache import quantized_storage
+from .quantized_cache import preset_first_tokens, quantized_storage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW
 
@@ -19,7 +19,7 @@ class OffloadedCache(KVCache):
     """Every layer's K/V rest in host memory and come to the accelerator `lookahead` layers ahead of use.
 
     Lossless with the default full-precision storage (token-identical to `DynamicCache`); with `bits`
-    (8, 4, 2 or "fp8", as `QuantizedCache`) the packed codes rest on the host and cross the bus, a
+    (8, 4, 2, "fp8" or a rotated "k4v2" with its `rotation_seed`, as `QuantizedCache`) the packed codes rest on the host and cross the bus, a
     quarter of the bytes at int4. `host_budget` (bytes) and `folder` add a disk tier: layers beyond the
     budget go to memory-mapped files in `folder`, read back ahead of use and removed with the cache.
     Works without CUDA (the host is then the compute device: only the disk tier moves bytes).
@@ -42,18 +42,21 @@ class OffloadedCache(KVCache):
         bits: int | str | None = None,
         group_size: int | None = None,
         window: int = DEFAULT_WINDOW,
-        first_tokens: int = 0,
+        first_tokens: int | None = None,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        rotation_seed: int = 0,
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
+        first_tokens = preset_first_tokens(bits, first_tokens)  # a rotated preset's exact first tokens, as QuantizedCache
         regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
         if bits is None:
             if regions != PrecisionRegions(window):
                 raise ConfigError(f"precision regions ({regions}) need bits: a full-precision cache is exact everywhere")
             storage = lambda spec: DenseStorage()  # noqa: E731
         else:
-            storage = quantized_storage(config, bits=bits, group_size=group_size, regions=regions)
+            storage = quantized_storage(config, bits=bits, group_size=group_size, regions=regions,
+                                        rotation_seed=rotation_seed)
         super().__init__(config, storage=storage, placement=placement)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from transformers import PreTrainedConfig
 
 from .cache import KVCache
 from .errors import ConfigError
-from .formats import resolve_format, rotated_bits
+from .formats import parse_bits, resolve_format, rotated_bits
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .precision import PrecisionRegions, precision_report
@@ -18,6 +18,18 @@ from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorag
 from .storage.static_quantized import StaticQuantizedStorage
 
 BACKENDS = ("kvplus", "quanto")
+
+#: The exact first tokens (attention sinks) each rotated preset keeps by default: `QuantizedCache(bits="k4v2")`,
+#: `quantized:k4v2`, `OffloadedCache(bits="k4v2")`. Measured on two texts and three rotation seeds (BENCHMARKS.md,
+#: "Issue 46"); `first_tokens=0` (spec `first=0`) turns it off, another number replaces it.
+PRESET_FIRST_TOKENS: dict[str, int] = {"k4v2": 4, "k3v2": 4, "k2v2": 4}
+
+
+def preset_first_tokens(bits, first_tokens: int | None) -> int:
+    """`first_tokens` as given; None: the preset's (`PRESET_FIRST_TOKENS`) for a rotated `bits`, else 0."""
+    if first_tokens is not None:
+        return first_tokens
+    return 0 if bits is None else PRESET_FIRST_TOKENS.get(parse_bits(bits), 0)
 
 
 def quantized_storage(
@@ -97,7 +109,9 @@ class QuantizedCache(KVCache):
     a chunk of n tokens attends to the newest `window + n - 1` exact, though it pushes the past's window out.
 
     Precision regions (`PrecisionRegions`): `first_tokens` keeps the first tokens of each row of full-attention layers
-    at full precision (attention sinks; with left padding, a padded row's first positions are its padding);
+    at full precision (attention sinks; with left padding, a padded row's first positions are its padding); left at
+    None it is the preset's: 4 for k4v2, k3v2 and k2v2 (`PRESET_FIRST_TOKENS`), 0 otherwise; `first_tokens=0` turns
+    it off;
     `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`.
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     Works for full, sliding-window and hybrid models. `backend="quanto"` quantizes the same groups with
@@ -132,7 +146,7 @@ class QuantizedCache(KVCache):
         rotation_seed: int = 0,
         max_tokens: int | None = None,
         compileable: bool = False,
-        first_tokens: int = 0,
+        first_tokens: int | None = None,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
     ):
@@ -141,6 +155,7 @@ class QuantizedCache(KVCache):
         if max_tokens is not None and placement is not None and placement.moves:
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
         bits = rotated_bits(bits, key_bits, value_bits)
+        first_tokens = preset_first_tokens(bits, first_tokens)
         self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,

@@ -16,8 +16,11 @@
 - `quantized:int4`          hf_kvplus QuantizedCache: int8, int4, int2 or fp8; `group=N`, `window=N` (default
                             128 full-precision tokens) and `backend=quanto` may follow; `max_tokens=N` and
                             `compile=on` as for `paged`; precision regions: `first=N` (the first N tokens of
-                            each row at full precision), `boundary=N` (the first and last N layers at full
-                            precision, or at `boundary_bits=int8|...`)
+                            each row at full precision; k4v2, k3v2 and k2v2 default to 4, `first=0` turns
+                            that off), `boundary=N` (the first and last N layers at full
+                            precision, or at `boundary_bits=int8|...`); `seed=N` (default 0) picks a rotated
+                            format's rotations (`rotation_seed`: layer i rotates with N + i), e.g.
+                            `quantized:k4v2:seed=1`; a KIVI format has no rotation and refuses it
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` and the precision regions of `quantized`
                             (`first=N`, `boundary=N`: full-precision blocks, `boundary_bits=...`) may follow
@@ -34,8 +37,8 @@
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
-- `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 codes (`group=N`, `window=N`, and the
-                            precision regions of `quantized`)
+- `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 or rotated codes (`group=N`, `window=N`,
+                            `seed=N`, and the precision regions of `quantized`)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -191,9 +194,25 @@ def _check_regions(spec: CacheSpec) -> None:
         _check_bits(spec, spec.kwargs["boundary_bits"])
 
 
+def _check_seed(spec: CacheSpec) -> None:
+    """`seed=N`: an integer >= 0, and only for a rotated format (a KIVI format has no rotation to seed)."""
+    if "seed" not in spec.kwargs:
+        return
+    _int(spec.text, "seed", spec.kwargs["seed"], minimum=0)
+    bits = parse_bits(spec.args[0])
+    if not (isinstance(bits, str) and bits != "fp8"):
+        raise ConfigError(f"cache spec {spec.text!r}: seed={spec.kwargs['seed']} picks a rotated format's rotations; "
+                          f"{spec.args[0]!r} is not rotated (give k<key bits>v<value bits>, e.g. k4v2)")  # fmt: skip
+
+
+def _seed(kwargs) -> int:
+    return int(kwargs.get("seed", 0))
+
+
 def _regions(kwargs) -> dict:
     """`QuantizedCache`'s precision-region arguments from a spec's options."""
-    return {"first_tokens": int(kwargs.get("first", 0)), "boundary_layers": int(kwargs.get("boundary", 0)),
+    first = int(kwargs["first"]) if "first" in kwargs else None  # None: the preset's (4 for k4v2, k3v2 and k2v2)
+    return {"first_tokens": first, "boundary_layers": int(kwargs.get("boundary", 0)),
             "boundary_bits": kwargs.get("boundary_bits")}  # fmt: skip
 
 
@@ -213,10 +232,11 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
-        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile"} | REGION_OPTIONS)
+        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed"} | REGION_OPTIONS)
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
+        _check_seed(spec)
         for key in ("group", "window", "max_tokens"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
@@ -241,12 +261,13 @@ def _validate(spec: CacheSpec) -> None:
     elif name in ("offloaded", "offloaded-quantized"):
         quantized = name == "offloaded-quantized"
         _check_arity(
-            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window"} | REGION_OPTIONS if quantized else set())
+            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed"} | REGION_OPTIONS if quantized else set())
         )
         if quantized and len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected {name}:<int8|int4|int2|fp8>, e.g. {name}:int4")
         if quantized:
             _check_bits(spec, spec.args[0])
+            _check_seed(spec)
             _check_regions(spec)
         for key in {"lookahead", "group", "window"} & set(spec.kwargs):
             _int(spec.text, key, spec.kwargs[key], minimum=0 if key == "lookahead" else 1)
@@ -317,7 +338,8 @@ def _offloaded(config, args, kwargs, max_length):
     }
     if args:
         options |= {"bits": args[0], "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-                    "window": int(kwargs.get("window", DEFAULT_WINDOW)), **_regions(kwargs)}
+                    "window": int(kwargs.get("window", DEFAULT_WINDOW)), "rotation_seed": _seed(kwargs),
+                    **_regions(kwargs)}
     return OffloadedCache(config, **options)
 
 
@@ -385,6 +407,7 @@ def _quantized(config, args, kwargs, max_length):
         group_size=int(kwargs["group"]) if "group" in kwargs else None,
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         backend=kwargs.get("backend", "kvplus"),
+        rotation_seed=_seed(kwargs),
         **_static_options(kwargs, max_length),
         **_regions(kwargs),
     )

@@ -12,6 +12,7 @@ from conformance.modes import make_prompt
 from hf_kvplus import ConfigError, QuantizedCache, UnsupportedOperationError
 from hf_kvplus.attention.route import KV_READ_ATTR, attend
 from hf_kvplus.kernels.quant_format import QuantFormat
+from hf_kvplus.quantized_cache import PRESET_FIRST_TOKENS
 from hf_kvplus.specs import parse_cache_spec
 from hf_kvplus.storage.dense import DenseStorage
 from hf_kvplus.storage.packed_segment import PackedSegment
@@ -205,3 +206,56 @@ def test_paged_prefix_reuse_refuses_a_first_tokens_region():
     )
     with pytest.raises(UnsupportedOperationError, match="first_tokens=4"):
         cache.reuse_prefix(torch.arange(40))
+
+
+PRESETS = ["quantized:k4v2", "quantized:k3v2", "quantized:k2v2", "offloaded-quantized:k4v2"]
+
+
+@pytest.mark.parametrize("spec", PRESETS)
+def test_a_rotated_preset_keeps_its_first_tokens_exact_unless_first_is_0(spec, seed):
+    config = get_model("llama").config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    k, v = kv(1, 40, heads, dim)
+    got = {}
+    for text in (f"{spec}:window={WINDOW}", f"{spec}:window={WINDOW}:first=0"):
+        cache = parse_cache_spec(text).build(config)
+        seen_by_attention(cache, 0, k[:, :, :39], v[:, :, :39])
+        got[text] = seen_by_attention(cache, 0, k[:, :, 39:], v[:, :, 39:])  # a decode step reads the codes
+        first = PRESET_FIRST_TOKENS[spec.split(":")[1]] if "first=0" not in text else 0
+        assert [layer.storage.first for layer in cache.layers] == [first] * config.num_hidden_layers
+    preset, off = got.values()
+    assert PRESET_FIRST_TOKENS[spec.split(":")[1]] == 4
+    assert torch.equal(preset[:, :, :4], k[:, :, :4]), "the preset's first tokens were quantized"
+    assert not torch.allclose(off[:, :, :4], k[:, :, :4], atol=1e-3), "first=0 kept them exact"
+    assert not torch.allclose(preset[:, :, 4:12], k[:, :, 4:12], atol=1e-3), "the preset kept more than its tokens"
+
+
+def test_the_preset_follows_the_format_and_gives_way_to_an_explicit_first():
+    config = get_model("llama").config
+    first = lambda **kw: QuantizedCache(config, window=WINDOW, **kw).regions.first  # noqa: E731
+    assert first(key_bits=4, value_bits=2) == first(bits="k4v2") == 4  # the same preset by either name
+    assert first(bits="k2v2", first_tokens=0) == 0 and first(bits="k3v2", first_tokens=9) == 9
+    assert first(bits=4, group_size=4) == first(bits="k4v4") == first(bits="k8v8") == 0  # no preset measured there
+
+
+@pytest.mark.parametrize("bits, key_bits, value_bits", [("k4v2", 4, 2), ("k3v2", 3, 2), ("k2v2", 2, 2)])
+def test_a_presets_bits_per_coordinate_are_its_storage(bits, key_bits, value_bits):
+    """The report against the storage's own counts: per layer, `head` exact float32 tokens and `segment.length`
+    coded ones (key and value codes plus one float16 norm each per head vector), over every token past the window."""
+    config = get_model("llama").config  # float32, 3 layers, 2 KV heads
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    cache = QuantizedCache(config, bits=bits, window=WINDOW)
+    k, v = kv(1, 40, heads, dim)
+    for layer in range(config.num_hidden_layers):
+        cache.update(k, v, layer)
+    coded_bits = exact_bits = coordinates = 0
+    for layer in cache.layers:
+        s = layer.storage
+        assert s.head == 4 and s.segment.length > 0 and s.segment.length + s.recent.length == 40  # recent: head too
+        coded_bits += s.segment.length * heads * ((key_bits + value_bits) * dim + 2 * 16)
+        exact_bits += s.head * heads * 2 * dim * 32
+        coordinates += (s.head + s.segment.length) * heads * 2 * dim
+    report = cache.quantized_report()
+    assert report["bits_per_coordinate"] == pytest.approx((coded_bits + exact_bits) / coordinates, rel=1e-12)
+    assert report["bits_per_coordinate"] > (key_bits + value_bits) / 2 + 16 / dim  # the exact tokens counted
+    assert report["quantized_bytes"] * 8 == coded_bits

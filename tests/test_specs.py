@@ -101,3 +101,44 @@ def test_evicting_specs_build_their_cache(text, cls, policy):
 def test_bad_evicting_specs_are_refused(text, match):
     with pytest.raises(ConfigError, match=match):
         parse_cache_spec(text)
+
+
+def _filled(text: str):
+    """A cache built from `text` on the tiny llama config, layer 0 given 40 tokens (32 past an 8-token window)."""
+    config = make_config("llama")
+    cache = parse_cache_spec(text).build(config)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, heads, 40, dim, generator=generator) for _ in range(2))
+    cache.update(k, v, 0)
+    return cache
+
+
+@pytest.mark.parametrize("name", ["quantized:k4v2", "quantized:k3v2:max_tokens=64", "offloaded-quantized:k4v2"])
+def test_the_seed_option_picks_the_rotations(name):
+    caches = {seed: _filled(f"{name}:window=8:seed={seed}") for seed in (3, 4)}
+    for seed, cache in caches.items():
+        assert [layer.storage.fmt.seed for layer in cache.layers] == [seed + i for i in range(len(cache.layers))]
+    default = _filled(f"{name}:window=8")
+    assert [layer.storage.fmt.seed for layer in default.layers] == list(range(len(default.layers)))
+    codes = {seed: cache.layers[0].storage.view(40)[0] for seed, cache in caches.items()}
+    # (a static rotated storage holds its window rotated, in the model's dtype: one rounding each way)
+    assert torch.allclose(codes[3][:, :, 32:], codes[4][:, :, 32:], atol=1e-5, rtol=0), "the window is exact"
+    assert not torch.allclose(codes[3][:, :, :32], codes[4][:, :, :32], atol=1e-3), "another seed, other codes"
+    again = _filled(f"{name}:window=8:seed=3").layers[0].storage.view(40)[0]
+    assert torch.equal(again, codes[3]), "the same seed, the same codes"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("quantized:k4v2:seed=-1", "seed in cache spec 'quantized:k4v2:seed=-1' must be >= 0, got -1"),
+     ("quantized:k4v2:seed=one", "seed .* must be an integer, got 'one'"),
+     ("offloaded-quantized:k3v2:seed=1.5", "must be an integer, got '1.5'"),
+     ("quantized:int4:seed=1", "seed=1 picks a rotated format's rotations; 'int4' is not rotated"),
+     ("offloaded-quantized:fp8:seed=2", "seed=2 .* 'fp8' is not rotated"),
+     ("paged-quantized:k4v2:seed=1", r"unknown options \['seed'\]"),
+     ("offloaded:seed=1", r"unknown options \['seed'\]")],
+)
+def test_bad_seeds_are_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_cache_spec(text)

@@ -1,0 +1,251 @@
+"""Exact regions on the low-bit rotated formats (issue 46, item 1): which first tokens and boundary layers pay, per
+bit class, on two texts and over rotation seeds.
+
+    python eval/lowbit_regions.py --out eval/results/lowbit_regions_46
+    python eval/lowbit_regions.py --out eval/results/lowbit_regions_46 --chunks 256   # more rows, same folder
+    python eval/lowbit_regions.py --out eval/results/lowbit_regions_46 --report-only  # tables from what is there
+    python eval/lowbit_regions.py --dry-run --out /tmp/lowbit_dry                      # every row, tiny
+
+Protocol (the issue's): `--model` on the first `--tokens` tokens of each `--texts`, fed in chunks of each `--chunks`
+(32: decode-like; 256: prefill-like), a `--window`-token full-precision window; perplexity change against
+DynamicCache on the same ids and chunks (measured once per text and chunk size). Each row is
+`QuantizedCache(bits=<config>, window, first_tokens=<first>, boundary_layers=..., boundary_bits=...,
+rotation_seed=<seed>)` for every `--configs` x `--firsts` x `--boundaries` x `--seeds`; a boundary is `0` (none),
+`1` (the first and last layer at the model's precision) or `1@int8` (at int8: `boundary_bits=int8`). Every
+region is given explicitly, so a preset's default never enters a row. Bits per coordinate:
+`quantized_report()["bits_per_coordinate"]` after the run: every token outside the window, the exact regions
+counted at their dtype (float32 here, as the model runs on the CPU).
+
+Runs are appended to `runs.jsonl` in `--out` as they finish, and a rerun skips the rows already there (so a long
+grid can be stopped, and extended with other options into the same folder). Writes `lowbit_regions.json` (every
+run and the settings), `lowbit_regions.md` (mean and min .. max over seeds, per text and chunk size) and
+`lowbit_regions.png` (perplexity change against bits, per text and chunk size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_kvplus import QuantizedCache
+from hf_kvplus.cli.common import tokenize
+from hf_kvplus.evaluation.perplexity import perplexity
+from hf_kvplus.evaluation.report import format_table, stamp
+from hf_kvplus.resolve import load_model, load_text
+
+
+def parse_boundary(text: str) -> tuple[int, str | None]:
+    """`0`, `1`, `1@int8` -> (layers, bits or None)."""
+    layers, _, bits = text.partition("@")
+    return int(layers), bits or None
+
+
+def label(row: dict) -> str:
+    """The cache spec a row measures (the `seed=` option of the quantized specs)."""
+    layers, bits = parse_boundary(row["boundary"])
+    boundary = f":boundary={layers}" + (f":boundary_bits={bits}" if bits else "")
+    return f"quantized:{row['config']}:window={row['window']}:first={row['first']}{boundary}:seed={row['seed']}"
+
+
+def key(row: dict) -> tuple:
+    return (row["text"], row["chunk"], row["tokens"], row["window"], row["config"], row["first"], row["boundary"],
+            row["seed"])  # fmt: skip
+
+
+def read_runs(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (config, first, boundary, text, chunk): mean, min and max over seeds, bits."""
+    table = []
+    groups = dict.fromkeys((r["config"], r["first"], r["boundary"], r["text"], r["chunk"]) for r in runs
+                           if r["config"] != "dynamic")  # fmt: skip
+    for config, first, boundary, text, chunk in sorted(groups, key=lambda g: (g[0], g[3], g[4], g[1], g[2])):
+        mine = [r for r in runs if (r["config"], r["first"], r["boundary"], r["text"], r["chunk"]) ==
+                (config, first, boundary, text, chunk)]  # fmt: skip
+        deltas = [r["delta_pct"] for r in mine]
+        table.append({"config": config, "first": first, "boundary": boundary, "text": text.removeprefix("austen:"),
+                      "chunk": chunk, "bits": statistics.fmean(r["bits_per_coordinate"] for r in mine),
+                      "mean": statistics.fmean(deltas), "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}",
+                      "seeds": len(mine), "seed0": next((r["delta_pct"] for r in mine if r["seed"] == 0), None)})  # fmt: skip
+    return table
+
+
+COLUMNS = [("config", "config", ""), ("first", "first", "d"), ("boundary", "boundary", ""), ("text", "text", ""),
+           ("chunk", "chunk", "d"), ("bits", "bits/coord", ".3f"), ("mean", "delta % mean", "+.3f"),
+           ("range", "min .. max", ""), ("seed0", "seed 0", "+.3f"), ("seeds", "seeds", "d")]  # fmt: skip
+
+
+def wide(runs: list[dict]) -> str:
+    """One row per (config, first, boundary), one column per text and chunk size: the mean over seeds [min .. max],
+    the seeds; and the change from the same config without regions, seed by seed (the mean of the paired
+    differences)."""
+    quantized = [r for r in runs if r["config"] != "dynamic"]
+    panels = sorted(dict.fromkeys((r["chunk"], r["text"]) for r in quantized),
+                    key=lambda p: (p[0], p[1] != "austen:prideprejudice", p[1]))  # the project's text first
+    settings = sorted(dict.fromkeys((r["config"], r["first"], r["boundary"]) for r in quantized),
+                      key=lambda s: ({"k4v2": 0, "k3v2": 1, "k2v2": 2}.get(s[0], 3), s[0], s[2], s[1]))  # fmt: skip
+    by = {(r["config"], r["first"], r["boundary"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized}
+    header = ["config", "first", "boundary", "bits/coord"] + [f"{t.removeprefix('austen:')} c{c}" for c, t in panels]
+    lines = ["| " + " | ".join(header) + " |", "| --- | ---: | --- | ---: |" + " ---: |" * len(panels)]
+    for config, first, boundary in settings:
+        bits = [r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"], r["boundary"]) ==
+                (config, first, boundary) and r["tokens"] == max(q["tokens"] for q in quantized)]  # fmt: skip
+        cells = []
+        for chunk, text in panels:
+            seeds = sorted(s for (c, f, b, ch, t, s) in by if (c, f, b, ch, t) == (config, first, boundary, chunk, text))
+            if not seeds:
+                cells.append("")
+                continue
+            deltas = [by[(config, first, boundary, chunk, text, s)] for s in seeds]
+            cell = f"{statistics.fmean(deltas):+.2f}%"
+            if len(deltas) > 1:
+                cell += f" [{min(deltas):+.2f} .. {max(deltas):+.2f}]"
+            cell += f" ({len(deltas)})"
+            # a boundary row against the same first tokens without it; a first-tokens row against none
+            ref, name = ((first, "0"), f"first {first} alone") if boundary != "0" else ((0, "0"), "none")
+            plain = [(by[(config, *ref, chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
+                     if (config, *ref, chunk, text, s) in by]  # fmt: skip
+            if (first, boundary) != (0, "0") and plain:
+                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs {name}"
+            cells.append(cell)
+        lines.append(f"| {config} | {first} | {boundary} | {statistics.fmean(bits):.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(runs: list[dict], meta: dict, out: Path) -> str:
+    bases = [r for r in runs if r["config"] == "dynamic"]
+    base_text = "; ".join(f"{r['text']} chunks of {r['chunk']}: {r['perplexity']:.4f}" for r in bases)
+    title = (f"{meta['model']}, first {meta['tokens']} tokens, window {meta['window']}, rotated formats with exact "
+             f"regions; DynamicCache perplexity {base_text}")  # fmt: skip
+    table = format_table(summarize([r for r in runs if r["config"] != "dynamic"]), COLUMNS)
+    notes = ("delta %: perplexity change against DynamicCache on the same ids and chunks, mean and min .. max over "
+             "the rotation seeds; first: exact first tokens of each row; boundary: the first and last N layers at "
+             "full precision (N@int8: at int8); bits/coord: quantized_report()['bits_per_coordinate'] (every token "
+             "outside the window, exact regions at float32), mean over seeds.")
+    md = (f"{title}; {meta['machine']}, {meta['date']}\n\n```\n{table}\n```\n\n{notes}\n\n"
+          f"Per text (c: chunk size): mean over seeds [min .. max] (seeds), and the mean of the seed-by-seed change "
+          f"(points) from the same config without regions (a boundary row: with its first tokens alone):\n\n{wide(runs)}\n")  # fmt: skip
+    (out / "lowbit_regions.md").write_text(md)
+    (out / "lowbit_regions.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
+    plot(runs, out / "lowbit_regions.png", title)
+    return md
+
+
+def plot(runs: list[dict], path: Path, title: str) -> None:
+    """Perplexity change (mean over seeds) against bits per coordinate, one panel per text and chunk size, one
+    marker per config and colour per region setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summarize([r for r in runs if r["config"] != "dynamic"])
+    panels = list(dict.fromkeys((r["text"], r["chunk"]) for r in rows))
+    if not panels:
+        return
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False, sharey=True)
+    settings = list(dict.fromkeys((r["first"], r["boundary"]) for r in rows))
+    colors, markers = plt.get_cmap("tab10"), {"k4v2": "s", "k3v2": "o", "k2v2": "^"}
+    for axis, (text, chunk) in zip(axes[0], panels, strict=True):
+        for r in (r for r in rows if (r["text"], r["chunk"]) == (text, chunk)):
+            i = settings.index((r["first"], r["boundary"]))
+            axis.scatter(r["bits"], r["mean"], color=colors(i % 10), marker=markers.get(r["config"], "x"), s=40,
+                         edgecolor="black", linewidth=0.4,
+                         label=f"first {r['first']}, boundary {r['boundary']}")  # fmt: skip
+        handles, names = axis.get_legend_handles_labels()
+        unique = dict(zip(names, handles, strict=True))
+        axis.legend(unique.values(), unique.keys(), fontsize=6)
+        axis.axhline(0, color="black", linewidth=0.8)
+        axis.set(title=f"{text}, chunks of {chunk} (square k4v2, circle k3v2, triangle k2v2)",
+                 xlabel="bits per coordinate (exact regions counted)")  # fmt: skip
+        axis.title.set_fontsize(7)
+        axis.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("perplexity change vs DynamicCache, %, mean over seeds")
+    figure.suptitle(title, fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="output folder (runs.jsonl is extended there)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--texts", nargs="+", default=["austen:prideprejudice", "austen:emma"])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[32])
+    parser.add_argument("--configs", nargs="+", default=["k4v2", "k3v2"], help="rotated formats (k4v2, k3v2, k2v2)")
+    parser.add_argument("--firsts", type=int, nargs="+", default=[0, 4], help="exact first tokens")
+    parser.add_argument("--boundaries", nargs="+", default=["0", "1"], type=lambda t: parse_boundary(t) and t,
+                        help="boundary layers: 0, 1, or 1@int8 (the boundary layers at int8)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rotation seeds")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--report-only", action="store_true", help="write the tables from runs.jsonl, measure nothing")
+    parser.add_argument("--dry-run", action="store_true", help="every row tiny: 300 tokens, window 64, seed 0")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.tokens, args.window, args.seeds = 300, 64, args.seeds[:1]
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "runs.jsonl"
+    runs = read_runs(log)
+    meta = {**stamp(), "model": args.model, "tokens": args.tokens, "window": args.window,
+            "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    if args.report_only:
+        print(report(runs, meta, args.out))
+        return
+    done = {key(r) for r in runs}
+    model, tokenizer = load_model(args.model)
+    # Rows ordered chunk size, then seed, then text: a grid stopped early has every setting on every text at seed 0.
+    plan = [{"text": text, "chunk": chunk, "tokens": args.tokens, "window": args.window, "config": config,
+             "first": first, "boundary": boundary, "seed": seed}
+            for chunk, seed, text in itertools.product(args.chunks, args.seeds, args.texts)
+            for config, first, boundary in itertools.product(args.configs, args.firsts, args.boundaries)]  # fmt: skip
+    todo = [row for row in plan if key(row) not in done]
+    ids, bases = {}, {(r["text"], r["chunk"], r["tokens"], r["window"]): r for r in runs if r["config"] == "dynamic"}
+
+    def record(row: dict) -> None:
+        runs.append(row)
+        with log.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+    for row in tqdm(todo, desc="runs", unit="run"):
+        text, chunk = row["text"], row["chunk"]
+        if text not in ids:
+            ids[text] = tokenize(tokenizer, load_text(text), args.tokens)
+        where = (text, chunk, args.tokens, args.window)
+        if where not in bases:  # DynamicCache once per text and chunk size
+            result = perplexity(model, ids[text], DynamicCache(config=model.config), mode="chunked", chunk_size=chunk,
+                                label=f"dynamic {text} {chunk}")  # fmt: skip
+            bases[where] = {"text": text, "chunk": chunk, "tokens": args.tokens, "window": args.window,
+                            "config": "dynamic", "first": 0, "boundary": "0", "seed": None,
+                            "perplexity": result.perplexity, "seconds": result.seconds}  # fmt: skip
+            record(bases[where])
+        layers, boundary_bits = parse_boundary(row["boundary"])
+        cache = QuantizedCache(model.config, bits=row["config"], window=args.window, first_tokens=row["first"],
+                               boundary_layers=layers, boundary_bits=boundary_bits, rotation_seed=row["seed"])  # fmt: skip
+        result = perplexity(model, ids[text], cache, mode="chunked", chunk_size=chunk, label=label(row))
+        row |= {"spec": label(row), "perplexity": result.perplexity, "seconds": result.seconds,
+                "delta_pct": 100 * (result.perplexity / bases[where]["perplexity"] - 1),
+                "bits_per_coordinate": cache.quantized_report()["bits_per_coordinate"]}  # fmt: skip
+        record(row)
+        tqdm.write(f"{text} chunk {chunk} {row['spec']}: ppl {row['perplexity']:.4f} ({row['delta_pct']:+.3f}%), "
+                   f"{row['bits_per_coordinate']:.3f} bits, {row['seconds']:.0f} s")  # fmt: skip
+    print(report(runs, meta, args.out))
+    print(f"wrote {args.out}/lowbit_regions.json, .md and .png")
+
+
+if __name__ == "__main__":
+    main()
