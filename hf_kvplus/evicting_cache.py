@@ -9,6 +9,7 @@ slots and reports attention mass, so the model must run "sdpa" (the default) or 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from transformers import PreTrainedConfig
 
@@ -16,6 +17,7 @@ from .attention.dispatch import FUSED_ATTENTION
 from .cache import KVCache, model_retention
 from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
 from .eviction.heavy_hitters import HeavyHitterPolicy
+from .eviction.peak import PeakAttentionPolicy
 from .eviction.policy import EvictionPolicy
 from .eviction.rope import RotaryShift
 from .eviction.sinks import POSITIONS, SinkPolicy
@@ -109,6 +111,27 @@ class EvictingCache(KVCache):
         if self.format is None:
             raise UnsupportedOperationError(f"quantized_report needs a quantized {type(self).__name__} (built with bits=...)")
         return precision_report(self, str(self.format), 0)
+
+    @contextmanager
+    def appending(self):
+        """Within it, no forward evicts: tokens append past the budget, and the policies keep observing. kvpress's
+        pipeline works so (the context compressed at its prefill, the question and the answer appended), and so does
+        a query-agnostic evaluation (`needle_grid(..., mode="agnostic")`). A compileable cache refuses (its slots
+        are fixed)."""
+        if self.is_compileable:
+            raise UnsupportedOperationError(
+                f"{type(self).__name__}(compileable=True) holds budget + 1 slots per head: it cannot append past its "
+                "budget"
+            )
+        policies = [layer.retention for layer in self.layers if isinstance(getattr(layer, "retention", None),
+                                                                           EvictionPolicy)]  # fmt: skip
+        for policy in policies:
+            policy.paused = True
+        try:
+            yield self
+        finally:
+            for policy in policies:
+                policy.paused = False
 
     def activate_past_recording(self) -> None:
         if not self.rollback:
@@ -253,4 +276,40 @@ class SnapKVCache(EvictingCache):
         super().__init__(
             config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
             boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+        )
+
+
+class PeakCache(EvictingCache):
+    """Peak attention (`PeakAttentionPolicy`, KVzip's query-agnostic score in one pass): per KV head, the `recent`
+    newest tokens plus `budget - recent` with the largest attention any single query gave them.
+
+    `recent` defaults to an eighth of the budget; `kernel_size` max-pools a prompt's scores over neighbouring tokens.
+    `compress="prefill"` as for SinkCache: compress prompts only, so that a context compressed before its question
+    (kvpress's pipeline, `appending()`) keeps what its own tokens read. Assisted decoding is refused, as for H2O.
+    """
+
+    rollback = False
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        budget: int = 1024,
+        recent: int | None = None,
+        kernel_size: int = 1,
+        bits: int | str | None = None,
+        group_size: int | None = None,
+        placement: Placement | None = None,
+        compress: str = "always",
+        first_tokens: int = 0,
+        boundary_layers: int = 0,
+        boundary_bits: int | str | None = None,
+    ):
+        recent = budget // 8 if recent is None else recent
+        PeakAttentionPolicy(budget, recent, kernel_size, compress)
+        _check_first_fits(first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "ranked tokens")
+        super().__init__(
+            config, lambda spec: PeakAttentionPolicy(budget, recent, kernel_size, compress), bits=bits,
+            group_size=group_size, placement=placement, first_tokens=first_tokens, boundary_layers=boundary_layers,
+            boundary_bits=boundary_bits,
         )

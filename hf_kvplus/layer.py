@@ -223,7 +223,8 @@ class KVLayer(CacheLayerMixin):
             self._awaiting_attention = False
             return attend(read, module, query, attention_mask, scaling, **kwargs)[0]
         mass_queries = self.retention.mass_queries(new)
-        out, mass = attend(read, module, query, attention_mask, scaling, mass_queries=mass_queries, **kwargs)
+        out, mass = attend(read, module, query, attention_mask, scaling, mass_queries=mass_queries,
+                           mass_reduce=self.retention.mass_reduce, **kwargs)  # fmt: skip
         if mass is not None:
             self.retention.observe(self.storage, mass, new)
         self._awaiting_attention = False

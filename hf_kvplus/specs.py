@@ -34,6 +34,9 @@
                             and `compress=prefill`: compress after prompts only, decode steps append (kvpress)
 - `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
                             `pooling=avg|max`)
+- `peak:1024`               hf_kvplus PeakCache: peak attention (KVzip's query-agnostic score, one pass; `recent=N`,
+                            default an eighth of the budget; `kernel=N` max-pools a prompt's scores;
+                            `compress=prefill`)
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
@@ -55,7 +58,7 @@ from transformers import QuantizedCache as HFQuantizedCache
 
 from .cache import DenseCache
 from .errors import ConfigError
-from .evicting_cache import H2OCache, SinkCache, SnapKVCache
+from .evicting_cache import H2OCache, PeakCache, SinkCache, SnapKVCache
 from .eviction.policy import COMPRESS
 from .formats import parse_bits
 from .offloaded_cache import OffloadedCache
@@ -296,6 +299,7 @@ EVICTING_OPTIONS = {
              {"positions": ("cache", "original"), "compile": ("on", "off"), "compress": COMPRESS}),
     "h2o": (("budget",), {"recent"}, {"compile": ("on", "off"), "compress": COMPRESS}),
     "snapkv": (("budget",), {"observation", "kernel"}, {"pooling": ("avg", "max")}),
+    "peak": (("budget",), {"recent", "kernel"}, {"compress": COMPRESS}),
 }
 
 
@@ -303,7 +307,7 @@ def _validate_evicting(spec: CacheSpec) -> None:
     positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
     _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS)
     if len(spec.args) != len(positional):
-        example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024"}[spec.kind.name]
+        example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024"}[spec.kind.name]
         raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
     for what, value in zip(positional, spec.args, strict=True):
         _int(spec.text, what, value, minimum=0)
@@ -365,6 +369,12 @@ def _snapkv(config, args, kwargs, max_length):
     options = {"observation": int(kwargs.get("observation", 32)), "kernel_size": int(kwargs.get("kernel", 7)),
                "pooling": kwargs.get("pooling", "avg")}
     return SnapKVCache(config, budget=int(args[0]), **options, **_storage(kwargs))
+
+
+def _peak(config, args, kwargs, max_length):
+    recent = int(kwargs["recent"]) if "recent" in kwargs else None
+    return PeakCache(config, budget=int(args[0]), recent=recent, kernel_size=int(kwargs.get("kernel", 1)),
+                     compress=kwargs.get("compress", "always"), **_storage(kwargs))
 
 
 def _static_options(kwargs, max_length) -> dict:
@@ -464,6 +474,8 @@ for _kind in (
     CacheKind("sink", _sink, "hf_kvplus SinkCache: attention sinks + recent window (StreamingLLM)", False, False),
     CacheKind("h2o", _h2o, "hf_kvplus H2OCache: heavy hitters + recent window", False, False),
     CacheKind("snapkv", _snapkv, "hf_kvplus SnapKVCache: prompts compressed by their last tokens' attention", False,
+              False),
+    CacheKind("peak", _peak, "hf_kvplus PeakCache: peak attention, KVzip's query-agnostic score in one pass", False,
               False),
     CacheKind("offloaded", _offloaded, "hf_kvplus OffloadedCache: K/V in host memory (and on disk), fetched ahead",
               True, False),

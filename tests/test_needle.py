@@ -16,6 +16,9 @@ from hf_kvplus.evaluation.needle import (
     INSTRUCTION,
     NEEDLE,
     QUESTION,
+    KeptShare,
+    expand_specs,
+    fp16_token_bytes,
     is_correct,
     needle_grid,
     needle_ids,
@@ -107,6 +110,79 @@ def test_kvplus_needle_writes_the_table_json_csv_and_heatmap(local_model, tmp_pa
     assert (tmp_path / "needle.csv").read_text().count("\n") == 1 + 8
     assert (tmp_path / "needle.png").stat().st_size > 0
     assert "bytes at 160" in capsys.readouterr().out
+
+
+def test_the_context_compressed_before_the_question_gives_lossless_caches_the_same_answers(local_model):
+    """Agnostic mode feeds the context, then the question through generate(): for a lossless cache (and an evicting
+    one with room for everything) the answers are the aware mode's."""
+    _, _, tokenizer, model = local_model
+    haystack = tokenizer(TEXT)["input_ids"]
+    specs = [parse_cache_spec("dense"), parse_cache_spec("h2o:400:compress=prefill")]
+    runs = {mode: needle_grid(model, tokenizer, haystack, specs, [120, 200], [0.2, 0.8], new_tokens=4, mode=mode)
+            for mode in ("aware", "agnostic")}  # fmt: skip
+    answers = {mode: [(t.cache, t.key, t.answer) for t in result.trials] for mode, result in runs.items()}
+    assert answers["aware"] == answers["agnostic"]
+    assert {t.mode for t in runs["agnostic"].trials} == {"agnostic"}
+    with pytest.raises(ConfigError, match="mode must be one of"):
+        needle_grid(model, tokenizer, haystack, specs, [120], [0.5], mode="blind")
+
+
+def test_the_question_appended_in_agnostic_mode_is_not_compressed_but_the_context_is(local_model):
+    """A budget of 40 tokens: aware mode keeps 40 (+ the answer's tokens, appended); agnostic mode keeps 40 of the
+    context plus the whole question: the bytes read off the cache differ by the question's tokens."""
+    _, _, tokenizer, model = local_model
+    haystack = tokenizer(TEXT)["input_ids"]
+    question = len(prompt_frame(tokenizer)[1])
+    held = {}
+    for mode in ("aware", "agnostic"):
+        result = needle_grid(model, tokenizer, haystack, [parse_cache_spec("h2o:40:compress=prefill")], [200], [0.5],
+                             new_tokens=4, mode=mode)  # fmt: skip
+        trial = result.trials[0]
+        held[mode] = trial.bytes_held
+        assert trial.tokens_seen == 203 and trial.family == "evicting"
+    # The question's tokens held on top, at float32 (twice float16's payload); slot metadata grows with capacity.
+    payload = 2 * fp16_token_bytes(model.config)
+    assert question * payload <= held["agnostic"] - held["aware"] < question * payload * 2
+
+
+def test_bytes_are_read_off_each_cache_as_a_fraction_of_float16(local_model):
+    _, _, tokenizer, model = local_model
+    haystack = tokenizer(TEXT)["input_ids"]
+    specs = expand_specs(["dense", "quantized:int4:window=16", "snapkv:{budget}", "snapkv:{budget}:bits=int4"],
+                         [0.25])  # fmt: skip
+    assert [spec.text for spec in specs] == ["dense", "quantized:int4:window=16", "snapkv:25%", "snapkv:25%:bits=int4"]
+    result = needle_grid(model, tokenizer, haystack, specs, [200], [0.5], new_tokens=4)
+    got = {t.cache: t for t in result.trials}
+    cfg = model.config
+    assert fp16_token_bytes(cfg) == 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
+        cfg.hidden_size // cfg.num_attention_heads)
+    assert got["dense"].fp16_fraction == pytest.approx(2.0)  # float32 K/V: twice float16's bytes
+    assert got["dense"].family == "full precision" and got["quantized:int4:window=16"].family == "quantized"
+    assert got["snapkv:25%:bits=int4"].family == "evicting + quantized"
+    fractions = [got[name].fp16_fraction for name in ("dense", "quantized:int4:window=16", "snapkv:25%",
+                                                      "snapkv:25%:bits=int4")]  # fmt: skip
+    assert fractions[0] > max(fractions[1:]) and fractions[3] < min(fractions[1:3]) and fractions[3] < fractions[2] / 2
+    context = 200 - len(prompt_frame(tokenizer)[1])
+    assert KeptShare("snapkv:{budget}", 0.25).budget(context) == round(0.25 * context)
+    with pytest.raises(ConfigError, match="placeholder"):
+        expand_specs(["h2o:{budget}"], [])
+    with pytest.raises(ConfigError, match=r"in \(0, 1\], got 1.5"):
+        KeptShare("h2o:{budget}", 1.5)
+
+
+def test_kvplus_needle_with_shares_kept_writes_the_accuracy_against_bytes_plot(local_model, tmp_path, capsys):
+    folder, text, _, _ = local_model
+    code = main(["needle", "--model", folder, "--text", text, "--lengths", "120", "--depths", "0.5", "--new-tokens",
+                 "3", "--cache", "dense", "--cache", "peak:{budget}:compress=prefill", "--keep", "0.2", "0.5",
+                 "--mode", "agnostic", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    data = json.loads((tmp_path / "needle.json").read_text())
+    assert data["caches"] == ["dense", "peak:20%:compress=prefill", "peak:50%:compress=prefill"]
+    assert data["mode"] == "agnostic" and data["keep"] == [0.2, 0.5]
+    fractions = {row["cache"]: row["frac_120"] for row in data["summary"]}
+    assert fractions["dense"] > fractions["peak:50%:compress=prefill"] > fractions["peak:20%:compress=prefill"]
+    assert (tmp_path / "accuracy_bytes.png").stat().st_size > 0
+    assert "x fp16 at 120" in capsys.readouterr().out
 
 
 def test_the_kvpress_comparison_runs_its_hf_kvplus_half_and_scores_the_full_cache_as_perplexity_does(

@@ -60,12 +60,13 @@ def slot_decode(
 
 
 def slot_prefill(
-    query: torch.Tensor, read: SlotRead, scaling: float, *, mass_queries: int = 0
+    query: torch.Tensor, read: SlotRead, scaling: float, *, mass_queries: int = 0, mass_reduce: str = "sum"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` [batch, q_heads, q, d] over the slots of `read` (quantized slots dequantized first), the
     fresh tokens in the last q slots: the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
     `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last `mass_queries`
-    queries. A query with no valid key outputs zeros. Queries that report no mass go through SDPA (its causal fast
+    queries (summed over them; with `mass_reduce="max"`, the largest that one query gave, each query's summed over
+    the heads of the KV head's group). A query with no valid key outputs zeros. Queries that report no mass go through SDPA (its causal fast
     path for a first prefill without padding)."""
     q, valid = query.shape[2], read.valid()
     keys, values = read.dense() if read.packed is not None else (read.keys, read.values)
@@ -73,7 +74,7 @@ def slot_prefill(
     parts = [_sdpa_rows(query[:, :, :head], keys, values, valid, scaling, q)] if head else []
     mass = None
     if mass_queries:
-        tail, mass = _rows_with_mass(query[:, :, head:], keys, values, valid, scaling, q)
+        tail, mass = _rows_with_mass(query[:, :, head:], keys, values, valid, scaling, q, mass_reduce == "max")
         parts.append(tail)
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), mass
@@ -92,7 +93,7 @@ def _sdpa_rows(rows, keys, values, valid, scaling, q):
     return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
-def _rows_with_mass(rows, keys, values, valid, scaling, q):
+def _rows_with_mass(rows, keys, values, valid, scaling, q, peak=False):
     """Output of the last r of the q fresh queries and the mass they give each key, in one chunked pass.
 
     Keys and values are cast to float32 once, and each chunk builds its own mask rows: at 32K tokens and batch 8
@@ -118,5 +119,8 @@ def _rows_with_mass(rows, keys, values, valid, scaling, q):
         if valid is not None:  # a query with no valid key (a padding row) gives zeros, not NaN
             probs = probs.masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
         out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values).to(out.dtype)
-        mass += probs.sum(dim=(2, 3))
+        if peak:
+            torch.maximum(mass, probs.sum(dim=2).amax(dim=2), out=mass)
+        else:
+            mass += probs.sum(dim=(2, 3))
     return out.view(batch, q_heads, r, -1), mass

@@ -38,11 +38,19 @@ WORDS = (
 
 @dataclass
 class TaskPrompt:
-    """One prompt of a task: `[1, length]` ids, the answers it expects, and the token index of its first insert."""
+    """One prompt of a task: `[1, length]` ids, the answers it expects, the token index of its first insert, and how
+    many of its last tokens are the question (and the start of the answer): the rest is the context, which a
+    query-agnostic evaluation compresses before the question arrives."""
 
     ids: torch.Tensor
     expected: list[str]
     at: int
+    question: int = 0
+
+    @property
+    def context(self) -> int:
+        """Tokens before the question."""
+        return self.ids.shape[1] - self.question
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -133,7 +141,7 @@ class PassKey(RetrievalTask):
         key = str(rng.randint(10000, 99999))
         framing = frame(tokenizer, self.instruction, self.question, self.answer_start)
         ids, at = assemble(framing, haystack, [(depth, encode(tokenizer, self.needle.format(key=key)))], length)
-        return TaskPrompt(ids, [key], at)
+        return TaskPrompt(ids, [key], at, len(framing[1]))
 
     def score(self, answer, expected):
         """Exact match of the answer's first number with the key."""
@@ -156,7 +164,7 @@ class MultiKey(PassKey):
         inserts = [(d, encode(tokenizer, self.needle.format(word=w, key=k)))
                    for d, w, k in zip(depths, words, keys, strict=True)]  # fmt: skip
         ids, at = assemble(framing, haystack, inserts, length)
-        return TaskPrompt(ids, [keys[0]], at)
+        return TaskPrompt(ids, [keys[0]], at, len(framing[1]))
 
 
 class MultiValue(RetrievalTask):
@@ -173,7 +181,7 @@ class MultiValue(RetrievalTask):
         inserts = [(d, encode(tokenizer, self.needle.format(word=word, key=k)))
                    for d, k in zip(_spread(depth, self.values), keys, strict=True)]  # fmt: skip
         ids, at = assemble(framing, haystack, inserts, length)
-        return TaskPrompt(ids, keys, at)
+        return TaskPrompt(ids, keys, at, len(framing[1]))
 
 
 class VariableTracking(RetrievalTask):
@@ -190,7 +198,7 @@ class VariableTracking(RetrievalTask):
         inserts = [(d, encode(tokenizer, f"\nVAR {name} = {source}.\n"))
                    for d, name, source in zip(_spread(depth, self.hops), names, sources, strict=True)]  # fmt: skip
         ids, at = assemble(framing, haystack, inserts, length)
-        return TaskPrompt(ids, names, at)
+        return TaskPrompt(ids, names, at, len(framing[1]))
 
 
 class CommonWords(RetrievalTask):
@@ -225,7 +233,7 @@ class CommonWords(RetrievalTask):
         ids = torch.tensor([before + listed + filler + after])
         if ids.shape[1] != length:
             raise ConfigError(f"a {length}-token common-words prompt came out {ids.shape[1]} tokens long")
-        return TaskPrompt(ids, top, len(before))
+        return TaskPrompt(ids, top, len(before), len(after))
 
     @staticmethod
     def _listed(items: list[str]) -> str:

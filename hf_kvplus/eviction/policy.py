@@ -42,6 +42,10 @@ class EvictionPolicy(Retention):
     #: (after multi-token forwards only, as kvpress does; one-token decode steps append).
     compress: str = "always"
 
+    #: How the mass of several queries combines into what `observe` gets: "sum" (H2O, SnapKV) or "max" (the largest
+    #: any one query gave, each query's mass summed over its KV head's query group).
+    mass_reduce: str = "sum"
+
     def mass_queries(self, new: int) -> int:
         """How many of the last `new` queries must report the attention mass they give (0: none)."""
         return 0
@@ -49,9 +53,12 @@ class EvictionPolicy(Retention):
     def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:  # noqa: B027 - an optional hook
         """Takes the attention mass `[batch, kv_heads, slots]` of the latest forward."""
 
+    #: Set by `EvictingCache.appending()`: no forward evicts, tokens append past the budget.
+    paused: bool = False
+
     def excess(self, held: int, new: int) -> int:
         """Slots to evict after attending `new` fresh tokens: back down to the budget (when `compress` says so)."""
-        if new <= 1 and self.compress == "prefill":
+        if self.paused or (new <= 1 and self.compress == "prefill"):
             return 0
         return max(0, held - self.budget)
 

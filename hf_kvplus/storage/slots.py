@@ -371,6 +371,14 @@ class SlotStore(KVStorage):
         else:
             self.scores.add_(mass)
 
+    def max_scores(self, mass: torch.Tensor) -> None:
+        """Raises the used slots' scores to `mass` [batch, kv_heads, length] where it is larger (in place; by index in
+        a compileable store, as `add_scores`)."""
+        if self.device_count:
+            self._write_slots(self._span_slots(0, self.length), {"score": torch.maximum(self.scores, mass)})
+        else:
+            torch.maximum(self.scores, mass, out=self.scores)
+
     def _write_exact(self, first_pos: int | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copies the tokens at positions `first_pos ..` that fall in the first-tokens region into `exact`: by slices
         (nothing once past it) with a Python int, by index with a device count (every step, the positions past the
