@@ -148,6 +148,7 @@ def available_cache_specs() -> list[str]:
         "sink": ["sink:4:252", "sink:4:252:bits=int4"],
         "h2o": ["h2o:256"],
         "snapkv": ["snapkv:256"],
+        "peak": ["peak:256"],
         "offloaded": ["offloaded", "offloaded:disk=tmp"],
         "offloaded-quantized": ["offloaded-quantized:int4"],
     }
@@ -212,9 +213,10 @@ def _seed(kwargs) -> int:
     return int(kwargs.get("seed", 0))
 
 
-def _regions(kwargs) -> dict:
-    """`QuantizedCache`'s precision-region arguments from a spec's options."""
-    first = int(kwargs["first"]) if "first" in kwargs else None  # None: the preset's (4 for k4v2, k3v2 and k2v2)
+def _regions(kwargs, preset: bool = True) -> dict:
+    """`QuantizedCache`'s precision-region arguments from a spec's options; without `first=`, the preset's first tokens
+    (None: 4 for k4v2, k3v2 and k2v2) where the cache has presets, else 0."""
+    first = int(kwargs["first"]) if "first" in kwargs else (None if preset else 0)
     return {"first_tokens": first, "boundary_layers": int(kwargs.get("boundary", 0)),
             "boundary_bits": kwargs.get("boundary_bits")}  # fmt: skip
 
@@ -348,9 +350,10 @@ def _offloaded(config, args, kwargs, max_length):
 
 
 def _storage(kwargs) -> dict:
-    """An evicting cache's storage arguments: bits, group size and precision regions."""
+    """An evicting cache's storage arguments: bits, group size and precision regions (its slots have no preset first
+    tokens: `first=` absent is 0)."""
     return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-            **_regions(kwargs)}  # fmt: skip
+            **_regions(kwargs, preset=False)}  # fmt: skip
 
 
 def _sink(config, args, kwargs, max_length):
@@ -431,7 +434,7 @@ def _paged_quantized(config, args, kwargs, max_length):
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         block_size=int(kwargs["block"]) if "block" in kwargs else None,
         num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
-        **_regions(kwargs),
+        **_regions(kwargs, preset=False),  # paged blocks have no preset first tokens yet
     )
 
 
