@@ -1,7 +1,15 @@
 """Evaluation: perplexity on long texts, needle retrieval and benchmarks of caches, with tables, JSON and plots."""
 
 from .benchmark import BenchResult, benchmark, plot_bench
-from .needle import NeedleResult, NeedleTrial, needle_grid, passkey_prompt, plot_needle
+from .needle import (
+    KeptShare,
+    NeedleResult,
+    NeedleTrial,
+    needle_grid,
+    passkey_prompt,
+    plot_accuracy_bytes,
+    plot_needle,
+)
 from .perplexity import MODES, PerplexityResult, cache_free_nll, perplexity, plot_perplexity
 from .report import format_table, stamp
 from .retrieval_tasks import TASKS, RetrievalTask, retrieval_task
@@ -10,6 +18,7 @@ __all__ = [
     "MODES",
     "TASKS",
     "BenchResult",
+    "KeptShare",
     "NeedleResult",
     "NeedleTrial",
     "PerplexityResult",
@@ -21,6 +30,7 @@ __all__ = [
     "passkey_prompt",
     "perplexity",
     "plot_bench",
+    "plot_accuracy_bytes",
     "plot_needle",
     "plot_perplexity",
     "retrieval_task",

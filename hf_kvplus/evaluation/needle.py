@@ -183,6 +183,19 @@ class NeedleResult:
                 "tasks": self.tasks, "summary": self.summary(), "trials": [asdict(t) for t in self.trials]}  # fmt: skip
         Path(path).write_text(json.dumps(data, indent=2))
 
+    @classmethod
+    def from_json(cls, *paths: str | Path) -> NeedleResult:
+        """The trials of `to_json` files, merged in order (caches of several runs on the same grid)."""
+        trials, caches, lengths, depths, tasks = [], [], [], [], []
+        for path in paths:
+            data = json.loads(Path(path).read_text())
+            trials += [NeedleTrial(**t) for t in data["trials"]]
+            caches += [c for c in data["caches"] if c not in caches]
+            lengths += [n for n in data["lengths"] if n not in lengths]
+            depths += [d for d in data["depths"] if d not in depths]
+            tasks += [t for t in data.get("tasks", ["passkey"]) if t not in tasks]
+        return cls(trials, sorted(lengths), sorted(depths), caches, tasks)
+
     def to_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(asdict(self.trials[0])))
