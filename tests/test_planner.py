@@ -414,14 +414,15 @@ def test_rotated_formats_are_named_by_key_and_value_bits():
 def test_plan_matches_what_a_rotated_cache_holds(kv_format, window):
     """A filled rotated QuantizedCache holds, in payload + metadata, exactly the planned KV bytes: its newest
     `window` tokens in float16, every older token coded on its own (handed over 32 at a time: a context that leaves
-    a multiple of 32 past the window)."""
+    a multiple of 32 past the window). The planner plans no exact first tokens, so the cache is built without the
+    presets' (`first_tokens=0`)."""
     from hf_kvplus.quantized_cache import QuantizedCache
 
     config = LlamaConfig(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
     )
     context = window + 32 * 26
-    cache = _filled(QuantizedCache(config, bits=kv_format, window=window), config, context)
+    cache = _filled(QuantizedCache(config, bits=kv_format, window=window, first_tokens=0), config, context)
     report = cache.memory_report()
     assert report.tokens_held == context
     p = planner.plan(config, context, 1, kv_format=kv_format, residual=window)
