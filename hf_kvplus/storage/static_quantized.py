@@ -148,8 +148,8 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_k.index_copy_(2, slot, keys)
         self.ring_v.index_copy_(2, slot, values)
         guard = self.range_guard  # (counted once here; coded as 0 wherever the codes take it from the ring)
-        guard.count(self.ring_k.index_select(2, slot))
-        guard.count(self.ring_v.index_select(2, slot))
+        guard.count(keys)
+        guard.count(values)
         # Before the first group leaves the window this re-quantizes key group 0 from whatever the ring holds, and
         # value 0 from token 0: those codes are masked (the frontier is 0) and written again once they have left.
         index = ((token + 1 - self.window) // g - 1).clamp_(min=0)

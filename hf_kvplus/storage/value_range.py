@@ -89,22 +89,27 @@ class RangeGuard:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` as coded: what the format cannot hold as 0, counted."""
-        self.count(x)
-        return self.clean(x)
+        ok = self._ok(x)
+        self._add((~ok).sum())
+        return self._where(ok, x)
 
     def _ok(self, x: torch.Tensor) -> torch.Tensor:
         size, finite = _sizes(x, self.by_norm)
         return finite & (size <= self.limit)
 
+    def _where(self, ok: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(ok[..., None] if self.by_norm else ok, x, 0)
+
     def clean(self, x: torch.Tensor) -> torch.Tensor:
         """`x` with what the format cannot hold as 0, not counted (a static storage counts a token once, as it is
         written, and codes its key group again at each step until the group is full)."""
-        ok = self._ok(x)
-        return torch.where(ok[..., None] if self.by_norm else ok, x, 0)
+        return self._where(self._ok(x), x)
 
     def count(self, x: torch.Tensor) -> None:
         """Counts the values (vectors) of `x` the format cannot hold, on the device."""
-        bad = (~self._ok(x)).sum()
+        self._add((~self._ok(x)).sum())
+
+    def _add(self, bad: torch.Tensor) -> None:
         if self.in_place:
             self.pending.add_(bad)
         else:
