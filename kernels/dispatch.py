@@ -37,9 +37,7 @@ from hf_kvplus.kernels.paged_attention import (
 from hf_kvplus.kernels.quant_attention import (
     _check_inputs,
     _twin,
-    quantized_decode_attention_torch,
     quantized_decode_attention_triton,
-    quantized_decode_attention_with_mass_torch,
     quantized_decode_attention_with_mass_triton,
 )
 from hf_kvplus.kernels.quant_pack import (
@@ -68,13 +66,20 @@ __all__ = [
 
 
 def _path(x, check: bool, op_off_cuda: bool = False) -> str:
-    """Where a call on `x` runs: "op" (the custom operator: an unchecked call being traced, on CUDA unless
-    `op_off_cuda`), "triton" (CUDA tensors) or "twin" (everything else, a checked call's non-tensor included,
-    which the twin's checks refuse). The device is asked first: an eager call off CUDA never asks the compiler."""
+    """Where a call on `x` runs, the one place kernels/ asks whether the compiler is tracing: "op" (the custom
+    operator: an unchecked call being traced, on CUDA unless `op_off_cuda`), "triton" (CUDA tensors), "traced" (the
+    twin, traced off CUDA: it takes the forms inductor fuses) or "twin" (everything else, a checked call's non-tensor
+    included, which the twin's checks refuse)."""
     cuda = (not check or isinstance(x, torch.Tensor)) and x.is_cuda
-    if not check and (cuda or op_off_cuda) and torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
+        return "triton" if cuda else "twin"
+    if not check and (cuda or op_off_cuda):
         return "op"
-    return "triton" if cuda else "twin"
+    return "triton" if cuda else "traced"
+
+
+#: The paths that run the torch twin.
+_TWINS = ("twin", "traced")
 
 
 def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
@@ -208,9 +213,9 @@ def _quantized(q, packed, fmt, kw: dict, with_mass: bool):
         )  # fmt: skip
     if path == "triton":
         fn = quantized_decode_attention_with_mass_triton if with_mass else quantized_decode_attention_triton
-    else:
-        fn = quantized_decode_attention_with_mass_torch if with_mass else quantized_decode_attention_torch
-    return fn(q, packed, fmt, **kw)
+        return fn(q, packed, fmt, **kw)
+    result = _twin(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=path == "traced")
+    return result if with_mass else result[0]
 
 
 def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
@@ -226,7 +231,8 @@ def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
     # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
     # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
     # output unchanged, so the rotations' columns are permuted to match.
-    planes = torch.compiler.is_compiling() and not q.is_cuda
+    path = _path(q, kw["check"])
+    planes = path == "traced"
     # A ring held rotated stays in channel order: the twin folds it in after the codes, with q and the running output
     # turned to channel order (a few floats), where putting the ring in plane order copied all of it every step.
     ring_in_channels = planes and kw["residual_k"] is not None and fmt.inputs_rotated
@@ -237,7 +243,6 @@ def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
     elif kw["residual_k"] is not None:
         kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
     q_rot = q.float() @ r_k
-    path = _path(q, kw["check"])
     if path == "op":
         p = packed
         op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
@@ -305,7 +310,7 @@ def _quantize(x, fmt, out, kind: str, check: bool):
     """Both quantize entry points: off CUDA ``quant_pack.quantize_off_cuda``; a rotated format on CUDA through
     :func:`_rotated_cuda`; else the custom operator (writing into `out`, or into tensors allocated first) or Triton."""
     path = _path(x, check)
-    if path == "twin":
+    if path in _TWINS:
         return quantize_off_cuda(x, fmt, out, kind, check)
     if isinstance(fmt, RotatedFormat):
         return _rotated_cuda(x, fmt, out, kind, None, path, check)
@@ -326,7 +331,7 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
     in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
     CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
     path = _path(x, check)
-    if path == "twin":
+    if path in _TWINS:
         if check:
             _check_at(x, fmt, out, slots)
         return quantize_values_at_torch(x, fmt, out, slots)

@@ -784,8 +784,9 @@ def _twin(
     q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
     check, *, with_mass, planes=False, ring_in_channels=False,
 ):  # fmt: skip
-    """Both twins: (output, mass or None); `planes`: a rotated format's channels in plane order (see `_rotated`);
-    `ring_in_channels`: with `planes`, the residual in channel order, folded in last, and the output in channel order."""
+    """Both twins: (output, mass or None); `planes`: traced off CUDA, the codes' planes kept (a rotated format's
+    channels in plane order, see `dispatch._rotated`); `ring_in_channels`: with `planes`, the residual in channel
+    order, folded in last, and the output in channel order."""
     if check:
         info = _check_inputs(
             q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
@@ -885,11 +886,12 @@ def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per
 
 
 def _plane_count(fmt, side: str, planes: bool, head_dim: int) -> int:
-    """The planes a side's dequantized channels come in (1: none to keep): KIVI's codes per byte (plane i holds
-    channels `i * P ..`), a rotated format's in plane order (`rotated_format.planes_of`), else 1."""
-    if fmt.rotated:
-        return planes_of(head_dim, fmt.bits_of(side)) if planes else 1
-    return fmt.per_byte
+    """The planes a side's dequantized channels come in, with `planes` (a twin traced off CUDA): KIVI's codes per
+    byte (plane i holds channels `i * P ..`), a rotated format's in plane order (`rotated_format.planes_of`); else 1,
+    none to keep (eager, the planes' views would only add host work)."""
+    if not planes:
+        return 1
+    return planes_of(head_dim, fmt.bits_of(side)) if fmt.rotated else fmt.per_byte
 
 
 def _cat_tokens(per: int, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -897,7 +899,7 @@ def _cat_tokens(per: int, parts: list[torch.Tensor]) -> torch.Tensor:
     shape `[..., per, D / per]` (the same memory): compiled, the join then loops over the planes, whose shift (or
     table column) is the same for a whole row of bytes, and not over channels in order (`channel // P` shifts,
     `channel % P` bytes: inductor runs that element by element)."""
-    if per == 1 or not torch.compiler.is_compiling():  # eager: the views would only add host work
+    if per == 1:
         return torch.cat(parts, dim=2)
     return torch.cat([t.unflatten(-1, (per, -1)) for t in parts], dim=2).flatten(-2)
 

@@ -497,17 +497,19 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     expected = run(quantized_decode_attention_torch, q, fmt, lay, 0.2, rk, rv)
     calls = []
 
+    the_twin = dispatch._twin
+
     def twin(*a, **kw):
-        calls.append(1)
-        return quantized_decode_attention_torch(*a, **kw)
+        calls.append(kw["planes"])
+        return the_twin(*a, **kw)
 
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
     monkeypatch.setattr(dispatch, "quantized_decode_attention_triton", boom)
-    monkeypatch.setattr(dispatch, "quantized_decode_attention_torch", twin)
+    monkeypatch.setattr(dispatch, "_twin", twin)
     out = run(quantized_decode_attention, q, fmt, lay, 0.2, rk, rv, num_splits=3)
-    assert calls == [1]
+    assert calls == [False]  # eager: the codes' planes are not kept
     assert torch.equal(out, expected)
     with pytest.raises(ConfigError, match="num_splits"):
         run(quantized_decode_attention, q, fmt, lay, 0.2, rk, rv, num_splits=0)
