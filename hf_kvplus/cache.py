@@ -108,7 +108,7 @@ class KVCache(Cache):
     # ------------------------------------------------------------------ pickling and copies
     # A used cache travels whole (tensors, bookkeeping, placement) and the copy continues with the same logits. What
     # cannot travel refuses in `__getstate__` with `UnsupportedOperationError` (a disk tier's files, a shared pool);
-    # memos that hold weak references (`FitMemo`) travel empty.
+    # memos (`EagerMemo`, whose weak references could not travel) travel empty.
 
     def __reduce_ex__(self, protocol):
         """Pickles the state through `torch.save`, which keeps views of one buffer views of one buffer (plain pickle

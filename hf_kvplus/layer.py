@@ -19,6 +19,7 @@ from .model_spec import LayerSpec
 from .placement.base import Placement
 from .retention.base import Retention
 from .storage.base import KVStorage
+from .storage.eager_memo import EagerMemo
 from .storage.reads import DenseRead, SlotRead
 from .storage.value_range import check_prompt, code_limit
 
@@ -73,7 +74,7 @@ class KVLayer(CacheLayerMixin):
         self._seen = 0  # `seen`, where the storage does not count it
         self._pending: int | None = None  # a scored layer's fresh tokens of the last forward, while eviction waits
         self._awaiting_attention = False  # a scored layer's update was not yet followed by its attention
-        self._checked: tuple | None = None  # the key and value shapes `check_states` last accepted
+        self._checked = EagerMemo()  # `check_states` passed for key and value states of these shapes
         formats = storage.formats()  # quantized: a prompt's values are checked against what the codes hold
         float32 = getattr(getattr(storage, "segment", None), "float32_scales", False)
         self._codes = (formats[0], *code_limit(formats[0], float32)) if formats else None
@@ -147,10 +148,8 @@ class KVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif (key_states.shape, value_states.shape) != self._checked:  # a decode step's shapes were checked once
-            check_states(self.spec, key_states, value_states)
-            if not torch.compiler.is_compiling():  # (a traced step keeps no state of its own)
-                self._checked = (key_states.shape, value_states.shape)
+        else:  # (a decode step's shapes, once)
+            self._checked.get((key_states.shape, value_states.shape), check_states, self.spec, key_states, value_states)
         if self._awaiting_attention:
             what = (
                 "this evicting cache could neither mask its slots nor score them"

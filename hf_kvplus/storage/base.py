@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -144,32 +143,3 @@ def check_fits(
         )
     if keys.dtype != dtype or keys.device != device:
         raise CacheMismatchError(f"new keys are {keys.dtype} on {keys.device}, the cache holds {dtype} on {device}")
-
-
-class FitMemo:
-    """What `check_fits` last passed: the buffer checked against (weakly held: it keeps no memory alive) and the new
-    keys' and values' shapes, dtype and device. A decode step's checks are its host cost: a storage checks again only
-    when its buffer or the new tokens' shapes change (a batch operation, say). A traced step always checks.
-
-    A memo does not travel: a pickled or deep-copied storage gets an empty one (its weak reference could not be
-    pickled, and would name the original's buffer), so the copy checks its first append again."""
-
-    def __init__(self):
-        self._seen: tuple | None = None
-
-    def __reduce__(self):
-        return FitMemo, ()
-
-    def passed(self, buffer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether `check_fits` passed for `buffer` and new keys and values like these (never while tracing)."""
-        seen = self._seen
-        return (
-            seen is not None
-            and not torch.compiler.is_compiling()
-            and seen[0]() is buffer
-            and seen[1] == (keys.shape, values.shape, keys.dtype, keys.device)
-        )
-
-    def remember(self, buffer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if not torch.compiler.is_compiling():  # (a traced step keeps no state of its own)
-            self._seen = (weakref.ref(buffer), (keys.shape, values.shape, keys.dtype, keys.device))

@@ -7,7 +7,8 @@ import torch
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 from ..memory import MemoryReport
 from ..static_address import mark_static
-from .base import FitMemo, KVStorage, Region, check_fits, widened
+from .base import KVStorage, Region, check_fits, widened
+from .eager_memo import EagerMemo
 from .reads import DenseRead
 from .token_count import TokenCount, counted
 
@@ -54,7 +55,7 @@ class DenseStorage(KVStorage):
         self.values: torch.Tensor | None = None
         self.start = self.end = 0
         self._written: tuple[int, int] | None = None  # tokens written in place since take_written()
-        self._fits = FitMemo()  # what `check_fits` last passed (the keys buffer, new tokens' shapes)
+        self._fits = EagerMemo()  # `check_fits` passed for the keys buffer and new tokens of these shapes
 
     end = counted("Tokens start..end-1 are held (`count`; a static storage's on the device too).")
 
@@ -177,12 +178,14 @@ class DenseStorage(KVStorage):
                 self.count.place(keys.device)
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`check_fits`, once per buffer and new tokens' shapes (`FitMemo`)."""
+        """`check_fits`, once per buffer and new tokens' shapes (`EagerMemo`)."""
+        self._fits.get((keys.shape, values.shape, keys.dtype, keys.device), self._check_fits, keys, values,
+                       anchor=self.keys)  # fmt: skip
+
+    def _check_fits(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         held = self.keys
-        if not self._fits.passed(held, keys, values):
-            layout = (held.shape[0], held.shape[1], held.shape[3], self.values.shape[3])
-            check_fits(keys, values, layout, held.dtype, held.device)
-            self._fits.remember(held, keys, values)
+        check_fits(keys, values, (held.shape[0], held.shape[1], held.shape[3], self.values.shape[3]), held.dtype,
+                   held.device)  # fmt: skip
 
     def _make_room(self, new: int) -> None:
         needed = self.length + new

@@ -26,8 +26,9 @@ from ..kernels.dispatch import quantize_values, quantize_values_at
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..memory import MemoryReport
 from ..static_address import mark_static
-from .base import FitMemo, KVStorage, check_fits
+from .base import KVStorage, check_fits
 from .dense import _grown
+from .eager_memo import EagerMemo
 from .reads import SlotRead, placeholders
 from .token_count import TokenCount, counted
 
@@ -244,7 +245,7 @@ class SlotStore(KVStorage):
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
         self._read: tuple | None = None  # (the views of `_used`, the read made of them)
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
-        self._fits = FitMemo()  # what `check_fits` last passed (the fields' `pos`, new tokens' shapes)
+        self._fits = EagerMemo()  # `check_fits` passed for the fields' `pos` and new tokens of these shapes
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
         self._carry: dict[str, torch.Tensor] = {}  # a compileable store's buffers for `hole`, `fresh`, `first_real`
 
@@ -798,8 +799,9 @@ class SlotStore(KVStorage):
             self.fields[name][:, :, : self.length] = held[:, :, : self.length]
 
     def _check_compatible(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`check_fits`, once per buffers and new tokens' shapes (`FitMemo`; new fields have a new `pos`)."""
-        pos = self.fields["pos"]
-        if not self._fits.passed(pos, keys, values):
-            check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)
-            self._fits.remember(pos, keys, values)
+        """`check_fits`, once per buffers and new tokens' shapes (`EagerMemo`; new fields have a new `pos`)."""
+        self._fits.get((keys.shape, values.shape, keys.dtype, keys.device), self._check_fits, keys, values,
+                       anchor=self.fields["pos"])  # fmt: skip
+
+    def _check_fits(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        check_fits(keys, values, (self.batch_size, *self.head_dims), self.dtype, self.device)

@@ -14,6 +14,7 @@ from ..kernels.rotated_format import rotated, rotation
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
 from .base import KVStorage
+from .eager_memo import EagerMemo
 from .reads import PackedRead, Read, placeholders
 from .token_count import TokenCount, counted
 from .value_range import RangeGuard, code_limit
@@ -71,7 +72,7 @@ class StaticQuantizedStorage(KVStorage):
         self.buffers: PackedKV | None = None
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
-        self._aranges: tuple[torch.Tensor, ...] | None = None  # positions, ring, group, head
+        self._aranges = EagerMemo()  # positions, ring, group, head (`_ranges`)
         # The last chunk after the past's window: what the chunk attends exact (`_with_past_window`).
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -238,8 +239,9 @@ class StaticQuantizedStorage(KVStorage):
         """`arange`s of the code positions, the ring's slots and a group's tokens. Kept between eager steps; made
         inside a compiled graph, where inductor folds them into its loops' indices (kept ones would be inputs,
         guarded at every step, and inductor fuses the decode step's kernels less well around them)."""
-        if not torch.compiler.is_compiling():
-            return self._aranges
+        return self._aranges.get(None, self._make_ranges)
+
+    def _make_ranges(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         device = self.ring_k.device
         return tuple(torch.arange(n, device=device) for n in (self.positions, self.ring, self.fmt.group_size, self.first))
 
@@ -311,7 +313,7 @@ class StaticQuantizedStorage(KVStorage):
         return (self.fmt,)
 
     def reset(self) -> None:
-        self.buffers = self.ring_k = self.ring_v = self._aranges = self._fresh = None
+        self.buffers = self.ring_k = self.ring_v = self._fresh = None
         self.end = 0
 
     # ------------------------------------------------------------------ bytes
@@ -348,14 +350,14 @@ class StaticQuantizedStorage(KVStorage):
         return {**self.buffers.tensors(), "ring_k": self.ring_k, "ring_v": self.ring_v}
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        g, n = self.fmt.group_size, self.positions
+        n = self.positions
         batch, heads, _, dim = keys.shape
         v_dim, device = values.shape[-1], keys.device
         # Zeros: positions not yet written are read (and masked) by every step; they must hold finite numbers.
         self.buffers = PackedKV.allocate(self.fmt, batch, heads, n, dim, v_dim, device, torch.zeros)
         self.ring_k = keys.new_zeros(batch, heads, self.first + self.ring, dim)
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
-        self._aranges = tuple(torch.arange(size, device=device) for size in (n, self.ring, g, self.first))
+        self._aranges = EagerMemo()
         self.count.place(device)
         self.range_guard.place(device)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)
