@@ -71,28 +71,22 @@ class PagedStorage(KVStorage):
         return self.group.rows_of(self.member)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self.device_count and torch.compiler.is_compiling():
-            self._append_counted(keys, values)
-            return
         self.pool.ensure(keys, values)
         if self.group.tables and keys.shape[0] != self.group.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.group.batch_size} rows")
         new = keys.shape[2]
+        if self.count.tensor is not None and self.group.tables:  # static, filled: every row's blocks are reserved
+            self.count.check_room(new, self.static_length)
+            self._append_counted(keys, values)
+            return
         sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
         self.group.reserve(keys.shape[0], self.end + new, sources)
-        if new == 1:  # a decode step: each row's block of the token, at one offset in all of them
+        if new == 1:  # a decode step: each row's block of the token, at one offset in all of them (Python ints)
             token, bs = self.end - self.group.base, self.group.block_size
-            table = self.group.table_tensor(keys.device)
-            if self.static_length is None:  # Python ints: the fewest ops
-                column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
-                blocks = table[:, column]
-                self.k_pool[blocks, :, offset] = keys[:, :, 0]
-                self.v_pool[blocks, :, offset] = values[:, :, 0]
-            else:  # `[1]` tensors: a compiled step does not specialize on the offset
-                token = torch.arange(token, token + 1, device=keys.device)
-                blocks, offset = table[:, token // bs], token % bs  # [batch, 1], [1]
-                self.k_pool[blocks, :, offset] = keys.transpose(1, 2)
-                self.v_pool[blocks, :, offset] = values.transpose(1, 2)
+            column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
+            blocks = self.group.table_tensor(keys.device)[:, column]
+            self.k_pool[blocks, :, offset] = keys[:, :, 0]
+            self.v_pool[blocks, :, offset] = values[:, :, 0]
         else:
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
@@ -101,8 +95,8 @@ class PagedStorage(KVStorage):
             self.count.place(keys.device)
 
     def _append_counted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A compiled step's write: at the positions counted on the device, through the table the fixed group
-        reserved at the first fill."""
+        """A static storage's write after its first fill, compiled or not: at the positions counted on the device,
+        through the table the fixed group reserved then (no Python int read, so one graph serves every step)."""
         new, bs = keys.shape[2], self.group.block_size
         positions = self.count.positions(new)  # (a fixed group's base is 0)
         blocks = self.group.table_tensor(keys.device)[:, positions // bs]  # [batch, new]

@@ -34,9 +34,7 @@ class TokenCount:
 
     @property
     def value(self) -> int:
-        if self._behind:
-            if torch.compiler.is_compiling():
-                raise RuntimeError("a compiled step read a static storage's token count as a Python int")
+        if self._behind:  # (never in a compiled step: the read would break its graph)
             self._value, self._behind = int(self.tensor), False
         return self._value
 
