@@ -1,0 +1,602 @@
+"""Writes BENCHMARKS.md from the JSON in eval/results/<experiment>/.
+
+    python eval/report.py            # rewrite BENCHMARKS.md
+    python eval/report.py --check    # exit 1 with a short diff when BENCHMARKS.md is not what this writes (CI)
+
+One section per question (the demo, quality, retrieval, memory, CPU speed, GPU speed). Every figure is read from a
+result file: each table names its command, machine, date and folder, and its baseline is the one the same run
+measured (ratios are the ones the JSON holds, or computed against that baseline). An experiment that writes
+results puts its latest run in eval/results/<experiment>/ and then reruns this script; what changed and why goes in
+the commit message, not in BENCHMARKS.md. Reads JSON only (no torch, no model, no network): well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import gzip
+import json
+import re
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "eval" / "results"
+TARGET = ROOT / "BENCHMARKS.md"
+WIDTH = 120
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading and formatting
+
+
+def load(rel: str) -> dict:
+    path = RESULTS / rel
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        return json.load(f)
+
+
+def day(meta: dict) -> str:
+    return meta["date"][:10]
+
+
+def machine(meta: dict) -> str:
+    """`NVIDIA H100 80GB HBM3`, or `2-core CPU, 1 thread` (the torch threads the run used)."""
+    text = meta["machine"].removeprefix("vm: ")
+    if text.startswith("NVIDIA"):
+        return text.split(",")[0]
+    cores, threads = re.search(r"(\d+) cores", text).group(1), re.search(r"torch threads (\d+)", text).group(1)
+    return f"{cores}-core CPU, {threads} thread{'' if threads == '1' else 's'}"
+
+
+def versions(meta: dict) -> str:
+    v = meta["versions"]
+    return ", ".join(f"{name} {v[name].split('+')[0]}" for name in ("torch", "triton", "transformers") if name in v)
+
+
+def command(meta: dict) -> str:
+    """The recorded command, without the venv's or a worktree's path in front of the program."""
+    cmd = re.sub(r"^\S*/(kvplus|python3?)\b", r"\1", meta["command"])
+    cmd = re.sub(r"^\S*/\w+_run\.py ", "kvplus ", cmd)  # kvplus run from a snapshot of the code at that commit
+    cmd = re.sub(r"( --cache \S+)+", " --cache ...", cmd)  # the caches and specs are the table's rows
+    cmd = re.sub(r" --specs( [^-]\S*)+", " --specs ...", cmd)
+    cmd = re.sub(r" --(out|json) /tmp/\S+", "", cmd)  # written elsewhere, then copied to the folder named
+    return f"python {cmd}" if cmd.startswith("eval/") else cmd
+
+
+def where(meta: dict, folder: str, *, vers: bool = False) -> str:
+    """`machine, date, versions; folder` for a run's provenance line."""
+    parts = [machine(meta), day(meta)] + ([versions(meta)] if vers else [])
+    named = f"eval/results/{folder.rstrip('/')}" in meta["command"]  # the command's --out already names it
+    return ", ".join(parts) + ("" if named else f"; `eval/results/{folder}`")
+
+
+def para(*parts: str) -> list[str]:
+    text = " ".join(p.strip() for p in parts if p)
+    return textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False) + [""]
+
+
+def table(header: list[str], rows: list[list], align: str) -> list[str]:
+    marks = {"l": "---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks[a] for a in align) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def pct(x: float | None, digits: int = 2) -> str:
+    return "not measured" if x is None else f"{x:+.{digits}f}%"
+
+
+def x2(x: float | None) -> str:
+    return "not measured" if x is None else f"{x:.2f}"
+
+
+def right(acc: float, n: int) -> str:
+    return f"{round(acc * n)}/{n}"
+
+
+def mean_pct(values: list[float]) -> str:
+    return f"{statistics.fmean(values):+.2f}%"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def header() -> list[str]:
+    return ["# Benchmarks", "",
+            "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
+            ] + para(
+        "Current results, one section per question; each table names its command, machine, date and folder in",
+        "`eval/results/` (`--cache ...`, `--specs ...`: the table's rows), and its baseline ran in the same run. CPU",
+        "speeds come from a shared 2-core machine: read the ratios. Older runs:",
+        "[docs/benchmarks-archive.md](docs/benchmarks-archive.md) and `git log`.",
+    )  # fmt: skip
+
+
+def demo() -> list[str]:
+    d = load("demo/demo.json")
+    rows = d["rows"]
+    out = ["## The demo (CPU)", ""]
+    out += para(
+        f"`{command(d)}` (`bash scripts/demo.sh`); {where(d, 'demo/', vers=True)}.",
+        f"{d['title'].replace('smollm2-135m', 'SmolLM2-135M (float32)')}. Against DynamicCache, the first row",
+        "(\"x bytes\": bytes at rest over its float32, so 0.5 is fp16's size), whose own rounds spread",
+        f"{rows[0]['decode_vs_baseline_min']:.2f}..{rows[0]['decode_vs_baseline_max']:.2f}x of their median: the machine's",
+        f"noise. Wall time {d['wall_s']:,.0f} s.",
+    )
+    body = [[f"`{r['cache']}`", r["kind"], f"{r['ppl_delta_pct']:+.3f}%",
+             "yes" if r["needle_right"] == 1 else "no" if r["needle_right"] == 0 else f"{r['needle_right']:.0%}",
+             f"{round(r['bytes_per_token']):,}", f"{r['bytes_vs_baseline']:.3f}", f"{r['decode_tok_s']:.1f}",
+             f"{r['decode_vs_baseline']:.2f} ({r['decode_vs_baseline_min']:.2f}..{r['decode_vs_baseline_max']:.2f})",
+             "yes" if r["same_tokens_as_baseline"] else "no"] for r in rows]  # fmt: skip
+    out += table(["cache", "kind", "ppl change", "needle", "bytes/token", "x bytes", "decode tok/s",
+                  "x speed, median (min..max)", "same tokens"], body, "llrcrrrrc")  # fmt: skip
+    return out
+
+
+def quality() -> list[str]:
+    out = ["## Quality: perplexity", ""]
+    # int4 on two texts (the same runs measured k4v2 and k3v2 without first tokens: the issue 46 table has them)
+    runs = {t: load(f"window_semantics_stop44/after-{t}.json") for t in ("prideprejudice", "emma")}
+    by = {t: {r["cache"]: r for r in d["rows"]} for t, d in runs.items()}
+    pp = runs["prideprejudice"]
+    out += para(
+        f"**int4 (KIVI), 4K tokens** (`{command(pp)}`, and `--text austen:emma`; SmolLM2-135M, window 128;",
+        f"{where(pp, 'window_semantics_stop44/')}): {pct(by['prideprejudice']['quantized:int4']['delta_pct'])} on",
+        f"Pride and Prejudice (DynamicCache {by['prideprejudice']['dynamic']['perplexity']:.3f}),",
+        f"{pct(by['emma']['quantized:int4']['delta_pct'])} on Emma ({by['emma']['dynamic']['perplexity']:.3f}).",
+    )
+
+    out += issue46()
+    out += turboquant()
+
+    d = load("ppl_smollm2_quant/ppl_summary.json")
+    r = {row["cache"]: row for row in d["rows"]}
+    ours = ", ".join(f"{c.split(':')[1]} {r[c]['delta_pct']:+.3f}%" for c in r if c.startswith("quantized:"))
+    hf = ", ".join(f"{c.removeprefix('hf-quantized:')} {r[c]['delta_pct']:+.3f}%" for c in r if c.startswith("hf-"))
+    out += para(
+        f"**KIVI formats against Transformers' QuantizedCache, 8K tokens** (`{command(d)}`; {where(d, 'ppl_smollm2_quant/')}):",
+        f"{ours}; Transformers' {hf} (DynamicCache {r['dynamic']['perplexity']:.4f}).",
+    )
+
+    d = load("evict_budgets_4k/evict_budgets.json")
+    rows = [r for r in d["rows"] if r["method"] != "DynamicCache"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    budgets = list(dict.fromkeys((r["budget"], r["fraction"]) for r in rows))
+    cell = {(r["method"], r["budget"]): r for r in rows}
+    base = next(r for r in d["rows"] if r["method"] == "DynamicCache")
+    out += para(
+        f"**Evicting caches** (`{command(d)}`; {where(d, 'evict_budgets_4k/')}; {d['title']};",
+        f"DynamicCache {base['perplexity']:.4f}):",
+    )
+    out += table(["budget"] + [f"{m} ({cell[(m, budgets[0][0])]['mode']})" for m in methods],
+                 [[f"{b} tokens ({f:.0%})"] + [pct(cell[(m, b)]["increase_pct"]) for m in methods] for b, f in budgets],
+                 "l" + "r" * len(methods))  # fmt: skip
+
+    d = load("ppl_smollm2_streaming_20k/ppl_summary.json")
+    parts = []
+    for row in d["rows"]:
+        stem = row["cache"].replace(":", "_")
+        last = load(f"ppl_smollm2_streaming_20k/ppl_{stem}.json")["segments"][-1]
+        parts.append(f"`{row['cache']}` {row['perplexity']:.2f} ({last['perplexity']:,.2f})")
+    out += para(
+        f"**20,000 tokens, past the trained 8,192** (`{command(d)}`; {where(d, 'ppl_smollm2_streaming_20k/')};",
+        f"plotted by `notebooks/evicting.ipynb`): perplexity overall (in the last 2,000 tokens): {', '.join(parts)}.",
+    )
+    return out
+
+
+def issue46() -> list[str]:
+    d = load("lowbit_regions_46/lowbit_regions.json")
+    runs = d["runs"]
+    quantized = [r for r in runs if r["config"] != "dynamic"]
+    bases = {(r["text"], r["chunk"]): r["perplexity"] for r in runs if r["config"] == "dynamic"}
+    out = ["### Issue 46: exact regions on two texts and three seeds", ""]
+    out += para(
+        "`python eval/lowbit_regions.py --out eval/results/lowbit_regions_46 --texts T --chunks C --configs ...",
+        "--firsts ... --boundaries ... --seeds 0 1 2` per grid, then `--report-only`;",
+        f"{where(d, 'lowbit_regions_46/')}. {d['model']}, {d['tokens']} tokens, window {d['window']}; DynamicCache",
+        ", ".join(f"{t.removeprefix('austen:')} {' / '.join(f'{p:.3f}' for (u, _), p in bases.items() if u == t)}"
+                  for t in dict.fromkeys(t for t, _ in bases)) + " (c32 / c256: chunks of 32 / 256).",
+        "Cells: mean change over seeds [min .. max] (seeds), and the mean seed-by-seed change from no regions (a",
+        "boundary row: from its first 4 tokens alone). Boundary 1: first and last layer exact (`1@int8`: at int8).",
+    )
+    panels = sorted(dict.fromkeys((r["chunk"], r["text"]) for r in quantized),
+                    key=lambda p: (p[0], p[1] != "austen:prideprejudice", p[1]))  # fmt: skip
+    settings = sorted(dict.fromkeys((r["config"], r["first"], r["boundary"]) for r in quantized),
+                      key=lambda s: ({"k4v2": 0, "k3v2": 1, "k2v2": 2}.get(s[0], 3), s[0], s[2], s[1]))  # fmt: skip
+    by = {(r["config"], r["first"], r["boundary"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized}
+    body = []
+    for config, first, boundary in settings:
+        bits = [r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"], r["boundary"]) ==
+                (config, first, boundary)]  # fmt: skip
+        cells = []
+        for chunk, text in panels:
+            seeds = sorted(s for (c, f, b, ch, t, s) in by if (c, f, b, ch, t) == (config, first, boundary, chunk, text))
+            if not seeds:
+                cells.append("")
+                continue
+            deltas = [by[(config, first, boundary, chunk, text, s)] for s in seeds]
+            cell = f"{statistics.fmean(deltas):+.2f}%"
+            if len(deltas) > 1:
+                cell += f" [{min(deltas):+.2f} .. {max(deltas):+.2f}]"
+            cell += f" ({len(deltas)})"
+            ref, name = ((first, "0"), f"first {first} alone") if boundary != "0" else ((0, "0"), "none")
+            plain = [(by[(config, *ref, chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
+                     if (config, *ref, chunk, text, s) in by]  # fmt: skip
+            if (first, boundary) != (0, "0") and plain:
+                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs {name}"
+            cells.append(cell)
+        body.append([config, first, boundary, f"{statistics.fmean(bits):.3f}"] + cells)
+    out += table(["config", "first", "boundary", "bits/coord"]
+                 + [f"{t.removeprefix('austen:')} c{c}" for c, t in panels], body, "lrlr" + "r" * len(panels))  # fmt: skip
+
+    def mean_of(config: str, first: int, chunk: int) -> float:
+        return statistics.fmean(v for (c, f, b, ch, t, _), v in by.items()
+                                if (c, f, b, ch, t) == (config, first, "0", chunk, "austen:prideprejudice"))  # fmt: skip
+
+    bits = {c: statistics.fmean(r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"],
+            r["boundary"]) == (c, 4, "0")) for c in ("k4v2", "k3v2", "k2v2")}  # fmt: skip
+    targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
+    out += para(
+        "Kept: 4 exact first tokens by default in the k4v2, k3v2, k2v2 presets (`first=0`: off); not kept: 64 first",
+        "tokens, boundary layers. Issue 46's targets (Pride and Prejudice, c32, 3 seeds, first 4):",
+        "; ".join(f"{c} {mean_of(c, 4, 32):+.2f}% at {bits[c]:.2f} bits (<= +{t}%, <= {b})"
+                  for c, (t, b) in targets.items()) + ": bits met, losses not.",
+    )
+    return out
+
+
+def turboquant() -> list[str]:
+    d = load("turboquant_smollm2_centred/turboquant.json")
+    ref = load("turboquant_smollm2/turboquant.json")
+    out = para(
+        f"**Rotated formats against TurboQuant** (`{command(d)}`; {where(d, 'turboquant_smollm2_centred/')}; the",
+        f"reference and KIVI: `{command(ref)}`, {day(ref)}, in its own venv; {d['model']}, {d['tokens']} tokens,",
+        f"chunks of {d['chunk']}, window {d['window']}, seeds {', '.join(map(str, d['seeds']))}, no first tokens; bits",
+        "per coordinate include norms and scales):",
+    )
+    mine = [r for r in d["runs"] if r["series"] == "hf_kvplus rotated"]
+    theirs = [r for r in ref["runs"] if r["series"] == "TurboQuant reference (MSE keys)"]
+    body = []
+    for config in dict.fromkeys(r["config"] for r in mine):
+        deltas = [r["delta_pct"] for r in mine if r["config"] == config]
+        bits = next(r["bits_per_coordinate"] for r in mine if r["config"] == config)
+        body.append([config, f"{bits:.2f}", f"{statistics.fmean(deltas):+.2f}% ({min(deltas):+.2f}..{max(deltas):+.2f})",
+                     mean_pct([r["delta_pct"] for r in theirs if r["config"] == config])])  # fmt: skip
+    kivi = {r["config"]: r for r in ref["runs"] if r["series"] == "hf_kvplus KIVI"}
+    body.append(["KIVI int4 / int2", f"{kivi['kivi4']['bits_per_coordinate']:.1f} / {kivi['kivi2']['bits_per_coordinate']:.1f}",
+                 f"{kivi['kivi4']['delta_pct']:+.2f}% / {kivi['kivi2']['delta_pct']:+.1f}%", ""])  # fmt: skip
+    return out + table(["config", "bits", "hf_kvplus mean (min..max)",
+                        f"turboquant-torch {ref['versions']['turboquant-torch']}, mean"], body, "lrrr")  # fmt: skip
+
+
+def retrieval() -> list[str]:
+    out = ["## Retrieval", ""]
+    d = load("needle_smollm2/needle.json")
+    n = len(d["depths"])
+    p = load("needle_prefill_smollm2/needle.json")
+    acc = {r["cache"]: r["accuracy"] for r in p["summary"]}
+    same = all(acc[c] == acc[c + ":compress=prefill"] for c in acc if "compress" not in c)
+    out += para(
+        f"**Pass key, SmolLM2-135M** (`{command(d)}`; {where(d, 'needle_smollm2/')}; {n} depths, one key per cell;",
+        f"`compress=prefill` gives {'the same' if same else 'other'} answers: `eval/results/needle_prefill_smollm2`):",
+    )
+    body = [[r["cache"], right(r["accuracy"], n * len(d["lengths"]))] + [right(r[f"acc_{L}"], n) for L in d["lengths"]]
+            + [f"{r['bytes_at_rest'] / 1e6:.1f} MB"] for r in d["summary"]]  # fmt: skip
+    out += table(["cache", "right"] + [f"at {L}" for L in d["lengths"]] + [f"bytes at rest at {d['lengths'][-1]}"],
+                 body, "l" + "r" * (len(d["lengths"]) + 2))  # fmt: skip
+
+    d = load("ruler_smollm2_caches/needle.json")
+    full = load("ruler_smollm2_full/needle.json")
+    tasks = ", ".join(f"{t} {full['summary'][0][f'acc_{t}']:.0%}" for t in full["tasks"])
+    out += para(
+        f"**RULER-style tasks at {d['lengths'][0]} tokens, budgets of a quarter** (`{command(d)}`; {where(d, 'ruler_smollm2_caches/', vers=False)}),",
+        "passkey / multikey: " + ", ".join(f"`{r['cache']}` {r['acc_passkey']:.0%} / {r['acc_multikey']:.0%}"
+                                           for r in d["summary"]) + ".",
+        f"The full cache on five tasks (`eval/results/ruler_smollm2_full`): {tasks}.",
+    )
+
+    g, gl = load("needle_gemma3/needle.json"), load("needle_gemma3_long/needle.json")
+    cells = []
+    for r, rl in zip(g["summary"], gl["summary"], strict=True):
+        accs = [f"{r[f'acc_{L}']:.0%}" for L in g["lengths"]] + [f"{rl[f'acc_{L}']:.0%}" for L in gl["lengths"]]
+        cells.append(f"`{r['cache']}` {' / '.join(accs)}")
+    out += para(
+        f"**Gemma 3 270M (32K positions)** (`{command(g)}`, and `--lengths 8192 16384` into `_long`; {day(g)}),",
+        "at " + " / ".join(f"{L // 1024}K" for L in g["lengths"] + gl["lengths"]) + ": " + "; ".join(cells) + ".",
+    )
+
+    d = load("kvpress_smollm2/compare.json")
+    rows = d["rows"]
+    full = rows[0]
+    out += para(
+        f"**Against NVIDIA kvpress at equal budgets** (`{command(d)}`; {where(d, 'kvpress_smollm2/')}; kvpress",
+        f"{d['kvpress_versions']['kvpress']} in its own venv, same ids: {d['context']} tokens of Emma compressed at",
+        f"prefill, perplexity of the next {d['continuation']}, needle at {len(d['depths'])} depths; full cache",
+        f"{full['continuation_ppl']:.3f}, {right(full['needle_accuracy'], len(d['depths']))}):",
+    )
+    ratios = sorted({r["ratio"] for r in rows[1:]})
+    cell = {(r["method"], r["ratio"]): r for r in rows[1:]}
+    body = [[m] + [v for ratio in ratios for v in (pct(cell[(m, ratio)]["ppl_delta_pct"]),
+                                                   right(cell[(m, ratio)]["needle_accuracy"], len(d["depths"])))]
+            for m in dict.fromkeys(r["method"] for r in rows[1:])]  # fmt: skip
+    out += table(["method"] + [f"{h}, {ratio:.0%} removed" for ratio in ratios for h in ("ppl", "needle")], body,
+                 "l" + "r" * 2 * len(ratios))
+    out += issue48()
+    return out
+
+
+def issue48() -> list[str]:
+    aware, agnostic = load("needle48/accuracy_bytes_aware.json"), load("needle48/accuracy_bytes_agnostic.json")
+    first = load(aware["runs"][0].removeprefix("eval/results/"))
+    example = load("needle48/aware_snapkv20_int4/needle.json")
+    out = ["### Issue 48: accuracy against bytes", ""]
+    out += para(
+        f"SmolLM2-135M (float32: the full cache is 2.0x float16), {len(aware['depths'])} depths per length; one folder",
+        f"per cache in `eval/results/needle48/`, e.g. `{command(example)}`, merged by `python eval/needle_bytes.py",
+        f"eval/results/needle48 --out eval/results/needle48`; {machine(first)}, {day(first)}. \"x fp16\": bytes held",
+        "after the answer per token seen, over float16 K/V's; `X%`: X% of each prompt; quantized runs with `first=0`.",
+    )
+    Ls = aware["lengths"]
+    n = len(aware["depths"])
+    rows = [("aware", r) for r in sorted(aware["summary"], key=lambda r: r["fp16_fraction"])]
+    rows += [("agnostic", r) for r in agnostic["summary"]]
+    body = [[mode, f"`{r['cache']}`", r["family"]] + [f"{r[f'frac_{L}']:.3f}" for L in Ls]
+            + [right(r[f"acc_{L}"], n) for L in Ls] + [f"{r['accuracy']:.2f}"] for mode, r in rows]  # fmt: skip
+    head = [f"x fp16 at {L}" for L in Ls] + [f"right at {L}" for L in Ls] + ["accuracy"]
+    out += para(
+        "`--mode aware`: the whole prompt in one forward; `agnostic` (kvpress's pipeline): the context compressed, the",
+        "question then appended with eviction paused. For a memory budget, quantize before evicting:",
+    )
+    out += table(["mode", "cache", "family"] + head, body, "lll" + "r" * len(head))
+    best = max((r for r in aware["summary"] if r["family"] == "quantized"), key=lambda r: (r["accuracy"], -r["fp16_fraction"]))
+    out += para(
+        f"`{best['cache']}` keeps {best['accuracy']:.2f} at {best[f'frac_{Ls[-1]}']:.2f}x float16 ({Ls[-1]}); nothing",
+        "at <= 10% of float16 keeps the full cache's accuracy.",
+    )
+    return out
+
+
+def memory() -> list[str]:
+    out = ["## Memory", ""]
+    d = load("plan_llama31_8b_32k.json")
+    gib = d["memory_bytes"] / 1e9
+    out += para(
+        f"**KV formats, computed** (`{command(d)}`; {day(d)}): bytes per token at {d['plans'][0]['context']:,} tokens",
+        "(scales, 128-token window; x fp16 without it, as `tests/test_quantized_cache.py` asserts); the longest",
+        f"context beside the bf16 weights in {gib:g} GB.",
+    )
+    body = [[p["kv_format"], p["group_size"] or "", f"{p['kv_bytes_per_token']:,.0f}", f"{p['ratio_to_fp16']:.4g}",
+             f"{p['max_context']:,}"] for p in d["plans"]]  # fmt: skip
+    out += table(["format", "group", "bytes/token", "x fp16 (asymptotic)", f"max context in {gib:g} GB"], body, "lrrrr")
+
+    s = load("bench_sink_cpu_8k/bench.json")
+    r = {row["cache"]: row for row in s["results"]}
+    out += para(
+        f"**Evicting caches** hold their budget whatever the context: `sink:4:1020` {r['sink:4:1020']['bytes_at_rest'] / 1e6:.0f} MB",
+        f"against DynamicCache's {r['dynamic']['bytes_at_rest'] / 1e6:.0f} MB at 8K tokens (SmolLM2-135M; `eval/results/bench_sink_cpu_8k`, {day(s)}).",
+    )
+
+    p = load("paged_cpu.json")
+    res, a = p["results"], p["args"]
+    beam = {x["cache"]: x for x in res["beam_search"]}
+    samp = {x["cache"]: x for x in res["samples"]}
+    pad = {x["cache"]: x for x in res["padded_batch"]}
+    second = res["prefix_reuse"][1]
+    out += para(
+        f"**Paged** (`{command(p)}`; {where(p, 'paged_cpu.json')}; SmolLM2), x DynamicCache's bytes: {a['beams']}",
+        f"beams over {a['prompt']} tokens {beam['PagedCache']['bytes_at_rest'] / beam['DynamicCache']['bytes_at_rest']:.2f}x (shared blocks),",
+        f"{a['samples']} samples {samp['PagedCache']['bytes_at_rest'] / samp['DynamicCache']['bytes_at_rest']:.2f}x; a left-padded batch's payload",
+        f"{pad['PagedCache']['payload_bytes'] / pad['DynamicCache']['payload_bytes']:.2f}x (its real tokens only); a second call sharing",
+        f"{a['prefix']:,} prompt tokens: first token in {second['vs_first']:.3f}x the time ({second['reused_tokens']:,} reused).",
+    )
+
+    t = load("offload_tiers_4k/results.json")
+    m = t["meta"]
+    out += para(
+        f"**Offloaded, MiB on device / host / disk after {m['tokens']} tokens** (`{command(m)}`; {where(m, 'offload_tiers_4k/')}; the",
+        "host is the compute device here; in brackets the largest logit difference from DynamicCache):",
+        "; ".join(f"{r['cache']} {r['device_mib']:.2f} / {r['host_mib']:.2f} / {r['disk_mib']:.2f}"
+                  + (f" ({r['max_logit_diff']:.1e})" if r["cache"] != "DynamicCache" else "") for r in t["rows"]) + ".",
+    )
+    return out
+
+
+def cpu_speed() -> list[str]:
+    out = ["## CPU speed", ""]
+    runs = [load(f"host_cpu_stop44/host-after2-{i}/host.json") for i in (1, 2)]
+    a = runs[0]["args"]
+    out += para(
+        f"**Host cost of one eager decode step** (`{command(runs[0])}`, twice; {where(runs[0], 'host_cpu_stop44/')};",
+        f"tiny 8-layer Llama, prompt {a['prompt']}; target 1.25x; \"stubbed\": every kernel a stub returning zeros).",
+    )
+    rows = [{r["cache"]: r for r in run["rows"]} for run in runs]
+    body = []
+    for cache in rows[0]:
+        rs = [rw[cache] for rw in rows]
+        if cache == "dynamic":
+            body.append(["DynamicCache", f"1.00 ({rs[0]['step_ms']:.3f}, {rs[1]['step_ms']:.3f} ms)", "1.00", 0])
+        else:
+            body.append([cache, ", ".join(f"{r['vs_dynamic']:.2f}" for r in rs),
+                         ", ".join(f"{r['stubbed_vs_dynamic']:.2f}" for r in rs), max(r["syncs_per_step"] for r in rs)])
+    out += table(["cache", "step x Dynamic (run 1, run 2)", "stubbed x Dynamic (run 1, run 2)", "syncs per step"],
+                 body, "lllr")
+
+    sets = [("compile_cpu_stop44_1k", "1K"), ("compile_cpu_stop43_8k", "8K"), ("compile_cpu_hd128_stop42", "1K, head dim 128")]
+    data = [(load(f"{f}/compile.json"), label) for f, label in sets]
+    cmds = "; ".join(f"{label}: `{command(d).removeprefix('python eval/bench_compile.py ')}`, {machine(d)}, {day(d)}"
+                     for d, label in data)  # fmt: skip
+    out += para(
+        "**Compiled decode, x StaticCache compiled the same way** (`python eval/bench_compile.py`, tiny Llama,",
+        f"alternating with StaticCache, median ratio; {cmds}):",
+    )
+    cell = {(r["cache"].replace(":compile=on", ""), label): r for d, label in data for r in d["rows"]}
+    caches = [c for c in dict.fromkeys(c for c, _ in cell) if c != "static"]
+    body = [["StaticCache, ms/token"] + [f"{cell[('static', label)]['decode_ms']:.2f}" for _, label in sets]]
+    body += [[f"`{c}`"] + [x2(cell[(c, label)]["vs_static"]) if (c, label) in cell else "" for _, label in sets]
+             for c in caches]  # fmt: skip
+    out += table(["cache"] + [label for _, label in sets], body, "l" + "r" * len(sets))
+
+    parts = []
+    for f in ("bench_sink_cpu_1k", "bench_sink_cpu_4k", "bench_sink_cpu_8k", "bench_quant_cpu_1k", "bench_quant_cpu_4k"):
+        b = load(f"{f}/bench.json")
+        tokens = re.search(r"--prompt-tokens (\d+)", b["command"]).group(1)
+        ratios = ", ".join(f"`{r['cache']}` {r['decode_vs_baseline']:.2f}" for r in b["results"][1:])
+        parts.append(f"{int(tokens) // 1024}K: {ratios}")
+    first = load("bench_sink_cpu_1k/bench.json")
+    out += para(
+        "**Eager decode, SmolLM2-135M, x DynamicCache's tokens/s** (`kvplus bench --cache dynamic --cache ...",
+        f"--prompt-tokens N --new-tokens 64 --repeats 3`; {machine(first)}, {day(first)}; `bench_sink_cpu_*`,",
+        "`bench_quant_cpu_*`):",
+        "; ".join(parts) + ".",
+    )
+    return out
+
+
+def gpu_speed() -> list[str]:
+    out = ["## GPU speed", ""]
+    env = load("gpu_h100_stop44/call1/env.json")
+    gpu, bw = env["gpu"], env["bandwidth"]
+    out += para(
+        f"Llama-3.1-8B shapes, random bf16, on an {gpu['name']} ({day(env)}; {versions(env)}, CUDA {gpu['cuda']}; copy",
+        f"{bw['copy_gb_per_s']:.0f} GB/s, pinned host-to-device {bw['pinned']['gb_per_s']:.1f} GB/s): `bash scripts/gpu_pass.sh env:30",
+        "kernels:130 e2e-b1:110 e2e-b8:150 offload:110`, then `compile-b8:255`, into `eval/results/gpu_h100_stop44/call1`, `call2`.",
+    )
+    # Compiled decode under CUDA graphs
+    runs = [("H200", load("gpu_h200_stop41/compile-b1/compile.json")),
+            ("H200", load("gpu_h200_stop41/compile-b8/compile.json")),
+            ("H100", load("gpu_h100_stop44/call2/compile.json"))]  # fmt: skip
+    cols = [(dev, r["context"], r["batch"]) for dev, d in runs for r in d["rows"] if r["cache"] == "static"]
+    cell = {(dev, r["context"], r["batch"], r["cache"]): r for dev, d in runs for r in d["rows"]}
+    caches = list(dict.fromkeys(r["cache"] for _, d in runs for r in d["rows"]))
+    body = [["StaticCache, ms/token"] + [f"{cell[(*c, 'static')]['decode_ms']:.2f}" for c in cols]]
+    for cache in caches[1:]:
+        body.append([f"`{cache.replace(':compile=on', '')}`"]
+                    + [x2(cell[(*c, cache)]["vs_static"]) if (*c, cache) in cell else "not measured" for c in cols])
+    skips = sum(r["cudagraph_skips"] for _, d in runs for r in d["rows"])
+    graphs = {r["graphs"] for _, d in runs for r in d["rows"]}
+    out += para(
+        "**Compiled decode under CUDA graphs, x StaticCache** (`python eval/bench_compile.py --gpu-pass --batch B`, 4",
+        "layers, `mode=\"reduce-overhead\"`; H200: `eval/results/gpu_h200_stop41/`, H100: `call2`;",
+        f"{', '.join(sorted({day(d) for _, d in runs}))}; below 1 is faster). CUDA graphs per cache:",
+        f"{', '.join(map(str, sorted(graphs)))}; skips: {skips}. Not measured: cut at the step's time limit.",
+    )
+    out += table(["cache"] + [f"{dev}, {ctx // 1024}K, B={b}" for dev, ctx, b in cols], body, "l" + "r" * len(cols))
+
+    e1, e8 = load("gpu_h100_stop44/call1/e2e_b1.json"), load("gpu_h100_stop44/call1/e2e_b8.json")
+    r1, r8 = ({r["cache"]: r for r in e["rows"]} for e in (e1, e8))
+    out += para(
+        f"**Eager decode** (`{command(e1)}` and `--batch 8`; {e1['args']['context'] // 1024}K context,",
+        f"{e1['args']['new_tokens']} steps, {e1['args']['layers']} layers; x DynamicCache's tokens/s in the same run;",
+        "\"KV\": bytes at rest over DynamicCache's; peak: over weights).",
+    )
+    body = []
+    for cache in e1["args"]["specs"]:
+        a, b = r1.get(cache), r8.get(cache)
+        if a is None and b is None:
+            continue
+        kv = (a or b)["kv_vs_dynamic"]
+        body.append([cache] + [f"{x['tok_per_s']:.1f}" if x else "not measured" for x in (a, b)]
+                    + [x2(x["vs_dynamic"]) if x else "not measured" for x in (a, b)]
+                    + [f"{kv:.2f}", f"{b['peak_mib']:,.0f}" if b else "not measured"])  # fmt: skip
+    out += table(["cache", "B=1 tok/s", "B=8 tok/s", "B=1 x Dynamic", "B=8 x Dynamic", "KV x bf16",
+                  "peak, B=8 (MiB)"], body, "lrrrrrr")  # fmt: skip
+
+    k = load("gpu_h100_stop44/call1/kernels.json")
+    ka = k["args"]
+    rows = [r for r in k["rows"] if r["dtype"] == "bfloat16"]
+    cols = list(dict.fromkeys((r["N"], r["B"]) for r in rows))
+    cell = {(r["kernel"], r["N"], r["B"]): r for r in rows}
+    groups = [["dense"], ["dense+mass"], ["paged"], ["int8", "int4", "int2", "fp8"], ["k4v2", "k3v2", "k2v2"]]
+    last = cols[-1]
+    body = [["SDPA (enable_gqa), us"] + [f"{cell[('sdpa (enable_gqa)', *c)]['time_us']:.1f}" for c in cols]
+            + [f"{cell[('sdpa (enable_gqa)', *last)]['of_copy']:.0%}"]]  # fmt: skip
+    for g in groups:
+        body.append([" / ".join(g)] + [" / ".join(f"{cell[(name, *c)]['vs_sdpa']:.2f}" for name in g) for c in cols]
+                    + [" / ".join(f"{cell[(name, *last)]['of_copy']:.0%}" for name in g)])  # fmt: skip
+    out += para(
+        f"**Decode-attention kernels** (`{command(k)}`; Hq {ka['q_heads']}, Hkv {ka['kv_heads']}, head dim",
+        f"{ka['head_dim']}, bf16; SDPA's time over the kernel's, so above 1 is faster; the last column: the share of",
+        "copy bandwidth reached). Low-bit decode is a memory win on a GPU, not yet a speed win.",
+    )
+    out += table(["kernel"] + [f"{n // 1024}K, B={b}" for n, b in cols] + [f"of copy BW at {last[0] // 1024}K, B={last[1]}"],
+                 body, "l" + "r" * (len(cols) + 1))  # fmt: skip
+
+    o = load("gpu_h100_stop44/call1/offload.json")
+    by = {(r["cache"], r["batch"]): r for r in o["rows"]}
+    big = max(r["batch"] for r in o["rows"])
+    small = [r["vs_on_device"] for r in o["rows"] if r["batch"] == 1 and r["vs_on_device"] != 1.0]
+    dense1 = by[("OffloadedCache dense", 1)]
+    out += para(
+        f"**Offloaded** (`{command(o)}`), x DynamicCache on the device: at batch {big}",
+        ", ".join(f"{c} {by[(c, big)]['tok_per_s']:.2f} tok/s ({by[(c, big)]['vs_on_device']:.2f}x)"
+                  for c in ("OffloadedCache dense", "OffloadedCache int4", "DynamicCache(offloading=True)")) + ";",
+        f"at batch 1 all {min(small):.2f}-{max(small):.2f}x, OffloadedCache keeping",
+        f"{dense1['device_kv_bytes'] / 2**20:,.0f} MiB of KV on the device ({dense1['host_kv_bytes'] / 2**20:,.0f} MiB on the host).",
+    )
+
+    t = load("gpu_h200_tests/tests.json")
+    syncs, kern = t["tests-syncs"], t["tests-kernels"]
+    out += para(
+        f"**Tests on CUDA** (`{t['command']}` at {t['commit']}; {machine(t)}, {day(t)}; `eval/results/gpu_h200_tests/`):",
+        f"{syncs['passed']} of {syncs['tests']} sync tests (no decode step syncs beyond DynamicCache's one) and",
+        f"{kern['passed']} of {kern['tests']} kernel tests passed.",
+    )
+
+    out += ["### Kernels compiled ahead of time", ""]
+    parts = []
+    for v in ("3.6.0", "3.9.0"):
+        a = load(f"aot_sm90/triton-{v}.json.gz")
+        ok = sum(r["status"] == "ok" for r in a["rows"])
+        split = [r for r in a["rows"] if r["kernel"] == "_quant_split_kernel"]
+        spill = sum(bool(r["spill_stores"] or r["spill_loads"]) for r in split)
+        parts.append(f"triton {v} ({day(a)}): {ok} of {len(a['rows'])} compile, {spill} of {len(split)} quantized "
+                     "split kernels spill")  # fmt: skip
+    out += para(
+        "`python -m hf_kvplus.kernels.aot --arch sm_90 --json eval/results/aot_sm90/triton-<version>.json` (stored",
+        f"gzipped): {'; '.join(parts)} (float32 queries, head dim 256, large query groups).",
+    )
+    return out
+
+
+def render() -> str:
+    lines = header() + demo() + quality() + retrieval() + memory() + cpu_speed() + gpu_speed()
+    while lines and lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def check(expected: str, actual: str, name: str = "BENCHMARKS.md", context: int = 1, limit: int = 40) -> list[str]:
+    """The diff lines (at most `limit`) between what this writes and what the file holds; empty when equal."""
+    if expected == actual:
+        return []
+    diff = list(difflib.unified_diff(actual.splitlines(), expected.splitlines(), f"{name} (committed)",
+                                     f"{name} (python eval/report.py)", n=context, lineterm=""))  # fmt: skip
+    return diff[:limit] + ([f"... {len(diff) - limit} more diff lines"] if len(diff) > limit else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 (with a diff) if BENCHMARKS.md is stale")
+    parser.add_argument("--out", type=Path, default=TARGET, help="where to write (default: BENCHMARKS.md)")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        diff = check(text, args.out.read_text() if args.out.exists() else "", args.out.name)
+        if diff:
+            print("\n".join(diff))
+            print(f"{args.out.name} is not what eval/report.py writes: run `python eval/report.py` and commit it.")
+            return 1
+        print(f"{args.out.name} is current ({text.count(chr(10))} lines).")
+        return 0
+    args.out.write_text(text)
+    print(f"wrote {args.out} ({text.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
