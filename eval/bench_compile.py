@@ -39,6 +39,9 @@ under `reduce-overhead` ("CUDA-graph skips": mutated inputs not at static addres
 decode, and always 0 on the CPU).
 
 Writes `compile.json`, `compile.md` and `compile.png` into `--out`.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

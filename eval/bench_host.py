@@ -27,6 +27,9 @@ nothing, so a decode step's time is the host's. Per cache spec:
 - graph breaks of one decode step under `torch._dynamo.explain`, with the first reasons.
 
 Writes `host.json`, `host.md` (the table) and `host.png` (time and syncs per cache) into `--out`.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

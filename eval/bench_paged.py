@@ -12,6 +12,9 @@
 Random weights in the shape of `--model`'s config (default SmolLM2-135M), float32. A PagedCache's bytes
 at rest include its pool's free blocks (headroom it grew into); "held blocks' bytes" are the blocks
 its tables reference.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ time at the original positions, without compressing (kvpress's pipeline decodes 
   prompt for both halves, so that a budget means the same thing in each.)
 
 Writes `compare.json`, `compare.csv`, `compare.md` and `compare.png` into `--out`.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ reference itself keeps codes as int64 and norms as float32; the simulation uses 
 |x| / |decoded unit vector|, which is what the reference stores); `--no-center` sets `CENTER_KEYS = False` (keys
 coded without a centre, as before stop 33's centred keys). Writes `turboquant.json` (every run),
 `turboquant.md` (the table) and `turboquant.png` (perplexity change against bits per coordinate) into `--out`.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ mode (`--chunk` tokens per forward: each chunk is a prompt it compresses). Dynam
 both modes as the baseline of each. Budgets are fractions of `--tokens` (SinkCache: 4 sinks + the rest
 as window; H2OCache: half recent, half heavy hitters). Writes a table (stdout and Markdown), JSON and
 a bar plot.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

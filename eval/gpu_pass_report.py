@@ -6,6 +6,9 @@
 Each folder holds what some steps wrote (`steps.tsv`: step, exit status, seconds, limit; `<step>.json`
 and `<step>.md`; the tests' JUnit XML). A step found in several folders is taken from the last.
 Writes `gpu_pass.json` and `gpu_pass.md`; exits with status 1 if a step failed or timed out.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

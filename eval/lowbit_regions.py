@@ -20,6 +20,9 @@ Runs are appended to `runs.jsonl` in `--out` as they finish, and a rerun skips t
 grid can be stopped, and extended with other options into the same folder). Writes `lowbit_regions.json` (every
 run and the settings), `lowbit_regions.md` (mean and min .. max over seeds, per text and chunk size) and
 `lowbit_regions.png` (perplexity change against bits, per text and chunk size).
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

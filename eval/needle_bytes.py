@@ -7,6 +7,9 @@ Each run is `kvplus needle --lengths 2048 4096 --depths 0.1 0.3 0.5 0.7 0.9 --mo
 [--keep SHARE] --out FOLDER/<name>`; this script reads every FOLDER/*/needle.json, groups the trials by mode and
 writes `accuracy_bytes_<mode>.md`, `.json` and `.png` into --out. The x-axis is what each cache held after the answer
 (payload and metadata, read off the cache object), per token seen, over float16 K/V's bytes for the same tokens.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ beyond `--host-mib` MiB of host memory, and OffloadedCache int4; then runs one d
 tier spills as layers are released) and reports each cache's bytes on the device, in host memory and
 on disk, with the next-token logits' largest difference from the baseline's. Writes a Markdown
 table and JSON.
+
+Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
+`python eval/report.py` rewrites BENCHMARKS.md from it (CI checks the file with `--check`).
 """
 
 from __future__ import annotations

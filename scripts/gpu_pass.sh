@@ -19,6 +19,8 @@
 #   bash scripts/gpu_pass.sh compile
 # Results: DIR/gpu_pass.json, DIR/gpu_pass.md, each step's log and files (DIR defaults to gpu-pass/);
 # where $OUT is set (the device tool), those two files, the tests' log and a tarball of DIR go there.
+# Publishing a pass: copy DIR into eval/results/<experiment>/ (the latest run only), then rerun
+# `python eval/report.py`, which rewrites BENCHMARKS.md from the JSON (CI checks it with --check).
 # --dry-run runs every step on the CPU at tiny sizes (CI does, so the pass cannot rot between GPUs).
 # On the GPU image nothing is fetched: hf_kvplus is installed from this checkout without dependencies,
 # and wheels in .whl/ (made here by scripts/gpu_wheels.sh) are installed first if present.
