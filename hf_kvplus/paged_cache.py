@@ -18,11 +18,10 @@ from .paging.block_pool import BlockPool
 from .paging.group import BlockGroup
 from .paging.paged_pool import PagedPool, group_key
 from .placement.base import Placement
-from .precision import PrecisionRegions
+from .precision import PrecisionRegions, precision_report
 from .storage.paged import PagedStorage
 from .storage.paged_segment import PagedSegment
 from .storage.quantized import DEFAULT_WINDOW, QuantizedStorage
-from .storage.value_range import raise_pending
 
 
 class PagedCache(KVCache):
@@ -259,40 +258,13 @@ class PagedCache(KVCache):
     def quantized_report(self) -> dict:
         """Bytes at rest of the quantized blocks alone (codes, scales and zero points of the blocks the tables
         reference, shared blocks once; the full-precision window and the tables excluded), per quantized token
-        slot and as a fraction of float16 K/V for the same slots. Like `QuantizedCache.quantized_report`."""
+        slot and as a fraction of float16 K/V for the same slots; bits per coordinate over every token outside the
+        window, exact regions included (`precision_report`, as `QuantizedCache.quantized_report`)."""
         if self.format is None:
             raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
-        raise_pending(self.layers)  # values a decode step gave that the codes cannot hold (`storage.value_range`)
         for group in self.groups.values():
             group.trim()
-        quantized_bytes = tokens = fp16_bytes = region_bits = region_coordinates = 0
-        for layer in self.layers:
-            if not isinstance(layer, KVLayer):
-                continue
-            storage, coordinates = layer.storage, 2 * layer.spec.num_kv_heads * layer.spec.head_dim
-            if isinstance(storage, PagedStorage):  # a boundary layer in full-precision blocks: past the window, exact
-                outside = max(0, storage.length - self.window) * storage.batch_size
-                region_bits += outside * coordinates * (0 if storage.k_pool is None else storage.k_pool.element_size() * 8)
-                region_coordinates += outside * coordinates
-                continue
-            segment = storage.segment
-            blocks = segment.group.blocks_in_use(segment.end) if segment.pool.k is not None else 0
-            quantized_bytes += blocks * segment.pool.block_bytes
-            slots = blocks * self.block_size
-            tokens = max(tokens, slots)
-            fp16_bytes += slots * 2 * coordinates
-            exact, element_size = storage.exact_part()
-            exact *= storage.batch_size
-            region_bits += blocks * segment.pool.block_bytes * 8 + exact * coordinates * element_size * 8
-            region_coordinates += (slots + exact) * coordinates
-        return {
-            "format": str(self.format),
-            "quantized_tokens": tokens,
-            "quantized_bytes": quantized_bytes,
-            "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
-            "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
-            "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
-        }
+        return precision_report(self, str(self.format), self.window)
 
     def block_pools(self) -> dict[str, BlockPool]:
         """The block pool of each layer group ("full", "sliding:512", ...)."""

@@ -39,9 +39,10 @@ class PrecisionRegions:
 
 
 def precision_report(cache, format_name: str, window: int) -> dict:
-    """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage`, `StaticQuantizedStorage`,
-    `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a `DenseStorage` (a boundary
-    or sliding layer: every token past the `window` counts at its dtype's bits). First raises what a decode step gave
+    """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage` (contiguous or paged),
+    `StaticQuantizedStorage`, `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a
+    `DenseStorage` or `PagedStorage` (a boundary or sliding layer: every token past the `window` counts at its dtype's
+    bits). First raises what a decode step gave
     that the codes cannot hold (`storage.value_range`)."""
     raise_pending(cache.layers)
     quantized_bytes = tokens = fp16_bytes = 0
@@ -53,7 +54,8 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
         if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
             outside = max(0, storage.length - window) * storage.batch_size
-            bits = 0 if storage.keys is None else storage.keys.element_size() * 8
+            held = next(iter(storage.tensors().values()), None)  # (a buffer or a block pool)
+            bits = 0 if held is None else held.element_size() * 8
             region_bits += outside * coordinates * bits
             region_coordinates += outside * coordinates
             continue
@@ -64,7 +66,7 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         tokens = max(tokens, held)
         fp16_bytes += held * 2 * coordinates
         exact, element_size = storage.exact_part()
-        exact *= report.batch_size
+        exact *= storage.batch_size
         region_bits += coded * 8 + exact * coordinates * element_size * 8
         region_coordinates += (held + exact) * coordinates
     return {

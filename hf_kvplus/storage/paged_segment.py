@@ -135,6 +135,17 @@ class PagedSegment(QuantizedSegment):
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.pool.load_tensors(tensors)
 
+    def quantized_part(self) -> tuple[MemoryReport, int]:
+        """The blocks holding this layer's coded tokens (shared blocks once; the tables are no codes) as one row of
+        their token slots."""
+        if self.pool.k is None or not self.group.tables:
+            return MemoryReport(), 0
+        blocks = self.group.blocks_in_use(self.end)
+        report = MemoryReport(
+            payload_bytes=blocks * self.pool.code_bytes, metadata_bytes=blocks * self.pool.param_bytes, batch_size=1
+        )
+        return report, blocks * self.group.block_size
+
     def memory(self) -> MemoryReport:
         """Codes of the blocks the group's tables reference (shared blocks once) as payload; their scales and zero
         points, and for the group's first layer the block tables, as metadata."""

@@ -94,6 +94,11 @@ class QuantizedSegment(ABC):
     def memory(self) -> MemoryReport:
         """Bytes at rest: codes as payload, scales and zero points as metadata, headroom as reserved."""
 
+    def quantized_part(self) -> tuple[MemoryReport, int]:
+        """What `quantized_report` counts: the bytes of the coded tokens (codes as payload, scales and zeros as
+        metadata) and the tokens per row of the report's `batch_size`."""
+        return self.memory(), self.length
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The code and parameter tensors, by name (what an offloading placement moves; see `KVStorage`)."""
         raise UnsupportedOperationError(f"{type(self).__name__} cannot be moved off the device (it has no tensors())")
@@ -313,8 +318,9 @@ class QuantizedStorage(KVStorage):
         return self.segment.memory() + self.recent.memory()
 
     def quantized_part(self) -> tuple[MemoryReport, int]:
-        """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row."""
-        return self.segment.memory(), self.segment.length
+        """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row
+        (`QuantizedSegment.quantized_part`)."""
+        return self.segment.quantized_part()
 
     def exact_part(self) -> tuple[int, int]:
         """Tokens per row held at full precision outside the window (the head), and bytes per element there."""
