@@ -3,13 +3,19 @@ points or norms. A prompt holding them is refused with `OutOfRangeError` naming 
 changes; a decode step's such value is coded as 0 when it leaves the window, never spoils the other tokens of its
 group, and `quantized_report()` raises for it. optimum-quanto (float32 scales) codes any finite value."""
 
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_kvplus import OutOfRangeError, PagedCache, QuantizedCache, SinkCache
+from hf_kvplus import H2OCache, OutOfRangeError, PagedCache, QuantizedCache, SinkCache, SnapKVCache
+from hf_kvplus.evicting_cache import PeakCache
 from hf_kvplus.formats import parse_bits, resolve_format
+from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.model_spec import ModelSpec
+from hf_kvplus.storage.slots import SlotStore, TokenQuantCodec
 from hf_kvplus.storage.value_range import code_limit
 
 FORMATS = [8, 4, 2, "fp8", "k4v2", "k2v4"]
@@ -110,3 +116,131 @@ def test_quanto_codes_any_finite_value_and_refuses_nan():
     k[0, 1, 5, 3] = float("nan")
     with pytest.raises(OutOfRangeError, match=r"1 non-finite"):
         QuantizedCache(config(), bits=4, window=16, backend="quanto").update(k, v, 0)
+
+
+# Evicting caches code each token into its own slot as it comes (`storage.slots`): a prompt is checked whole, a
+# decode step's token goes through the store's `RangeGuard` (coded as 0, counted on the device, reported later).
+EVICTING = {
+    "sink": lambda bits: SinkCache(config(), num_sinks=4, window=28, bits=bits),
+    "sink-compileable": lambda bits: SinkCache(config(), num_sinks=4, window=28, bits=bits, compileable=True),
+    "sink-first": lambda bits: SinkCache(config(), num_sinks=4, window=28, bits=bits, first_tokens=2),
+    "h2o": lambda bits: H2OCache(config(), budget=32, bits=bits),
+    "snapkv": lambda bits: SnapKVCache(config(), budget=32, observation=4, bits=bits),
+    "peak": lambda bits: PeakCache(config(), budget=32, bits=bits),
+}
+PROMPT, STEPS, SPIKED = 36, 8, 40  # decode steps at positions 36 .. 43, the one at 40 given the spike
+
+
+def forward(cache, k, v):
+    """What a model's layer does with the cache: update, then attend (an evicting layer scores and evicts there)."""
+    keys, values = cache.update(k, v, 0)
+    query = torch.randn(k.shape[0], 4, k.shape[2], 16, generator=torch.Generator().manual_seed(k.shape[2]))
+    cache.layers[0].attend(SimpleNamespace(layer_idx=0), query, keys, values, None, 0.25)
+
+
+def decoded(bits, name, spike=None, side="keys"):
+    """A prompt then decode steps, one with one `spike` in its keys (or values); the next prompt's keys and values."""
+    cache = EVICTING[name](bits)
+    k, v = kv(PROMPT + STEPS + 3, seed=1)
+    forward(cache, k[:, :, :PROMPT], v[:, :, :PROMPT])
+    for t in range(PROMPT, PROMPT + STEPS):
+        kt, vt = k[:, :, t : t + 1].clone(), v[:, :, t : t + 1].clone()
+        if t == SPIKED and spike is not None:
+            (kt if side == "keys" else vt)[0, 1, 0, 3] = spike
+        forward(cache, kt, vt)
+    return cache, (k[:, :, PROMPT + STEPS :], v[:, :, PROMPT + STEPS :])
+
+
+def held_by_position(cache) -> dict:
+    """{(row, head, position): (key, value)} of the tokens the cache's evicting layer holds, dequantized."""
+    store = cache.layers[0].storage
+    keys, values = store.slots()
+    pos = store.positions.tolist()
+    return {(b, h, p): (keys[b, h, j], values[b, h, j])
+            for b, row in enumerate(pos) for h, head in enumerate(row) for j, p in enumerate(head) if p >= 0}  # fmt: skip
+
+
+@functools.cache
+def clean_run(bits, name) -> dict:
+    """`held_by_position` after in-range decode steps, which the report and the next prompt take without a word."""
+    cache, prompt = decoded(bits, name)
+    held = held_by_position(cache)
+    cache.quantized_report()
+    forward(cache, *prompt)
+    return held
+
+
+@pytest.mark.parametrize(("spike", "side"), [(1e6, "keys"), (-1e8, "values"), (float("nan"), "keys"), (float("inf"), "values")])
+@pytest.mark.parametrize("bits", FORMATS)
+@torch.no_grad()
+def test_an_evicting_caches_decode_step_the_codes_cannot_hold_is_reported_and_spoils_no_other_slot(bits, spike, side):
+    limit, by_norm = code_limit(resolve_format(ModelSpec.from_config(config()), parse_bits(bits), None))
+    reported = rf"layer 0: .* codes hold finite .* up to .*, 1 earlier decode-step {'vectors' if by_norm else 'values'} out of range, coded as 0"
+    for i, name in enumerate(EVICTING):
+        spiked, prompt = decoded(bits, name, spike, side)
+        got = spiked.layers[0].keys, spiked.layers[0].values
+        assert all(torch.isfinite(x).all() for x in got), f"{name} {bits}: a slot decodes to inf/NaN"
+        want, have = clean_run(bits, name), held_by_position(spiked)
+        same = [at for at in want.keys() & have.keys() if at[2] != SPIKED]
+        assert len(same) > 50, name  # (32 tokens per head held)
+        for at in same:  # per-token codes: every other token decodes as it did without the spike
+            assert all(torch.equal(a, b) for a, b in zip(want[at], have[at], strict=True)), f"{name} {bits}: {at}"
+        if abs(spike) <= limit:  # within range: coded, nothing to report
+            spiked.quantized_report()
+            forward(spiked, *prompt)
+        elif i % 2:  # at the next prompt, before the layer changes; then once only
+            seen = spiked.get_seq_length()
+            with pytest.raises(OutOfRangeError, match=reported):
+                forward(spiked, *prompt)
+            assert spiked.get_seq_length() == seen, name
+            forward(spiked, *prompt)
+            spiked.quantized_report()
+        else:  # at the report; then once only
+            with pytest.raises(OutOfRangeError, match=reported):
+                spiked.quantized_report()
+            forward(spiked, *prompt)
+            spiked.quantized_report()
+
+
+@pytest.mark.parametrize("bits", FORMATS)
+@torch.no_grad()
+def test_a_slot_stores_first_token_the_codes_cannot_hold_spoils_no_later_codes(bits):
+    """A one-token first forward is a decode step (no prompt check): a rotated format's key centre, set from the
+    first keys coded, must not be set from what the codes cannot hold."""
+    fmt = resolve_format(ModelSpec.from_config(config()), parse_bits(bits), None)
+    store = SlotStore(TokenQuantCodec(fmt.for_layer(0)))
+    k, v = kv(6)
+    k[0, 0, 0, 1] = float("nan")
+    for t in range(6):
+        store.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    keys, values = store.slots()
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert store.range_guard.take().item() == 1
+
+
+@torch.no_grad()
+def test_a_compiled_decode_step_of_quantized_slots_counts_on_the_device_in_one_graph():
+    """A compileable store's guard counts in place (its counter at a static address, as the fields), in a graph with
+    no break; the other slots' codes stay as they were."""
+    stores = [SlotStore(TokenQuantCodec(QuantFormat(4, 16)), scores=False, device_count=True) for _ in range(2)]
+    k, v = kv(12, seed=2)
+    torch._dynamo.reset()
+    steps = [torch.compile(store.append, fullgraph=True, backend="eager") for store in stores]
+    for store in stores:
+        store.append(k[:, :, :8], v[:, :, :8])
+        store.fill_free(12)
+    for t in range(8, 11):
+        for i, (store, step) in enumerate(zip(stores, steps, strict=True)):
+            kt = k[:, :, t : t + 1].clone()
+            if i and t == 9:
+                kt[0, 1, 0, 2] = float("inf")
+            step(kt, v[:, :, t : t + 1])
+            store.free(torch.full((1, 2, 1), t + 1))  # the next free slot becomes the hole
+    clean, spiked = stores
+    assert spiked.range_guard.in_place and spiked.range_guard.pending.item() == 1
+    assert clean.range_guard.pending.item() == 0
+    for name, field in spiked.fields.items():  # every code, scale and zero point but slot 9's (of head 1)
+        others = torch.ones(field.shape[:3], dtype=torch.bool)
+        others[0, 1, 9] = False
+        assert torch.equal(field[others], clean.fields[name][others]), name
+    assert torch.isfinite(spiked.slots()[0]).all()

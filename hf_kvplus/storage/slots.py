@@ -15,6 +15,13 @@ quantized slots: the store keeps their keys and values at full precision in a sm
 (`exact`), reads hand it to the decode kernel as the residual after the codes (`SlotRead.residual_k`), with those slots' codes
 masked out, and dense reads put it over the decoded slots. Policies never evict a real token of the region (it ranks
 with the recent window), so it is at the same slots in every head.
+
+Quantized slots code a token as it comes, so what the codes cannot hold (`value_range`: NaN, inf, finite values past
+their float16 scales, zero points or norms) is caught there: a prompt is refused before it is stored (`check_prompt`),
+and a decode step's token goes through the store's `RangeGuard`, which codes such values (a rotated format's vectors)
+as 0 (its exact copy too, in a first-tokens region) and counts them on the device, so its slot decodes finite and the
+next prompt or `quantized_report()` raises `OutOfRangeError` for them. Codes are per token, so no other token's codes
+depend on it; nor does a rotated format's key centre, which a one-token first forward would otherwise set.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .dense import _grown
 from .eager_memo import EagerMemo
 from .reads import SlotRead, placeholders
 from .token_count import TokenCount, counted
+from .value_range import RangeGuard, code_limit
 
 #: `pos` of a slot holding a padding token.
 PAD = -1
@@ -248,6 +256,9 @@ class SlotStore(KVStorage):
         self._fits = EagerMemo()  # `check_fits` passed for the fields' `pos` and new tokens of these shapes
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
         self._carry: dict[str, torch.Tensor] = {}  # a compileable store's buffers for `hole`, `fresh`, `first_real`
+        fmt = getattr(self.codec, "fmt", None)
+        #: What a decode step's token holds that the codes cannot: coded as 0, counted on the device (`value_range`).
+        self.range_guard = None if fmt is None else RangeGuard(*code_limit(fmt))
 
     seen = counted("Tokens appended (the next token's logical position), less those dropped from the back.")
 
@@ -320,6 +331,8 @@ class SlotStore(KVStorage):
         self.count.advance(new)
         if self.fields:
             self._check_compatible(keys, values)
+        if new == 1 and self.range_guard is not None:  # (a prompt was checked whole: `KVLayer.update`)
+            keys, values = self._guarded(keys, values)
         if self.hole is not None:
             if new == 1:  # the freed slot takes the token
                 self._refill(keys, values, first_pos)
@@ -343,6 +356,16 @@ class SlotStore(KVStorage):
             self._resize(_grown(self.length + new))
         self._write(self.length, keys, values, first_pos)
         self.length += new
+
+    def _guarded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's key and value as they are coded: what the format cannot hold as 0, counted on the device (no
+        read back; `RangeGuard`). One guard call over both when they have the same shape (a decode step's ops are its
+        host cost), stacked by rows so that each comes back contiguous."""
+        guard = self.range_guard
+        if keys.shape != values.shape:
+            return guard(keys), guard(values)
+        keys, values = guard(torch.cat([keys, values])).split(keys.shape[0])
+        return keys, values
 
     def _write(self, lo: int, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
         """Writes the tokens of `keys`/`values` at logical positions `first_pos ..` into slots `lo ..`, scores
@@ -772,6 +795,8 @@ class SlotStore(KVStorage):
             mark_static(*self.fields.values())
             if self.count.tensor is None:
                 self.count.place(self.device)
+            if self.range_guard is not None and not self.range_guard.in_place:  # (its count, added to in place)
+                self.range_guard.place(self.device)
             slot = self.pos.new_zeros(*self.pos.shape[:2], 1)
             for name in ("hole", "fresh"):  # made here, eagerly: a compiled step that made them would return them
                 if name not in self._carry or self._carry[name].shape != slot.shape:
