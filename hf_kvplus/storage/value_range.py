@@ -10,7 +10,8 @@ So a prompt (a forward of more than one token: the host waits at its end anyway)
 stores it, with one read back per layer, and refused with `OutOfRangeError` naming the numbers. A decode step is not
 checked (that would be a read back per token): a value that a decode step gave and that leaves the window is coded
 as 0 instead (`RangeGuard`), so it never spoils the codes of the other tokens of its group, and counted on the
-device; the next prompt or `quantized_report()` raises `OutOfRangeError` for it.
+device; the next prompt or `quantized_report()` raises `OutOfRangeError` for it. Evicting caches' quantized slots
+(`SlotStore`) code a decode step's token as it comes, through the same guard.
 """
 
 from __future__ import annotations
