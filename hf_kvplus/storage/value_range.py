@@ -95,8 +95,12 @@ class RangeGuard:
         return self._where(ok, x)
 
     def _ok(self, x: torch.Tensor) -> torch.Tensor:
-        size, finite = _sizes(x, self.by_norm)
-        return finite & (size <= self.limit)
+        """Which values (vectors) the format holds: one comparison, which NaN fails as inf and too large ones do (the
+        limit at most the dtype's largest finite value, so that it stays finite in the dtype: a decode step's ops are
+        its host cost)."""
+        if self.by_norm:
+            return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) <= self.limit
+        return x.abs() <= min(self.limit, torch.finfo(x.dtype).max)
 
     def _where(self, ok: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.where(ok[..., None] if self.by_norm else ok, x, 0)
