@@ -244,3 +244,24 @@ def test_a_compiled_decode_step_of_quantized_slots_counts_on_the_device_in_one_g
         others[0, 1, 9] = False
         assert torch.equal(field[others], clean.fields[name][others]), name
     assert torch.isfinite(spiked.slots()[0]).all()
+
+
+@pytest.mark.parametrize("bits", [4, "k4v2"])
+@torch.no_grad()
+def test_reset_forgets_what_a_decode_step_gave_out_of_range(bits):
+    """The message says to reset() the cache: the count of the values coded as 0 goes with the tokens."""
+    quantized = lambda cache, k, v: cache.update(k, v, 0)  # noqa: E731
+    caches = [(QuantizedCache(config(), bits=bits, window=16), quantized),
+              (QuantizedCache(config(), bits=bits, window=16, max_tokens=128, compileable=True), quantized),
+              (EVICTING["sink"](bits), forward), (EVICTING["sink-compileable"](bits), forward)]  # fmt: skip
+    k, v = kv(60, seed=2)
+    for cache, step in caches:
+        step(cache, k[:, :, :32].clone(), v[:, :, :32].clone())
+        for t in range(32, 60):
+            kt = k[:, :, t : t + 1].clone()
+            if t == 36:
+                kt[0, 0, 0, 1] = float("inf")
+            step(cache, kt, v[:, :, t : t + 1].clone())
+        cache.reset()
+        step(cache, k[:, :, :32].clone(), v[:, :, :32].clone())  # a new prompt: nothing to report
+        cache.quantized_report()

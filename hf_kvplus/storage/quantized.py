@@ -310,6 +310,7 @@ class QuantizedStorage(KVStorage):
     def reset(self) -> None:
         self.segment.reset()
         self.recent.reset()
+        self.range_guard.take()  # (what it counted goes with the tokens)
         self.head = 0
         self._left = None
         self._flushed, self._prompt = 0, None

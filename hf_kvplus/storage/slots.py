@@ -685,6 +685,8 @@ class SlotStore(KVStorage):
         return () if fmt is None else (fmt,)
 
     def reset(self) -> None:
+        if self.range_guard is not None:
+            self.range_guard.take()  # (what it counted goes with the tokens)
         self.fields = {}
         self.exact = None
         self._used = self._read = self._lead = None  # (views of the old buffers would keep them)

@@ -315,6 +315,7 @@ class StaticQuantizedStorage(KVStorage):
     def reset(self) -> None:
         self.buffers = self.ring_k = self.ring_v = self._fresh = None
         self.end = 0
+        self.range_guard.take()  # (what it counted goes with the tokens)
 
     # ------------------------------------------------------------------ bytes
     def memory(self) -> MemoryReport:
