@@ -265,3 +265,27 @@ def test_reset_forgets_what_a_decode_step_gave_out_of_range(bits):
         cache.reset()
         step(cache, k[:, :, :32].clone(), v[:, :, :32].clone())  # a new prompt: nothing to report
         cache.quantized_report()
+
+
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+@pytest.mark.parametrize("compileable", [False, True])
+@torch.no_grad()
+def test_a_sink_that_a_rotation_would_take_out_of_range_is_reported_not_coded_as_inf(bits, compileable):
+    """A SinkCache rotates its sinks' keys to their positions in the cache and codes them again. A key pair of 60000
+    each is within what integer codes hold (65000), but rotated it reaches 84853: the sinks' copy keeps such a pair
+    as 0 and the report names it, where the codes would have held inf or NaN."""
+    cache = SinkCache(config(), num_sinks=4, window=28, bits=bits, compileable=compileable)
+    k, v = kv(48, seed=3)
+    k[0, 1, 0, 3] = k[0, 1, 0, 3 + 8] = 60000.0  # token 0 is a sink; channels 3 and 11 are a rotary pair
+    forward(cache, k[:, :, :30], v[:, :, :30])
+    for t in range(30, 48):  # the window fills, tokens are evicted, the sinks are rotated
+        forward(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
+    keys = cache.layers[0].keys
+    assert torch.isfinite(keys).all(), f"{(~torch.isfinite(keys)).sum().item()} key channels decode to inf/NaN"
+    limit, _ = code_limit(resolve_format(ModelSpec.from_config(config()), parse_bits(bits), None))
+    if 60000.0 * 2**0.5 <= limit:  # fp8 codes hold it
+        cache.quantized_report()
+        return
+    with pytest.raises(OutOfRangeError, match=r"2 earlier decode-step values out of range"):
+        cache.quantized_report()
+    cache.quantized_report()  # once

@@ -98,6 +98,14 @@ class RotaryShift:
             raise ShapeError(f"expected one shift per batch row ({keys.shape[0]}), got shape {tuple(shift.shape)}")
         return self.rotate_prepared(self.prepare(keys), shift, keys.dtype)
 
+    def holds(self, keys: torch.Tensor, limit: float) -> torch.Tensor:
+        """Which channels of `keys` stay within `limit` in magnitude at every rotation (a bool mask like `keys`): a
+        rotary pair's norm bounds both of its rotated channels; the channels past `rotary_dim` do not move."""
+        half = self.rotary_dim // 2
+        x = keys.float()
+        pairs = torch.hypot(x[..., :half], x[..., half : self.rotary_dim]) <= limit
+        return torch.cat((pairs, pairs, x[..., self.rotary_dim :].abs() <= limit), dim=-1)
+
     def prepare(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, their rotate-half partner) in float32: what `rotate_prepared` needs, for keys rotated often."""
         half = self.rotary_dim // 2

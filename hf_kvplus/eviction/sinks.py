@@ -95,7 +95,7 @@ class SinkPolicy(EvictionPolicy):
             return
         if self.sink_keys is None:  # the first move: copy the sinks before they ever change
             slots = torch.arange(self.num_sinks, device=store.device).expand(*store.pos.shape[:2], -1)
-            self.sink_keys = store.read_keys(slots)  # a gather: a copy, as the slots are rewritten
+            self.sink_keys = self._rotatable(store, store.read_keys(slots))  # a gather: a copy (slots are rewritten)
             self.captured = torch.ones(store.batch_size, dtype=torch.bool, device=store.device)
         if self._prepared is None:
             self._prepared = self.rotary.prepare(self.sink_keys)
@@ -117,7 +117,8 @@ class SinkPolicy(EvictionPolicy):
             self.captured = torch.zeros_like(moving)
         # A row's sinks are copied at its first eviction of a real token, before they ever move.
         fresh = moving & ~self.captured
-        sink_keys, captured = torch.where(fresh[:, None, None, None], held, self.sink_keys), self.captured | moving
+        sink_keys = torch.where(fresh[:, None, None, None], self._rotatable(store, held, fresh), self.sink_keys)
+        captured = self.captured | moving
         if self._in_place:
             self.sink_keys.copy_(sink_keys)
             self.captured.copy_(captured)
@@ -125,6 +126,19 @@ class SinkPolicy(EvictionPolicy):
             self.sink_keys, self.captured = sink_keys, captured
         self._prepared = None
         store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift.clamp(min=0)), rows=moving)
+
+    def _rotatable(self, store: SlotStore, keys: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`keys` as the sinks' copy keeps them. Codes that hold each element up to a limit (`value_range`: integer and
+        fp8 slots) would overflow where a rotation takes an element past it, so a rotary pair whose norm is past the
+        limit is kept as 0 and counted by the store's `RangeGuard` (for `rows` only: a padded store copies rows as
+        they first move), reported at the next prompt or `quantized_report()`. Rotated formats code norms, which a
+        rotation keeps."""
+        guard = store.range_guard
+        if guard is None or guard.by_norm:
+            return keys
+        ok = self.rotary.holds(keys, guard.limit)
+        guard.add((~ok if rows is None else ~ok & rows[:, None, None, None]).sum())
+        return torch.where(ok, keys, 0)
 
     def _is_sink(self, pos: torch.Tensor, first_real: torch.Tensor | None) -> torch.Tensor:
         if first_real is None:

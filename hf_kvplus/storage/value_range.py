@@ -91,7 +91,7 @@ class RangeGuard:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` as coded: what the format cannot hold as 0, counted."""
         ok = self._ok(x)
-        self._add((~ok).sum())
+        self.add((~ok).sum())
         return self._where(ok, x)
 
     def _ok(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,9 +112,10 @@ class RangeGuard:
 
     def count(self, x: torch.Tensor) -> None:
         """Counts the values (vectors) of `x` the format cannot hold, on the device."""
-        self._add((~self._ok(x)).sum())
+        self.add((~self._ok(x)).sum())
 
-    def _add(self, bad: torch.Tensor) -> None:
+    def add(self, bad: torch.Tensor) -> None:
+        """Adds `bad` (a 0-d count, on the device) to what is pending."""
         if self.in_place:
             self.pending.add_(bad)
         else:
