@@ -387,14 +387,18 @@ def test_rotated_bytes_per_token_from_first_principles(kv_format, key_bits, valu
     assert p.kv_format == kv_format and p.group_size is None and p.residual == 128
     assert p.kv_bytes_per_token_excl_residual == p.kv_bytes_per_token_asymptotic == per_token
     assert p.ratio_to_fp16 == per_token / 131_072 == (key_bits + value_bits) / 32 + 1 / 128
-    # the last 128 tokens at fp16, every older one coded on its own (no partial groups to round)
-    expected = 32 * 8 * rotated_bytes_per_head(32768 - 128, 128, 128, key_bits, value_bits)
-    assert p.kv_bytes == expected and p.layer_kinds[0].tokens_full_precision == 128
+    # the presets' first 4 tokens and the last 128 at fp16, every other one coded on its own (no groups to round)
+    first = 4 if kv_format in ("k4v2", "k3v2", "k2v2") else 0
+    assert p.first_tokens == first
+    expected = 32 * 8 * rotated_bytes_per_head(32768 - 128 - first, 128 + first, 128, key_bits, value_bits)
+    assert p.kv_bytes == expected and p.layer_kinds[0].tokens_full_precision == 128 + first
     assert p.kv_bytes_per_token == expected / 32768 > per_token
-    # fewer tokens than the window: everything is fp16; no window: everything is coded
+    bare = planner.plan("llama-3.1-8b", context=32768, kv_format=kv_format, first_tokens=0)
+    assert bare.kv_bytes == 32 * 8 * rotated_bytes_per_head(32768 - 128, 128, 128, key_bits, value_bits)
+    # fewer tokens than the window: everything is fp16; no window: everything but the first tokens is coded
     assert planner.plan("llama-3.1-8b", context=100, kv_format=kv_format).kv_bytes == 100 * 131_072
     unwindowed = planner.plan("llama-3.1-8b", context=101, kv_format=kv_format, residual=0)
-    assert unwindowed.kv_bytes == 101 * per_token
+    assert unwindowed.kv_bytes == (101 - first) * per_token + first * 131_072
 
 
 def test_rotated_formats_are_named_by_key_and_value_bits():
@@ -413,22 +417,27 @@ def test_rotated_formats_are_named_by_key_and_value_bits():
 @pytest.mark.parametrize("kv_format", ["k4v2", "k3v2", "k4v4", "k8v1"])
 def test_plan_matches_what_a_rotated_cache_holds(kv_format, window):
     """A filled rotated QuantizedCache holds, in payload + metadata, exactly the planned KV bytes: its newest
-    `window` tokens in float16, every older token coded on its own (handed over 32 at a time: a context that leaves
-    a multiple of 32 past the window). The planner plans no exact first tokens, so the cache is built without the
-    presets' (`first_tokens=0`)."""
+    `window` tokens and its first tokens (the preset's exact sinks, or none) in float16, every other token coded on
+    its own (handed over 32 at a time: a context that leaves a multiple of 32 past the window and the first tokens).
+    The planner's default first tokens are the preset's, as the cache's are."""
     from hf_kvplus.quantized_cache import QuantizedCache
 
     config = LlamaConfig(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
     )
-    context = window + 32 * 26
-    cache = _filled(QuantizedCache(config, bits=kv_format, window=window, first_tokens=0), config, context)
-    report = cache.memory_report()
-    assert report.tokens_held == context
-    p = planner.plan(config, context, 1, kv_format=kv_format, residual=window)
-    assert p.group_size is None and p.layer_kinds[0].tokens_full_precision == window
-    assert p.kv_bytes == report.payload_bytes + report.metadata_bytes
+    for first_tokens in (None, 0, 8):
+        cache = QuantizedCache(config, bits=kv_format, window=window, first_tokens=first_tokens)
+        first = cache.layers[0].storage.first
+        context = window + first + 32 * 26
+        cache = _filled(cache, config, context)
+        report = cache.memory_report()
+        assert report.tokens_held == context
+        p = planner.plan(config, context, 1, kv_format=kv_format, residual=window, first_tokens=first_tokens)
+        assert p.first_tokens == first == (4 if first_tokens is None and kv_format in ("k4v2", "k3v2") else first)
+        assert p.group_size is None and p.layer_kinds[0].tokens_full_precision == window + first
+        assert p.kv_bytes == report.payload_bytes + report.metadata_bytes, first_tokens
     quantized = cache.quantized_report()
+    context -= first
     assert quantized["format"] == kv_format and quantized["quantized_tokens"] == context - window
     assert quantized["quantized_bytes"] == (context - window) * p.kv_bytes_per_token_excl_residual
     assert quantized["bytes_per_token"] == p.kv_bytes_per_token_excl_residual
@@ -699,13 +708,21 @@ def test_cli_compares_rotated_formats(tmp_path, capsys):
     names = ["fp16", "int4", "k4v2", "k3v2", "k8v1"]
     rows = {line.split()[1]: line for line in out.splitlines() if set(line.split()[1:2]) & set(names)}
     assert list(rows) == names
-    assert rows["k4v2"].split()[2:6] == ["32,768", "1", "26,012", "25,600"] and "0.195" in rows["k4v2"]
+    # the preset's first 4 tokens and the last 128 at fp16 (131,072 bytes a token), the rest at 25,600
+    per_token = ((32768 - 132) * 25_600 + 132 * 131_072) / 32768
+    assert rows["k4v2"].split()[2:6] == ["32,768", "1", f"{per_token:,.1f}", "25,600"] and "0.195" in rows["k4v2"]
+    assert "the last 128 tokens and the first 4 of each row (k4v2/k3v2) at full precision" in " ".join(out.split())
     assert "k4v2/k3v2/k8v1: rotated" in out and "one fp16 norm per vector" in " ".join(out.split())
     record = json.loads(path.read_text())["plans"][2]
     assert record["kv_format"] == "k4v2" and record["group_size"] is None and record["residual"] == 128
+    assert record["kv_bytes"] == 32 * 8 * rotated_bytes_per_head(32768 - 132, 132, 128, 4, 2)
+    assert record["first_tokens"] == 4
+    assert cli(*argv, "--first-tokens", "0", "--json", str(path)) == 0
+    capsys.readouterr()
+    record = json.loads(path.read_text())["plans"][2]
     assert record["kv_bytes"] == 32 * 8 * rotated_bytes_per_head(32768 - 128, 128, 128, 4, 2)
-    assert record["max_context"] == planner.max_context("llama-3.1-8b", "80GB", kv_format="k4v2")
-    assert record["max_batch"] == planner.max_batch("llama-3.1-8b", "80GB", 32768, kv_format="k4v2")
+    assert record["max_context"] == planner.max_context("llama-3.1-8b", "80GB", kv_format="k4v2", first_tokens=0)
+    assert record["max_batch"] == planner.max_batch("llama-3.1-8b", "80GB", 32768, kv_format="k4v2", first_tokens=0)
     # one --group-size for a mix: the KIVI formats take it, the rotated ones have no groups
     assert cli("llama-3.1-8b", "--format", "int4", "k4v2", "--group-size", "64", "--json", "-") == 0
     out = capsys.readouterr().out

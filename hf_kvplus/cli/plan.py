@@ -102,6 +102,15 @@ def register(subparsers) -> argparse.ArgumentParser:
             f"(default {DEFAULT_RESIDUAL}, the cache's window)"
         ),
     )
+    parser.add_argument(
+        "--first-tokens",
+        type=int,
+        default=None,
+        help=(
+            "quantized formats: first tokens of each row of full-attention layers kept at full precision (default: "
+            "the preset's, as QuantizedCache keeps them: 4 for k4v2, k3v2 and k2v2, 0 otherwise and with --budget)"
+        ),
+    )
     parser.add_argument("--budget", type=int, default=None, help="eviction budget: tokens kept per layer")
     parser.add_argument("--weights-dtype", default="bf16", choices=list(WEIGHT_BITS), help="default bf16")
     parser.add_argument(
@@ -144,10 +153,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _first_note(plans: list[Plan]) -> str:
+    """"and the first N of each row (full-attention layers) " for the plans that keep exact first tokens."""
+    kept = [p for p in plans if p.first_tokens]
+    if not kept:
+        return ""
+    counts = sorted({p.first_tokens for p in kept})
+    which = "" if len(kept) == len(plans) else f" ({'/'.join(p.kv_format for p in kept)})"
+    return f"and the first {'/'.join(map(str, counts))} of each row{which} "
+
+
 def _rows(args) -> list[tuple[Plan, int | str | None, int | str | None]]:
     """(plan, largest context, largest batch) per format; the fits are None without --memory."""
     config = load_config(args.model)
-    options = dict(group_size=args.group_size, residual=args.residual, budget=args.budget)
+    options = dict(group_size=args.group_size, residual=args.residual, budget=args.budget, first_tokens=args.first_tokens)
     options["weights_dtype"] = args.weights_dtype
     options["tp"] = args.tp
     rows = []
@@ -248,7 +267,8 @@ def _notes(args, rows, first: Plan, beyond: bool) -> list[str]:
         notes.append(
             f"{'/'.join(p.kv_format for p in quantized)}: as QuantizedCache stores them, KIVI groups of G "
             f"({groups}): keys per channel over groups of G tokens, values per token over groups of G "
-            f"channels; {'; '.join(kinds)}; the last {args.residual} tokens at full precision, counted as fp16."
+            f"channels; {'; '.join(kinds)}; the last {args.residual} tokens {_first_note(quantized)}at full "
+            "precision, counted as fp16."
         )
     rotated = [r[0] for r in rows if kv_format(r[0].kv_format).is_rotated]
     if rotated:
@@ -256,8 +276,8 @@ def _notes(args, rows, first: Plan, beyond: bool) -> list[str]:
         notes.append(
             f"{'/'.join(p.kv_format for p in rotated)}: rotated (TurboQuant class), as QuantizedCache stores "
             "them: kXvY codes every key with X and every value with Y bits per channel after a seeded rotation, "
-            f"plus one fp16 norm per vector, no groups{ignored}; the last {args.residual} tokens at full "
-            "precision, counted as fp16."
+            f"plus one fp16 norm per vector, no groups{ignored}; the last {args.residual} tokens "
+            f"{_first_note(rotated)}at full precision, counted as fp16."
         )
     if args.memory is not None:
         notes.append(

@@ -9,8 +9,9 @@ Tokens held per layer, per batch row, at a context of ``n`` tokens:
   caps every layer at ``budget`` tokens.
 
 Of the tokens a layer holds, the quantized formats (KIVI int8/int4/int2/fp8 and rotated kXvY, as
-`QuantizedCache` stores them) keep the most recent ``min(held, residual)`` at full precision, counted as
-fp16, and the rest quantized (see :mod:`hf_kvplus.planning.formats` for the layouts, and for the up to
+`QuantizedCache` stores them) keep the first ``first_tokens`` of full-attention layers (the presets' exact
+sinks: 4 for k4v2, k3v2 and k2v2, 0 otherwise and with an eviction budget, `PRESET_FIRST_TOKENS`) and the most
+recent ``residual`` of the rest at full precision, counted as fp16, and the rest quantized (see :mod:`hf_kvplus.planning.formats` for the layouts, and for the up to
 ``G - 1`` extra full-precision tokens the cache may hold with a KIVI format). ``group_size=None`` means the
 cache's default group for a KIVI format; the formats without groups (fp32/fp16/bf16 and the rotated ones)
 ignore `group_size`. KV bytes are payload, scales and zero points, exactly; growth headroom a cache may allocate
@@ -28,6 +29,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import CapacityError, ConfigError
 from ..model_spec import ModelSpec
+from ..quantized_cache import preset_first_tokens
 from .configs import config_name, load_config
 from .formats import (
     DEFAULT_RESIDUAL,
@@ -46,8 +48,8 @@ from .units import format_bytes, parse_memory
 class LayerKindPlan:
     """The layers of one kind (and window) in a plan.
 
-    `tokens_held` is per layer and batch row, `tokens_full_precision` how many of them sit in the fp16
-    recent window (quantized formats; 0 otherwise), `bound` the most tokens these layers ever hold (the
+    `tokens_held` is per layer and batch row, `tokens_full_precision` how many of them are held at full precision
+    (quantized formats: the first tokens and the recent window; 0 otherwise), `bound` the most tokens these layers ever hold (the
     window or the budget; None when they grow with the context). `kv_bytes` covers all these layers and
     the whole batch; `bytes_per_token` is what one more held token costs all these layers for one batch
     row, in the storage format (scales included, fp16 window excluded).
@@ -97,6 +99,7 @@ class Plan:
     batch: int
     group_size: int | None
     residual: int
+    first_tokens: int
     budget: int | None
     weights_dtype: str
     num_parameters: int
@@ -153,6 +156,7 @@ class _Settings:
     residual: int
     budget: int | None
     weights_dtype: str
+    first_tokens: int = 0
 
 
 def _model(config: str | PreTrainedConfig, tp: int = 1) -> _Model:
@@ -187,7 +191,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _settings(model: _Model, kv_format_name, group_size, residual, budget, weights_dtype) -> _Settings:
+def _settings(model: _Model, kv_format_name, group_size, residual, budget, weights_dtype, first_tokens=None) -> _Settings:
     fmt = kv_format(kv_format_name)
     weight_bits(weights_dtype)
     group_size = resolve_group_size(fmt, group_size, {g.head_dim for g in model.groups})
@@ -197,7 +201,12 @@ def _settings(model: _Model, kv_format_name, group_size, residual, budget, weigh
         raise ConfigError(
             f"residual (fp16 recent window) must be 0 or more tokens, got residual={residual!r}"
         )
-    return _Settings(fmt, group_size, residual if fmt.is_quantized else 0, budget, str(weights_dtype).lower())
+    if first_tokens is None:  # the preset's, as `QuantizedCache` takes it (an evicting cache takes none)
+        first_tokens = preset_first_tokens(fmt.cache_bits, None) if budget is None else 0
+    elif not _is_int(first_tokens) or first_tokens < 0:
+        raise ConfigError(f"first_tokens (exact first tokens) must be 0 or more, got first_tokens={first_tokens!r}")
+    first = first_tokens if fmt.is_quantized else 0
+    return _Settings(fmt, group_size, residual if fmt.is_quantized else 0, budget, str(weights_dtype).lower(), first)
 
 
 def _check_context(context) -> None:
@@ -227,7 +236,8 @@ def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> P
     for group in model.groups:
         bound = _bound(group, settings.budget)
         held = context if bound is None else min(context, bound)
-        recent = min(held, settings.residual)
+        first = min(held, settings.first_tokens) if group.kind == "full" else 0
+        recent = first + min(held - first, settings.residual)
         per_head = fmt.stored_bytes(held - recent, group.head_dim, group_size)
         per_head += residual_bytes(recent, group.head_dim)
         layer_heads = group.num_layers * group.num_kv_heads
@@ -258,6 +268,7 @@ def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> P
         batch=batch,
         group_size=group_size,
         residual=settings.residual,
+        first_tokens=settings.first_tokens,
         budget=settings.budget,
         weights_dtype=settings.weights_dtype,
         num_parameters=model.parameters.total,
@@ -283,6 +294,7 @@ def plan(
     budget: int | None = None,
     weights_dtype: str = "bf16",
     tp: int = 1,
+    first_tokens: int | None = None,
 ) -> Plan:
     """Weights + KV bytes of `config` holding `context` tokens for each of `batch` sequences.
 
@@ -295,12 +307,14 @@ def plan(
     ``gcd(DEFAULT_GROUP_SIZE[format], *head_dims)`` (int8 64, int4/int2/fp8 32). `budget`:
     tokens an evicting cache keeps per layer (sinks + recent), None for no eviction. `weights_dtype`:
     fp32, fp16, bf16, fp8, int8, int4 (nominal bits per weight, no quantization scales). `tp`: tensor-parallel
-    ranks; the plan is then one rank's (see `Plan`).
+    ranks; the plan is then one rank's (see `Plan`). `first_tokens`: exact first tokens of each row of the
+    full-attention layers of a quantized format; None: the preset's, as `QuantizedCache` keeps them (4 for k4v2,
+    k3v2 and k2v2; 0 for the others and with a `budget`).
     """
     _check_context(context)
     _check_batch(batch)
     model = _model(config, tp)
-    settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype)
+    settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype, first_tokens)
     return _evaluate(model, settings, context, batch)
 
 
@@ -325,6 +339,7 @@ def max_context(
     budget: int | None = None,
     weights_dtype: str = "bf16",
     tp: int = 1,
+    first_tokens: int | None = None,
 ) -> int | None:
     """The largest context whose plan (weights + KV, `batch` sequences) fits in `memory`.
 
@@ -336,7 +351,7 @@ def max_context(
     """
     _check_batch(batch)
     model = _model(config, tp)
-    settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype)
+    settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype, first_tokens)
     memory = parse_memory(memory)
     _free_for_kv(model, settings, memory)
 
@@ -370,6 +385,7 @@ def max_batch(
     budget: int | None = None,
     weights_dtype: str = "bf16",
     tp: int = 1,
+    first_tokens: int | None = None,
 ) -> int:
     """The largest number of sequences of `context` tokens whose plan fits in `memory` (0 if none).
 
@@ -380,7 +396,7 @@ def max_batch(
     if context < 1:
         raise ConfigError(f"max_batch needs a context of at least 1 token, got context={context}")
     model = _model(config, tp)
-    settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype)
+    settings = _settings(model, kv_format, group_size, residual, budget, weights_dtype, first_tokens)
     memory = parse_memory(memory)
     free = _free_for_kv(model, settings, memory)
     return free // _evaluate(model, settings, context, 1).kv_bytes
