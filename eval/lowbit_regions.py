@@ -34,6 +34,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from regions_table import regions_table
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
@@ -90,40 +91,10 @@ COLUMNS = [("config", "config", ""), ("first", "first", "d"), ("boundary", "boun
 
 
 def wide(runs: list[dict]) -> str:
-    """One row per (config, first, boundary), one column per text and chunk size: the mean over seeds [min .. max],
-    the seeds; and the change from the same config without regions, seed by seed (the mean of the paired
-    differences)."""
-    quantized = [r for r in runs if r["config"] != "dynamic"]
-    panels = sorted(dict.fromkeys((r["chunk"], r["text"]) for r in quantized),
-                    key=lambda p: (p[0], p[1] != "austen:prideprejudice", p[1]))  # the project's text first
-    settings = sorted(dict.fromkeys((r["config"], r["first"], r["boundary"]) for r in quantized),
-                      key=lambda s: ({"k4v2": 0, "k3v2": 1, "k2v2": 2}.get(s[0], 3), s[0], s[2], s[1]))  # fmt: skip
-    by = {(r["config"], r["first"], r["boundary"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized}
-    header = ["config", "first", "boundary", "bits/coord"] + [f"{t.removeprefix('austen:')} c{c}" for c, t in panels]
-    lines = ["| " + " | ".join(header) + " |", "| --- | ---: | --- | ---: |" + " ---: |" * len(panels)]
-    for config, first, boundary in settings:
-        bits = [r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"], r["boundary"]) ==
-                (config, first, boundary) and r["tokens"] == max(q["tokens"] for q in quantized)]  # fmt: skip
-        cells = []
-        for chunk, text in panels:
-            seeds = sorted(s for (c, f, b, ch, t, s) in by if (c, f, b, ch, t) == (config, first, boundary, chunk, text))
-            if not seeds:
-                cells.append("")
-                continue
-            deltas = [by[(config, first, boundary, chunk, text, s)] for s in seeds]
-            cell = f"{statistics.fmean(deltas):+.2f}%"
-            if len(deltas) > 1:
-                cell += f" [{min(deltas):+.2f} .. {max(deltas):+.2f}]"
-            cell += f" ({len(deltas)})"
-            # a boundary row against the same first tokens without it; a first-tokens row against none
-            ref, name = ((first, "0"), f"first {first} alone") if boundary != "0" else ((0, "0"), "none")
-            plain = [(by[(config, *ref, chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
-                     if (config, *ref, chunk, text, s) in by]  # fmt: skip
-            if (first, boundary) != (0, "0") and plain:
-                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs {name}"
-            cells.append(cell)
-        lines.append(f"| {config} | {first} | {boundary} | {statistics.fmean(bits):.3f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The exact-regions table (`regions_table`) of the quantized runs, as markdown."""
+    header, rows = regions_table([r for r in runs if r["config"] != "dynamic"])
+    lines = ["| " + " | ".join(header) + " |", "| --- | ---: | --- | ---: |" + " ---: |" * (len(header) - 4)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def report(runs: list[dict], meta: dict, out: Path) -> str:

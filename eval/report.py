@@ -22,6 +22,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from regions_table import regions_table
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
 TARGET = ROOT / "BENCHMARKS.md"
@@ -204,39 +206,12 @@ def issue46() -> list[str]:
         "Cells: mean change over seeds [min .. max] (seeds), and the mean seed-by-seed change from no regions (a",
         "boundary row: from its first 4 tokens alone). Boundary 1: first and last layer exact (`1@int8`: at int8).",
     )
-    panels = sorted(dict.fromkeys((r["chunk"], r["text"]) for r in quantized),
-                    key=lambda p: (p[0], p[1] != "austen:prideprejudice", p[1]))  # fmt: skip
-    settings = sorted(dict.fromkeys((r["config"], r["first"], r["boundary"]) for r in quantized),
-                      key=lambda s: ({"k4v2": 0, "k3v2": 1, "k2v2": 2}.get(s[0], 3), s[0], s[2], s[1]))  # fmt: skip
-    by = {(r["config"], r["first"], r["boundary"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized}
-    body = []
-    for config, first, boundary in settings:
-        bits = [r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"], r["boundary"]) ==
-                (config, first, boundary)]  # fmt: skip
-        cells = []
-        for chunk, text in panels:
-            seeds = sorted(s for (c, f, b, ch, t, s) in by if (c, f, b, ch, t) == (config, first, boundary, chunk, text))
-            if not seeds:
-                cells.append("")
-                continue
-            deltas = [by[(config, first, boundary, chunk, text, s)] for s in seeds]
-            cell = f"{statistics.fmean(deltas):+.2f}%"
-            if len(deltas) > 1:
-                cell += f" [{min(deltas):+.2f} .. {max(deltas):+.2f}]"
-            cell += f" ({len(deltas)})"
-            ref, name = ((first, "0"), f"first {first} alone") if boundary != "0" else ((0, "0"), "none")
-            plain = [(by[(config, *ref, chunk, text, s)], by[(config, first, boundary, chunk, text, s)]) for s in seeds
-                     if (config, *ref, chunk, text, s) in by]  # fmt: skip
-            if (first, boundary) != (0, "0") and plain:
-                cell += f", {statistics.fmean(b - a for a, b in plain):+.2f} vs {name}"
-            cells.append(cell)
-        body.append([config, first, boundary, f"{statistics.fmean(bits):.3f}"] + cells)
-    out += table(["config", "first", "boundary", "bits/coord"]
-                 + [f"{t.removeprefix('austen:')} c{c}" for c, t in panels], body, "lrlr" + "r" * len(panels))  # fmt: skip
+    header, body = regions_table(quantized)
+    out += table(header, body, "lrlr" + "r" * (len(header) - 4))
 
     def mean_of(config: str, first: int, chunk: int) -> float:
-        return statistics.fmean(v for (c, f, b, ch, t, _), v in by.items()
-                                if (c, f, b, ch, t) == (config, first, "0", chunk, "austen:prideprejudice"))  # fmt: skip
+        return statistics.fmean(r["delta_pct"] for r in quantized if (r["config"], r["first"], r["boundary"],
+                                r["chunk"], r["text"]) == (config, first, "0", chunk, "austen:prideprejudice"))  # fmt: skip
 
     bits = {c: statistics.fmean(r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"],
             r["boundary"]) == (c, 4, "0")) for c in ("k4v2", "k3v2", "k2v2")}  # fmt: skip

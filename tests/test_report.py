@@ -6,12 +6,15 @@ Reads JSON only: no model, no network, well under a second.
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_report():
+    if str(ROOT / "eval") not in sys.path:  # (its helpers beside it, as when run as a script)
+        sys.path.insert(0, str(ROOT / "eval"))
     spec = importlib.util.spec_from_file_location("eval_report", ROOT / "eval" / "report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
