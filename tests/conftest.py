@@ -39,8 +39,13 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    import transformers
+
     interp = os.environ.get("TRITON_INTERPRET", "0")
-    return f"hf_kvplus test device: {config.kvplus_device} (TRITON_INTERPRET={interp})"
+    return (
+        f"hf_kvplus test device: {config.kvplus_device} (TRITON_INTERPRET={interp}); "
+        f"transformers {transformers.__version__} ({os.path.dirname(transformers.__file__)})"
+    )
 
 
 @pytest.fixture(scope="session")

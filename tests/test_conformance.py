@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -51,11 +52,32 @@ def run_case(case: CacheCase, arch: str, mode: str) -> ModeResult:
     return MODES[mode](get_model(arch), case.make, get_assistant(arch))
 
 
+#: The architectures with sliding-window layers (every layer on mistral, some on qwen2 and gemma3).
+SLIDING_ARCHITECTURES = ("mistral", "qwen2", "gemma3")
+#: Transformers 5.17 (the lowest supported; scripts/test.sh runs this file on it too) breaks assisted decoding on
+#: sliding-window models for its own DynamicCache: the verification forward's mask is cut to the window while the
+#: keys are not (sdpa: "The size of tensor a (11) must match the size of tensor b (8)"). Fixed by 5.24. Strict: if
+#: the reference ever passes there, the mark must go.
+UPSTREAM_ASSISTED_SLIDING = pytest.mark.xfail(
+    transformers.__version__.startswith("5.17."),
+    reason="Transformers 5.17: assisted decoding fails on sliding-window models for DynamicCache too",
+    raises=RuntimeError,
+    strict=True,
+)
+
+
+def upstream_marks(arch: str, mode: str, case: CacheCase | None = None) -> list:
+    """The marks of a test of `mode` on `arch` (with `case`) for bugs of the installed Transformers."""
+    if mode == "assisted" and arch in SLIDING_ARCHITECTURES and (case is None or mode not in case.unsupported_modes):
+        return [UPSTREAM_ASSISTED_SLIDING]
+    return []
+
+
 def _params():
     for case in CASES:
         for arch in ARCHITECTURES:
             for mode in MODES:
-                yield pytest.param(case, arch, mode, id=f"{case.name}-{arch}-{mode}")
+                yield pytest.param(case, arch, mode, id=f"{case.name}-{arch}-{mode}", marks=upstream_marks(arch, mode, case))
 
 
 @pytest.mark.parametrize(("case", "arch", "mode"), list(_params()))
@@ -185,7 +207,7 @@ MUTANTS = {
 @pytest.mark.parametrize(
     ("mutant", "arch", "mode"),
     [
-        pytest.param(name, arch, mode, id=f"{name}-{arch}-{mode}")
+        pytest.param(name, arch, mode, id=f"{name}-{arch}-{mode}", marks=upstream_marks(arch, mode))
         for name, (_, where) in MUTANTS.items()
         for arch, mode in where
     ],
@@ -266,7 +288,7 @@ def test_sliding_window_is_real(arch: str):
     assert diff > 1e-2, f"{arch}: the sliding window makes no difference to the logits ({diff})"
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=upstream_marks("mistral", mode)) for mode in MODES])
 def test_modes_exceed_sliding_window(mode: str):
     """Every mode runs past the window; all but sample already prefill past it."""
     ref = reference_result("mistral", mode)
@@ -305,7 +327,7 @@ class RecordingCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=upstream_marks(arch, "assisted")) for arch in ARCHITECTURES])
 def test_modes_exercise_cache_paths(arch: str):
     """beam reorders beams (not only the identity); assisted and prompt_lookup verify multi-token drafts and crop them with a
     mix of full, partial and no rejection."""

@@ -5,9 +5,11 @@ their outputs hold), and the project's own paths (perplexity, the benchmark loop
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import torch
+import transformers
 from transformers import DynamicCache, LlamaForCausalLM
 
 from conformance.models import get_model
@@ -15,6 +17,14 @@ from hf_kvplus import DenseCache, cache_kwarg, cache_kwargs
 from hf_kvplus.evaluation import perplexity
 from hf_kvplus.evaluation.benchmark import run_once
 from hf_kvplus.specs import parse_cache_spec
+
+
+def test_the_expected_transformers_is_imported():
+    """scripts/test.sh runs this file and the conformance tests again on the lowest supported Transformers, put first
+    on PYTHONPATH, with KVPLUS_EXPECT_TRANSFORMERS set to its version: that run must not test the venv's newest."""
+    expected = os.environ.get("KVPLUS_EXPECT_TRANSFORMERS")
+    if expected:
+        assert transformers.__version__.startswith(f"{expected}."), (transformers.__version__, transformers.__file__)
 
 
 def test_the_name_is_the_one_model_forwards_take():
