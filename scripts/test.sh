@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv if needed, then runs the linters (ruff, then the import contracts), checks that BENCHMARKS.md is
 # what eval/report.py writes from eval/results/, and runs the whole test suite (CPU; Triton kernels run under the
-# Triton interpreter). Extra arguments go to pytest.
+# Triton interpreter). Extra arguments go to pytest. With none (CI), the conformance tests then run again on the
+# lowest Transformers pyproject.toml supports.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
@@ -10,3 +11,22 @@ VENV="${KVPLUS_VENV:-.venv}"
 bash scripts/lint_imports.sh
 "$VENV/bin/python" eval/report.py --check
 "$VENV/bin/pytest" "$@"
+[ $# -eq 0 ] || exit 0
+
+# The lowest supported Transformers (pyproject's `transformers>=X.Y`, as X.Y.*), installed apart in $LOWEST and put
+# first on the path, so that it shadows the venv's newest for the conformance tests and the cache keyword's tests.
+# --no-deps: the venv has the rest; 5.17 differs in wanting huggingface-hub < 2, which imports httpx.
+LOWEST_VERSION=$(sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+LOWEST="$VENV/transformers-$LOWEST_VERSION"
+if ! compgen -G "$LOWEST/transformers-$LOWEST_VERSION.*.dist-info" >/dev/null; then
+    rm -rf "$LOWEST"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$LOWEST" \
+        "transformers==$LOWEST_VERSION.*" "huggingface-hub>=1.5,<2" "httpx<1" httpcore
+fi
+echo "conformance on transformers $LOWEST_VERSION.*"
+start=$(date +%s)
+status=0
+PYTHONPATH="$LOWEST" KVPLUS_EXPECT_TRANSFORMERS="$LOWEST_VERSION" "$VENV/bin/pytest" -p no:cacheprovider \
+    tests/test_conformance.py tests/test_transformers_compat.py || status=$?
+echo "conformance on transformers $LOWEST_VERSION.*: $(( $(date +%s) - start )) s"
+exit "$status"
