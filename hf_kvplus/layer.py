@@ -282,7 +282,10 @@ class KVLayer(CacheLayerMixin):
         self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the newest tokens: `-n` removes n; a positive value is the length to keep (legacy)."""
+        """Removes the newest tokens: `-n` removes n; a positive value is the length to keep (legacy). Transformers 5.17
+        passes a 0-d tensor (`candidate_length - n_matches`), read here as the int it is (between steps: the host
+        waits for the matches anyway)."""
+        tokens_to_remove = int(tokens_to_remove)
         remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.seen - tokens_to_remove)
         if remove > self.seen:
             raise UnsupportedOperationError(f"cannot crop {remove} tokens from a layer that has seen {self.seen}")
