@@ -42,8 +42,7 @@ def precision_report(cache, format_name: str, window: int) -> dict:
     """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage` (contiguous or paged),
     `StaticQuantizedStorage`, `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a
     `DenseStorage` or `PagedStorage` (a boundary or sliding layer: every token past the `window` counts at its dtype's
-    bits). First raises what a decode step gave
-    that the codes cannot hold (`storage.value_range`)."""
+    bits). First raises what a decode step gave that the codes cannot hold (`storage.value_range`)."""
     raise_pending(cache.layers)
     quantized_bytes = tokens = fp16_bytes = 0
     region_bits = region_coordinates = 0

@@ -473,6 +473,8 @@ def test_bad_rotated_formats_raise_typed_errors_with_the_numbers():
     assert planner.plan(odd, 10, kv_format="fp16").kv_bytes == 10 * 2 * 2 * 36 * 2  # fp16 has no such limit
     with pytest.raises(ConfigError, match=r"residual .* got residual=-1"):
         planner.plan("llama-3.1-8b", 1024, kv_format="k4v2", residual=-1)
+    with pytest.raises(ConfigError, match=r"first_tokens .* got first_tokens=-1"):
+        planner.plan("llama-3.1-8b", 1024, kv_format="k4v2", first_tokens=-1)
 
 
 # --- largest context and batch ------------------------------------------------------------------------

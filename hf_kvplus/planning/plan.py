@@ -11,8 +11,9 @@ Tokens held per layer, per batch row, at a context of ``n`` tokens:
 Of the tokens a layer holds, the quantized formats (KIVI int8/int4/int2/fp8 and rotated kXvY, as
 `QuantizedCache` stores them) keep the first ``first_tokens`` of full-attention layers (the presets' exact
 sinks: 4 for k4v2, k3v2 and k2v2, 0 otherwise and with an eviction budget, `PRESET_FIRST_TOKENS`) and the most
-recent ``residual`` of the rest at full precision, counted as fp16, and the rest quantized (see :mod:`hf_kvplus.planning.formats` for the layouts, and for the up to
-``G - 1`` extra full-precision tokens the cache may hold with a KIVI format). ``group_size=None`` means the
+recent ``residual`` of the rest at full precision, counted as fp16, and the rest quantized (see
+:mod:`hf_kvplus.planning.formats` for the layouts, and for the up to ``G - 1`` extra full-precision tokens the
+cache may hold with a KIVI format). ``group_size=None`` means the
 cache's default group for a KIVI format; the formats without groups (fp32/fp16/bf16 and the rotated ones)
 ignore `group_size`. KV bytes are payload, scales and zero points, exactly; growth headroom a cache may allocate
 ahead (``DenseCache`` rounds its buffers up and grows them by an eighth) and block-table metadata are
@@ -49,10 +50,10 @@ class LayerKindPlan:
     """The layers of one kind (and window) in a plan.
 
     `tokens_held` is per layer and batch row, `tokens_full_precision` how many of them are held at full precision
-    (quantized formats: the first tokens and the recent window; 0 otherwise), `bound` the most tokens these layers ever hold (the
-    window or the budget; None when they grow with the context). `kv_bytes` covers all these layers and
-    the whole batch; `bytes_per_token` is what one more held token costs all these layers for one batch
-    row, in the storage format (scales included, fp16 window excluded).
+    (quantized formats: the first tokens and the recent window; 0 otherwise), `bound` the most tokens these layers
+    ever hold (the window or the budget; None when they grow with the context). `kv_bytes` covers all these
+    layers and the whole batch; `bytes_per_token` is what one more held token costs all these layers for one
+    batch row, in the storage format (scales included, fp16 window excluded).
     """
 
     kind: str
@@ -156,7 +157,7 @@ class _Settings:
     residual: int
     budget: int | None
     weights_dtype: str
-    first_tokens: int = 0
+    first_tokens: int
 
 
 def _model(config: str | PreTrainedConfig, tp: int = 1) -> _Model:

@@ -72,7 +72,7 @@ class StaticQuantizedStorage(KVStorage):
         self.buffers: PackedKV | None = None
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
-        self._aranges = EagerMemo()  # positions, ring, group, head (`_ranges`)
+        self._aranges = EagerMemo()  # positions, ring, group, head (`_ranges`), for the ring's device
         # The last chunk after the past's window: what the chunk attends exact (`_with_past_window`).
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -239,7 +239,7 @@ class StaticQuantizedStorage(KVStorage):
         """`arange`s of the code positions, the ring's slots and a group's tokens. Kept between eager steps; made
         inside a compiled graph, where inductor folds them into its loops' indices (kept ones would be inputs,
         guarded at every step, and inductor fuses the decode step's kernels less well around them)."""
-        return self._aranges.get(None, self._make_ranges)
+        return self._aranges.get(self.ring_k.device, self._make_ranges)
 
     def _make_ranges(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         device = self.ring_k.device
@@ -358,7 +358,6 @@ class StaticQuantizedStorage(KVStorage):
         self.buffers = PackedKV.allocate(self.fmt, batch, heads, n, dim, v_dim, device, torch.zeros)
         self.ring_k = keys.new_zeros(batch, heads, self.first + self.ring, dim)
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
-        self._aranges = EagerMemo()
         self.count.place(device)
         self.range_guard.place(device)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)
