@@ -51,6 +51,12 @@ def rotated_bits(bits, key_bits: int | None, value_bits: int | None):
     return f"k{key_bits}v{value_bits}"
 
 
+def is_rotated(bits: int | str) -> bool:
+    """Whether `bits` names a rotated format (`k<key bits>v<value bits>`), which has no groups."""
+    bits = parse_bits(bits)
+    return isinstance(bits, str) and bits != "fp8"
+
+
 def resolve_format(
     spec: ModelSpec, bits: int | str | None, group_size: int | None, seed: int = 0
 ) -> QuantFormat | RotatedFormat | None:
@@ -63,7 +69,7 @@ rotated format's rotation seed (layer i rotates with seed + i)."""
         return None
     bits = parse_bits(bits)
     head_dims = sorted({layer.head_dim for layer in spec.layers if layer.holds_kv})
-    if isinstance(bits, str) and bits != "fp8":
+    if is_rotated(bits):
         if group_size is not None:
             raise ConfigError(f"rotated format {bits} has no groups (one norm per vector), got group_size={group_size}")
         key_bits, value_bits = (int(b) for b in _ROTATED.fullmatch(bits).groups())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from transformers import PreTrainedConfig
@@ -45,11 +46,12 @@ class OffloadedCache(KVCache):
         first_tokens: int | None = None,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
         rotation_seed: int = 0,
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
         first_tokens = preset_first_tokens(bits, first_tokens)  # a rotated preset's exact first tokens, as QuantizedCache
-        regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
+        regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
         if bits is None:
             if regions != PrecisionRegions(window):
                 raise ConfigError(f"precision regions ({regions}) need bits: a full-precision cache is exact everywhere")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -63,8 +64,9 @@ class PagedCache(KVCache):
     Precision regions (`PrecisionRegions`, as `QuantizedCache`'s), with `bits`: `first_tokens` keeps the first tokens
     of each row of full layers at full precision outside the blocks; `boundary_layers` holds the first and last that
     many layers in full-precision blocks of the same groups (a `PagedStorage` each), or at `boundary_bits` (quantized
-    blocks in that format): the pool holds each layer's format (`PagedPool(layer_bits=...)`), and a pool passed in
-    must hold the same. Prefix reuse refuses either region.
+    blocks in that format), and `layer_bits` ({layer index: bits}) any layer in a format of its own: the pool holds
+    each layer's format (`PagedPool(layer_bits=...)`), and a pool passed in must hold the same. Prefix reuse refuses
+    these regions.
 
     `max_tokens` (full precision) reserves each row's blocks for that many tokens at the first fill, so the
     tables never grow and a decode step allocates nothing; more raises `CapacityError`. Beams and samples still
@@ -96,6 +98,7 @@ class PagedCache(KVCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -106,18 +109,20 @@ class PagedCache(KVCache):
         self.namespace = namespace
         self._owns_pool = pool is None
         spec = ModelSpec.from_config(config)
-        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
+        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
+        self.regions.check_layers(spec.num_layers)
         lossless = (pool.format if pool is not None and bits is None else resolve_format(spec, bits, group_size)) is None
-        if (first_tokens or boundary_layers) and lossless:
+        if (first_tokens or self.regions.overrides()) and lossless:
             raise ConfigError(
-                f"first_tokens={first_tokens} and boundary_layers={boundary_layers} need bits: full-precision blocks "
-                "are exact everywhere"
+                f"first_tokens={first_tokens}, boundary_layers={boundary_layers} and layer_bits={layer_bits} need bits: "
+                "full-precision blocks are exact everywhere"
             )
-        boundary = [i.index for i in spec.layers if i.holds_kv and self.regions.is_boundary(i.index, spec.num_layers)]
+        holding = {i.index for i in spec.layers if i.holds_kv}
+        own = {i: b for i, b in self.regions.own_bits(spec.num_layers).items() if i in holding}
         if pool is None:
             pool = PagedPool(
                 config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes, bits=bits,
-                group_size=group_size, layer_bits=dict.fromkeys(boundary, boundary_bits) if boundary_layers else None,
+                group_size=group_size, layer_bits=own or None,
             )
         else:
             if placement is not None and placement.moves:
@@ -129,9 +134,8 @@ class PagedCache(KVCache):
             if bits is not None or group_size is not None:
                 pool.check_format(resolve_format(spec, bits, group_size))
             if pool.format is not None:
-                boundary_fmt = None if boundary_bits is None else resolve_format(spec, boundary_bits, group_size)
                 pool.check_layer_formats(
-                    {i: boundary_fmt if i in boundary else pool.format for i in pool.layer_formats}
+                    {i: resolve_format(spec, own[i], group_size) if i in own else pool.format for i in pool.layer_formats}
                 )
         self.pool = pool
         #: The quantized format of the blocks (None: full precision, lossless).
@@ -217,10 +221,11 @@ class PagedCache(KVCache):
         return store.insert(ids[: full * self.block_size], group.tables[0][:full], self.namespace)
 
     def _store(self):
-        if self.regions.boundary:
+        if self.regions.overrides():
+            own = sorted(self.regions.own_bits(self.model_spec.num_layers))
             raise UnsupportedOperationError(
-                f"prefix reuse serves caches whose layers all hold one block format; with boundary_layers="
-                f"{self.regions.boundary} the first and last layers hold theirs"
+                f"prefix reuse serves caches whose layers all hold one block format; layers {own} hold their own "
+                f"(boundary_layers={self.regions.boundary}, layer_bits={dict(self.regions.layer_bits)})"
             )
         if self.regions.first:
             raise UnsupportedOperationError(

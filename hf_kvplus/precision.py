@@ -3,13 +3,15 @@ description for every quantized storage.
 
 - `window`: the newest tokens of each row (each query's window: see `QuantizedStorage`);
 - `first`: the first tokens of each row (attention sinks: most attention mass falls there), in full-attention layers;
-- `boundary`: the first and last `boundary` layers at full precision, or at `boundary_bits`.
+- `boundary`: the first and last `boundary` layers at full precision, or at `boundary_bits`;
+- `layer_bits`: any layer's own format (`{index: bits}`, None: full precision), e.g. what `kvplus calibrate` chose.
 
 Bits per coordinate (`QuantizedCache.quantized_report`) count every token outside the window, these regions included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -24,6 +26,9 @@ class PrecisionRegions:
     boundary: int = 0
     #: The boundary layers' bits (a format `resolve_format` takes); None: full precision.
     boundary_bits: int | str | None = None
+    #: Layers with a format of their own, as sorted `(index, bits)` pairs (given as a mapping; bits None: full
+    #: precision); an entry wins over `boundary`.
+    layer_bits: tuple[tuple[int, int | str | None], ...] = ()
 
     def __post_init__(self):
         for name in ("first", "boundary"):
@@ -32,10 +37,36 @@ class PrecisionRegions:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if self.boundary_bits is not None and not self.boundary:
             raise ConfigError(f"boundary_bits={self.boundary_bits!r} needs boundary layers (boundary >= 1)")
+        pairs = self.layer_bits.items() if isinstance(self.layer_bits, Mapping) else self.layer_bits
+        pairs = tuple(sorted((index, bits) for index, bits in pairs))
+        for index, _ in pairs:
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ConfigError(f"layer_bits keys must be layer indices (ints >= 0), got {index!r}")
+        object.__setattr__(self, "layer_bits", pairs)
 
     def is_boundary(self, index: int, num_layers: int) -> bool:
         """Whether layer `index` of `num_layers` is one of the first or last `boundary`."""
         return index < self.boundary or index >= num_layers - self.boundary
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuses `layer_bits` entries past the model's layers."""
+        beyond = [index for index, _ in self.layer_bits if index >= num_layers]
+        if beyond:
+            raise ConfigError(f"layer_bits names layers {beyond}, but the model has {num_layers} (0..{num_layers - 1})")
+
+    def own_bits(self, num_layers: int) -> dict[int, int | str | None]:
+        """The layers whose format is not the cache's, with their bits (None: full precision): the boundary layers at
+        `boundary_bits`, then `layer_bits`'s entries."""
+        own = {index: self.boundary_bits for index in range(num_layers) if self.is_boundary(index, num_layers)}
+        return own | dict(self.layer_bits)
+
+    def bits_of(self, index: int, num_layers: int, bits: int | str | None) -> int | str | None:
+        """The bits layer `index` holds: its own (`own_bits`), else the cache's `bits`."""
+        return self.own_bits(num_layers).get(index, bits)
+
+    def overrides(self) -> bool:
+        """Whether some layer may hold a format other than the cache's."""
+        return bool(self.boundary or self.layer_bits)
 
 
 def precision_report(cache, format_name: str, window: int) -> dict:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from transformers import PreTrainedConfig
 
 from .cache import KVCache
 from .errors import ConfigError
-from .formats import parse_bits, resolve_format, rotated_bits
+from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .precision import PrecisionRegions, precision_report
@@ -49,7 +49,8 @@ def quantized_storage(
     layer's head_dim, and that the full-precision window holds at least one group. With `max_tokens`, full
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
     `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
-    boundary layers at full precision (or the boundary layers at `boundary_bits`).
+    boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives `layer_bits`'s layers
+    their own format.
     """
     regions = regions or PrecisionRegions(window=window)
     window = regions.window
@@ -58,10 +59,14 @@ def quantized_storage(
     if max_tokens is not None and backend != "kvplus":
         raise ConfigError(f"max_tokens needs backend='kvplus' (its static storage packs codes itself), got {backend!r}")
     model = ModelSpec.from_config(config)
+    regions.check_layers(model.num_layers)
     fmt = resolve_format(model, bits, group_size, rotation_seed)
-    boundary_fmt = resolve_format(model, regions.boundary_bits, None, rotation_seed)
-    if backend == "quanto" and (fmt.rotated or (boundary_fmt is not None and boundary_fmt.rotated)):
-        raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r}")
+    formats = {bits: fmt}  # by bits, every layer's (a layer's own grouped format takes the cache's `group_size`)
+    for own in set(regions.own_bits(model.num_layers).values()) - {bits}:
+        grouped = own is not None and not is_rotated(own)
+        formats[own] = resolve_format(model, own, group_size if grouped else None, rotation_seed)
+    if backend == "quanto" and any(f is not None and f.rotated for f in formats.values()):
+        raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r} (or a layer's own bits)")
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens, regions.first)  # bad sizes fail here, not at a forward
 
@@ -74,17 +79,15 @@ def quantized_storage(
 
         return PackedSegment(fmt)
 
-    QuantizedStorage(segment(), window=window)  # a bad window or a missing backend fails here, not at a forward
-    if boundary_fmt is not None:
-        QuantizedStorage(segment(boundary_fmt), window=window)
+    for checked in formats.values():  # a bad window or a missing backend fails here, not at a forward
+        if checked is not None:
+            QuantizedStorage(segment(checked), window=window)
 
     def storage(spec: LayerSpec) -> KVStorage:
-        layer_fmt = fmt
-        if regions.is_boundary(spec.index, model.num_layers):
-            if boundary_fmt is None:  # full precision
-                static = max_tokens is not None and spec.kind == "full"
-                return DenseStorage(max_tokens=max_tokens if static else None, static=static)
-            layer_fmt = boundary_fmt
+        layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
+        if layer_fmt is None:  # a layer at full precision
+            static = max_tokens is not None and spec.kind == "full"
+            return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         layer_fmt = layer_fmt.for_layer(spec.index)
         first = regions.first if spec.kind == "full" else 0
         if max_tokens is not None and spec.kind == "full":
@@ -112,7 +115,9 @@ class QuantizedCache(KVCache):
     at full precision (attention sinks; with left padding, a padded row's first positions are its padding); left at
     None it is the preset's: 4 for k4v2, k3v2 and k2v2 (`PRESET_FIRST_TOKENS`), 0 otherwise; `first_tokens=0` turns
     it off;
-    `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`.
+    `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`;
+    `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a format of its own: what `kvplus
+    calibrate` chooses (`Calibration.load(path).layer_bits`; spec `calibration=PATH`).
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     Works for full, sliding-window and hybrid models. `backend="quanto"` quantizes the same groups with
     optimum-quanto instead (dequantized for attention), for comparison.
@@ -149,6 +154,7 @@ class QuantizedCache(KVCache):
         first_tokens: int | None = None,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -156,7 +162,7 @@ class QuantizedCache(KVCache):
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
         bits = rotated_bits(bits, key_bits, value_bits)
         first_tokens = preset_first_tokens(bits, first_tokens)
-        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits)
+        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,
             max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions,

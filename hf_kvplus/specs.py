@@ -20,7 +20,9 @@
                             that off), `boundary=N` (the first and last N layers at full
                             precision, or at `boundary_bits=int8|...`); `seed=N` (default 0) picks a rotated
                             format's rotations (`rotation_seed`: layer i rotates with N + i), e.g.
-                            `quantized:k4v2:seed=1`; a KIVI format has no rotation and refuses it
+                            `quantized:k4v2:seed=1`; a KIVI format has no rotation and refuses it;
+                            `calibration=PATH` holds some layers at other bits, as `kvplus calibrate` chose
+                            for this model and format (also for `paged-quantized` and `offloaded-quantized`)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` and the precision regions of `quantized`
                             (`first=N`, `boundary=N`: full-precision blocks, `boundary_bits=...`) may follow
@@ -57,10 +59,11 @@ from transformers import Cache, DynamicCache, PreTrainedConfig, StaticCache
 from transformers import QuantizedCache as HFQuantizedCache
 
 from .cache import DenseCache
+from .calibration import Calibration
 from .errors import ConfigError
 from .evicting_cache import H2OCache, PeakCache, SinkCache, SnapKVCache
 from .eviction.policy import COMPRESS
-from .formats import parse_bits
+from .formats import is_rotated, parse_bits
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
 from .quantized_cache import BACKENDS, QuantizedCache
@@ -198,13 +201,31 @@ def _check_regions(spec: CacheSpec) -> None:
         _check_bits(spec, spec.kwargs["boundary_bits"])
 
 
+#: The calibrated quantized specs' option: `calibration=PATH`, a file `kvplus calibrate` wrote (`Calibration`).
+CALIBRATION_OPTION = {"calibration"}
+
+
+def _check_calibration(spec: CacheSpec) -> None:
+    """`calibration=PATH`: a calibration file, for the spec's bits."""
+    if "calibration" in spec.kwargs:
+        Calibration.load(spec.kwargs["calibration"]).check_bits(spec.args[0])
+
+
+def _calibrated(config, bits, kwargs) -> dict:
+    """`layer_bits` from a spec's `calibration=PATH`, checked against the model and the bits."""
+    if "calibration" not in kwargs:
+        return {}
+    calibration = Calibration.load(kwargs["calibration"])
+    calibration.check(config, bits)
+    return {"layer_bits": calibration.layer_bits}
+
+
 def _check_seed(spec: CacheSpec) -> None:
     """`seed=N`: an integer >= 0, and only for a rotated format (a KIVI format has no rotation to seed)."""
     if "seed" not in spec.kwargs:
         return
     _int(spec.text, "seed", spec.kwargs["seed"], minimum=0)
-    bits = parse_bits(spec.args[0])
-    if not (isinstance(bits, str) and bits != "fp8"):
+    if not is_rotated(spec.args[0]):
         raise ConfigError(f"cache spec {spec.text!r}: seed={spec.kwargs['seed']} picks a rotated format's rotations; "
                           f"{spec.args[0]!r} is not rotated (give k<key bits>v<value bits>, e.g. k4v2)")  # fmt: skip
 
@@ -237,7 +258,8 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
-        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed"} | REGION_OPTIONS)
+        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed"} | REGION_OPTIONS
+                     | CALIBRATION_OPTION)
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
@@ -246,12 +268,13 @@ def _validate(spec: CacheSpec) -> None:
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
         _check_regions(spec)
+        _check_calibration(spec)
         if spec.kwargs.get("backend", "kvplus") not in BACKENDS:
             raise ConfigError(f"cache spec {spec.text!r}: backend must be one of {BACKENDS}")
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "paged-quantized":
-        _check_arity(spec, 1, {"group", "window", "block", "blocks"} | REGION_OPTIONS)
+        _check_arity(spec, 1, {"group", "window", "block", "blocks"} | REGION_OPTIONS | CALIBRATION_OPTION)
         if len(spec.args) != 1:
             raise ConfigError(
                 f"cache spec {spec.text!r}: expected paged-quantized:<int8|int4|int2|fp8>, e.g. paged-quantized:int4"
@@ -261,12 +284,13 @@ def _validate(spec: CacheSpec) -> None:
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
         _check_regions(spec)
+        _check_calibration(spec)
     elif name in EVICTING_OPTIONS:
         _validate_evicting(spec)
     elif name in ("offloaded", "offloaded-quantized"):
         quantized = name == "offloaded-quantized"
         _check_arity(
-            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed"} | REGION_OPTIONS if quantized else set())
+            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed"} | REGION_OPTIONS | CALIBRATION_OPTION if quantized else set())
         )
         if quantized and len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected {name}:<int8|int4|int2|fp8>, e.g. {name}:int4")
@@ -274,6 +298,7 @@ def _validate(spec: CacheSpec) -> None:
             _check_bits(spec, spec.args[0])
             _check_seed(spec)
             _check_regions(spec)
+            _check_calibration(spec)
         for key in {"lookahead", "group", "window"} & set(spec.kwargs):
             _int(spec.text, key, spec.kwargs[key], minimum=0 if key == "lookahead" else 1)
         if "host" in spec.kwargs:
@@ -345,7 +370,7 @@ def _offloaded(config, args, kwargs, max_length):
     if args:
         options |= {"bits": args[0], "group_size": int(kwargs["group"]) if "group" in kwargs else None,
                     "window": int(kwargs.get("window", DEFAULT_WINDOW)), "rotation_seed": _seed(kwargs),
-                    **_regions(kwargs)}
+                    **_regions(kwargs), **_calibrated(config, args[0], kwargs)}
     return OffloadedCache(config, **options)
 
 
@@ -423,6 +448,7 @@ def _quantized(config, args, kwargs, max_length):
         rotation_seed=_seed(kwargs),
         **_static_options(kwargs, max_length),
         **_regions(kwargs),
+        **_calibrated(config, args[0], kwargs),
     )
 
 
@@ -435,6 +461,7 @@ def _paged_quantized(config, args, kwargs, max_length):
         block_size=int(kwargs["block"]) if "block" in kwargs else None,
         num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
         **_regions(kwargs, preset=False),  # paged blocks have no preset first tokens yet
+        **_calibrated(config, args[0], kwargs),
     )
 
 

@@ -1,4 +1,4 @@
-"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus demo`."""
+"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus calibrate`, `kvplus demo`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from ..errors import KVPlusError
-from . import bench, demo, needle, plan, ppl
+from . import bench, calibrate, demo, needle, plan, ppl
 
-COMMANDS = (ppl, needle, bench, plan, demo)
+COMMANDS = (ppl, needle, bench, plan, calibrate, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

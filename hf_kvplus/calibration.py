@@ -1,0 +1,87 @@
+"""A calibration: the layers of one model that a quantized cache holds at other bits, chosen by measuring
+(`kvplus calibrate`), saved as JSON and reloaded into any quantized cache (`layer_bits`).
+
+Layers differ in how much a format costs them: on SmolLM2-135M one layer at more bits removes from nothing to a
+fifth of k4v2's perplexity cost. A calibration spends a bits budget where it pays, for one model and format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedConfig
+
+from .errors import CacheMismatchError, ConfigError
+from .formats import parse_bits
+from .model_spec import ModelSpec
+
+#: Version of the JSON layout `Calibration.save` writes.
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-layer formats for one model: `layer_bits` ({layer index: bits}) on top of the cache's `bits`.
+
+    `model` names the model it was measured on and `num_layers` is its layer count (checked against the config a cache
+    is built for); `bits_per_coordinate` is what the calibrated cache measured, against `max_bits`, its budget;
+    `measured` records how (text, tokens, chunk size, seed, perplexity changes, each layer's gain).
+    """
+
+    model: str
+    model_type: str
+    num_layers: int
+    bits: str
+    layer_bits: dict[int, int | str | None]
+    max_bits: float
+    bits_per_coordinate: float
+    measured: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        parse_bits(self.bits)
+        for index, bits in self.layer_bits.items():
+            if not 0 <= index < self.num_layers:
+                raise ConfigError(f"calibration names layer {index}, but {self.model} has {self.num_layers} layers")
+            if bits is not None:
+                parse_bits(bits)
+
+    def check(self, config: PreTrainedConfig, bits: int | str | None = None) -> None:
+        """Refuses a model or a cache format other than the one it was measured for."""
+        spec = ModelSpec.from_config(config)
+        model_type = getattr(config, "model_type", "")
+        if spec.num_layers != self.num_layers or model_type != self.model_type:
+            raise CacheMismatchError(
+                f"the calibration is for {self.model} ({self.model_type}, {self.num_layers} layers); this model is "
+                f"{model_type or 'unknown'} with {spec.num_layers} layers"
+            )
+        if bits is not None:
+            self.check_bits(bits)
+
+    def check_bits(self, bits: int | str) -> None:
+        """Refuses a cache format other than the one it chose layers for."""
+        if parse_bits(bits) != parse_bits(self.bits):
+            raise ConfigError(f"the calibration chose layers for bits={self.bits!r}; the cache asks for bits={bits!r}")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        record = asdict(self) | {"version": FORMAT_VERSION}
+        record["layer_bits"] = {str(index): bits for index, bits in sorted(self.layer_bits.items())}
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        path = Path(path)
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no calibration file at {path}: write one with `kvplus calibrate --out {path}`") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} is not a calibration (not JSON: {error})") from None
+        version = record.pop("version", None)
+        if version != FORMAT_VERSION:
+            raise ConfigError(f"{path}: calibration layout version {version!r}, this hf_kvplus reads {FORMAT_VERSION}")
+        record["layer_bits"] = {int(index): bits for index, bits in record["layer_bits"].items()}
+        return cls(**record)

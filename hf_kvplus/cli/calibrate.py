@@ -1,0 +1,67 @@
+"""`kvplus calibrate`: choose, for one model and format, the layers held at more bits within a bits budget, and save
+the choice for `QuantizedCache(layer_bits=...)` and the `calibration=PATH` spec option."""
+
+from __future__ import annotations
+
+from ..evaluation.calibrate import calibrate
+from ..evaluation.report import format_table
+from . import common
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("calibrate", help="per-layer bits for a quantized format, within a bits budget")
+    common.add_model_args(parser)
+    parser.add_argument("--bits", default="k4v2", help="the cache's format (default k4v2)")
+    parser.add_argument("--up", nargs="+", default=["k4v3"], help="candidate formats for single layers (default k4v3)")
+    parser.add_argument("--max-bits", type=float, default=3.5, help="bits per coordinate budget (default 3.5)")
+    parser.add_argument("--tokens", type=int, default=2048, help="measure on the first N tokens of the text")
+    parser.add_argument("--chunk", type=int, default=256, help="tokens per forward (default 256)")
+    parser.add_argument("--window", type=int, default=128, help="full-precision recent tokens (default 128)")
+    parser.add_argument("--first", type=int, default=None, help="exact first tokens (default: the format's preset)")
+    parser.add_argument("--seed", type=int, default=0, help="rotation seed (default 0)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    common.setup(args)
+    model, tokenizer, text = common.load(args)
+    ids = common.tokenize(tokenizer, text, args.tokens)
+    calibration, options = calibrate(
+        model, ids, model_name=args.model, bits=args.bits, candidates=args.up, max_bits=args.max_bits,
+        chunk_size=args.chunk, window=args.window, first_tokens=args.first, rotation_seed=args.seed, text=args.text,
+    )  # fmt: skip
+    rows = [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "gain": o.gain, "added": o.added_bits,
+             "per_bit": o.gain_per_bit, "chosen": "yes" if calibration.layer_bits.get(o.layer) == o.bits else ""}
+            for o in sorted(options, key=lambda o: o.gain_per_bit, reverse=True)]  # fmt: skip
+    print(format_table(rows, [("layer", "layer", "d"), ("bits", "bits", ""), ("delta_pct", "delta %", "+.3f"),
+                              ("gain", "gain, points", "+.3f"), ("added", "added bits", ".3f"),
+                              ("per_bit", "gain per bit", "+.3f"), ("chosen", "chosen", "")]))  # fmt: skip
+    measured = calibration.measured
+    print(f"\n{args.bits}: {measured['base_delta_pct']:+.3f}% at {measured['base_bits']:.3f} bits; calibrated "
+          f"({len(calibration.layer_bits)} layers up): {measured['calibrated_delta_pct']:+.3f}% at "
+          f"{calibration.bits_per_coordinate:.3f} bits (budget {args.max_bits})")  # fmt: skip
+    folder = common.out_dir(args, "calibrate")
+    path = calibration.save(folder / "calibration.json")
+    _plot(options, calibration, folder / "calibration.png", f"{args.model}, {args.bits}, on {args.text}")
+    print(f"wrote {path} (use it: --cache quantized:{args.bits}:calibration={path}) and calibration.png")
+    return 0
+
+
+def _plot(options, calibration, path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for candidate in sorted({o.bits for o in options}):
+        mine = [o for o in options if o.bits == candidate]
+        colours = ["tab:green" if calibration.layer_bits.get(o.layer) == candidate else "tab:gray" for o in mine]
+        ax.bar([o.layer for o in mine], [o.gain for o in mine], color=colours, label=f"one layer at {candidate}")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("perplexity change removed (points)")
+    ax.set_title(f"{title}: green = chosen")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

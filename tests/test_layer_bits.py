@@ -1,0 +1,133 @@
+"""Per-layer formats (`layer_bits`) in every quantized storage, and the calibration that chooses them
+(`Calibration`, `calibrate`, `kvplus calibrate`, the `calibration=PATH` spec option)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conformance.models import get_model
+from hf_kvplus import CacheMismatchError, ConfigError, PagedCache, QuantizedCache, UnsupportedOperationError
+from hf_kvplus.calibration import Calibration
+from hf_kvplus.evaluation.calibrate import LayerOption, calibrate, choose
+from hf_kvplus.specs import parse_cache_spec
+from hf_kvplus.storage.dense import DenseStorage
+from hf_kvplus.storage.static_quantized import StaticQuantizedStorage
+
+
+@pytest.fixture
+def config():
+    config = get_model("llama").config
+    assert config.num_hidden_layers == 3
+    return config
+
+
+SPECS = ["quantized:int2:group=4:window=8", "quantized:int2:group=4:window=8:max_tokens=64",
+         "paged-quantized:int2:group=4:window=8:block=8", "offloaded-quantized:int2:group=4:window=8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_quantized_storage_holds_a_layer_in_its_own_format(spec, config, tmp_path):
+    path = Calibration("tiny", config.model_type, 3, "int2", {1: 8}, 9.0, 0.0).save(tmp_path / "c.json")
+    cache = parse_cache_spec(f"{spec}:calibration={path}").build(config)
+    assert [getattr(layer.storage, "fmt", None) is not None or hasattr(layer.storage, "segment")
+            for layer in cache.layers] == [True] * 3  # fmt: skip
+    bits = [layer.storage.fmt.bits if hasattr(layer.storage, "fmt") else layer.storage.segment.fmt.bits
+            for layer in cache.layers]  # fmt: skip
+    assert bits == [2, 8, 2]
+    if "max_tokens" in spec:
+        assert all(isinstance(layer.storage, StaticQuantizedStorage) for layer in cache.layers)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    k, v = torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)
+    errors = []
+    for index in range(3):
+        cache.update(k, v, index)
+        got, _ = cache.layers[index].storage.view(40)
+        errors.append((got - k)[:, :, :24].norm().item())  # the coded part (the window is exact)
+    assert errors[1] < errors[0] / 8 and errors[1] < errors[2] / 8, f"layer 1 is not held at 8 bits: {errors}"
+
+
+def test_layer_bits_full_precision_and_precedence_over_boundary(config):
+    cache = QuantizedCache(config, bits=4, group_size=4, window=8, boundary_layers=1, layer_bits={2: 2, 1: None})
+    assert [type(layer.storage) for layer in cache.layers][1] is DenseStorage
+    assert isinstance(cache.layers[0].storage, DenseStorage)  # the boundary's (full precision)
+    assert cache.layers[2].storage.fmt.bits == 2  # its own entry wins over the boundary
+    assert cache.regions.layer_bits == ((1, None), (2, 2))
+
+
+def test_bits_per_coordinate_count_each_layers_format(config):
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    cache = QuantizedCache(config, bits=4, group_size=4, window=8, layer_bits={1: 8})
+    k, v = torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)
+    for index in range(3):
+        cache.update(k, v, index)
+    # int4 and int8, groups of 4 tokens (keys) and 4 channels (values), float16 scale and zero: bits + 8
+    assert cache.quantized_report()["bits_per_coordinate"] == pytest.approx((12 + 16 + 12) / 3)
+
+
+def test_bad_layer_bits_are_refused(config):
+    with pytest.raises(ConfigError, match=r"names layers \[3\], but the model has 3 \(0..2\)"):
+        QuantizedCache(config, bits=4, layer_bits={3: 8})
+    with pytest.raises(ConfigError, match="layer indices"):
+        QuantizedCache(config, bits=4, layer_bits={-1: 8})
+    with pytest.raises(ConfigError):
+        QuantizedCache(config, bits=4, layer_bits={0: 5})
+    with pytest.raises(ConfigError, match="layer_bits=.* need bits"):  # a lossless paged cache: no layer formats
+        PagedCache(config, layer_bits={0: 8})
+
+
+def test_paged_prefix_reuse_refuses_per_layer_formats(config):
+    cache = PagedCache(config, bits=4, group_size=4, window=8, block_size=8, layer_bits={1: 8})
+    with pytest.raises(UnsupportedOperationError, match=r"layers \[1\] hold their own"):
+        cache.reuse_prefix(torch.arange(40))
+
+
+def test_a_calibration_round_trips_and_refuses_another_model_or_format(config, tmp_path):
+    calibration = Calibration("tiny", config.model_type, 3, "k4v2", {0: "k4v3", 2: None}, 3.5, 3.4, {"text": "t"})
+    path = calibration.save(tmp_path / "c.json")
+    assert json.loads(path.read_text())["layer_bits"] == {"0": "k4v3", "2": None}
+    assert Calibration.load(path) == calibration
+    calibration.check(config, "k4v2")
+    with pytest.raises(ConfigError, match="bits='k4v2'; the cache asks for bits='k3v2'"):
+        calibration.check(config, "k3v2")
+    other = Calibration("big", config.model_type, 5, "k4v2", {}, 3.5, 3.4)
+    with pytest.raises(CacheMismatchError, match="5 layers"):
+        other.check(config)
+    with pytest.raises(ConfigError, match="no calibration file"):
+        Calibration.load(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="layer 7"):
+        Calibration("tiny", config.model_type, 3, "k4v2", {7: "k4v3"}, 3.5, 3.4)
+    with pytest.raises(ConfigError, match="bits='k4v2'"):
+        parse_cache_spec(f"quantized:k3v2:calibration={path}")
+
+
+def test_choose_takes_the_most_gain_per_bit_within_the_budget():
+    options = [
+        LayerOption(0, "k4v3", 0.0, gain=0.30, added_bits=0.10),  # 3.0 per bit
+        LayerOption(0, "k4v4", 0.0, gain=0.40, added_bits=0.20),  # 2.0 per bit, same layer: not both
+        LayerOption(1, "k4v3", 0.0, gain=0.25, added_bits=0.10),  # 2.5
+        LayerOption(2, "k4v3", 0.0, gain=-0.01, added_bits=0.10),  # no gain: never
+        LayerOption(3, "k4v3", 0.0, gain=0.05, added_bits=0.10),  # 0.5: past the budget
+    ]
+    assert choose(options, base_bits=3.25, max_bits=3.46) == {0: "k4v3", 1: "k4v3"}
+    assert choose(options, base_bits=3.25, max_bits=3.80) == {0: "k4v3", 1: "k4v3", 3: "k4v3"}
+    assert choose(options, base_bits=3.25, max_bits=3.30) == {}
+
+
+def test_calibrate_measures_every_layer_and_fits_the_budget(seed):
+    model = get_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 96))
+    calibration, options = calibrate(model, ids, model_name="tiny-llama", bits="int2", candidates=("int8",),
+                                     max_bits=12.0, chunk_size=16, window=16, progress=False)  # fmt: skip
+    assert [(o.layer, o.bits) for o in options] == [(0, "int8"), (1, "int8"), (2, "int8")]
+    measured = calibration.measured
+    # int2 with the default groups: codes plus float16 scale and zero per group of 32 keys' tokens / values' channels
+    assert measured["base_bits"] < 12.0 and calibration.bits_per_coordinate <= 12.0 + 1e-9
+    assert all(o.added_bits > 0 for o in options)
+    assert set(calibration.layer_bits) == {o.layer for o in options if o.gain > 0}
+    assert calibration.layer_bits and set(calibration.layer_bits.values()) == {"int8"}
+    with pytest.raises(ConfigError, match="over max_bits=1.0"):
+        calibrate(model, ids, model_name="tiny-llama", bits="int2", max_bits=1.0, chunk_size=16, window=16,
+                  progress=False)  # fmt: skip
