@@ -11,7 +11,8 @@ Protocol (the issue's): `--model` on the first `--tokens` tokens of each `--text
 DynamicCache on the same ids and chunks (measured once per text and chunk size). Each row is
 `QuantizedCache(bits=<config>, window, first_tokens=<first>, boundary_layers=..., boundary_bits=...,
 rotation_seed=<seed>)` for every `--configs` x `--firsts` x `--boundaries` x `--seeds`; a boundary is `0` (none),
-`1` (the first and last layer at the model's precision) or `1@int8` (at int8: `boundary_bits=int8`). Every
+`1` (the first and last layer at the model's precision), `1@int8` (at int8: `boundary_bits=int8`) or `cal=NAME`
+(the layers `kvplus calibrate` chose, read from `--calibrations/NAME/calibration.json`: `layer_bits`). Every
 region is given explicitly, so a preset's default never enters a row. Bits per coordinate:
 `quantized_report()["bits_per_coordinate"]` after the run: every token outside the window, the exact regions
 counted at their dtype (float32 here, as the model runs on the CPU).
@@ -39,22 +40,42 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_kvplus import QuantizedCache
+from hf_kvplus.calibration import Calibration
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.resolve import load_model, load_text
 
+#: Where `cal=NAME` boundaries are read from (`--calibrations`).
+CALIBRATIONS = Path(__file__).parent / "results" / "calibrate_46"
+
 
 def parse_boundary(text: str) -> tuple[int, str | None]:
-    """`0`, `1`, `1@int8` -> (layers, bits or None)."""
+    """`0`, `1`, `1@int8` -> (layers, bits or None); `cal=NAME` -> (0, None) (see `region_options`)."""
+    if text.startswith("cal="):
+        return 0, None
     layers, _, bits = text.partition("@")
     return int(layers), bits or None
+
+
+def calibration_path(boundary: str, folder: Path = CALIBRATIONS) -> Path:
+    return folder / boundary.removeprefix("cal=") / "calibration.json"
+
+
+def region_options(boundary: str, folder: Path = CALIBRATIONS) -> dict:
+    """`QuantizedCache`'s layer arguments for a boundary: boundary layers, or a calibration's `layer_bits`."""
+    if boundary.startswith("cal="):
+        return {"layer_bits": Calibration.load(calibration_path(boundary, folder)).layer_bits}
+    layers, bits = parse_boundary(boundary)
+    return {"boundary_layers": layers, "boundary_bits": bits}
 
 
 def label(row: dict) -> str:
     """The cache spec a row measures (the `seed=` option of the quantized specs)."""
     layers, bits = parse_boundary(row["boundary"])
     boundary = f":boundary={layers}" + (f":boundary_bits={bits}" if bits else "")
+    if row["boundary"].startswith("cal="):
+        boundary = f":calibration={calibration_path(row['boundary']).relative_to(Path(__file__).parent.parent)}"
     return f"quantized:{row['config']}:window={row['window']}:first={row['first']}{boundary}:seed={row['seed']}"
 
 
@@ -162,8 +183,10 @@ def main(argv=None) -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[32])
     parser.add_argument("--configs", nargs="+", default=["k4v2", "k3v2"], help="rotated formats (k4v2, k3v2, k2v2)")
     parser.add_argument("--firsts", type=int, nargs="+", default=[0, 4], help="exact first tokens")
+    parser.add_argument("--calibrations", type=Path, default=CALIBRATIONS,
+                        help="folder of the `cal=NAME` boundaries' calibrations (NAME/calibration.json)")
     parser.add_argument("--boundaries", nargs="+", default=["0", "1"], type=lambda t: parse_boundary(t) and t,
-                        help="boundary layers: 0, 1, or 1@int8 (the boundary layers at int8)")
+                        help="boundary layers: 0, 1, 1@int8 (the boundary layers at int8) or cal=NAME (a calibration)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rotation seeds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--report-only", action="store_true", help="write the tables from runs.jsonl, measure nothing")
@@ -207,9 +230,8 @@ def main(argv=None) -> None:
                             "config": "dynamic", "first": 0, "boundary": "0", "seed": None,
                             "perplexity": result.perplexity, "seconds": result.seconds}  # fmt: skip
             record(bases[where])
-        layers, boundary_bits = parse_boundary(row["boundary"])
         cache = QuantizedCache(model.config, bits=row["config"], window=args.window, first_tokens=row["first"],
-                               boundary_layers=layers, boundary_bits=boundary_bits, rotation_seed=row["seed"])  # fmt: skip
+                               rotation_seed=row["seed"], **region_options(row["boundary"], args.calibrations))  # fmt: skip
         result = perplexity(model, ids[text], cache, mode="chunked", chunk_size=chunk, label=label(row))
         row |= {"spec": label(row), "perplexity": result.perplexity, "seconds": result.seconds,
                 "delta_pct": 100 * (result.perplexity / bases[where]["perplexity"] - 1),

@@ -114,6 +114,8 @@ def test_choose_takes_the_most_gain_per_bit_within_the_budget():
     assert choose(options, base_bits=3.25, max_bits=3.46) == {0: "k4v3", 1: "k4v3"}
     assert choose(options, base_bits=3.25, max_bits=3.80) == {0: "k4v3", 1: "k4v3", 3: "k4v3"}
     assert choose(options, base_bits=3.25, max_bits=3.30) == {}
+    free = LayerOption(4, "k3v3", 0.0, gain=0.01, added_bits=0.0)  # as many bits as the base: first, if it gains
+    assert choose([*options, free], base_bits=3.25, max_bits=3.30) == {4: "k3v3"}
 
 
 def test_calibrate_measures_every_layer_and_fits_the_budget(seed):

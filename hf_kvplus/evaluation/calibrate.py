@@ -38,7 +38,10 @@ class LayerOption:
 
     @property
     def gain_per_bit(self) -> float:
-        return self.gain / self.added_bits if self.added_bits > 0 else float("-inf")
+        """Gain over added bits; an option that adds no bits ranks first if it gains, last if not."""
+        if self.added_bits <= 0:
+            return float("inf") if self.gain > 0 else float("-inf")
+        return self.gain / self.added_bits
 
 
 def choose(options: Sequence[LayerOption], base_bits: float, max_bits: float) -> dict[int, str]:
