@@ -7,11 +7,13 @@ import json
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from conformance.models import get_model
 from hf_kvplus import CacheMismatchError, ConfigError, PagedCache, QuantizedCache, UnsupportedOperationError
 from hf_kvplus.calibration import Calibration
 from hf_kvplus.evaluation.calibrate import LayerOption, calibrate, choose
+from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.specs import parse_cache_spec
 from hf_kvplus.storage.dense import DenseStorage
 from hf_kvplus.storage.static_quantized import StaticQuantizedStorage
@@ -105,16 +107,16 @@ def test_a_calibration_round_trips_and_refuses_another_model_or_format(config, t
 
 def test_choose_takes_the_most_gain_per_bit_within_the_budget():
     options = [
-        LayerOption(0, "k4v3", 0.0, gain=0.30, added_bits=0.10),  # 3.0 per bit
-        LayerOption(0, "k4v4", 0.0, gain=0.40, added_bits=0.20),  # 2.0 per bit, same layer: not both
-        LayerOption(1, "k4v3", 0.0, gain=0.25, added_bits=0.10),  # 2.5
-        LayerOption(2, "k4v3", 0.0, gain=-0.01, added_bits=0.10),  # no gain: never
-        LayerOption(3, "k4v3", 0.0, gain=0.05, added_bits=0.10),  # 0.5: past the budget
+        LayerOption(0, "k4v3", 0.0, 0.0, gain=0.30, added_bits=0.10),  # 3.0 per bit
+        LayerOption(0, "k4v4", 0.0, 0.0, gain=0.40, added_bits=0.20),  # 2.0 per bit, same layer: not both
+        LayerOption(1, "k4v3", 0.0, 0.0, gain=0.25, added_bits=0.10),  # 2.5
+        LayerOption(2, "k4v3", 0.0, 0.0, gain=-0.01, added_bits=0.10),  # no gain: never
+        LayerOption(3, "k4v3", 0.0, 0.0, gain=0.05, added_bits=0.10),  # 0.5: past the budget
     ]
     assert choose(options, base_bits=3.25, max_bits=3.46) == {0: "k4v3", 1: "k4v3"}
     assert choose(options, base_bits=3.25, max_bits=3.80) == {0: "k4v3", 1: "k4v3", 3: "k4v3"}
     assert choose(options, base_bits=3.25, max_bits=3.30) == {}
-    free = LayerOption(4, "k3v3", 0.0, gain=0.01, added_bits=0.0)  # as many bits as the base: first, if it gains
+    free = LayerOption(4, "k3v3", 0.0, 0.0, gain=0.01, added_bits=0.0)  # as many bits as the base: first, if it gains
     assert choose([*options, free], base_bits=3.25, max_bits=3.30) == {4: "k3v3"}
 
 
@@ -128,6 +130,10 @@ def test_calibrate_measures_every_layer_and_fits_the_budget(seed):
     # int2 with the default groups: codes plus float16 scale and zero per group of 32 keys' tokens / values' channels
     assert measured["base_bits"] < 12.0 and calibration.bits_per_coordinate <= 12.0 + 1e-9
     assert all(o.added_bits > 0 for o in options)
+    assert measured["base_kl"] > 0 and all(o.kl >= 0 for o in options)  # a divergence from full precision
+    assert measured["calibrated_kl"] < measured["base_kl"]  # int8 layers diverge less than int2 ones
+    full = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=16, progress=False).perplexity
+    assert measured["dynamic_perplexity"] == pytest.approx(full, rel=1e-5)  # its chunked pass scores the same tokens
     assert set(calibration.layer_bits) == {o.layer for o in options if o.gain > 0}
     assert calibration.layer_bits and set(calibration.layer_bits.values()) == {"int8"}
     with pytest.raises(ConfigError, match="over max_bits=1.0"):

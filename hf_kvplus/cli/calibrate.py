@@ -30,15 +30,18 @@ def run(args) -> int:
         model, ids, model_name=args.model, bits=args.bits, candidates=args.up, max_bits=args.max_bits,
         chunk_size=args.chunk, window=args.window, first_tokens=args.first, rotation_seed=args.seed, text=args.text,
     )  # fmt: skip
-    rows = [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "gain": o.gain, "added": o.added_bits,
-             "per_bit": o.gain_per_bit, "chosen": "yes" if calibration.layer_bits.get(o.layer) == o.bits else ""}
+    rows = [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "kl": 1e3 * o.kl, "gain": 1e3 * o.gain,
+             "added": o.added_bits, "per_bit": 1e3 * o.gain_per_bit,
+             "chosen": "yes" if calibration.layer_bits.get(o.layer) == o.bits else ""}
             for o in sorted(options, key=lambda o: o.gain_per_bit, reverse=True)]  # fmt: skip
-    print(format_table(rows, [("layer", "layer", "d"), ("bits", "bits", ""), ("delta_pct", "delta %", "+.3f"),
-                              ("gain", "gain, points", "+.3f"), ("added", "added bits", ".3f"),
-                              ("per_bit", "gain per bit", "+.3f"), ("chosen", "chosen", "")]))  # fmt: skip
+    print(format_table(rows, [("layer", "layer", "d"), ("bits", "bits", ""), ("delta_pct", "ppl delta %", "+.3f"),
+                              ("kl", "KL, mnat/token", ".3f"), ("gain", "KL removed", "+.3f"),
+                              ("added", "added bits", ".3f"), ("per_bit", "removed per bit", "+.2f"),
+                              ("chosen", "chosen", "")]))  # fmt: skip
     measured = calibration.measured
-    print(f"\n{args.bits}: {measured['base_delta_pct']:+.3f}% at {measured['base_bits']:.3f} bits; calibrated "
-          f"({len(calibration.layer_bits)} layers up): {measured['calibrated_delta_pct']:+.3f}% at "
+    print(f"\n{args.bits}: {measured['base_delta_pct']:+.3f}% perplexity, KL {1e3 * measured['base_kl']:.3f} mnat/token "
+          f"at {measured['base_bits']:.3f} bits; calibrated ({len(calibration.layer_bits)} layers up): "
+          f"{measured['calibrated_delta_pct']:+.3f}%, KL {1e3 * measured['calibrated_kl']:.3f} at "
           f"{calibration.bits_per_coordinate:.3f} bits (budget {args.max_bits})")  # fmt: skip
     folder = common.out_dir(args, "calibrate")
     path = calibration.save(folder / "calibration.json")
@@ -57,10 +60,10 @@ def _plot(options, calibration, path, title: str) -> None:
     for candidate in sorted({o.bits for o in options}):
         mine = [o for o in options if o.bits == candidate]
         colours = ["tab:green" if calibration.layer_bits.get(o.layer) == candidate else "tab:gray" for o in mine]
-        ax.bar([o.layer for o in mine], [o.gain for o in mine], color=colours, label=f"one layer at {candidate}")
+        ax.bar([o.layer for o in mine], [1e3 * o.gain for o in mine], color=colours, label=f"one layer at {candidate}")
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xlabel("layer")
-    ax.set_ylabel("perplexity change removed (points)")
+    ax.set_ylabel("KL from full precision removed (mnat/token)")
     ax.set_title(f"{title}: green = chosen")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
