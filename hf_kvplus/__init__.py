@@ -26,6 +26,7 @@ from .errors import (
 )
 from .evicting_cache import EvictingCache, H2OCache, SinkCache, SnapKVCache
 from .eviction import EvictionPolicy
+from .kvzip_cache import KVzipCache
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -60,6 +61,7 @@ __all__ = [
     "GradientError",
     "H2OCache",
     "KVCache",
+    "KVzipCache",
     "KVLayer",
     "KVPlusError",
     "KVStorage",

@@ -39,6 +39,11 @@
 - `peak:1024`               hf_kvplus PeakCache: peak attention (KVzip's query-agnostic score, one pass; `recent=N`,
                             default an eighth of the budget; `kernel=N` max-pools a prompt's scores;
                             `compress=prefill`)
+- `kvzip:1024`              hf_kvplus KVzipCache: KVzip (a reconstruction of the context scores it, `compress(model, ...)`
+                            after the prefill; `needle --mode agnostic` runs it); `sinks=N` (default 4), `recent=N`
+                            (default 0), `kernel=N`, `chunk=N` (default 2048 tokens per repeat forward),
+                            `reduce=max_head|max`, `budgets=uniform|global` (one budget shared by the layers),
+                            `compress=always`
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
@@ -64,6 +69,7 @@ from .errors import ConfigError
 from .evicting_cache import H2OCache, PeakCache, SinkCache, SnapKVCache
 from .eviction.policy import COMPRESS
 from .formats import is_rotated, parse_bits
+from .kvzip_cache import KVzipCache
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
 from .quantized_cache import BACKENDS, QuantizedCache
@@ -152,6 +158,7 @@ def available_cache_specs() -> list[str]:
         "h2o": ["h2o:256"],
         "snapkv": ["snapkv:256"],
         "peak": ["peak:256"],
+        "kvzip": ["kvzip:256"],
         "offloaded": ["offloaded", "offloaded:disk=tmp"],
         "offloaded-quantized": ["offloaded-quantized:int4"],
     }
@@ -327,6 +334,8 @@ EVICTING_OPTIONS = {
     "h2o": (("budget",), {"recent"}, {"compile": ("on", "off"), "compress": COMPRESS}),
     "snapkv": (("budget",), {"observation", "kernel"}, {"pooling": ("avg", "max")}),
     "peak": (("budget",), {"recent", "kernel"}, {"compress": COMPRESS}),
+    "kvzip": (("budget",), {"sinks", "recent", "kernel", "chunk"},
+              {"compress": COMPRESS, "reduce": ("max_head", "max"), "budgets": ("uniform", "global")}),
 }
 
 
@@ -334,7 +343,8 @@ def _validate_evicting(spec: CacheSpec) -> None:
     positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
     _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS)
     if len(spec.args) != len(positional):
-        example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024"}[spec.kind.name]
+        example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024",
+                   "kvzip": "kvzip:1024"}[spec.kind.name]  # fmt: skip
         raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
     for what, value in zip(positional, spec.args, strict=True):
         _int(spec.text, what, value, minimum=0)
@@ -403,6 +413,14 @@ def _peak(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
     return PeakCache(config, budget=int(args[0]), recent=recent, kernel_size=int(kwargs.get("kernel", 1)),
                      compress=kwargs.get("compress", "always"), **_storage(kwargs))
+
+
+def _kvzip(config, args, kwargs, max_length):
+    integers = {"sinks": "sinks", "recent": "recent", "kernel": "kernel_size", "chunk": "chunk_size"}
+    options = {name: int(kwargs[key]) for key, name in integers.items() if key in kwargs}
+    return KVzipCache(config, budget=int(args[0]), reduce=kwargs.get("reduce", "max_head"),
+                      compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "uniform"), **options,
+                      **_storage(kwargs))  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:
@@ -506,6 +524,8 @@ for _kind in (
     CacheKind("snapkv", _snapkv, "hf_kvplus SnapKVCache: prompts compressed by their last tokens' attention", False,
               False),
     CacheKind("peak", _peak, "hf_kvplus PeakCache: peak attention, KVzip's query-agnostic score in one pass", False,
+              False),
+    CacheKind("kvzip", _kvzip, "hf_kvplus KVzipCache: KVzip, the context scored by a reconstruction of it", False,
               False),
     CacheKind("offloaded", _offloaded, "hf_kvplus OffloadedCache: K/V in host memory (and on disk), fetched ahead",
               True, False),

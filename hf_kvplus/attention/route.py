@@ -52,14 +52,14 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[batch, q_len, q_heads, head_dim]` attention of `query` `[batch, q_heads, q_len, head_dim]` over `read`,
     and for slots, the attention mass `[batch, kv_heads, slots]` of the last `mass_queries` queries (else None),
-    summed over them or, with `mass_reduce="max"`, the largest any one gave.
+    summed over them or, with `mass_reduce="max"`, the largest any one gave (`"max_head"`: any one query head).
 
     Slots are masked by what they hold, not by the model's mask (which their layer has already noted)."""
     if type(read) is SlotRead:
         for name in ("softcap", "s_aux"):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"evicting caches do not support attention with {name}")
-        if query.shape[2] == 1:  # one query: its sum is its maximum
+        if query.shape[2] == 1 and mass_reduce != "max_head":  # one query: its sum is its maximum
             return slot_decode(query, read, scaling, mass_queries=mass_queries)
         return slot_prefill(query, read, scaling, mass_queries=mass_queries, mass_reduce=mass_reduce)
     mask = kernel_mask(query, attention_mask, kwargs)

@@ -66,7 +66,8 @@ def slot_prefill(
     fresh tokens in the last q slots: the output `[batch, q, q_heads, d]` (Transformers' layout) and, when
     `mass_queries` > 0, the attention mass `[batch, kv_heads, n]` (float32) received from the last `mass_queries`
     queries (summed over them; with `mass_reduce="max"`, the largest that one query gave, each query's summed over
-    the heads of the KV head's group). A query with no valid key outputs zeros. Queries that report no mass go through SDPA (its causal fast
+    the heads of the KV head's group; with `"max_head"`, the largest weight any one query head of the group gave: KVzip's
+    score). A query with no valid key outputs zeros. Queries that report no mass go through SDPA (its causal fast
     path for a first prefill without padding)."""
     q, valid = query.shape[2], read.valid()
     keys, values = read.dense() if read.packed is not None else (read.keys, read.values)
@@ -74,7 +75,7 @@ def slot_prefill(
     parts = [_sdpa_rows(query[:, :, :head], keys, values, valid, scaling, q)] if head else []
     mass = None
     if mass_queries:
-        tail, mass = _rows_with_mass(query[:, :, head:], keys, values, valid, scaling, q, mass_reduce == "max")
+        tail, mass = _rows_with_mass(query[:, :, head:], keys, values, valid, scaling, q, mass_reduce)
         parts.append(tail)
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), mass
@@ -93,7 +94,7 @@ def _sdpa_rows(rows, keys, values, valid, scaling, q):
     return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
-def _rows_with_mass(rows, keys, values, valid, scaling, q, peak=False):
+def _rows_with_mass(rows, keys, values, valid, scaling, q, reduce="sum"):
     """Output of the last r of the q fresh queries and the mass they give each key, in one chunked pass.
 
     Keys and values are cast to float32 once, and each chunk builds its own mask rows: at 32K tokens and batch 8
@@ -119,8 +120,10 @@ def _rows_with_mass(rows, keys, values, valid, scaling, q, peak=False):
         if valid is not None:  # a query with no valid key (a padding row) gives zeros, not NaN
             probs = probs.masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
         out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values).to(out.dtype)
-        if peak:
+        if reduce == "max":
             torch.maximum(mass, probs.sum(dim=2).amax(dim=2), out=mass)
+        elif reduce == "max_head":
+            torch.maximum(mass, probs.amax(dim=(2, 3)), out=mass)
         else:
             mass += probs.sum(dim=(2, 3))
     return out.view(batch, q_heads, r, -1), mass

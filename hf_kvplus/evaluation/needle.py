@@ -15,7 +15,8 @@ what the rest leaves of `length` tokens.
 Two modes: "aware" (default) sends the whole prompt in one forward, so a cache that compresses its prompt sees the
 question; "agnostic" sends the context (everything before the question) in one forward, which the cache compresses,
 then the question and the answer with the cache's eviction paused (`EvictingCache.appending`), as kvpress's
-pipeline does: what the cache kept was chosen before the question arrived.
+pipeline does: what the cache kept was chosen before the question arrived. A `KVzipCache` is compressed by a
+reconstruction of the context's user turn (`KVzipCache.compress`) right after that forward.
 
 Each trial records the cache's bytes at rest read off the cache object after the answer (`memory_report()`:
 payload and metadata, headroom apart) and that per token seen as a fraction of float16 K/V for the same tokens
@@ -39,6 +40,7 @@ from transformers import PreTrainedModel
 
 from ..errors import ConfigError
 from ..evicting_cache import EvictingCache
+from ..kvzip_cache import KVzipCache
 from ..memory import cache_bytes
 from ..model_spec import ModelSpec
 from ..specs import CacheSpec, parse_cache_spec
@@ -219,6 +221,17 @@ def passkey_prompt(
     return assemble(framing, haystack, [(depth, needle)], length)
 
 
+def template_prefix(tokenizer, ids: torch.Tensor) -> int:
+    """Tokens of the chat template's text before a user turn's content (a system turn, the user's header) when `ids`
+    start with them, else 0: what a KVzip reconstruction does not repeat (kvpress's KVzipPress starts there too)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    marker = "\x00needle\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    prefix = encode(tokenizer, text.split(marker, 1)[0])
+    return len(prefix) if ids[0, : len(prefix)].tolist() == prefix else 0
+
+
 def is_correct(answer: str, key: str) -> bool:
     """Exact match of the answer's first number with the key."""
     return PassKey().score(answer, [key])
@@ -268,6 +281,8 @@ def needle_grid(
                     if mode == "agnostic" and prompt.question:
                         # The context alone, compressed as the cache's policy says; then the question, appended.
                         model(ids[:, : prompt.context], **cache_kwargs(cache), logits_to_keep=1)
+                        if isinstance(cache, KVzipCache):  # KVzip: a reconstruction of the user's turn scores it
+                            cache.compress(model, ids[:, template_prefix(tokenizer, ids) : prompt.context], tokenizer)
                         if isinstance(cache, EvictingCache):
                             after = cache.appending()
                     with after:

@@ -1,10 +1,13 @@
-"""Eviction: the scored retentions (StreamingLLM sinks, H2O heavy hitters, SnapKV, peak attention) and rotary shifts for sinks."""
+"""Eviction: the scored retentions (StreamingLLM sinks, H2O heavy hitters, SnapKV, peak attention, KVzip's
+reconstruction) and rotary shifts for sinks."""
 
 from .heavy_hitters import HeavyHitterPolicy
 from .peak import PeakAttentionPolicy
 from .policy import EvictionPolicy
+from .reconstruction import ReconstructionPolicy
 from .rope import RotaryShift
 from .sinks import SinkPolicy
 from .snapkv import SnapKVPolicy
 
-__all__ = ["EvictionPolicy", "HeavyHitterPolicy", "PeakAttentionPolicy", "RotaryShift", "SinkPolicy", "SnapKVPolicy"]
+__all__ = ["EvictionPolicy", "HeavyHitterPolicy", "PeakAttentionPolicy", "ReconstructionPolicy", "RotaryShift",
+           "SinkPolicy", "SnapKVPolicy"]  # fmt: skip
