@@ -66,9 +66,10 @@ class KVzipCache(EvictingCache):
     """KVzip: a context prefilled whole, then compressed by `compress(model, context_ids, tokenizer)` to `budget`
     tokens per KV head, ranked by the attention a reconstruction of the context gives them
     (`ReconstructionPolicy`); the first `sinks` positions and the `recent` newest tokens are kept first. The
-    reconstruction repeats the context in chunks of `chunk_size` tokens. `budgets="global"` shares `budget x kv_heads x
-    layers` slots among the layers by the scores of all of them together (KVzip's one top-k; each layer keeps the mean
-    over its heads of what it won, and that is its budget from then on); `"uniform"` gives each layer `budget`.
+    reconstruction repeats the context in chunks of `chunk_size` tokens. `budgets="global"` (default) shares
+    `budget x kv_heads x layers` slots among the layers by the scores of all of them together (KVzip's one top-k; each
+    layer keeps the mean over its heads of what it won, and that is its budget from then on); `"uniform"` gives each
+    layer `budget`.
 
     Until `compress` runs, every forward appends. After it, `compress="prefill"` (default) lets the question and the
     answer append (the budget bounds the compressed context, not the cache); `compress="always"` evicts back to the
@@ -88,7 +89,7 @@ class KVzipCache(EvictingCache):
         kernel_size: int = 1,
         reduce: str = "max_head",
         chunk_size: int = 2048,
-        budgets: str = "uniform",
+        budgets: str = "global",
         bits: int | str | None = None,
         group_size: int | None = None,
         placement: Placement | None = None,
@@ -170,7 +171,7 @@ def reconstruct(
     prompt: RepeatPrompt | None = None,
     chunk_size: int = 2048,
     overlap: int = 8,
-    budgets: str = "uniform",
+    budgets: str = "global",
 ) -> None:
     """Scores the context a cache holds by a reconstruction of it (KVzip), then evicts it to its budget per KV head.
 
@@ -179,7 +180,8 @@ def reconstruct(
     forward each after the instruction (`prompt`, by default `RepeatPrompt.from_tokenizer(tokenizer)`; a later chunk's
     starts with the `overlap` last tokens of the one before); each forward's tokens are dropped once it has attended,
     so the cache's positions and memory grow by one chunk at most. Rows are not padded (no attention mask is passed).
-    `budgets` (`BUDGETS`): every layer keeps its policy's budget, or shares their sum by the scores (`global_budgets`).
+    `budgets` (`BUDGETS`): the layers share the sum of their policies' budgets by the scores (`global_budgets`, KVzip's
+    default), or each keeps its own ("uniform").
     """
     layers = _scored_layers(cache)
     _check_model(model, layers)
@@ -213,7 +215,8 @@ def reconstruct(
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and held + longest > limit:
         raise ConfigError(
-            f"the reconstruction needs positions up to {held} held + {longest} of a chunk's forward = {held + longest}, "
+            f"the reconstruction needs positions up to {held} held + {longest} of a chunk's forward = "
+            f"{held + longest}, "
             f"the model has {limit}: give a smaller chunk_size (now {chunk_size})"
         )
     policies = [layer.retention for layer in layers]

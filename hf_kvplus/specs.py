@@ -39,11 +39,11 @@
 - `peak:1024`               hf_kvplus PeakCache: peak attention (KVzip's query-agnostic score, one pass; `recent=N`,
                             default an eighth of the budget; `kernel=N` max-pools a prompt's scores;
                             `compress=prefill`)
-- `kvzip:1024`              hf_kvplus KVzipCache: KVzip (a reconstruction of the context scores it, `compress(model, ...)`
-                            after the prefill; `needle --mode agnostic` runs it); `sinks=N` (default 4), `recent=N`
-                            (default 0), `kernel=N`, `chunk=N` (default 2048 tokens per repeat forward),
-                            `reduce=max_head|max`, `budgets=uniform|global` (one budget shared by the layers),
-                            `compress=always`
+- `kvzip:1024`              hf_kvplus KVzipCache: KVzip (a reconstruction of the context scores it:
+                            `compress(model, ...)` after the prefill; `needle --mode agnostic` runs it); `sinks=N`
+                            (default 4), `recent=N` (default 0), `kernel=N`, `chunk=N` (default 2048 tokens per
+                            repeat forward), `reduce=max_head|max`, `budgets=global|uniform` (default: one budget
+                            shared by the layers by their scores, as KVzip), `compress=always`
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
@@ -419,7 +419,7 @@ def _kvzip(config, args, kwargs, max_length):
     integers = {"sinks": "sinks", "recent": "recent", "kernel": "kernel_size", "chunk": "chunk_size"}
     options = {name: int(kwargs[key]) for key, name in integers.items() if key in kwargs}
     return KVzipCache(config, budget=int(args[0]), reduce=kwargs.get("reduce", "max_head"),
-                      compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "uniform"), **options,
+                      compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "global"), **options,
                       **_storage(kwargs))  # fmt: skip
 
 

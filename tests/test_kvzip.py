@@ -97,7 +97,7 @@ def test_the_reconstruction_keeps_what_the_repeat_copies_and_drops_what_nobody_r
     # A context of filler token 7 with rare tokens 20, 21, 22 inside; the repeat asks for a text of the rare tokens
     # only, so its queries read them sharply, and the fillers' keys, read by no query of the repeat, go.
     context = torch.tensor([[7] * 10 + [20] + [7] * 10 + [21] + [7] * 10 + [22] + [7] * 5])
-    cache = KVzipCache(model.config, budget=5, sinks=2)
+    cache = KVzipCache(model.config, budget=5, sinks=2, budgets="uniform")
     with torch.no_grad():
         model(context, **cache_kwargs(cache))
     repeat = torch.tensor([[20, 21, 22]])
@@ -112,7 +112,7 @@ def test_the_reconstruction_keeps_what_the_repeat_copies_and_drops_what_nobody_r
 def test_after_compression_it_holds_the_budget_per_head_and_no_repeat_tokens(chunk_size):
     model = get_model("llama")
     prompt = make_prompt(40)
-    cache = KVzipCache(model.config, budget=12, sinks=2, recent=2, chunk_size=chunk_size)
+    cache = KVzipCache(model.config, budget=12, sinks=2, recent=2, chunk_size=chunk_size, budgets="uniform")
     with torch.no_grad():
         model(prompt, **cache_kwargs(cache))
         assert [layer.storage.held for layer in cache.layers] == [40] * len(
@@ -137,7 +137,7 @@ def test_after_compression_it_holds_the_budget_per_head_and_no_repeat_tokens(chu
 def test_compress_always_keeps_the_budget_through_decode_steps():
     model = get_model("llama")
     prompt = make_prompt(30)
-    cache = KVzipCache(model.config, budget=10, recent=3, compress="always")
+    cache = KVzipCache(model.config, budget=10, recent=3, compress="always", budgets="uniform")
     with torch.no_grad():
         model(prompt, **cache_kwargs(cache))
         cache.compress(model, prompt, prompt=PROMPT)

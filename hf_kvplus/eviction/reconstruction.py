@@ -8,9 +8,10 @@ of a pass key) scores high even where no query of the context itself read it; th
 `budget` highest (the first `sinks` positions and the `recent` newest ranked first), and the repeat's own tokens are
 dropped. This module is the scoring rule; the forward that feeds it needs the model (`kvzip_cache.reconstruct`).
 
-What it drops against KVzip: the budget is the same for every KV head of a layer and for every layer (KVzip ranks one
-global top-k over heads and layers; the slots here keep one count per head), and the repeat's queries attend over the
-whole cache (kvpress's KVzipPress scores each chunk against the sinks, that chunk and its repeat only).
+What it drops against KVzip: the budget is the same for every KV head of a layer (KVzip ranks one top-k over heads and
+layers; the slots keep one count per head, and `kvzip_cache.global_budgets` shares the budget among layers only), and
+the repeat's queries attend over the whole cache (kvpress's KVzipPress scores each chunk against the sinks, that chunk
+and its repeat only).
 """
 
 from __future__ import annotations
