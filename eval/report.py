@@ -308,13 +308,14 @@ def retrieval() -> list[str]:
 def issue48() -> list[str]:
     aware, agnostic = load("needle48/accuracy_bytes_aware.json"), load("needle48/accuracy_bytes_agnostic.json")
     first = load(aware["runs"][0].removeprefix("eval/results/"))
-    example = load("needle48/aware_snapkv20_int4/needle.json")
     out = ["### Issue 48: accuracy against bytes", ""]
     out += para(
         f"SmolLM2-135M (float32: the full cache is 2.0x float16), {len(aware['depths'])} depths per length; one folder",
-        f"per cache in `eval/results/needle48/`, e.g. `{command(example)}`, merged by `python eval/needle_bytes.py",
+        "per cache in `eval/results/needle48/` (its command in needle.json), merged by `python eval/needle_bytes.py",
         f"eval/results/needle48 --out eval/results/needle48`; {machine(first)}, {day(first)}. \"x fp16\": bytes held",
         "after the answer per token seen, over float16 K/V's; `X%`: X% of each prompt; quantized runs with `first=0`.",
+        "`--mode aware`: the whole prompt in one forward; `agnostic` (kvpress's pipeline): the context compressed, the",
+        "question then appended with eviction paused. For a memory budget, quantize before evicting:",
     )
     Ls = aware["lengths"]
     n = len(aware["depths"])
@@ -323,15 +324,15 @@ def issue48() -> list[str]:
     body = [[mode, f"`{r['cache']}`", r["family"]] + [f"{r[f'frac_{L}']:.3f}" for L in Ls]
             + [right(r[f"acc_{L}"], n) for L in Ls] + [f"{r['accuracy']:.2f}"] for mode, r in rows]  # fmt: skip
     head = [f"x fp16 at {L}" for L in Ls] + [f"right at {L}" for L in Ls] + ["accuracy"]
-    out += para(
-        "`--mode aware`: the whole prompt in one forward; `agnostic` (kvpress's pipeline): the context compressed, the",
-        "question then appended with eviction paused. For a memory budget, quantize before evicting:",
-    )
     out += table(["mode", "cache", "family"] + head, body, "lll" + "r" * len(head))
     best = max((r for r in aware["summary"] if r["family"] == "quantized"), key=lambda r: (r["accuracy"], -r["fp16_fraction"]))
+    kvzip = next(r for r in agnostic["summary"] if r["cache"].startswith("kvzip:"))
+    timing = load("needle48/kvzip_prefill.json")
     out += para(
         f"`{best['cache']}` keeps {best['accuracy']:.2f} at {best[f'frac_{Ls[-1]}']:.2f}x float16 ({Ls[-1]}); nothing",
-        "at <= 10% of float16 keeps the full cache's accuracy.",
+        f"at <= 10% of float16 keeps the full cache's accuracy. `{kvzip['cache']}` (a repeat of the context scores it)",
+        f"finds {right(kvzip['accuracy'], n * len(Ls))} agnostic, prefilling {timing['tokens']} tokens in",
+        f"{timing['ratio']:.1f}x DynamicCache's time.",
     )
     return out
 
