@@ -209,18 +209,25 @@ def issue46() -> list[str]:
     header, body = regions_table(quantized)
     out += table(header, body, "lrlr" + "r" * (len(header) - 4))
 
-    def mean_of(config: str, first: int, chunk: int) -> float:
-        return statistics.fmean(r["delta_pct"] for r in quantized if (r["config"], r["first"], r["boundary"],
-                                r["chunk"], r["text"]) == (config, first, "0", chunk, "austen:prideprejudice"))  # fmt: skip
+    def of(config: str, boundary: str) -> list[dict]:
+        return [r for r in quantized if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
+                (config, 4, boundary, 32, "austen:prideprejudice")]  # fmt: skip
 
-    bits = {c: statistics.fmean(r["bits_per_coordinate"] for r in quantized if (r["config"], r["first"],
-            r["boundary"]) == (c, 4, "0")) for c in ("k4v2", "k3v2", "k2v2")}  # fmt: skip
+    def figure(config: str, boundary: str) -> str:
+        mine = of(config, boundary)
+        if not mine:
+            return "not measured"
+        mean, bits = (statistics.fmean(r[k] for r in mine) for k in ("delta_pct", "bits_per_coordinate"))
+        return f"{mean:+.2f}% at {bits:.2f} bits"
+
     targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
     out += para(
         "Kept: 4 exact first tokens by default in the k4v2, k3v2, k2v2 presets (`first=0`: off); not kept: 64 first",
-        "tokens, boundary layers. Issue 46's targets (Pride and Prejudice, c32, 3 seeds, first 4):",
-        "; ".join(f"{c} {mean_of(c, 4, 32):+.2f}% at {bits[c]:.2f} bits (<= +{t}%, <= {b})"
-                  for c, (t, b) in targets.items()) + ": bits met, losses not.",
+        "tokens, boundary layers. `cal=X`: the layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X",
+        "--up ... --max-bits B` chose (`eval/results/calibrate_46/X`: per-layer KL from full precision, on another",
+        "text), loaded with `calibration=PATH`. Issue 46's targets (Pride and Prejudice, c32, 3 seeds, first 4), preset",
+        "/ calibrated: " + "; ".join(f"{c} {figure(c, '0')} / {figure(c, 'cal=' + c)} (<= +{t}%, <= {b})"
+                                     for c, (t, b) in targets.items()) + ".",
     )
     return out
 
@@ -371,14 +378,17 @@ def memory() -> list[str]:
     out = ["## Memory", ""]
     d = load("plan_llama31_8b_32k.json")
     gib = d["memory_bytes"] / 1e9
+    def one(plan: dict) -> str:
+        group = f" (groups of {plan['group_size']})" if plan["group_size"] else ""
+        return (f"{plan['kv_format']}{group} {plan['kv_bytes_per_token']:,.0f} ({plan['ratio_to_fp16']:.4g}x, "
+                f"{plan['max_context']:,} tokens)")  # fmt: skip
+
+    formats = "; ".join(one(plan) for plan in d["plans"])
     out += para(
         f"**KV formats, computed** (`{command(d)}`; {day(d)}): bytes per token at {d['plans'][0]['context']:,} tokens",
-        "(scales, 128-token window; x fp16 without it, as `tests/test_quantized_cache.py` asserts); the longest",
-        f"context beside the bf16 weights in {gib:g} GB.",
+        "(scales, 128-token window), x fp16 without the window (as `tests/test_quantized_cache.py` asserts), and the",
+        f"longest context beside the bf16 weights in {gib:g} GB: {formats}.",
     )
-    body = [[p["kv_format"], p["group_size"] or "", f"{p['kv_bytes_per_token']:,.0f}", f"{p['ratio_to_fp16']:.4g}",
-             f"{p['max_context']:,}"] for p in d["plans"]]  # fmt: skip
-    out += table(["format", "group", "bytes/token", "x fp16 (asymptotic)", f"max context in {gib:g} GB"], body, "lrrrr")
 
     s = load("bench_sink_cpu_8k/bench.json")
     r = {row["cache"]: row for row in s["results"]}
