@@ -2,7 +2,7 @@
 one protocol (eval/lowbit_compare.py: 4096 tokens of Pride and Prejudice, SmolLM2-135M, window 128, chunks of 32 and
 256; hf_kvplus over seeds 0 1 2, tiny-turboquant has no randomness).
 
-    bash scripts/tiny_turboquant_venv.sh /tmp/tinyvenv   # once: tiny-turboquant in its own venv
+    bash scripts/reference_venv.sh tiny-turboquant /tmp/tinyvenv   # once: tiny-turboquant in its own venv
     /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --out eval/results/tiny_turboquant_46 \
         --reuse eval/results/lowbit_regions_46/runs.jsonl   # or a part: --chunks, --configs, --seeds (eval/README.md)
     /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --out eval/results/tiny_turboquant_46 --report-only
@@ -137,7 +137,7 @@ def cli(argv=None) -> None:
     wants_tiny = not args.ours_only and not args.report_only
     if wants_tiny and importlib.util.find_spec("tiny_turboquant") is None:
         parser.error("tiny-turboquant is not importable here: run with the python of "
-                     "scripts/tiny_turboquant_venv.sh's venv, or pass --ours-only")  # fmt: skip
+                     "scripts/reference_venv.sh tiny-turboquant's venv, or pass --ours-only")  # fmt: skip
     extra = {}
     if importlib.util.find_spec("tiny_turboquant") is not None:
         extra["versions_other"] = {"tiny-turboquant": importlib.metadata.version("tiny-turboquant")}

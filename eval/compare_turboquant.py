@@ -2,7 +2,7 @@
 own cache behaves for its users; on one protocol (eval/lowbit_compare.py: 4096 tokens of Pride and Prejudice,
 SmolLM2-135M, window 128, chunks of 32 and 256, seeds 0 1 2).
 
-    bash scripts/turboquant_venv.sh /tmp/tqvenv   # once: the reference imports scipy, which .venv leaves out
+    bash scripts/reference_venv.sh turboquant /tmp/tqvenv   # once: the reference imports scipy, which .venv leaves out
     /tmp/tqvenv/bin/python eval/compare_turboquant.py --out eval/results/turboquant_46 \
         --reuse eval/results/lowbit_regions_46/runs.jsonl   # or a part: --chunks, --configs, --seeds (eval/README.md)
     /tmp/tqvenv/bin/python eval/compare_turboquant.py --out eval/results/turboquant_46 --report-only
@@ -228,8 +228,8 @@ def cli(argv=None) -> None:
     dry(args)
     wants_reference = not args.ours_only and not args.report_only
     if wants_reference and importlib.util.find_spec("turboquant") is None:
-        parser.error("turboquant-torch is not importable here: run with the python of scripts/turboquant_venv.sh's "
-                     "venv, or pass --ours-only")  # fmt: skip
+        parser.error("turboquant-torch is not importable here: run with the python of `bash scripts/reference_venv.sh "
+                     "turboquant`'s venv, or pass --ours-only")  # fmt: skip
     if args.no_renorm:
         rotated_format.RENORMALIZE = False
     if args.no_center:

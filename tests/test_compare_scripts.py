@@ -1,6 +1,6 @@
 """eval/compare_turboquant.py and eval/compare_tiny_turboquant.py stay runnable: each `--dry-run` (300 tokens of
 SmolLM2-135M, chunks of 16 and 64) with hf_kvplus's rows alone in this venv, and with the other library's rows in its
-own venv (scripts/turboquant_venv.sh, scripts/tiny_turboquant_venv.sh) where it is there: `TURBOQUANT_PYTHON` /
+own venv (`bash scripts/reference_venv.sh turboquant|tiny-turboquant`) where it is there: `TURBOQUANT_PYTHON` /
 `TINY_TURBOQUANT_PYTHON`, or `.venv-turboquant` / `.venv-tiny-turboquant` at the top of the repository (the scripts'
 default folders). A few seconds each.
 """
@@ -16,11 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def other_python(variable: str, folder: str, script: str) -> str:
+def other_python(variable: str, folder: str, library: str) -> str:
     """The python of another library's venv, or a skip that says how to make it."""
     python = os.environ.get(variable) or str(ROOT / folder / "bin" / "python")
     if not Path(python).exists():
-        pytest.skip(f"no {folder} venv ({variable} unset): `bash scripts/{script} {folder}` makes it")
+        pytest.skip(f"no {folder} venv ({variable} unset): `bash scripts/reference_venv.sh {library} {folder}` makes it")
     return python
 
 
@@ -51,7 +51,7 @@ def test_compare_turboquant_dry_run_of_hf_kvplus_rows(tmp_path):
 
 
 def test_compare_turboquant_dry_run_with_the_reference(tmp_path):
-    python = other_python("TURBOQUANT_PYTHON", ".venv-turboquant", "turboquant_venv.sh")
+    python = other_python("TURBOQUANT_PYTHON", ".venv-turboquant", "turboquant")
     got = cells(dry_run(python, "compare_turboquant.py", tmp_path, "--configs", "k3v2", "k3v2+mse"))
     cache, once = (
         got[("turboquant-torch cache", "k3v2", 64)],
@@ -64,7 +64,7 @@ def test_compare_turboquant_dry_run_with_the_reference(tmp_path):
 def test_the_reference_rows_are_turboquant_own_cache_built_by_from_model():
     """k3v2's reference row is `TurboQuantDynamicCache.from_model(model, bit_width=2)` (keys get a bit more on a GQA
     model) compressed after every forward, to the last digit: the rows change only the bit widths it passes."""
-    python = other_python("TURBOQUANT_PYTHON", ".venv-turboquant", "turboquant_venv.sh")
+    python = other_python("TURBOQUANT_PYTHON", ".venv-turboquant", "turboquant")
     code = """
 import sys; sys.path.insert(0, "eval")
 import torch
@@ -100,7 +100,7 @@ def test_compare_tiny_turboquant_dry_run_of_hf_kvplus_rows(tmp_path):
 def test_compare_tiny_turboquant_dry_run_with_tiny_turboquant(tmp_path):
     """Its presets' bits as its docstring counts them, a protected layer pair at float32; and its cache still needs
     the shim for Transformers 5.24's `update(..., kwargs=...)` (when this fails, drop the shim)."""
-    python = other_python("TINY_TURBOQUANT_PYTHON", ".venv-tiny-turboquant", "tiny_turboquant_venv.sh")
+    python = other_python("TINY_TURBOQUANT_PYTHON", ".venv-tiny-turboquant", "tiny-turboquant")
     got = cells(dry_run(python, "compare_tiny_turboquant.py", tmp_path, "--configs", "tiny:safe", "tiny:aggressive",
                         "tiny:k4v2+protect1"))  # fmt: skip
     bits = {
