@@ -62,10 +62,13 @@ def calibration_path(boundary: str, folder: Path = CALIBRATIONS) -> Path:
     return folder / boundary.removeprefix("cal=") / "calibration.json"
 
 
-def region_options(boundary: str, folder: Path = CALIBRATIONS) -> dict:
-    """`QuantizedCache`'s layer arguments for a boundary: boundary layers, or a calibration's `layer_bits`."""
+def region_options(boundary: str, bits: str, folder: Path = CALIBRATIONS) -> dict:
+    """`QuantizedCache`'s layer arguments for a boundary: boundary layers, or a calibration's `layer_bits` (one made for
+    `bits`)."""
     if boundary.startswith("cal="):
-        return {"layer_bits": Calibration.load(calibration_path(boundary, folder)).layer_bits}
+        calibration = Calibration.load(calibration_path(boundary, folder))
+        calibration.check_bits(bits)
+        return {"layer_bits": calibration.layer_bits}
     layers, bits = parse_boundary(boundary)
     return {"boundary_layers": layers, "boundary_bits": bits}
 
@@ -231,7 +234,7 @@ def main(argv=None) -> None:
                             "perplexity": result.perplexity, "seconds": result.seconds}  # fmt: skip
             record(bases[where])
         cache = QuantizedCache(model.config, bits=row["config"], window=args.window, first_tokens=row["first"],
-                               rotation_seed=row["seed"], **region_options(row["boundary"], args.calibrations))  # fmt: skip
+                               rotation_seed=row["seed"], **region_options(row["boundary"], row["config"], args.calibrations))  # fmt: skip
         result = perplexity(model, ids[text], cache, mode="chunked", chunk_size=chunk, label=label(row))
         row |= {"spec": label(row), "perplexity": result.perplexity, "seconds": result.seconds,
                 "delta_pct": 100 * (result.perplexity / bases[where]["perplexity"] - 1),

@@ -206,7 +206,7 @@ def issue46() -> list[str]:
         "Cells: mean change over seeds [min .. max] (seeds), and the mean seed-by-seed change from no regions (a",
         "boundary row: from its first 4 tokens alone). Boundary 1: first and last layer exact (`1@int8`: at int8).",
     )
-    header, body = regions_table(quantized)
+    header, body = regions_table([r for r in quantized if r["first"] in (0, 4)])  # (64: lowbit_regions.md)
     out += table(header, body, "lrlr" + "r" * (len(header) - 4))
 
     def of(config: str, boundary: str) -> list[dict]:
@@ -223,7 +223,7 @@ def issue46() -> list[str]:
     targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
     out += para(
         "Kept: 4 exact first tokens by default in the k4v2, k3v2, k2v2 presets (`first=0`: off); not kept: 64 first",
-        "tokens, boundary layers. `cal=X`: the layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X",
+        "tokens (in the folder's `lowbit_regions.md`), boundary layers. `cal=X`: the layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X",
         "--up ... --max-bits B` chose (`eval/results/calibrate_46/X`: per-layer KL from full precision, on another",
         "text), loaded with `calibration=PATH`. Issue 46's targets (Pride and Prejudice, c32, 3 seeds, first 4), preset",
         "/ calibrated: " + "; ".join(f"{c} {figure(c, '0')} / {figure(c, 'cal=' + c)} (<= +{t}%, <= {b})"
