@@ -1,23 +1,25 @@
 """hf_kvplus's evicting caches against NVIDIA kvpress's presses at equal budgets, on the same token ids.
 
-    python eval/compare_kvpress.py --kvpress-python /tmp/kvpvenv/bin/python --out eval/results/kvpress_smollm2
+    python eval/compare_kvpress.py --kvpress-python /tmp/kvpvenv/bin/python --threads 1 --continuation 32 \
+        --out eval/results/kvpress_smollm2
     python eval/compare_kvpress.py --out /tmp/k --context 256 --continuation 16 --depths 0.5   # hf_kvplus half only
 
 kvpress 0.5.5 needs transformers < 5.3, so its half runs in a venv of its own (`scripts/kvpress_venv.sh` makes
 one) on the converted model folder hf_kvplus keeps for `--model`, reading the token ids this half wrote; this file
 is that half's script too (`--role kvpress`: it imports neither hf_kvplus nor anything newer than kvpress allows).
 
-Both halves treat a prompt the same way: one forward over the whole prompt, which a press compresses (kvpress
-compresses during the first prefill) and a `compress=prefill` cache compresses too, then decoding one token at a
-time at the original positions, without compressing (kvpress's pipeline decodes so). A ratio r keeps (1 - r) x
-`--context` tokens per layer and KV head, kvpress's `compression_ratio`. Per method and ratio:
+Both halves treat a prompt the same way: one forward over what is compressed, which a press compresses (kvpress
+compresses during the first prefill; KVzip then replays the context) and a `compress=prefill` cache compresses too (a
+`KVzipCache` by `compress()` right after it), then decoding one token at a time at the original positions, without
+compressing (kvpress's pipeline decodes so). A ratio r keeps (1 - r) x the compressed tokens per layer and KV head,
+kvpress's `compression_ratio` (`--ratios 0.5 0.8`: 50% and 20% kept). Per method and ratio:
 
 - continuation perplexity: `--context` tokens of `--text` as the prompt, then the next `--continuation` tokens fed
   one at a time and scored (the first by the prompt's last logits);
-- needle accuracy: `hf_kvplus.evaluation.needle`'s pass-key prompts of `--context` tokens with the key at each
-  `--depths`, greedy `--new-tokens` answers, right when the first number is the key. (kvpress's own pipeline
-  compresses the context and appends the question uncompressed; here the question is part of the compressed
-  prompt for both halves, so that a budget means the same thing in each.)
+- needle accuracy, in both `--modes`: `hf_kvplus.evaluation.needle`'s pass-key prompts of `--context` tokens with
+  the key at each `--depths`, greedy `--new-tokens` answers, right when the first number is the key. "aware": the
+  whole prompt (the question in it) is the compressed forward; "agnostic" (kvpress's own pipeline): the context is
+  compressed, then the question (and the chat template's turn to the assistant) is appended uncompressed.
 
 Writes `compare.json`, `compare.csv`, `compare.md` and `compare.png` into `--out`.
 
@@ -48,6 +50,7 @@ PRESSES = {
     "kvpress Knorm": ("KnormPress", {}),
     "kvpress TOVA": ("TOVAPress", {}),
     "kvpress ExpectedAttention": ("ExpectedAttentionPress", {}),
+    "kvpress KVzip": ("KVzipPress", {}),
 }
 
 
@@ -58,6 +61,8 @@ def kvplus_specs(budget: int) -> dict[str, str]:
         "hf_kvplus sink (positions=cache)": f"sink:4:{budget - 4}:compress=prefill",
         "hf_kvplus h2o": f"h2o:{budget}:compress=prefill",
         "hf_kvplus snapkv": f"snapkv:{budget}:observation={min(64, budget // 2)}",  # kvpress's window: 64
+        "hf_kvplus snapkv (max over 15)": f"snapkv:{budget}:observation={min(64, budget // 2)}:pooling=max:kernel=15",
+        "hf_kvplus kvzip": f"kvzip:{budget}",
     }
 
 
@@ -65,13 +70,13 @@ def kvplus_specs(budget: int) -> dict[str, str]:
 
 
 @torch.no_grad()
-def continuation_nll(model, ids: list[int], context: int, fresh_cache, compressing) -> list[float]:
+def continuation_nll(model, ids: list[int], context: int, half) -> list[float]:
     """NLL of tokens `context ..` of `ids`: the first `context` as one compressed prompt, then one at a time.
-    `fresh_cache()` gives the model's keyword arguments that pass it a new cache (each half knows the name)."""
+    `half` makes a cache for a compressed forward of n tokens (`half.fresh(n)`: the model's keyword arguments that
+    pass it, each half knows the name) and runs that forward (`half.prefill`)."""
     tokens = torch.tensor([ids])
-    with_cache = fresh_cache()
-    with compressing():
-        logits = model(tokens[:, :context], **with_cache, logits_to_keep=1).logits[0, -1]
+    with_cache = half.fresh(context)
+    logits = half.prefill(with_cache, ids[:context])
     nll = []
     for t in range(context, tokens.shape[1]):
         nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[t]]))
@@ -82,11 +87,17 @@ def continuation_nll(model, ids: list[int], context: int, fresh_cache, compressi
 
 
 @torch.no_grad()
-def greedy_answer(model, tokenizer, prompt: list[int], new_tokens: int, fresh_cache, compressing) -> str:
-    """`new_tokens` greedy tokens after `prompt` compressed as one forward, decoded at the original positions."""
-    with_cache = fresh_cache()
-    with compressing():
-        logits = model(torch.tensor([prompt]), **with_cache, logits_to_keep=1).logits[0, -1]
+def greedy_answer(model, tokenizer, prompt: list[int], new_tokens: int, half, question: int = 0) -> str:
+    """`new_tokens` greedy tokens after `prompt`, decoded at the original positions. `question` 0: the prompt is one
+    compressed forward (query-aware); else its last `question` tokens are appended uncompressed after the rest was
+    compressed (query-agnostic, kvpress's pipeline)."""
+    split = len(prompt) - question
+    with_cache = half.fresh(split)
+    logits = half.prefill(with_cache, prompt[:split])
+    if question:
+        with half.appending(with_cache):
+            logits = model(torch.tensor([prompt[split:]]), **with_cache, position_ids=torch.arange(split, len(prompt))[None],
+                           logits_to_keep=1).logits[0, -1]  # fmt: skip
     answer = [int(logits.argmax())]
     for i in range(new_tokens - 1):
         position = torch.tensor([[len(prompt) + i]])
@@ -101,18 +112,27 @@ def is_correct(answer: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
-def evaluate(model, tokenizer, inputs: dict, fresh_cache, compressing, new_tokens: int) -> dict:
-    """Continuation perplexity and needle answers of one method."""
+def evaluate(model, tokenizer, inputs: dict, half, new_tokens: int) -> dict:
+    """Continuation perplexity and needle answers, per mode, of one method."""
     start = time.perf_counter()
-    nll = continuation_nll(model, inputs["text_ids"], inputs["context"], fresh_cache, compressing)
-    answers = [greedy_answer(model, tokenizer, n["ids"], new_tokens, fresh_cache, compressing) for n in inputs["needles"]]
-    right = [is_correct(a, n["key"]) for a, n in zip(answers, inputs["needles"], strict=True)]
-    return {
-        "continuation_ppl": math.exp(sum(nll) / len(nll)),
-        "needle_accuracy": sum(right) / len(right),
-        "answers": answers,
-        "seconds": time.perf_counter() - start,
-    }
+    nll = continuation_nll(model, inputs["text_ids"], inputs["context"], half)
+    result = {"continuation_ppl": math.exp(sum(nll) / len(nll))}
+    for mode in inputs["modes"]:
+        answers = [greedy_answer(model, tokenizer, n["ids"], new_tokens, half, n["question"] if mode == "agnostic" else 0)
+                   for n in inputs["needles"]]  # fmt: skip
+        right = [is_correct(a, n["key"]) for a, n in zip(answers, inputs["needles"], strict=True)]
+        result[f"needle_{mode}"] = sum(right) / len(right)
+        result[f"answers_{mode}"] = answers
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+class Half:
+    """How one half makes a cache (`fresh(n)`: the model's keyword arguments for a cache whose compressed forward
+    has n tokens), runs the compressed forward (`prefill`: its last logits) and appends uncompressed (`appending`)."""
+
+    def __init__(self, fresh, prefill, appending=lambda with_cache: contextlib.nullcontext()):
+        self.fresh, self.prefill, self.appending = fresh, prefill, appending
 
 
 # -------------------------------------------------------------------------------- the kvpress half
@@ -135,7 +155,7 @@ def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, t
                                                                 attn_implementation=attn).eval()  # fmt: skip
         return models[attn]
 
-    def fresh_cache():  # kvpress's transformers (< 5.3) takes the cache under this name only
+    def fresh(n):  # kvpress's transformers (< 5.3) takes the cache under this name only
         return {"past_key_values": DynamicCache()}
 
     rows = []
@@ -144,11 +164,16 @@ def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, t
             attn = "eager" if cls == "ObservedAttentionPress" else "sdpa"
             model = model_for(attn)
             press = getattr(kvpress, cls)(compression_ratio=ratio, **kwargs)
-            result = evaluate(model, tokenizer, inputs, fresh_cache, lambda press=press, model=model: press(model),
-                              new_tokens)  # fmt: skip
+
+            def prefill(with_cache, ids, press=press, model=model):
+                with press(model):  # (KVzipPress replays the context as the block closes)
+                    logits = model(input_ids=torch.tensor([ids]), **with_cache, logits_to_keep=1).logits
+                return logits[0, -1]
+
+            result = evaluate(model, tokenizer, inputs, Half(fresh, prefill), new_tokens)
             rows.append({"method": name, "ratio": ratio, **result})
-            print(f"{name} r={ratio}: ppl {result['continuation_ppl']:.3f} needle {result['needle_accuracy']:.0%}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"{name} r={ratio}: ppl {result['continuation_ppl']:.3f} needle "
+                  + " ".join(f"{m} {result[f'needle_{m}']:.0%}" for m in inputs["modes"]), file=sys.stderr, flush=True)
     versions = {"kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": __import__("transformers").__version__}
     out.write_text(json.dumps({"versions": versions, "rows": rows}, indent=1))
 
@@ -165,35 +190,55 @@ def build_inputs(tokenizer, args) -> dict:
     haystack = text[total : total + args.context]  # the needle prompts' haystack: text after the continuation
     frame = prompt_frame(tokenizer)
     keys = [str(10000 + (7919 * (i + 1)) % 90000) for i in range(len(args.depths))]
-    needles = [{"key": key, "depth": depth,
+    needles = [{"key": key, "depth": depth, "question": len(frame[1]),
                 "ids": passkey_prompt(frame, haystack, needle_ids(tokenizer, key), args.context, depth)[0][0].tolist()}
                for key, depth in zip(keys, args.depths, strict=True)]  # fmt: skip
-    return {"text_ids": text[:total], "context": args.context, "needles": needles, "ratios": args.ratios}
+    return {"text_ids": text[:total], "context": args.context, "needles": needles, "ratios": args.ratios,
+            "modes": args.modes}  # fmt: skip
 
 
 def run_kvplus(model, tokenizer, inputs: dict, new_tokens: int) -> list[dict]:
     from tqdm import tqdm
     from transformers import DynamicCache
 
-    from hf_kvplus import cache_kwargs
+    from hf_kvplus import EvictingCache, KVzipCache, cache_kwargs
+    from hf_kvplus.evaluation.needle import template_prefix
     from hf_kvplus.specs import parse_cache_spec
 
-    methods = [("full cache (DynamicCache)", None, lambda: cache_kwargs(DynamicCache(config=model.config)))]
-    for ratio in inputs["ratios"]:
-        budget = round((1 - ratio) * inputs["context"])
-        for name, spec in kvplus_specs(budget).items():
-            parsed = parse_cache_spec(spec)
-            methods.append((name, ratio, lambda parsed=parsed: cache_kwargs(parsed.build(model.config))))
+    def cache_of(with_cache):
+        return next(iter(with_cache.values()))
+
+    def prefill(with_cache, ids):
+        tokens = torch.tensor([ids])
+        logits = model(tokens, **with_cache, logits_to_keep=1).logits[0, -1]
+        cache = cache_of(with_cache)
+        if isinstance(cache, KVzipCache):  # the user's turn (the question too, when aware) replayed and scored
+            cache.compress(model, tokens[:, template_prefix(tokenizer, tokens) :], tokenizer)
+        return logits
+
+    def appending(with_cache):
+        cache = cache_of(with_cache)
+        return cache.appending() if isinstance(cache, EvictingCache) else contextlib.nullcontext()
+
+    def spec_cache(ratio, name):
+        def fresh(n):
+            return cache_kwargs(parse_cache_spec(kvplus_specs(round((1 - ratio) * n))[name]).build(model.config))
+
+        return fresh
+
+    methods = [("full cache (DynamicCache)", None, lambda n: cache_kwargs(DynamicCache(config=model.config)))]
+    methods += [(name, ratio, spec_cache(ratio, name)) for ratio in inputs["ratios"] for name in kvplus_specs(64)]
     rows = []
-    for name, ratio, make in tqdm(methods, desc="hf_kvplus", file=sys.stderr):
-        rows.append({"method": name, "ratio": ratio, **evaluate(model, tokenizer, inputs, make, contextlib.nullcontext,
+    for name, ratio, fresh in tqdm(methods, desc="hf_kvplus", file=sys.stderr):
+        rows.append({"method": name, "ratio": ratio, **evaluate(model, tokenizer, inputs, Half(fresh, prefill, appending),
                                                                new_tokens)})  # fmt: skip
     return rows
 
 
 COLUMNS = [("method", "method", ""), ("ratio", "ratio", ".2f"), ("budget", "budget", "d"),
            ("continuation_ppl", "continuation ppl", ".3f"), ("ppl_delta_pct", "vs full %", "+.2f"),
-           ("needle_accuracy", "needle", ".0%"), ("seconds", "seconds", ".0f")]  # fmt: skip
+           ("needle_aware", "needle aware", ".0%"), ("needle_agnostic", "needle agnostic", ".0%"),
+           ("seconds", "seconds", ".0f")]  # fmt: skip
 
 
 def report(rows: list[dict], inputs: dict, args, extra: dict) -> str:
@@ -206,7 +251,7 @@ def report(rows: list[dict], inputs: dict, args, extra: dict) -> str:
     ordered = [full] + sorted((r for r in rows if r is not full), key=lambda r: (r["ratio"], r["method"]))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {**stamp(), **extra, "model": args.model, "text": args.text, "context": inputs["context"],
-            "continuation": args.continuation, "depths": args.depths}  # fmt: skip
+            "continuation": args.continuation, "depths": args.depths, "modes": inputs["modes"]}  # fmt: skip
     (args.out / "compare.json").write_text(json.dumps({**meta, "rows": ordered}, indent=1))
     with open(args.out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[key for key, _, _ in COLUMNS])
@@ -214,16 +259,17 @@ def report(rows: list[dict], inputs: dict, args, extra: dict) -> str:
         writer.writerows({key: row.get(key) for key, _, _ in COLUMNS} for row in ordered)
     table = format_table(ordered, COLUMNS)
     md = (f"{args.model} on {args.text}: prompts of {inputs['context']} tokens compressed once, {args.continuation} "
-          f"continuation tokens scored, needle at depths {args.depths}; {meta['machine']}, {meta['date']}\n\n"
+          f"continuation tokens scored, needle at depths {args.depths} ({', '.join(inputs['modes'])}); {meta['machine']}, {meta['date']}\n\n"
           f"```\n{table}\n```\n")  # fmt: skip
     (args.out / "compare.md").write_text(md)
-    plot(ordered, args.out / "compare.png", f"{args.model}: {inputs['context']}-token prompts compressed once")
+    plot(ordered, args.out / "compare.png", f"{args.model}: {inputs['context']}-token prompts compressed once",
+         inputs["modes"][-1])
     return md
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Continuation perplexity against the full cache (lines) and needle accuracy (bars), by ratio and method;
-    hf_kvplus solid, kvpress dashed and hatched."""
+def plot(rows: list[dict], path: Path, title: str, mode: str = "agnostic") -> None:
+    """Continuation perplexity against the full cache (lines) and needle accuracy in `mode` (bars), by ratio and
+    method; hf_kvplus solid, kvpress dashed and hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,13 +287,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         left.plot(ratios, [by_ratio[x]["ppl_delta_pct"] for x in ratios], "-" if ours else "--", marker="o",
                   color=colors(i), label=method)  # fmt: skip
         right.bar([j + (i - (len(methods) - 1) / 2) * width for j in range(len(ratios))],
-                  [by_ratio[x]["needle_accuracy"] for x in ratios], width, color=colors(i),
+                  [by_ratio[x][f"needle_{mode}"] for x in ratios], width, color=colors(i),
                   hatch=None if ours else "//", edgecolor="white")  # fmt: skip
     left.axhline(0, color="black", linewidth=0.8)
-    right.axhline(full["needle_accuracy"], color="black", linewidth=1, linestyle=":", label="full cache")
+    right.axhline(full[f"needle_{mode}"], color="black", linewidth=1, linestyle=":", label="full cache")
     left.set(xlabel="compression ratio (fraction of the prompt evicted)", ylabel="continuation perplexity vs full, %",
              xticks=ratios)  # fmt: skip
-    right.set(xlabel="compression ratio", ylabel="needle accuracy", ylim=(0, 1.05), xticks=range(len(ratios)),
+    right.set(xlabel="compression ratio", ylabel=f"needle accuracy ({mode})", ylim=(0, 1.05), xticks=range(len(ratios)),
               xticklabels=[f"{x:.2f}" for x in ratios])  # fmt: skip
     right.legend(loc="upper right", fontsize=8)
     figure.legend(*left.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
@@ -265,7 +311,8 @@ def main(argv=None) -> None:
     parser.add_argument("--text", default="austen:emma")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--continuation", type=int, default=128)
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.8])
+    parser.add_argument("--modes", nargs="+", choices=("aware", "agnostic"), default=["aware", "agnostic"])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)

@@ -325,19 +325,20 @@ def retrieval() -> list[str]:
     d = load("kvpress_smollm2/compare.json")
     rows = d["rows"]
     full = rows[0]
+    modes, n = d["modes"], len(d["depths"])
     out += para(
         f"**Against NVIDIA kvpress at equal budgets** (`{command(d)}`; {where(d, 'kvpress_smollm2/')}; kvpress",
-        f"{d['kvpress_versions']['kvpress']} in its own venv, same ids: {d['context']} tokens of Emma compressed at",
-        f"prefill, perplexity of the next {d['continuation']}, needle at {len(d['depths'])} depths; full cache",
-        f"{full['continuation_ppl']:.3f}, {right(full['needle_accuracy'], len(d['depths']))}):",
+        f"{d['kvpress_versions']['kvpress']}, same ids: {d['context']} tokens of Emma, ppl of the next",
+        f"{d['continuation']}, pass key at {n} depths {' / '.join(modes)}; full cache",
+        f"{full['continuation_ppl']:.3f}, " + " / ".join(right(full[f"needle_{m}"], n) for m in modes) + "):",
     )
     ratios = sorted({r["ratio"] for r in rows[1:]})
     cell = {(r["method"], r["ratio"]): r for r in rows[1:]}
-    body = [[m] + [v for ratio in ratios for v in (pct(cell[(m, ratio)]["ppl_delta_pct"]),
-                                                   right(cell[(m, ratio)]["needle_accuracy"], len(d["depths"])))]
+    body = [[m] + [v for ratio in ratios for v in [pct(cell[(m, ratio)]["ppl_delta_pct"])]
+                   + [right(cell[(m, ratio)][f"needle_{mode}"], n) for mode in modes]]
             for m in dict.fromkeys(r["method"] for r in rows[1:])]  # fmt: skip
-    out += table(["method"] + [f"{h}, {ratio:.0%} removed" for ratio in ratios for h in ("ppl", "needle")], body,
-                 "l" + "r" * 2 * len(ratios))
+    head = [h for ratio in ratios for h in [f"ppl, {1 - ratio:.0%} kept"] + [f"{mode}, {1 - ratio:.0%}" for mode in modes]]
+    out += table(["method"] + head, body, "l" + "r" * len(head))
     out += issue48()
     return out
 
@@ -348,28 +349,45 @@ def issue48() -> list[str]:
     out = ["### Issue 48: accuracy against bytes", ""]
     out += para(
         f"SmolLM2-135M (float32: the full cache is 2.0x float16), {len(aware['depths'])} depths per length; one folder",
-        "per cache in `eval/results/needle48/` (its command in needle.json), merged by `python eval/needle_bytes.py",
+        "per cache (its command in needle.json), merged by `python eval/needle_bytes.py",
         f"eval/results/needle48 --out eval/results/needle48`; {machine(first)}, {day(first)}. \"x fp16\": bytes held",
-        "after the answer per token seen, over float16 K/V's; `X%`: X% of each prompt; quantized runs with `first=0`.",
-        "`--mode aware`: the whole prompt in one forward; `agnostic` (kvpress's pipeline): the context compressed, the",
-        "question then appended with eviction paused. For a memory budget, quantize before evicting:",
+        "after the answer per token seen, over float16 K/V's; `X%`: X% of each prompt. `--mode aware`: the whole prompt",
+        "in one forward; `agnostic`: the context compressed, then the question appended:",
     )
     Ls = aware["lengths"]
     n = len(aware["depths"])
-    rows = [("aware", r) for r in sorted(aware["summary"], key=lambda r: r["fp16_fraction"])]
-    rows += [("agnostic", r) for r in agnostic["summary"]]
-    body = [[mode, f"`{r['cache']}`", r["family"]] + [f"{r[f'frac_{L}']:.3f}" for L in Ls]
-            + [right(r[f"acc_{L}"], n) for L in Ls] + [f"{r['accuracy']:.2f}"] for mode, r in rows]  # fmt: skip
+    full = next(r for r in aware["summary"] if r["family"] == "full precision")
+    lost = [r for r in agnostic["summary"] if r["accuracy"] <= 0.1]  # (one sentence for the evicting ones that fail)
+    at = f"frac_{Ls[-1]}"
+
+    def dominated(r):  # a composition another cache beats: as right, in fewer bytes (or righter in as few)
+        return r["family"] in ("quantized", "evicting + quantized") and any(
+            o is not r and o["accuracy"] >= r["accuracy"] and o[at] <= r[at] and (o["accuracy"], -o[at]) != (r["accuracy"], -r[at])
+            for o in aware["summary"])  # fmt: skip
+
+    hidden = [r for r in aware["summary"] if dominated(r)]
+    rows = [("aware", r) for r in sorted(aware["summary"], key=lambda r: r["fp16_fraction"]) if r not in hidden]
+    body = [[f"`{r['cache']}`", r["family"]] + [f"{r[f'frac_{L}']:.3f}" for L in Ls]
+            + [right(r[f"acc_{L}"], n) for L in Ls] + [f"{r['accuracy']:.2f}"] for _, r in rows]  # fmt: skip
     head = [f"x fp16 at {L}" for L in Ls] + [f"right at {L}" for L in Ls] + ["accuracy"]
-    out += table(["mode", "cache", "family"] + head, body, "lll" + "r" * len(head))
-    best = max((r for r in aware["summary"] if r["family"] == "quantized"), key=lambda r: (r["accuracy"], -r["fp16_fraction"]))
+    out += table(["cache (aware)", "family"] + head, body, "ll" + "r" * len(head))
     kvzip = next(r for r in agnostic["summary"] if r["cache"].startswith("kvzip:"))
     timing = load("needle48/kvzip_prefill.json")
+    keeping = [r for r in aware["summary"] if r["accuracy"] >= full["accuracy"] and r is not full]
+    evicting = max((r for r in keeping if r["family"] == "evicting"), key=lambda r: r["accuracy"], default=None)
+    small = min(keeping, key=lambda r: r[f"frac_{Ls[-1]}"], default=None)
+    total = n * len(Ls)
     out += para(
-        f"`{best['cache']}` keeps {best['accuracy']:.2f} at {best[f'frac_{Ls[-1]}']:.2f}x float16 ({Ls[-1]}); nothing",
-        f"at <= 10% of float16 keeps the full cache's accuracy. `{kvzip['cache']}` (a repeat of the context scores it)",
-        f"finds {right(kvzip['accuracy'], n * len(Ls))} agnostic, prefilling {timing['tokens']} tokens in",
-        f"{timing['ratio']:.1f}x DynamicCache's time.",
+        f"Aware, `{evicting['cache']}` finds {right(evicting['accuracy'], total)} (the full cache {right(full['accuracy'], total)};"
+        " SnapKV's window attends to \"The pass key is\", a max over 15 keeps the digits after it)." if evicting else "",
+        f"The fewest bytes as right as the full cache: `{small['cache']}`, {small[at]:.3f}x." if small else "",
+        f"Left out (a row above is as right in fewer bytes): {len(hidden)} caches, the best "
+        + ", ".join(f"`{r['cache']}` {r['accuracy']:.2f} at {r[at]:.3f}x" for r in (
+            max((h for h in hidden if h["family"] == f), key=lambda h: (h["accuracy"], -h[at]))
+            for f in dict.fromkeys(h["family"] for h in hidden))) + "." if hidden else "",  # fmt: skip
+        "Agnostic at 20%: " + ", ".join(f"`{r['cache'].split(':')[0]}` {right(r['accuracy'], total)}" for r in lost) + ";",
+        f"`{kvzip['cache']}` {right(kvzip['accuracy'], total)} at {kvzip[at]:.3f}x,",
+        f"its prefill {timing['ratio']:.1f}x DynamicCache's at {timing['tokens']}.",
     )
     return out
 

@@ -189,7 +189,8 @@ def test_the_kvpress_comparison_runs_its_hf_kvplus_half_and_scores_the_full_cach
     local_model, tmp_path
 ):
     """eval/compare_kvpress.py without kvpress (its other half needs transformers < 5.3): the inputs, every
-    hf_kvplus method at a ratio, the report; the full cache's continuation perplexity is `perplexity`'s."""
+    hf_kvplus method at a ratio in both modes (KVzip's reconstruction included), the report; the full cache's
+    continuation perplexity is `perplexity`'s."""
     import argparse
     import importlib.util
     from pathlib import Path
@@ -204,7 +205,7 @@ def test_the_kvpress_comparison_runs_its_hf_kvplus_half_and_scores_the_full_cach
     spec.loader.exec_module(compare)
     _, text, tokenizer, model = local_model
     args = argparse.Namespace(text=text, context=120, continuation=6, depths=[0.5], ratios=[0.5], model="tiny",
-                              out=tmp_path)  # a budget of 60: SnapKV's observation window shrinks to 30
+                              out=tmp_path, modes=["aware", "agnostic"])  # a budget of 60: SnapKV's window shrinks to 30
     inputs = compare.build_inputs(tokenizer, args)
     assert len(inputs["text_ids"]) == 126 and len(inputs["needles"][0]["ids"]) == 120
     rows = compare.run_kvplus(model, tokenizer, inputs, new_tokens=3)
@@ -216,6 +217,9 @@ def test_the_kvpress_comparison_runs_its_hf_kvplus_half_and_scores_the_full_cach
     table = json.loads((tmp_path / "compare.json").read_text())["rows"]
     assert table[0]["budget"] == 120 and {r["budget"] for r in table[1:]} == {60}
     assert {p.name for p in tmp_path.iterdir()} == {"compare.json", "compare.csv", "compare.md", "compare.png"}
+    question = inputs["needles"][0]["question"]
+    assert 0 < question < 120 and all(len(r["answers_agnostic"]) == len(r["answers_aware"]) == 1 for r in rows)
+    assert rows[0]["needle_aware"] == rows[0]["needle_agnostic"]  # the full cache: the same prompt, split or not
 
 
 def test_smollm2_finds_the_needle_with_full_and_int4_caches_and_a_short_sink_window_loses_it():
