@@ -7,6 +7,7 @@ caches; nothing else changes (`uninstall()` undoes it).
 
 from .attention import ATTN_IMPLEMENTATION, kvplus_attention
 from .cache import DenseCache, KVCache, model_retention
+from .calibration import Calibration
 from .errors import (
     CacheMismatchError,
     CapacityError,
@@ -51,6 +52,7 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "DTypeError",
+    "Calibration",
     "DenseCache",
     "DenseStorage",
     "DeviceError",
