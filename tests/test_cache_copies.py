@@ -27,7 +27,8 @@ SPECS = [
     "quantized:int4:window=16:max_tokens=96:compile=on", "quantized:k4v2:window=16:max_tokens=96:compile=on",
     "quantized:int4:window=16:backend=quanto", "paged-quantized:int4:window=16:block=16",
     "sink:4:28", "sink:4:28:bits=int4", "sink:4:28:compile=on", "h2o:32", "h2o:32:bits=int8", "h2o:32:compile=on",
-    "snapkv:32:observation=8", "snapkv:32:observation=8:bits=int4", "peak:32", "peak:32:bits=int4", "offloaded", "offloaded:lookahead=2", "offloaded-quantized:int4:window=16",
+    "snapkv:32:observation=8", "snapkv:32:observation=8:bits=int4", "peak:32", "peak:32:bits=int4", "kvzip:32",
+    "offloaded", "offloaded:lookahead=2", "offloaded-quantized:int4:window=16",
     "offloaded:disk=tmp:host=1G", "dynamic", "static:96",
 ]  # fmt: skip
 #: Transformers' own caches that do not travel: its QuantizedCache holds optimum-quanto tensors that neither pickle
