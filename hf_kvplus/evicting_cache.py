@@ -8,7 +8,7 @@ slots and reports attention mass, so the model must run "sdpa" (the default) or 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
 from transformers import PreTrainedConfig
@@ -22,7 +22,7 @@ from .eviction.policy import EvictionPolicy
 from .eviction.rope import RotaryShift
 from .eviction.sinks import POSITIONS, SinkPolicy
 from .eviction.snapkv import SnapKVPolicy
-from .formats import resolve_format
+from .formats import is_rotated, resolve_format
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .precision import PrecisionRegions, precision_report
@@ -42,7 +42,8 @@ class EvictingCache(KVCache):
     each row (positions 0 .. first_tokens - 1; with left padding, a padded row's first positions are its padding)
     exact beside their slots' codes, and no policy evicts them (they rank with the recent window, so they take room in
     the budget: each cache checks they fit); `boundary_layers` holds the first and last that many layers' slots at full
-    precision, or at `boundary_bits`. `quantized_report()` counts them.
+    precision, or at `boundary_bits`; `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a
+    format of its own (what `kvplus calibrate` chose; spec `calibration=PATH`). `quantized_report()` counts them.
 
     `compileable=True` (SinkCache, H2OCache: their budget holds every decode step's shape once full)
     declares `is_compileable`, so `generate()` compiles the decode forward as it does StaticCache's:
@@ -69,6 +70,7 @@ class EvictingCache(KVCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
@@ -79,21 +81,23 @@ class EvictingCache(KVCache):
         model = ModelSpec.from_config(config)
         fmt = resolve_format(model, bits, group_size)
         #: The exact regions (no window: every kept token past the first ones is coded).
-        self.regions = regions = PrecisionRegions(0, first_tokens, boundary_layers, boundary_bits)
-        if fmt is None and (first_tokens or boundary_layers):
+        self.regions = regions = PrecisionRegions(0, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
+        regions.check_layers(model.num_layers)
+        if fmt is None and (first_tokens or regions.overrides()):
             raise ConfigError(
-                f"first_tokens={first_tokens} and boundary_layers={boundary_layers} need bits: slots at full precision "
-                "are exact everywhere"
+                f"first_tokens={first_tokens}, boundary_layers={boundary_layers} and layer_bits={layer_bits} need bits: "
+                "slots at full precision are exact everywhere"
             )
-        boundary_fmt = resolve_format(model, boundary_bits, None)
+        formats = {bits: fmt}  # by bits (a layer's own grouped format takes the cache's `group_size`)
+        for own in set(regions.own_bits(model.num_layers).values()) - {bits}:
+            grouped = own is not None and not is_rotated(own)
+            formats[own] = resolve_format(model, own, group_size if grouped else None)
         self.format = fmt
 
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
             if spec.kind != "full":
                 return DenseStorage()
-            layer_fmt = fmt
-            if regions.is_boundary(spec.index, model.num_layers):
-                layer_fmt = boundary_fmt
+            layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
             codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index))
             return SlotStore(codec, scores=self.keeps_scores, device_count=compileable, first=first_tokens)
 
@@ -190,6 +194,7 @@ class SinkCache(EvictingCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
@@ -204,7 +209,7 @@ class SinkCache(EvictingCache):
         super().__init__(
             config, lambda spec: SinkPolicy(num_sinks, window, rotary, compress), bits=bits, group_size=group_size,
             placement=placement, compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
-            boundary_bits=boundary_bits,
+            boundary_bits=boundary_bits, layer_bits=layer_bits,
         )
 
 
@@ -232,6 +237,7 @@ class H2OCache(EvictingCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         recent = budget // 2 if recent is None else recent
         HeavyHitterPolicy(budget, recent, compress)
@@ -240,7 +246,7 @@ class H2OCache(EvictingCache):
         super().__init__(
             config, lambda spec: HeavyHitterPolicy(budget, recent, compress), bits=bits, group_size=group_size,
             placement=placement, compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
-            boundary_bits=boundary_bits,
+            boundary_bits=boundary_bits, layer_bits=layer_bits,
         )
 
 
@@ -268,6 +274,7 @@ class SnapKVCache(EvictingCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         SnapKVPolicy(budget, observation, kernel_size, pooling)
         _check_first_fits(first_tokens, budget - observation, f"budget - observation = {budget} - {observation}",
@@ -275,7 +282,7 @@ class SnapKVCache(EvictingCache):
         policy = lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling)  # noqa: E731
         super().__init__(
             config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
-            boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+            boundary_layers=boundary_layers, boundary_bits=boundary_bits, layer_bits=layer_bits,
         )
 
 
@@ -304,6 +311,7 @@ class PeakCache(EvictingCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         recent = budget // 8 if recent is None else recent
         PeakAttentionPolicy(budget, recent, kernel_size, compress)
@@ -311,5 +319,5 @@ class PeakCache(EvictingCache):
         super().__init__(
             config, lambda spec: PeakAttentionPolicy(budget, recent, kernel_size, compress), bits=bits,
             group_size=group_size, placement=placement, first_tokens=first_tokens, boundary_layers=boundary_layers,
-            boundary_bits=boundary_bits,
+            boundary_bits=boundary_bits, layer_bits=layer_bits,
         )

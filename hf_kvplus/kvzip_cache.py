@@ -14,6 +14,7 @@ positions stay bounded, drops the repeat's tokens and evicts the cache down to i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,7 @@ class KVzipCache(EvictingCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         def policy(spec=None) -> ReconstructionPolicy:
             return ReconstructionPolicy(budget, sinks, recent, kernel_size, compress, reduce)
@@ -119,7 +121,7 @@ class KVzipCache(EvictingCache):
         )
         super().__init__(
             config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
-            boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+            boundary_layers=boundary_layers, boundary_bits=boundary_bits, layer_bits=layer_bits,
         )  # fmt: skip
 
     def compress(self, model, context_ids: torch.Tensor, tokenizer=None, **options) -> None:

@@ -30,7 +30,7 @@
                             every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage, and
                             with it the precision regions of `quantized`: `first=N` (positions 0..N-1 exact and
                             never evicted: N <= the sinks, budget - recent, budget - observation), `boundary=N`,
-                            `boundary_bits=...` (e.g. `sink:4:1020:bits=k4v2:first=4:boundary=1`)
+                            `boundary_bits=...`, `calibration=PATH` (e.g. `sink:4:1020:bits=k4v2:first=4:boundary=1`)
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget);
                             sink and h2o take `compile=on`: generate() may compile them (`compileable=True`),
                             and `compress=prefill`: compress after prompts only, decode steps append (kvpress)
@@ -212,10 +212,10 @@ def _check_regions(spec: CacheSpec) -> None:
 CALIBRATION_OPTION = {"calibration"}
 
 
-def _check_calibration(spec: CacheSpec) -> None:
-    """`calibration=PATH`: a calibration file, for the spec's bits."""
+def _check_calibration(spec: CacheSpec, bits: str | None = None) -> None:
+    """`calibration=PATH`: a calibration file, for the spec's bits (its first argument, or `bits`)."""
     if "calibration" in spec.kwargs:
-        Calibration.load(spec.kwargs["calibration"]).check_bits(spec.args[0])
+        Calibration.load(spec.kwargs["calibration"]).check_bits(spec.args[0] if bits is None else bits)
 
 
 def _calibrated(config, bits, kwargs) -> dict:
@@ -341,7 +341,8 @@ EVICTING_OPTIONS = {
 
 def _validate_evicting(spec: CacheSpec) -> None:
     positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
-    _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS)
+    _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS
+                 | CALIBRATION_OPTION)
     if len(spec.args) != len(positional):
         example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024",
                    "kvzip": "kvzip:1024"}[spec.kind.name]  # fmt: skip
@@ -352,6 +353,9 @@ def _validate_evicting(spec: CacheSpec) -> None:
         _int(spec.text, key, spec.kwargs[key], minimum=0)
     if "bits" in spec.kwargs:
         _check_bits(spec, spec.kwargs["bits"])
+    elif "calibration" in spec.kwargs:
+        raise ConfigError(f"cache spec {spec.text!r}: calibration= gives layers their own bits; it needs bits=")
+    _check_calibration(spec, spec.kwargs.get("bits"))
     _check_regions(spec)
     for key, allowed in choices.items():
         if key in spec.kwargs and spec.kwargs[key] not in allowed:
@@ -384,35 +388,35 @@ def _offloaded(config, args, kwargs, max_length):
     return OffloadedCache(config, **options)
 
 
-def _storage(kwargs) -> dict:
+def _storage(config, kwargs) -> dict:
     """An evicting cache's storage arguments: bits, group size and precision regions (its slots have no preset first
-    tokens: `first=` absent is 0)."""
+    tokens: `first=` absent is 0), with a calibration's `layer_bits`."""
     return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-            **_regions(kwargs, preset=False)}  # fmt: skip
+            **_regions(kwargs, preset=False), **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
 
 
 def _sink(config, args, kwargs, max_length):
     return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"),
                      compileable=kwargs.get("compile") == "on", compress=kwargs.get("compress", "always"),
-                     **_storage(kwargs))
+                     **_storage(config, kwargs))
 
 
 def _h2o(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
     return H2OCache(config, budget=int(args[0]), recent=recent, compileable=kwargs.get("compile") == "on",
-                    compress=kwargs.get("compress", "always"), **_storage(kwargs))
+                    compress=kwargs.get("compress", "always"), **_storage(config, kwargs))
 
 
 def _snapkv(config, args, kwargs, max_length):
     options = {"observation": int(kwargs.get("observation", 32)), "kernel_size": int(kwargs.get("kernel", 7)),
                "pooling": kwargs.get("pooling", "avg")}
-    return SnapKVCache(config, budget=int(args[0]), **options, **_storage(kwargs))
+    return SnapKVCache(config, budget=int(args[0]), **options, **_storage(config, kwargs))
 
 
 def _peak(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
     return PeakCache(config, budget=int(args[0]), recent=recent, kernel_size=int(kwargs.get("kernel", 1)),
-                     compress=kwargs.get("compress", "always"), **_storage(kwargs))
+                     compress=kwargs.get("compress", "always"), **_storage(config, kwargs))
 
 
 def _kvzip(config, args, kwargs, max_length):
@@ -420,7 +424,7 @@ def _kvzip(config, args, kwargs, max_length):
     options = {name: int(kwargs[key]) for key, name in integers.items() if key in kwargs}
     return KVzipCache(config, budget=int(args[0]), reduce=kwargs.get("reduce", "max_head"),
                       compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "global"), **options,
-                      **_storage(kwargs))  # fmt: skip
+                      **_storage(config, kwargs))  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:

@@ -139,3 +139,36 @@ def test_calibrate_measures_every_layer_and_fits_the_budget(seed):
     with pytest.raises(ConfigError, match="over max_bits=1.0"):
         calibrate(model, ids, model_name="tiny-llama", bits="int2", max_bits=1.0, chunk_size=16, window=16,
                   progress=False)  # fmt: skip
+
+
+EVICTING_SPECS = ["sink:4:60:bits=int2:group=4", "h2o:64:bits=int2:group=4", "snapkv:64:bits=int2:group=4",
+                  "peak:64:bits=int2:group=4", "kvzip:64:bits=int2:group=4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", EVICTING_SPECS)
+def test_evicting_slots_hold_a_layer_in_its_own_format(spec, config, tmp_path):
+    path = Calibration("tiny", config.model_type, 3, "int2", {1: 8}, 9.0, 0.0).save(tmp_path / "c.json")
+    cache = parse_cache_spec(f"{spec}:calibration={path}").build(config)
+    assert [layer.storage.codec.fmt.bits for layer in cache.layers] == [2, 8, 2]
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    k, v = torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)
+    errors = []
+    for index in range(3):
+        cache.update(k, v, index)
+        got, _ = cache.layers[index].storage.view(40)
+        errors.append((got - k).norm().item())
+    assert errors[1] < errors[0] / 8 and errors[1] < errors[2] / 8, f"layer 1 is not held at 8 bits: {errors}"
+
+
+def test_evicting_layer_bits_need_bits_and_known_layers(config, tmp_path):
+    from hf_kvplus import H2OCache
+
+    with pytest.raises(ConfigError, match="layer_bits=.* need bits"):
+        H2OCache(config, budget=64, layer_bits={1: 8})
+    with pytest.raises(ConfigError, match=r"names layers \[5\], but the model has 3"):
+        H2OCache(config, budget=64, bits=2, layer_bits={5: 8})
+    path = Calibration("tiny", config.model_type, 3, "int2", {1: 8}, 9.0, 0.0).save(tmp_path / "c.json")
+    with pytest.raises(ConfigError, match="calibration= .* needs bits="):
+        parse_cache_spec(f"h2o:64:calibration={path}")
+    with pytest.raises(ConfigError):  # a calibration of int2 for an int4 cache
+        parse_cache_spec(f"h2o:64:bits=int4:calibration={path}")
