@@ -41,14 +41,20 @@ def test_every_quantized_storage_holds_a_layer_in_its_own_format(spec, config, t
     assert bits == [2, 8, 2]
     if "max_tokens" in spec:
         assert all(isinstance(layer.storage, StaticQuantizedStorage) for layer in cache.layers)
+    errors = _key_errors(cache, config, coded=24)  # the coded part (the window, 16 tokens, is exact)
+    assert errors[1] < errors[0] / 8 and errors[1] < errors[2] / 8, f"layer 1 is not held at 8 bits: {errors}"
+
+
+def _key_errors(cache, config, coded: int) -> list[float]:
+    """Each layer's key error over the first `coded` of 40 random tokens the cache took."""
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     k, v = torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)
     errors = []
     for index in range(3):
         cache.update(k, v, index)
         got, _ = cache.layers[index].storage.view(40)
-        errors.append((got - k)[:, :, :24].norm().item())  # the coded part (the window is exact)
-    assert errors[1] < errors[0] / 8 and errors[1] < errors[2] / 8, f"layer 1 is not held at 8 bits: {errors}"
+        errors.append((got - k)[:, :, :coded].norm().item())
+    return errors
 
 
 def test_layer_bits_full_precision_and_precedence_over_boundary(config):
@@ -150,13 +156,7 @@ def test_evicting_slots_hold_a_layer_in_its_own_format(spec, config, tmp_path):
     path = Calibration("tiny", config.model_type, 3, "int2", {1: 8}, 9.0, 0.0).save(tmp_path / "c.json")
     cache = parse_cache_spec(f"{spec}:calibration={path}").build(config)
     assert [layer.storage.codec.fmt.bits for layer in cache.layers] == [2, 8, 2]
-    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-    k, v = torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)
-    errors = []
-    for index in range(3):
-        cache.update(k, v, index)
-        got, _ = cache.layers[index].storage.view(40)
-        errors.append((got - k).norm().item())
+    errors = _key_errors(cache, config, coded=40)  # (slots hold every token coded)
     assert errors[1] < errors[0] / 8 and errors[1] < errors[2] / 8, f"layer 1 is not held at 8 bits: {errors}"
 
 
