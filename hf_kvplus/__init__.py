@@ -27,6 +27,7 @@ from .errors import (
 )
 from .evicting_cache import EvictingCache, H2OCache, SinkCache, SnapKVCache
 from .eviction import EvictionPolicy
+from .kvzap_cache import KVzapCache
 from .kvzip_cache import KVzipCache
 from .layer import KVLayer
 from .memory import MemoryReport
@@ -40,6 +41,7 @@ from .precision import PrecisionRegions
 from .quantized_cache import QuantizedCache, quantized_storage
 from .retention import KeepAll, Retention, SlidingWindow
 from .storage import DenseStorage, KVStorage, QuantizedStorage, SlotStore, StaticQuantizedStorage
+from .surrogate import Surrogate
 from .transformers_compat import cache_kwarg, cache_kwargs
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ __all__ = [
     "GradientError",
     "H2OCache",
     "KVCache",
+    "KVzapCache",
     "KVzipCache",
     "KVLayer",
     "KVPlusError",
@@ -92,6 +95,7 @@ __all__ = [
     "SlidingWindow",
     "SlotStore",
     "SnapKVCache",
+    "Surrogate",
     "TierBytes",
     "UnsupportedModelError",
     "UnsupportedOperationError",

@@ -44,6 +44,9 @@
                             (default 4), `recent=N` (default 0), `kernel=N`, `chunk=N` (default 2048 tokens per
                             repeat forward), `reduce=max_head|max`, `budgets=global|uniform` (default: one budget
                             shared by the layers by their scores, as KVzip), `compress=always`
+- `kvzap:1024:weights=PATH` hf_kvplus KVzapCache: KVzap (KVzip's scores predicted from each token's key and value
+                            by the surrogate at PATH, from `kvplus train-surrogate`; no second forward): `sinks=N`
+                            (default 4), `recent=N` (default 0), `compress=always` (default prefill)
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
@@ -69,6 +72,7 @@ from .errors import ConfigError
 from .evicting_cache import H2OCache, PeakCache, SinkCache, SnapKVCache
 from .eviction.policy import COMPRESS
 from .formats import is_rotated, parse_bits
+from .kvzap_cache import KVzapCache
 from .kvzip_cache import KVzipCache
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
@@ -159,6 +163,7 @@ def available_cache_specs() -> list[str]:
         "snapkv": ["snapkv:256"],
         "peak": ["peak:256"],
         "kvzip": ["kvzip:256"],
+        "kvzap": [],  # (needs a surrogate fitted on the model: `kvplus train-surrogate`)
         "offloaded": ["offloaded", "offloaded:disk=tmp"],
         "offloaded-quantized": ["offloaded-quantized:int4"],
     }
@@ -336,16 +341,20 @@ EVICTING_OPTIONS = {
     "peak": (("budget",), {"recent", "kernel"}, {"compress": COMPRESS}),
     "kvzip": (("budget",), {"sinks", "recent", "kernel", "chunk"},
               {"compress": COMPRESS, "reduce": ("max_head", "max"), "budgets": ("uniform", "global")}),
+    "kvzap": (("budget",), {"sinks", "recent"}, {"compress": COMPRESS}),
 }
 
 
 def _validate_evicting(spec: CacheSpec) -> None:
     positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
+    paths = {"weights"} if spec.kind.name == "kvzap" else set()
     _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS
-                 | CALIBRATION_OPTION)
+                 | CALIBRATION_OPTION | paths)
+    if paths and not spec.kwargs.get("weights"):
+        raise ConfigError(f"cache spec {spec.text!r}: kvzap needs its surrogate, weights=PATH (`kvplus train-surrogate`)")
     if len(spec.args) != len(positional):
         example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024",
-                   "kvzip": "kvzip:1024"}[spec.kind.name]  # fmt: skip
+                   "kvzip": "kvzip:1024", "kvzap": "kvzap:1024:weights=PATH"}[spec.kind.name]  # fmt: skip
         raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
     for what, value in zip(positional, spec.args, strict=True):
         _int(spec.text, what, value, minimum=0)
@@ -425,6 +434,12 @@ def _kvzip(config, args, kwargs, max_length):
     return KVzipCache(config, budget=int(args[0]), reduce=kwargs.get("reduce", "max_head"),
                       compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "global"), **options,
                       **_storage(config, kwargs))  # fmt: skip
+
+
+def _kvzap(config, args, kwargs, max_length):
+    options = {key: int(kwargs[key]) for key in ("sinks", "recent") if key in kwargs}
+    return KVzapCache(config, kwargs["weights"], budget=int(args[0]), compress=kwargs.get("compress", "prefill"),
+                      **options, **_storage(config, kwargs))  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:
@@ -531,6 +546,8 @@ for _kind in (
               False),
     CacheKind("kvzip", _kvzip, "hf_kvplus KVzipCache: KVzip, the context scored by a reconstruction of it", False,
               False),
+    CacheKind("kvzap", _kvzap, "hf_kvplus KVzapCache: KVzap, KVzip's scores predicted by a surrogate at prefill",
+              False, False),
     CacheKind("offloaded", _offloaded, "hf_kvplus OffloadedCache: K/V in host memory (and on disk), fetched ahead",
               True, False),
     CacheKind("offloaded-quantized", _offloaded, "hf_kvplus OffloadedCache holding quantized codes", False, False),

@@ -7,8 +7,10 @@ travel (the disk tier's files, a pool shared with other caches) is refused with 
 """
 
 import copy
+import os
 import pickle
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from hf_kvplus.errors import UnsupportedOperationError
 from hf_kvplus.specs import CACHE_KINDS, parse_cache_spec
 
 PROMPT, STEPS = 72, 3
+#: The surrogate the kvzap spec names, written for the tiny Llama before the tests (`kvzap_weights`).
+KVZAP_WEIGHTS = Path(tempfile.gettempdir()) / f"hf_kvplus_test_kvzap_{os.getpid()}.safetensors"
 
 SPECS = [
     "dense", "dense:max_tokens=96:compile=on", "paged:block=8", "paged:max_tokens=96:compile=on",
@@ -28,12 +32,22 @@ SPECS = [
     "quantized:int4:window=16:backend=quanto", "paged-quantized:int4:window=16:block=16",
     "sink:4:28", "sink:4:28:bits=int4", "sink:4:28:compile=on", "h2o:32", "h2o:32:bits=int8", "h2o:32:compile=on",
     "snapkv:32:observation=8", "snapkv:32:observation=8:bits=int4", "peak:32", "peak:32:bits=int4", "kvzip:32",
+    f"kvzap:32:weights={KVZAP_WEIGHTS}", f"kvzap:32:weights={KVZAP_WEIGHTS}:bits=int4:compress=always",
     "offloaded", "offloaded:lookahead=2", "offloaded-quantized:int4:window=16",
     "offloaded:disk=tmp:host=1G", "dynamic", "static:96",
 ]  # fmt: skip
 #: Transformers' own caches that do not travel: its QuantizedCache holds optimum-quanto tensors that neither pickle
 #: nor deep-copy (not hf_kvplus's to fix).
 FOREIGN = ["hf-quantized:quanto:4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kvzap_weights():
+    from test_kvzap import random_surrogate
+
+    random_surrogate(get_model("llama").config).save(KVZAP_WEIGHTS)
+    yield
+    KVZAP_WEIGHTS.unlink(missing_ok=True)
 
 
 def test_every_cache_family_is_covered():

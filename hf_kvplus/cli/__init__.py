@@ -1,4 +1,5 @@
-"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus calibrate`, `kvplus demo`."""
+"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus calibrate`, `kvplus train-surrogate`,
+`kvplus demo`."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import argparse
 import sys
 
 from ..errors import KVPlusError
-from . import bench, calibrate, demo, needle, plan, ppl
+from . import bench, calibrate, demo, needle, plan, ppl, surrogate
 
-COMMANDS = (ppl, needle, bench, plan, calibrate, demo)
+COMMANDS = (ppl, needle, bench, plan, calibrate, surrogate, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,7 +62,7 @@ def run(args) -> int:
         print(format_table(seg_rows, [("tokens", "tokens", "")] + [(r.cache, r.cache, ".3f") for r in results]))
     folder = common.out_dir(args, "ppl")
     for result in results:
-        name = result.cache.replace(":", "_").replace("=", "-")
+        name = result.cache.replace(":", "_").replace("=", "-").replace("/", "_")  # (a spec may name a file)
         result.to_json(folder / f"ppl_{name}.json")
         result.to_csv(folder / f"ppl_{name}.csv")
     plot_perplexity(results, folder / "ppl.png", title=f"{args.model} on {args.text} ({args.mode})")

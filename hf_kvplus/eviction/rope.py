@@ -119,6 +119,22 @@ class RotaryShift:
         cos, sin = self._factors(shift, x.device)
         return torch.addcmul(x * cos, partner, sin).to(dtype)
 
+    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`keys` [batch, heads, n, head_dim], each rotated at its own position (`positions` [batch, heads, n]),
+        rotated back to position 0: the keys before RoPE, in float32 (angles in float64)."""
+        if keys.ndim != 4 or keys.shape[-1] != self.head_dim or positions.shape != keys.shape[:3]:
+            raise ShapeError(
+                f"expected keys [batch, heads, n, {self.head_dim}] and positions [batch, heads, n], got "
+                f"{tuple(keys.shape)} and {tuple(positions.shape)}"
+            )
+        angles = positions.to(torch.float64)[..., None] * -self._inv_freq(keys.device)
+        rest = self.head_dim - self.rotary_dim
+        cos, sin = angles.cos().float(), angles.sin().float()
+        cos = torch.cat((cos, cos, cos.new_ones(*cos.shape[:-1], rest)), dim=-1)
+        sin = torch.cat((sin, sin, sin.new_zeros(*sin.shape[:-1], rest)), dim=-1)
+        x, partner = self.prepare(keys)
+        return torch.addcmul(x * cos, partner, sin)
+
     def _factors(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on
         `device`: each angle twice (both halves), then 1 and 0 on the channels that do not rotate."""

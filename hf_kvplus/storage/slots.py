@@ -589,6 +589,26 @@ class SlotStore(KVStorage):
             return self.pos[:, :, self.fresh[0] : self.fresh[1]]
         return self.pos.gather(2, self.fresh)
 
+    def fresh_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values `[batch, kv_heads, new, dim]` of the slots the last append wrote, as attention reads
+        them (decoded; the first-tokens region exact): what a policy that scores tokens by their own keys reads."""
+        if isinstance(self.fresh, tuple):
+            part = {name: held[:, :, self.fresh[0] : self.fresh[1]] for name, held in self.fields.items()}
+        else:
+            part = self._gather(self.fresh)
+        keys, values = self.codec.decode_keys(part, self.dtype), self.codec.decode_values(part, self.dtype)
+        if self.exact is None:
+            return keys, values
+        pos = part["pos"]
+        return self._exact_where(pos, self.exact["k"], keys), self._exact_where(pos, self.exact["v"], values)
+
+    def write_fresh_scores(self, scores: torch.Tensor) -> None:
+        """Sets the scores of the slots the last append wrote to `scores` [batch, kv_heads, new]."""
+        if isinstance(self.fresh, tuple):
+            self.fields["score"][:, :, self.fresh[0] : self.fresh[1]] = scores
+        else:
+            self.fields["score"].scatter_(2, self.fresh, scores)
+
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """Dense keys of slots `slots` [batch, kv_heads, k]."""
         names = [name for name in self.fields if name in self.codec.key_fields]

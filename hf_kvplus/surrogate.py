@@ -1,0 +1,96 @@
+"""KVzap's surrogate (Jegou et al., 2026): per (layer, KV head), a linear model that predicts a token's log KVzip score
+from its own key and value, fitted offline (`kvplus train-surrogate`) and saved as safetensors.
+
+KVzip scores a context by a second forward that repeats it (`KVzipCache`): more than twice a prefill. A token's
+score is mostly a property of the token, which its key and value carry (both are linear projections of the layer's
+normed hidden state), so a model fitted on those predicts it at the cost of one small matrix product per layer.
+A surrogate holds for one model: `check` refuses another.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers import PreTrainedConfig
+
+from .errors import CacheMismatchError, ConfigError
+from .model_spec import ModelSpec
+
+#: Version of the layout `Surrogate.save` writes.
+FORMAT_VERSION = 1
+#: What a surrogate reads of a token, per KV head: "rope_kv" its key as cached (after RoPE), the same key rotated back
+#: to position 0 (before RoPE: a linear map of the layer's normed hidden state) and its value. Measured on SmolLM2-135M
+#: (eval/results/kvzap/features.md): the three together rank best, the key after RoPE alone next.
+FEATURES = ("rope_kv",)
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """`weights` `[layers, kv_heads, features + 1]` float32 (the last column the intercept) predict a token's log
+    KVzip score from `features` (`FEATURES`) of its key and value, for the model `model` (`model_type`, `num_layers`
+    layers of `kv_heads` KV heads of `head_dim`); `measured` records how it was fitted and how well it ranks."""
+
+    model: str
+    model_type: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    features: str
+    weights: torch.Tensor
+    measured: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.features not in FEATURES:
+            raise ConfigError(f"surrogate features must be one of {FEATURES}, got {self.features!r}")
+        want = (self.num_layers, self.kv_heads, feature_size(self.head_dim) + 1)
+        if tuple(self.weights.shape) != want:
+            raise ConfigError(
+                f"surrogate weights for {self.num_layers} layers x {self.kv_heads} KV heads of {self.features!r} "
+                f"features (head_dim {self.head_dim}) are {want}, got {tuple(self.weights.shape)}"
+            )
+
+    def check(self, config: PreTrainedConfig) -> None:
+        """Refuses a model other than the one it was fitted on (by type, layers, KV heads and head size)."""
+        spec = ModelSpec.from_config(config)
+        model_type = getattr(config, "model_type", "")
+        geometry = {(layer.num_kv_heads, layer.head_dim) for layer in spec.layers}
+        if (model_type, spec.num_layers, geometry) != (self.model_type, self.num_layers,
+                                                       {(self.kv_heads, self.head_dim)}):  # fmt: skip
+            raise CacheMismatchError(
+                f"the surrogate is for {self.model} ({self.model_type}, {self.num_layers} layers of {self.kv_heads} KV "
+                f"heads x {self.head_dim}); this model is {model_type or 'unknown'} with {spec.num_layers} layers of "
+                f"(kv_heads, head_dim) {sorted(geometry)}"
+            )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        meta = {"model": self.model, "model_type": self.model_type, "num_layers": self.num_layers,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "features": self.features,
+                "measured": self.measured, "version": FORMAT_VERSION}  # fmt: skip
+        save_file({"weights": self.weights.float().contiguous()}, str(path), metadata={"kvzap": json.dumps(meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Surrogate:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"no surrogate file at {path}: write one with `kvplus train-surrogate --out {path}`")
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta, weights = json.loads((f.metadata() or {})["kvzap"]), f.get_tensor("weights")
+        except (SafetensorError, KeyError, ValueError) as error:
+            raise ConfigError(f"{path} is not a KVzap surrogate ({type(error).__name__}: {error})") from None
+        version = meta.pop("version", None)
+        if version != FORMAT_VERSION:
+            raise ConfigError(f"{path}: surrogate layout version {version!r}, this hf_kvplus reads {FORMAT_VERSION}")
+        return cls(weights=weights, **meta)
+
+
+def feature_size(head_dim: int) -> int:
+    """How many numbers "rope_kv" reads of one token (a key twice and a value, `head_dim` each)."""
+    return 3 * head_dim
