@@ -14,17 +14,25 @@ from pathlib import Path
 
 from transformers import PreTrainedConfig
 
+from .errors import ConfigError
 from .evicting_cache import EvictingCache, _check_first_fits
 from .eviction.kvzap import KVzapPolicy
 from .eviction.rope import RotaryShift
 from .placement.base import Placement
 from .surrogate import Surrogate
 
+#: How the layers share the budget: by the surrogate's record of KVzip's global shares, or each its own.
+BUDGETS = ("global", "uniform")
+
 
 class KVzapCache(EvictingCache):
     """KVzap: per KV head, the `budget` tokens with the highest log KVzip score a `surrogate` (a `Surrogate` or the
     path of its file) predicts from their keys and values, the first `sinks` positions and the `recent` newest
     first. The surrogate must have been fitted on this model (`Surrogate.check` refuses another).
+
+    `budgets="global"` (default, as KVzip) makes `budget` the mean over layers: each prompt gives a layer its share
+    of `budget x layers` that KVzip's scores gave it on the surrogate's training texts (`Surrogate.shares`), at the
+    kept fraction budget / held; `"uniform"` keeps `budget` in every layer.
 
     `compress="prefill"` (default) compresses prompts only and lets decode steps append, as kvpress does (the budget
     bounds what a prompt leaves); `"always"` evicts after every forward (a bounded cache). Sliding-window layers keep
@@ -45,10 +53,13 @@ class KVzapCache(EvictingCache):
         group_size: int | None = None,
         placement: Placement | None = None,
         compress: str = "prefill",
+        budgets: str = "global",
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
     ):
+        if budgets not in BUDGETS:
+            raise ConfigError(f"budgets must be one of {BUDGETS}, got {budgets!r}")
         surrogate = surrogate if isinstance(surrogate, Surrogate) else Surrogate.load(surrogate)
         surrogate.check(config)
         #: The surrogate whose predictions rank the tokens.
@@ -56,7 +67,8 @@ class KVzapCache(EvictingCache):
         rotary = RotaryShift.from_config(config)
 
         def policy(spec) -> KVzapPolicy:
-            return KVzapPolicy(budget, surrogate.weights[spec.index], rotary, sinks, recent, compress)
+            shares = surrogate.shares[:, spec.index] if budgets == "global" else None
+            return KVzapPolicy(budget, surrogate.weights[spec.index], rotary, sinks, recent, compress, shares)
 
         KVzapPolicy(budget, surrogate.weights[0], rotary, sinks, recent, compress)  # refuse bad sizes first
         _check_first_fits(first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "ranked tokens")

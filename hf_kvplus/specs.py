@@ -46,7 +46,9 @@
                             shared by the layers by their scores, as KVzip), `compress=always`
 - `kvzap:1024:weights=PATH` hf_kvplus KVzapCache: KVzap (KVzip's scores predicted from each token's key and value
                             by the surrogate at PATH, from `kvplus train-surrogate`; no second forward): `sinks=N`
-                            (default 4), `recent=N` (default 0), `compress=always` (default prefill)
+                            (default 4), `recent=N` (default 0), `compress=always` (default prefill),
+                            `budgets=global|uniform` (default: layers sized by KVzip's shares, as the surrogate
+                            recorded them)
 - `offloaded`               hf_kvplus OffloadedCache: K/V in host memory, `lookahead=N` layers fetched ahead;
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
@@ -341,7 +343,7 @@ EVICTING_OPTIONS = {
     "peak": (("budget",), {"recent", "kernel"}, {"compress": COMPRESS}),
     "kvzip": (("budget",), {"sinks", "recent", "kernel", "chunk"},
               {"compress": COMPRESS, "reduce": ("max_head", "max"), "budgets": ("uniform", "global")}),
-    "kvzap": (("budget",), {"sinks", "recent"}, {"compress": COMPRESS}),
+    "kvzap": (("budget",), {"sinks", "recent"}, {"compress": COMPRESS, "budgets": ("global", "uniform")}),
 }
 
 
@@ -439,7 +441,7 @@ def _kvzip(config, args, kwargs, max_length):
 def _kvzap(config, args, kwargs, max_length):
     options = {key: int(kwargs[key]) for key in ("sinks", "recent") if key in kwargs}
     return KVzapCache(config, kwargs["weights"], budget=int(args[0]), compress=kwargs.get("compress", "prefill"),
-                      **options, **_storage(config, kwargs))  # fmt: skip
+                      budgets=kwargs.get("budgets", "global"), **options, **_storage(config, kwargs))  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:

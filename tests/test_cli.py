@@ -134,10 +134,10 @@ def test_ppl_streams_a_pg19_book_longer_than_the_models_positions(tmp_path, monk
 def test_train_surrogate_fits_saves_and_measures_a_surrogate_that_a_kvzap_spec_then_uses(local_model, tmp_path, capsys):
     folder, text = local_model
     code = main(["train-surrogate", "--model", folder, "--texts", text, "--holdout", text, "--tokens", "48",
-                 "--chunks", "3", "--out", str(tmp_path)])  # fmt: skip
+                 "--chunks", "3", "--numbers", "10", "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     measured = json.loads((tmp_path / "surrogate.json").read_text())
-    assert measured["chunks"] == 3 and measured["tokens"] == 144 and -1 <= measured["spearman"] <= 1
+    assert measured["chunks"] == 3 + 1 and measured["tokens"] == 4 * 48 and -1 <= measured["spearman"] <= 1
     assert measured["holdout"] == text and measured["command"] and "Spearman" in capsys.readouterr().out
     weights = tmp_path / "surrogate.safetensors"
     code = main(["ppl", "--model", folder, "--text", text, "--tokens", "100", "--chunk", "50", "--cache", "dynamic",

@@ -14,19 +14,21 @@ from transformers import DynamicCache
 from conformance.models import PAD_TOKEN_ID, get_model
 from conformance.modes import make_prompt
 from hf_kvplus import CacheMismatchError, ConfigError, KVzapCache, ShapeError, Surrogate, cache_kwargs
-from hf_kvplus.evaluation.surrogate_fit import fit_surrogate, ranking_quality
+from hf_kvplus.evaluation.surrogate_fit import fit_surrogate, layer_shares, ranking_quality, with_numbers
 from hf_kvplus.eviction.kvzap import KVzapPolicy
 from hf_kvplus.eviction.rope import RotaryShift
 from hf_kvplus.model_spec import ModelSpec
 from hf_kvplus.specs import parse_cache_spec
 from hf_kvplus.storage.slots import SlotStore
+from hf_kvplus.surrogate import KEEP_GRID
 
 
 def random_surrogate(cfg, seed: int = 0) -> Surrogate:
     spec = ModelSpec.from_config(cfg)
     heads, dim = spec.layers[0].num_kv_heads, spec.layers[0].head_dim
     weights = torch.randn(spec.num_layers, heads, 3 * dim + 1, generator=torch.Generator().manual_seed(seed))
-    return Surrogate("tiny", cfg.model_type, spec.num_layers, heads, dim, "rope_kv", weights)
+    shares = torch.ones(len(KEEP_GRID), spec.num_layers)
+    return Surrogate("tiny", cfg.model_type, spec.num_layers, heads, dim, "rope_kv", weights, shares)
 
 
 def value_channel_weights(heads: int = KV_HEADS, dim: int = DIM) -> torch.Tensor:
@@ -94,8 +96,11 @@ def test_generate_runs_in_both_modes_on_every_slot_format(compress, bits):
         (lambda c, s: KVzapCache(c, s, budget=8, compress="sometimes"), ConfigError, r"compress must be one of"),
         (lambda c, s: KVzapPolicy(8, torch.zeros(KV_HEADS, 7), RotaryShift.from_config(c)), ShapeError,
          r"\[kv_heads, 3 x head_dim \+ 1 = 49\], got \(2, 7\)"),
-        (lambda c, s: Surrogate("tiny", "llama", 1, KV_HEADS, DIM, "rope_kv", torch.zeros(1, KV_HEADS, 48)),
-         ConfigError, r"are \(1, 2, 49\), got \(1, 2, 48\)"),
+        (lambda c, s: Surrogate("tiny", "llama", 1, KV_HEADS, DIM, "rope_kv", torch.zeros(1, KV_HEADS, 48),
+                                torch.ones(len(KEEP_GRID), 1)), ConfigError, r"are \(1, 2, 49\), got \(1, 2, 48\)"),
+        (lambda c, s: Surrogate("tiny", "llama", 1, KV_HEADS, DIM, "rope_kv", s.weights, torch.ones(len(KEEP_GRID), 2)),
+         ConfigError, r"shares are \[100 kept fractions, 1 layers\], got \(100, 2\)"),
+        (lambda c, s: KVzapCache(c, s, budget=8, budgets="some"), ConfigError, r"budgets must be one of"),
     ],
 )  # fmt: skip
 def test_budgets_and_weights_it_cannot_hold_are_refused_with_the_numbers(build, error, match):
@@ -103,11 +108,49 @@ def test_budgets_and_weights_it_cannot_hold_are_refused_with_the_numbers(build, 
         build(config(), random_surrogate(config()))
 
 
+def test_global_budgets_size_each_layer_by_its_recorded_share():
+    """Shares of 1.5, 0.5 and 1 give a 40-token prompt budgets of 24, 8 and 16 for a mean of 16 (the shares at the
+    kept fraction 16 / 40); "uniform" gives 16 each; decode steps keep them (compress="always")."""
+    model = get_model("llama")
+    surrogate = random_surrogate(model.config)
+    layers = surrogate.num_layers
+    shares = torch.tensor([1.5, 0.5, 1.0][:layers]).expand(len(KEEP_GRID), layers).clone()
+    fitted = Surrogate("tiny", "llama", layers, surrogate.kv_heads, surrogate.head_dim, "rope_kv", surrogate.weights,
+                       shares)  # fmt: skip
+    for budgets, want in (("global", [24, 8, 16][:layers]), ("uniform", [16] * layers)):
+        cache = KVzapCache(model.config, fitted, budget=16, recent=2, compress="always", budgets=budgets)
+        model.generate(make_prompt(40), **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+        assert [layer.storage.held for layer in cache.layers] == want, budgets
+
+
+def test_layer_shares_are_each_layers_part_of_one_top_k_over_the_mean():
+    scores = torch.stack([torch.full((2, 10), 5.0), torch.full((2, 10), 1.0), torch.rand(2, 10)])  # layer 0 highest
+    shares = layer_shares(scores)
+    assert shares.shape == (len(KEEP_GRID), 3)
+    torch.testing.assert_close(shares.mean(-1), torch.ones(len(KEEP_GRID), dtype=torch.float64))
+    third = KEEP_GRID.index(0.33)  # 20 of 60 tokens: all of layer 0's, three times the mean
+    assert shares[third].tolist() == [3.0, 0.0, 0.0] and shares[-1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_numbers_are_sprinkled_into_a_chunk_of_the_length_asked():
+    class Digits:  # a tokenizer that spells a number as its digits, ids 100 + digit
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [100 + int(c) for c in text.strip()]}
+
+    chunk = with_numbers(list(range(50)) * 10, 120, 10, Digits(), seed=1)
+    assert chunk.shape == (1, 120)
+    digits = (chunk >= 100).sum().item()
+    assert 5 * 6 <= digits <= 5 * 24 and not torch.equal(chunk, with_numbers(list(range(50)) * 10, 120, 10, Digits(), 2))
+    with pytest.raises(ConfigError, match="50 tokens of text do not fill a chunk of 120"):
+        with_numbers(list(range(50)), 120, 10, Digits())
+
+
 def test_a_weights_file_round_trips_and_refuses_another_model(tmp_path):
     surrogate = random_surrogate(config())
     path = surrogate.save(tmp_path / "tiny.safetensors")
     loaded = Surrogate.load(path)
-    assert torch.equal(loaded.weights, surrogate.weights) and loaded.num_layers == 1 and loaded.features == "rope_kv"
+    assert torch.equal(loaded.weights, surrogate.weights) and torch.equal(loaded.shares, surrogate.shares)
+    assert loaded.num_layers == 1 and loaded.features == "rope_kv"
     KVzapCache(config(), path, budget=8)  # the model it was fitted on
     other = config()
     other.num_hidden_layers = 2
@@ -146,7 +189,7 @@ def test_a_fitted_surrogate_ranks_held_out_tokens_far_better_than_chance():
     quality = ranking_quality(surrogate, model, None, zipf_chunks(2, 64, vocab, seed=1), prompt=PROMPT)
     assert quality["spearman"] > 0.6 and quality["recall"] > 0.5, quality  # chance: 0 and 0.2
     shuffled = Surrogate("copying", "llama", 1, 1, vocab, "rope_kv", surrogate.weights[..., torch.randperm(
-        surrogate.weights.shape[-1], generator=torch.Generator().manual_seed(0))])  # fmt: skip
+        surrogate.weights.shape[-1], generator=torch.Generator().manual_seed(0))], surrogate.shares)  # fmt: skip
     chance = ranking_quality(shuffled, model, None, zipf_chunks(2, 64, vocab, seed=1), prompt=PROMPT)
     assert chance["spearman"] < quality["spearman"] - 0.3, (chance, quality)
     with pytest.raises(ConfigError, match="at least one chunk"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..evaluation.report import format_table
-from ..evaluation.surrogate_fit import fit_surrogate, ranking_quality
+from ..evaluation.surrogate_fit import fit_surrogate, ranking_quality, with_numbers
 from . import common
 
 
@@ -20,19 +20,20 @@ def register(subparsers) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096],
                         help="chunk lengths, each taken --chunks times per text (default 2048 4096)")
     parser.add_argument("--chunks", type=int, default=2, help="chunks of each length per text, spread over it")
-    parser.add_argument("--ridge", type=float, default=1e-3, help="ridge, times the mean feature energy")
+    parser.add_argument("--ridge", type=float, default=1e-2, help="ridge, times the mean feature energy")
+    parser.add_argument("--numbers", type=int, default=100,
+                        help="each text also gives a chunk of the first --tokens length with a random five-digit "
+                             "number every ~N tokens (default 100; 0: none): Austen has almost no numbers")
     parser.set_defaults(func=run)
 
 
 def spread_chunks(ids, tokens: list[int], chunks: int) -> list:
-    """`chunks` chunks `[1, n]` of each length in `tokens`, at offsets spread evenly over `ids` (1-d)."""
-    out = []
-    for n in tokens:
-        if ids.numel() < n:
-            raise ConfigError(f"a chunk of {n} tokens does not fit in a text of {ids.numel()} tokens")
-        out += [ids[None, start : start + n] for start in
-                (round(i * (ids.numel() - n) / max(1, chunks - 1)) if chunks > 1 else 0 for i in range(chunks))]  # fmt: skip
-    return out
+    """`chunks` chunks `[1, n]` of each length n in `tokens`, all at starts spread evenly over `ids` (1-d)."""
+    lengths = [n for n in tokens for _ in range(chunks)]
+    if ids.numel() < max(lengths):
+        raise ConfigError(f"a chunk of {max(lengths)} tokens does not fit in a text of {ids.numel()} tokens")
+    room, count = ids.numel() - max(lengths), max(1, len(lengths) - 1)
+    return [ids[None, round(k * room / count) : round(k * room / count) + n] for k, n in enumerate(lengths)]
 
 
 def run(args) -> int:
@@ -42,11 +43,17 @@ def run(args) -> int:
     if args.chunks < 1 or any(n < 16 for n in args.tokens):
         raise ConfigError(f"--chunks must be >= 1 and --tokens >= 16 each, got {args.chunks} and {args.tokens}")
     model, tokenizer = load_model(args.model)
-    chunks = [c for text in args.texts
-              for c in spread_chunks(common.tokenize(tokenizer, load_text(text), 10**9), args.tokens, args.chunks)]  # fmt: skip
+    chunks = []
+    for seed, text in enumerate(args.texts):
+        ids = common.tokenize(tokenizer, load_text(text), 10**9)
+        chunks += spread_chunks(ids, args.tokens, args.chunks)
+        if args.numbers:  # (from the text's middle, apart from the plain chunks' starts)
+            middle = ids[ids.numel() // 2 :].tolist()
+            chunks.append(with_numbers(middle, args.tokens[0], args.numbers, tokenizer, seed))
     held_out = spread_chunks(common.tokenize(tokenizer, load_text(args.holdout), 10**9), args.tokens, 1)
     surrogate = fit_surrogate(model, tokenizer, chunks, name=args.model, ridge=args.ridge,
-                              measured={"texts": args.texts, "tokens_per_chunk": args.tokens})  # fmt: skip
+                              measured={"texts": args.texts, "tokens_per_chunk": args.tokens,
+                                        "numbers_every": args.numbers})  # fmt: skip
     quality = ranking_quality(surrogate, model, tokenizer, held_out)
     surrogate.measured.update({"holdout": args.holdout, **quality})
     print(format_table([quality], [("spearman", "Spearman", ".3f"), ("recall", f"top-{quality['keep']:.0%} recall", ".3f"),
