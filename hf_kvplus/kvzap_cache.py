@@ -10,6 +10,7 @@ from its key and value as it arrives (`eviction.KVzapPolicy`), so no second forw
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from transformers import PreTrainedConfig
@@ -57,6 +58,7 @@ class KVzapCache(EvictingCache):
         first_tokens: int = 0,
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
+        layer_bits: Mapping[int, int | str | None] | None = None,
     ):
         if budgets not in BUDGETS:
             raise ConfigError(f"budgets must be one of {BUDGETS}, got {budgets!r}")
@@ -74,5 +76,5 @@ class KVzapCache(EvictingCache):
         _check_first_fits(first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "ranked tokens")
         super().__init__(
             config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
-            boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+            boundary_layers=boundary_layers, boundary_bits=boundary_bits, layer_bits=layer_bits,
         )  # fmt: skip

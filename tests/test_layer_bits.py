@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from test_kvzap import random_surrogate
 from transformers import DynamicCache
 
 from conformance.models import get_model
@@ -151,9 +152,11 @@ EVICTING_SPECS = ["sink:4:60:bits=int2:group=4", "h2o:64:bits=int2:group=4", "sn
                   "peak:64:bits=int2:group=4", "kvzip:64:bits=int2:group=4"]  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", EVICTING_SPECS)
+@pytest.mark.parametrize("spec", EVICTING_SPECS + ["kvzap:64:bits=int2:group=4"])
 def test_evicting_slots_hold_a_layer_in_its_own_format(spec, config, tmp_path):
     path = Calibration("tiny", config.model_type, 3, "int2", {1: 8}, 9.0, 0.0).save(tmp_path / "c.json")
+    if spec.startswith("kvzap"):  # (its surrogate, fitted on this model: random weights do here)
+        spec += f":weights={random_surrogate(config).save(tmp_path / 's.safetensors')}"
     cache = parse_cache_spec(f"{spec}:calibration={path}").build(config)
     assert [layer.storage.codec.fmt.bits for layer in cache.layers] == [2, 8, 2]
     errors = _key_errors(cache, config, coded=40)  # (slots hold every token coded)
