@@ -81,24 +81,16 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         storage = getattr(layer, "storage", None)
         if storage is None:
             continue
-        coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
-        if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
-            outside = max(0, storage.length - window) * storage.batch_size
-            held = next(iter(storage.tensors().values()), None)  # (a buffer or a block pool)
-            bits = 0 if held is None else held.element_size() * 8
-            region_bits += outside * coordinates * bits
-            region_coordinates += outside * coordinates
+        bits, coordinates = layer_region_bits(layer, window)
+        region_bits += bits
+        region_coordinates += coordinates
+        if not hasattr(storage, "quantized_part"):
             continue
         report, length = storage.quantized_part()
-        coded = report.payload_bytes + report.metadata_bytes
-        quantized_bytes += coded
+        quantized_bytes += report.payload_bytes + report.metadata_bytes
         held = length * report.batch_size
         tokens = max(tokens, held)
-        fp16_bytes += held * 2 * coordinates
-        exact, element_size = storage.exact_part()
-        exact *= storage.batch_size
-        region_bits += coded * 8 + exact * coordinates * element_size * 8
-        region_coordinates += (held + exact) * coordinates
+        fp16_bytes += held * 2 * 2 * layer.spec.num_kv_heads * layer.spec.head_dim
     return {
         "format": format_name,
         "quantized_tokens": tokens,
@@ -107,3 +99,23 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
         "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
     }
+
+
+def layer_region_bits(layer, window: int) -> tuple[int, int]:
+    """One layer's share of `bits_per_coordinate`: the bits it holds outside the `window` (codes, scales and zeros,
+    exact regions at their dtype's bits) and the coordinates they hold; (0, 0) for a layer without a storage."""
+    storage = getattr(layer, "storage", None)
+    if storage is None:
+        return 0, 0
+    coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
+    if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
+        outside = max(0, storage.length - window) * storage.batch_size
+        held = next(iter(storage.tensors().values()), None)  # (a buffer or a block pool)
+        bits = 0 if held is None else held.element_size() * 8
+        return outside * coordinates * bits, outside * coordinates
+    report, length = storage.quantized_part()
+    exact, element_size = storage.exact_part()
+    exact *= storage.batch_size
+    held = length * report.batch_size
+    coded = report.payload_bytes + report.metadata_bytes
+    return coded * 8 + exact * coordinates * element_size * 8, (held + exact) * coordinates

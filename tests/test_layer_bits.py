@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -112,19 +114,64 @@ def test_a_calibration_round_trips_and_refuses_another_model_or_format(config, t
         parse_cache_spec(f"quantized:k3v2:calibration={path}")
 
 
-def test_choose_takes_the_most_gain_per_bit_within_the_budget():
+def _best_by_search(options, budget):
+    """Every assignment of at most one option per layer: the most summed gain within `budget` added bits."""
+    layers = sorted({o.layer for o in options})
+    choices = [[None, *(o for o in options if o.layer == layer)] for layer in layers]
+    best = max(
+        (sum(o.gain for o in pick if o), -sum(o.added_bits for o in pick if o), pick)
+        for pick in itertools.product(*choices)
+        if sum(o.added_bits for o in pick if o) <= budget + 1e-9
+    )
+    return {o.layer: o.bits for o in best[2] if o}
+
+
+def _greedy(options, base_bits, max_bits):
+    """The allocation `choose` replaced: gain per added bit, best first, one per layer, while the bits fit."""
+    chosen, total = {}, base_bits
+    for option in sorted(options, key=lambda o: o.gain / o.added_bits, reverse=True):
+        if option.gain > 0 and option.layer not in chosen and total + option.added_bits <= max_bits + 1e-9:
+            chosen[option.layer] = option.bits
+            total += option.added_bits
+    return chosen
+
+
+def test_choose_is_the_optimum_within_the_budget_where_the_greedy_is_not():
     options = [
         LayerOption(0, "k4v3", 0.0, 0.0, gain=0.30, added_bits=0.10),  # 3.0 per bit
         LayerOption(0, "k4v4", 0.0, 0.0, gain=0.40, added_bits=0.20),  # 2.0 per bit, same layer: not both
         LayerOption(1, "k4v3", 0.0, 0.0, gain=0.25, added_bits=0.10),  # 2.5
         LayerOption(2, "k4v3", 0.0, 0.0, gain=-0.01, added_bits=0.10),  # no gain: never
-        LayerOption(3, "k4v3", 0.0, 0.0, gain=0.05, added_bits=0.10),  # 0.5: past the budget
+        LayerOption(3, "k4v3", 0.0, 0.0, gain=0.05, added_bits=0.10),  # 0.5
     ]
     assert choose(options, base_bits=3.25, max_bits=3.46) == {0: "k4v3", 1: "k4v3"}
-    assert choose(options, base_bits=3.25, max_bits=3.80) == {0: "k4v3", 1: "k4v3", 3: "k4v3"}
     assert choose(options, base_bits=3.25, max_bits=3.30) == {}
-    free = LayerOption(4, "k3v3", 0.0, 0.0, gain=0.01, added_bits=0.0)  # as many bits as the base: first, if it gains
+    # 0.55 bits: the greedy takes layer 0 at k4v3 first and has no room left for k4v4 (gain 0.60); the optimum 0.70
+    assert _greedy(options, 3.25, 3.80) == {0: "k4v3", 1: "k4v3", 3: "k4v3"}
+    assert choose(options, base_bits=3.25, max_bits=3.80) == {0: "k4v4", 1: "k4v3", 3: "k4v3"}
+    assert choose(options, base_bits=3.25, max_bits=3.80) == _best_by_search(options, 0.55)
+    free = LayerOption(4, "k3v3", 0.0, 0.0, gain=0.01, added_bits=0.0)  # as many bits as the base: taken if it gains
     assert choose([*options, free], base_bits=3.25, max_bits=3.30) == {4: "k3v3"}
+    # a layer at fewer bits that loses little funds an upgrade that gains more
+    down = LayerOption(5, "k3v2", 0.0, 0.0, gain=-0.02, added_bits=-0.10)
+    assert choose([*options, down], base_bits=3.25, max_bits=3.46) == {0: "k4v4", 1: "k4v3", 5: "k3v2"}
+    assert choose([*options, down], base_bits=3.25, max_bits=3.30) == {0: "k4v3", 5: "k3v2"}
+
+
+def test_choose_matches_a_search_of_every_assignment():
+    generator = random.Random(0)
+    for _ in range(30):
+        options = [
+            LayerOption(layer, f"f{k}", 0.0, 0.0, gain=generator.uniform(-0.2, 1.0), added_bits=added)
+            for layer in range(5)
+            for k, added in enumerate(generator.sample([-0.1, -0.05, 0.05, 0.1, 0.15, 0.2], 3))
+        ]
+        budget = generator.choice([0.0, 0.1, 0.25, 0.4])
+        chosen = choose(options, base_bits=3.0, max_bits=3.0 + budget)
+        gain = sum(o.gain for o in options if chosen.get(o.layer) == o.bits)
+        best = _best_by_search(options, budget)
+        assert gain == pytest.approx(sum(o.gain for o in options if best.get(o.layer) == o.bits))
+        assert sum(o.added_bits for o in options if chosen.get(o.layer) == o.bits) <= budget + 1e-9
 
 
 def test_calibrate_measures_every_layer_and_fits_the_budget(seed):
@@ -175,3 +222,29 @@ def test_evicting_layer_bits_need_bits_and_known_layers(config, tmp_path):
         parse_cache_spec(f"h2o:64:calibration={path}")
     with pytest.raises(ConfigError):  # a calibration of int2 for an int4 cache
         parse_cache_spec(f"h2o:64:bits=int4:calibration={path}")
+
+
+def test_calibrate_counts_the_budget_at_budget_tokens_and_reuses_measured_options(seed):
+    model = get_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 96))
+    longer = torch.randint(0, model.config.vocab_size, (1, 192))
+    args = dict(model_name="tiny-llama", bits="int2", max_bits=12.0, chunk_size=16, window=16, first_tokens=4,
+                progress=False)  # fmt: skip
+    short, _ = calibrate(model, ids, candidates=("int8",), **args)
+    long, options = calibrate(model, ids, candidates=("int8", "int4"), budget_tokens=192, reuse=[short], **args)
+
+    def held_bits(layer_bits):  # what the cache holds once it has seen 192 tokens
+        cache = QuantizedCache(model.config, bits="int2", window=16, first_tokens=4, layer_bits=layer_bits)
+        perplexity(model, longer, cache, chunk_size=16, progress=False)
+        return cache.quantized_report()["bits_per_coordinate"]
+
+    assert long.measured["budget_tokens"] == 192
+    assert long.measured["base_bits"] == pytest.approx(held_bits({}), rel=1e-9)
+    assert long.bits_per_coordinate == pytest.approx(held_bits(long.layer_bits), rel=1e-9)
+    # 4 exact float32 tokens weigh less per coordinate in 192 tokens than in 96
+    assert long.measured["base_bits"] < short.measured["base_bits"]
+    reused = {(o["layer"], o["bits"]): o["kl"] for o in short.measured["options"]}
+    assert {(o.layer, o.bits): o.kl for o in options if o.bits == "int8"} == reused  # taken, not measured again
+    assert {o.bits for o in options} == {"int8", "int4"}
+    with pytest.raises(ConfigError, match="measured otherwise"):
+        calibrate(model, ids, candidates=("int8",), reuse=[short], **(args | {"chunk_size": 32}))

@@ -1,8 +1,9 @@
-"""`kvplus calibrate`: choose, for one model and format, the layers held at more bits within a bits budget, and save
+"""`kvplus calibrate`: choose, for one model and format, the layers held at other bits within a bits budget, and save
 the choice for `QuantizedCache(layer_bits=...)` and the `calibration=PATH` spec option."""
 
 from __future__ import annotations
 
+from ..calibration import Calibration
 from ..evaluation.calibrate import calibrate
 from ..evaluation.report import format_table
 from . import common
@@ -13,7 +14,12 @@ def register(subparsers) -> None:
     common.add_model_args(parser)
     parser.add_argument("--bits", default="k4v2", help="the cache's format (default k4v2)")
     parser.add_argument("--up", nargs="+", default=["k4v3"], help="candidate formats for single layers (default k4v3)")
+    parser.add_argument("--down", nargs="+", default=[], help="formats with fewer bits, for the layers they cost least")
     parser.add_argument("--max-bits", type=float, default=3.5, help="bits per coordinate budget (default 3.5)")
+    parser.add_argument("--budget-tokens", type=int, default=None,
+                        help="count the budget's bits at this many tokens (default: --tokens)")
+    parser.add_argument("--reuse", nargs="+", default=[], metavar="JSON",
+                        help="calibrations measured the same way: their options are not measured again")
     parser.add_argument("--tokens", type=int, default=2048, help="measure on the first N tokens of the text")
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward (default 256)")
     parser.add_argument("--window", type=int, default=128, help="full-precision recent tokens (default 128)")
@@ -27,22 +33,25 @@ def run(args) -> int:
     model, tokenizer, text = common.load(args)
     ids = common.tokenize(tokenizer, text, args.tokens)
     calibration, options = calibrate(
-        model, ids, model_name=args.model, bits=args.bits, candidates=args.up, max_bits=args.max_bits,
-        chunk_size=args.chunk, window=args.window, first_tokens=args.first, rotation_seed=args.seed, text=args.text,
+        model, ids, model_name=args.model, bits=args.bits, candidates=[*args.up, *args.down],
+        max_bits=args.max_bits, chunk_size=args.chunk, window=args.window, first_tokens=args.first,
+        rotation_seed=args.seed, budget_tokens=args.budget_tokens, reuse=[Calibration.load(p) for p in args.reuse],
+        text=args.text,
     )  # fmt: skip
     rows = [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "kl": 1e3 * o.kl, "gain": 1e3 * o.gain,
              "added": o.added_bits, "per_bit": 1e3 * o.gain_per_bit,
              "chosen": "yes" if calibration.layer_bits.get(o.layer) == o.bits else ""}
-            for o in sorted(options, key=lambda o: o.gain_per_bit, reverse=True)]  # fmt: skip
+            for o in sorted(options, key=lambda o: (o.layer, o.added_bits))]  # fmt: skip
     print(format_table(rows, [("layer", "layer", "d"), ("bits", "bits", ""), ("delta_pct", "ppl delta %", "+.3f"),
                               ("kl", "KL, mnat/token", ".3f"), ("gain", "KL removed", "+.3f"),
                               ("added", "added bits", ".3f"), ("per_bit", "removed per bit", "+.2f"),
                               ("chosen", "chosen", "")]))  # fmt: skip
     measured = calibration.measured
     print(f"\n{args.bits}: {measured['base_delta_pct']:+.3f}% perplexity, KL {1e3 * measured['base_kl']:.3f} mnat/token "
-          f"at {measured['base_bits']:.3f} bits; calibrated ({len(calibration.layer_bits)} layers up): "
+          f"at {measured['base_bits']:.3f} bits; calibrated ({len(calibration.layer_bits)} layers changed): "
           f"{measured['calibrated_delta_pct']:+.3f}%, KL {1e3 * measured['calibrated_kl']:.3f} at "
-          f"{calibration.bits_per_coordinate:.3f} bits (budget {args.max_bits})")  # fmt: skip
+          f"{calibration.bits_per_coordinate:.3f} bits (budget {args.max_bits}; bits at "
+          f"{measured['budget_tokens']} tokens)")  # fmt: skip
     folder = common.out_dir(args, "calibrate")
     path = calibration.save(folder / "calibration.json")
     _plot(options, calibration, folder / "calibration.png", f"{args.model}, {args.bits}, on {args.text}")

@@ -1,13 +1,16 @@
-"""Per-layer bit allocation: how much each layer's format costs a model, measured, and the upgrades that fit a budget of
+"""Per-layer bit allocation: how much each layer's format costs a model, measured, and the formats that fit a budget of
 bits per coordinate (`kvplus calibrate`, `Calibration`).
 
-Every layer at the cache's `bits`, then one layer at a time at each candidate format: how much of the divergence from
-the full-precision model that layer's upgrade removes (KL(full || quantized) of the next-token distributions, mean over
-the tokens), over the bits it adds (read off the cache). The divergence, not the perplexity: a perplexity change mixes
+Every layer at the cache's `bits`, then one layer at a time at each candidate format (more bits, or fewer: a layer
+that loses little at fewer bits funds one that gains much at more): how much of the divergence from the
+full-precision model that layer's format removes (KL(full || quantized) of the next-token distributions, mean over
+the tokens), and the bits per coordinate it adds. The divergence, not the perplexity: a perplexity change mixes
 tokens made likelier and less likely, and on a text the format costs little it is mostly rounding noise, of either
-sign. The upgrades with the most gain per bit are taken greedily, at most one per layer, while the bits fit
-`max_bits`; the chosen set is then measured as a whole (gains add up only roughly). Measure on a text other than the
-one you report on.
+sign. The bits are those the cache holds at `budget_tokens` (by default the calibration's length): the exact first
+tokens weigh less per coordinate in a longer cache, so a budget met at 2048 tokens is not spent at 4096. One format
+per layer is then chosen to remove the most divergence within `max_bits` (`choose`: an exact multiple-choice
+knapsack); the chosen set is measured as a whole (gains add up only roughly). Measure on a text other than the one
+you report on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..calibration import Calibration
 from ..errors import ConfigError
 from ..formats import parse_bits
 from ..model_spec import ModelSpec
+from ..precision import layer_region_bits
 from ..quantized_cache import QuantizedCache
 from ..storage.quantized import DEFAULT_WINDOW
 from ..transformers_compat import cache_kwargs
@@ -52,15 +56,67 @@ class LayerOption:
 
 
 def choose(options: Sequence[LayerOption], base_bits: float, max_bits: float) -> dict[int, str]:
-    """The greedy allocation: options by gain per added bit, best first; one per layer, gains > 0, within `max_bits`."""
-    chosen: dict[int, str] = {}
-    total = base_bits
-    for option in sorted(options, key=lambda o: o.gain_per_bit, reverse=True):
-        if option.gain <= 0 or option.layer in chosen or total + option.added_bits > max_bits + 1e-9:
-            continue
-        chosen[option.layer] = option.bits
-        total += option.added_bits
-    return chosen
+    """At most one option per layer (a layer without one stays at the base), removing the most divergence (summed
+    `gain`) with the base's bits plus the summed `added_bits` within `max_bits`: the exact multiple-choice knapsack, a
+    dynamic programme over the layers keeping every (bits, gain) pair no other beats. Options may add negative bits
+    (fewer bits than the base: they fund others). Of equal gains, the fewest bits."""
+    budget = max_bits - base_bits + 1e-9
+    by_layer: dict[int, list[LayerOption]] = {}
+    for option in options:
+        by_layer.setdefault(option.layer, []).append(option)
+    layers = sorted(by_layer)
+    # the most bits the layers after each one can still give back (to drop what cannot come within the budget)
+    savings = [0.0] * (len(layers) + 1)
+    for index in range(len(layers) - 1, -1, -1):
+        savings[index] = savings[index + 1] + max(0.0, -min(o.added_bits for o in by_layer[layers[index]]))
+    frontier: list[tuple[float, float, tuple[tuple[int, str], ...]]] = [(0.0, 0.0, ())]  # (bits, gain, picks)
+    for index, layer in enumerate(layers):
+        states = list(frontier)
+        for bits, gain, picks in frontier:
+            for option in by_layer[layer]:
+                if bits + option.added_bits - savings[index + 1] <= budget:
+                    states.append((bits + option.added_bits, gain + option.gain, (*picks, (layer, option.bits))))
+        states.sort(key=lambda state: (state[0], -state[1]))
+        frontier, best = [], -math.inf
+        for state in states:  # keep a state only if it gains more than every state with fewer bits
+            if state[1] > best:
+                frontier.append(state)
+                best = state[1]
+    feasible = [state for state in frontier if state[0] <= budget]
+    return dict(max(feasible, key=lambda state: (state[1], -state[0]))[2]) if feasible else {}
+
+
+def bits_per_coordinate(table: dict[str, list[tuple[int, int]]], bits: str, layer_bits: dict[int, str]) -> float:
+    """The cache's bits per coordinate with `layer_bits` on top of `bits`, from `layer_bits_table`'s per-layer
+    counts."""
+    held = [table[layer_bits.get(index, bits)][index] for index in range(len(table[bits]))]
+    coordinates = sum(c for _, c in held)
+    return sum(b for b, _ in held) / coordinates if coordinates else 0.0
+
+
+def layer_bits_table(make_cache, formats: Sequence[str], num_layers: int, tokens: int, chunk_size: int, specs,
+                     dtype: torch.dtype) -> dict[str, list[tuple[int, int]]]:
+    """Per format, per layer, the bits held outside the window and their coordinates (`layer_region_bits`) once the
+    cache `make_cache(layer_bits)` holds `tokens` tokens, fed in chunks of `chunk_size`: what the cache holds, counted
+    on random keys and values (the bits do not depend on them), every layer at that format."""
+    table = {}
+    generator = torch.Generator().manual_seed(0)
+    for fmt in dict.fromkeys(formats):
+        cache = make_cache({spec.index: fmt for spec in specs})
+        for start in range(0, tokens, chunk_size):
+            count = min(chunk_size, tokens - start)
+            for spec in specs:
+                keys = torch.randn(1, spec.num_kv_heads, count, spec.head_dim, generator=generator, dtype=dtype)
+                values = torch.randn(keys.shape, generator=generator, dtype=dtype)
+                layer = cache.layers[spec.index]
+                if not layer.is_initialized:
+                    layer.lazy_initialization(keys, values)
+                layer.storage.append(keys, values)  # (the storage alone: no attention follows)
+        counts = [(0, 0)] * num_layers
+        for spec in specs:
+            counts[spec.index] = layer_region_bits(cache.layers[spec.index], cache.window)
+        table[fmt] = counts
+    return table
 
 
 def calibrate(
@@ -75,48 +131,82 @@ def calibrate(
     window: int = DEFAULT_WINDOW,
     first_tokens: int | None = None,
     rotation_seed: int = 0,
+    budget_tokens: int | None = None,
+    reuse: Sequence[Calibration] = (),
     text: str = "",
     progress: bool = True,
 ) -> tuple[Calibration, list[LayerOption]]:
-    """Measures every layer at every candidate on `input_ids` and returns the calibration within `max_bits` (and
-    every option measured). Runs `1 + layers x candidates + 2` perplexity passes."""
+    """Measures every layer at every candidate on `input_ids` and returns the calibration within `max_bits` at
+    `budget_tokens` (default: the length of `input_ids`), and every option measured. `reuse`: earlier calibrations
+    measured the same way (model, text length, chunk, window, first tokens, seed, bits), whose options at these
+    candidates are taken rather than measured again. Runs `1 + layers x candidates + 2` perplexity passes, fewer the
+    reused ones."""
     for candidate in (bits, *candidates):
         parse_bits(candidate)
     spec = ModelSpec.from_config(model.config)
+    tokens = int(input_ids.numel())
+    budget_tokens = tokens if budget_tokens is None else budget_tokens
+    if budget_tokens < 1:
+        raise ConfigError(f"budget_tokens must be >= 1, got {budget_tokens}")
 
     def cache(layer_bits=None) -> QuantizedCache:
         return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens,
                               rotation_seed=rotation_seed, layer_bits=layer_bits)  # fmt: skip
 
+    protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
+                "first_tokens": first_tokens, "rotation_seed": rotation_seed}  # fmt: skip
+    known: dict[tuple[int, str], dict] = {}
+    for earlier in reuse:
+        theirs = earlier.measured | {"model": earlier.model, "bits": earlier.bits}
+        differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
+        if differs:
+            raise ConfigError(f"a reused calibration was measured otherwise ({differs}; this one: {protocol})")
+        known |= {(o["layer"], o["bits"]): o for o in theirs.get("options", ())}
+
+    layers = [layer for layer in spec.layers if layer.holds_kv]
+    dtype = next(model.parameters()).dtype
+    table = layer_bits_table(cache, (bits, *candidates), spec.num_layers, budget_tokens, chunk_size, layers, dtype)
+    base_bits = bits_per_coordinate(table, bits, {})
+    if base_bits > max_bits:
+        raise ConfigError(f"bits={bits!r} alone holds {base_bits:.3f} bits per coordinate at {budget_tokens} tokens, "
+                          f"over max_bits={max_bits}")  # fmt: skip
+
     reference: list[torch.Tensor] = []  # the full-precision model's log-probabilities, chunk by chunk
 
     def measure(built) -> tuple[float, float, float]:
-        """Perplexity change (%), mean KL from the reference (nats per token), bits per coordinate."""
+        """Perplexity change (%), mean KL from the reference (nats per token), bits per coordinate as measured."""
         nll, kl = _chunked_pass(model, input_ids, built, chunk_size, reference)
         report = getattr(built, "quantized_report", None)  # (none for the reference's DynamicCache)
         return 100 * (math.exp(nll) / reference_ppl - 1), kl, report()["bits_per_coordinate"] if report else 16.0
 
     reference_ppl = math.exp(_chunked_pass(model, input_ids, DynamicCache(config=model.config), chunk_size, reference)[0])
-    base_delta, base_kl, base_bits = measure(cache())
-    if base_bits > max_bits:
-        raise ConfigError(f"bits={bits!r} alone holds {base_bits:.3f} bits per coordinate, over max_bits={max_bits}")
-    layers = [layer.index for layer in spec.layers if layer.holds_kv]
+    base_delta, base_kl, measured_base_bits = measure(cache())
+    for earlier in reuse:
+        if not math.isclose(earlier.measured["base_kl"], base_kl, rel_tol=1e-6):
+            raise ConfigError(f"a reused calibration measured base KL {earlier.measured['base_kl']}, this run {base_kl}")
     options = []
-    grid = [(layer, candidate) for layer in layers for candidate in candidates]
+    grid = [(layer.index, candidate) for layer in layers for candidate in candidates if candidate != bits]
     for layer, candidate in tqdm(grid, desc="layers", unit="run", disable=not progress):
-        delta, kl, measured_bits = measure(cache({layer: candidate}))
-        options.append(LayerOption(layer, candidate, delta, kl, base_kl - kl, measured_bits - base_bits))
+        if (layer, candidate) in known:
+            delta, kl = known[layer, candidate]["delta_pct"], known[layer, candidate]["kl"]
+        else:
+            delta, kl, _ = measure(cache({layer: candidate}))
+        added = bits_per_coordinate(table, bits, {layer: candidate}) - base_bits
+        options.append(LayerOption(layer, candidate, delta, kl, base_kl - kl, added))
     chosen = choose(options, base_bits, max_bits)
-    final_delta, final_kl, final_bits = measure(cache(chosen))
+    final_bits = bits_per_coordinate(table, bits, chosen)
+    final_delta, final_kl, measured_final_bits = measure(cache(chosen))
     calibration = Calibration(
         model=model_name, model_type=getattr(model.config, "model_type", ""), num_layers=spec.num_layers, bits=bits,
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
-            "text": text, "tokens": int(input_ids.numel()), "chunk_size": chunk_size, "window": window,
+            "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
             "first_tokens": first_tokens, "rotation_seed": rotation_seed, "candidates": list(candidates),
+            "budget_tokens": budget_tokens, "allocation": "exact multiple-choice knapsack over the layers",
             "objective": "mean KL(full || quantized) of the next-token distributions, nats per token",
             "dynamic_perplexity": reference_ppl, "base_delta_pct": base_delta, "base_kl": base_kl,
             "base_bits": base_bits, "calibrated_delta_pct": final_delta, "calibrated_kl": final_kl,
+            "bits_at_calibration_length": {"base": measured_base_bits, "calibrated": measured_final_bits},
             "options": [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "kl": o.kl, "gain": o.gain,
                          "added_bits": o.added_bits} for o in options],
         },
