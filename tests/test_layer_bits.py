@@ -248,3 +248,9 @@ def test_calibrate_counts_the_budget_at_budget_tokens_and_reuses_measured_option
     assert {o.bits for o in options} == {"int8", "int4"}
     with pytest.raises(ConfigError, match="measured otherwise"):
         calibrate(model, ids, candidates=("int8",), reuse=[short], **(args | {"chunk_size": 32}))
+    # two rotation seeds: seed 0's options are taken from `short`, seed 1's measured, the divergences averaged
+    both, options = calibrate(model, ids, candidates=("int8",), rotation_seed=[0, 1], reuse=[short], **args)
+    for option, record in zip(options, both.measured["options"], strict=True):
+        assert record["kl_by_seed"]["0"] == reused[option.layer, "int8"]
+        assert option.kl == pytest.approx((record["kl_by_seed"]["0"] + record["kl_by_seed"]["1"]) / 2)
+    assert both.measured["rotation_seed"] == [0, 1] and set(both.measured["base_kl_by_seed"]) == {"0", "1"}

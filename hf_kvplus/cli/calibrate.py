@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward (default 256)")
     parser.add_argument("--window", type=int, default=128, help="full-precision recent tokens (default 128)")
     parser.add_argument("--first", type=int, default=None, help="exact first tokens (default: the format's preset)")
-    parser.add_argument("--seed", type=int, default=0, help="rotation seed (default 0)")
+    parser.add_argument("--seed", type=int, nargs="+", default=[0],
+                        help="rotation seeds: each option measured at each, divergences averaged (default 0)")
     parser.set_defaults(func=run)
 
 

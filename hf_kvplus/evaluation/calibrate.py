@@ -16,6 +16,7 @@ you report on.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,38 +131,48 @@ def calibrate(
     chunk_size: int = 256,
     window: int = DEFAULT_WINDOW,
     first_tokens: int | None = None,
-    rotation_seed: int = 0,
+    rotation_seed: int | Sequence[int] = 0,
     budget_tokens: int | None = None,
     reuse: Sequence[Calibration] = (),
     text: str = "",
     progress: bool = True,
 ) -> tuple[Calibration, list[LayerOption]]:
     """Measures every layer at every candidate on `input_ids` and returns the calibration within `max_bits` at
-    `budget_tokens` (default: the length of `input_ids`), and every option measured. `reuse`: earlier calibrations
-    measured the same way (model, text length, chunk, window, first tokens, seed, bits), whose options at these
-    candidates are taken rather than measured again. Runs `1 + layers x candidates + 2` perplexity passes, fewer the
-    reused ones."""
+    `budget_tokens` (default: the length of `input_ids`), and every option measured. Several `rotation_seed`s: each
+    option is measured at each and their divergences averaged (a gain of one seed's rounding is not one of the
+    format's). `reuse`: earlier calibrations measured the same way (model, text length, chunk, window, first tokens,
+    bits), whose options at these candidates and seeds are taken rather than measured again. Runs
+    `seeds x (1 + layers x candidates + 1) + 1` perplexity passes, fewer the reused ones."""
     for candidate in (bits, *candidates):
         parse_bits(candidate)
+    seeds = (rotation_seed,) if isinstance(rotation_seed, int) else tuple(dict.fromkeys(rotation_seed))
+    if not seeds:
+        raise ConfigError("rotation_seed: give at least one seed")
     spec = ModelSpec.from_config(model.config)
     tokens = int(input_ids.numel())
     budget_tokens = tokens if budget_tokens is None else budget_tokens
     if budget_tokens < 1:
         raise ConfigError(f"budget_tokens must be >= 1, got {budget_tokens}")
 
-    def cache(layer_bits=None) -> QuantizedCache:
+    def cache(layer_bits=None, seed: int = seeds[0]) -> QuantizedCache:
         return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens,
-                              rotation_seed=rotation_seed, layer_bits=layer_bits)  # fmt: skip
+                              rotation_seed=seed, layer_bits=layer_bits)  # fmt: skip
 
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-                "first_tokens": first_tokens, "rotation_seed": rotation_seed}  # fmt: skip
-    known: dict[tuple[int, str], dict] = {}
+                "first_tokens": first_tokens}  # fmt: skip
+    known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
+    known_base: dict[int, float] = {}
     for earlier in reuse:
         theirs = earlier.measured | {"model": earlier.model, "bits": earlier.bits}
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
             raise ConfigError(f"a reused calibration was measured otherwise ({differs}; this one: {protocol})")
-        known |= {(o["layer"], o["bits"]): o for o in theirs.get("options", ())}
+        for seed, base in theirs.get("base_kl_by_seed", {str(theirs["rotation_seed"]): theirs["base_kl"]}).items():
+            known_base[int(seed)] = base
+        for o in theirs.get("options", ()):
+            kls = o.get("kl_by_seed", {str(theirs["rotation_seed"]): o["kl"]})
+            deltas = o.get("delta_pct_by_seed", {str(theirs["rotation_seed"]): o["delta_pct"]})
+            known |= {(int(seed), o["layer"], o["bits"]): (kl, deltas[seed]) for seed, kl in kls.items()}
 
     layers = [layer for layer in spec.layers if layer.holds_kv]
     dtype = next(model.parameters()).dtype
@@ -180,35 +191,46 @@ def calibrate(
         return 100 * (math.exp(nll) / reference_ppl - 1), kl, report()["bits_per_coordinate"] if report else 16.0
 
     reference_ppl = math.exp(_chunked_pass(model, input_ids, DynamicCache(config=model.config), chunk_size, reference)[0])
-    base_delta, base_kl, measured_base_bits = measure(cache())
-    for earlier in reuse:
-        if not math.isclose(earlier.measured["base_kl"], base_kl, rel_tol=1e-6):
-            raise ConfigError(f"a reused calibration measured base KL {earlier.measured['base_kl']}, this run {base_kl}")
-    options = []
+    base = {seed: measure(cache(seed=seed)) for seed in seeds}
+    for seed in seeds:
+        if seed in known_base and not math.isclose(known_base[seed], base[seed][1], rel_tol=1e-6):
+            raise ConfigError(f"a reused calibration measured base KL {known_base[seed]} at seed {seed}, this run "
+                              f"{base[seed][1]}")  # fmt: skip
+    base_delta, base_kl = (statistics.fmean(b[k] for b in base.values()) for k in (0, 1))
+    options, by_seed = [], {}
     grid = [(layer.index, candidate) for layer in layers for candidate in candidates if candidate != bits]
     for layer, candidate in tqdm(grid, desc="layers", unit="run", disable=not progress):
-        if (layer, candidate) in known:
-            delta, kl = known[layer, candidate]["delta_pct"], known[layer, candidate]["kl"]
-        else:
-            delta, kl, _ = measure(cache({layer: candidate}))
+        for seed in seeds:
+            if (seed, layer, candidate) not in known:
+                delta, kl, _ = measure(cache({layer: candidate}, seed))
+                known[seed, layer, candidate] = (kl, delta)
+        by_seed[layer, candidate] = {str(seed): known[seed, layer, candidate] for seed in seeds}
+        kl, delta = (statistics.fmean(m[k] for m in by_seed[layer, candidate].values()) for k in (0, 1))
         added = bits_per_coordinate(table, bits, {layer: candidate}) - base_bits
         options.append(LayerOption(layer, candidate, delta, kl, base_kl - kl, added))
     chosen = choose(options, base_bits, max_bits)
     final_bits = bits_per_coordinate(table, bits, chosen)
-    final_delta, final_kl, measured_final_bits = measure(cache(chosen))
+    final = [measure(cache(chosen, seed)) for seed in seeds]
+    final_delta, final_kl = (statistics.fmean(f[k] for f in final) for k in (0, 1))
     calibration = Calibration(
         model=model_name, model_type=getattr(model.config, "model_type", ""), num_layers=spec.num_layers, bits=bits,
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-            "first_tokens": first_tokens, "rotation_seed": rotation_seed, "candidates": list(candidates),
-            "budget_tokens": budget_tokens, "allocation": "exact multiple-choice knapsack over the layers",
-            "objective": "mean KL(full || quantized) of the next-token distributions, nats per token",
+            "first_tokens": first_tokens, "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
+            "candidates": list(candidates), "budget_tokens": budget_tokens,
+            "allocation": "exact multiple-choice knapsack over the layers",
+            "objective": "mean KL(full || quantized) of the next-token distributions, nats per token"
+                         + (", mean over the rotation seeds" if len(seeds) > 1 else ""),
             "dynamic_perplexity": reference_ppl, "base_delta_pct": base_delta, "base_kl": base_kl,
+            "base_kl_by_seed": {str(seed): b[1] for seed, b in base.items()},
             "base_bits": base_bits, "calibrated_delta_pct": final_delta, "calibrated_kl": final_kl,
-            "bits_at_calibration_length": {"base": measured_base_bits, "calibrated": measured_final_bits},
+            "bits_at_calibration_length": {"base": base[seeds[0]][2], "calibrated": final[0][2]},
             "options": [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "kl": o.kl, "gain": o.gain,
-                         "added_bits": o.added_bits} for o in options],
+                         "added_bits": o.added_bits,
+                         "kl_by_seed": {seed: m[0] for seed, m in by_seed[o.layer, o.bits].items()},
+                         "delta_pct_by_seed": {seed: m[1] for seed, m in by_seed[o.layer, o.bits].items()}}
+                        for o in options],
         },
     )  # fmt: skip
     return calibration, options
