@@ -207,9 +207,9 @@ def issue46() -> list[str]:
         "calibrated row: from its first 4 tokens alone).",
     )
     # the calibration each class keeps in the table; the others (tried) are summed up below it
-    kept = {"k4v2": "cal=k4v2_b4096", "k3v2": "cal=k3v2_b4096", "k2v2": "cal=k2v2"}
-    tried = [("k4v2", "cal=k4v2", "greedy, bits at 2048 tokens"), ("k4v2", "cal=k4v2_dp", "knapsack, also k4v4 / k3v2"),
-             ("k3v2", "cal=k3v2", "greedy, bits at 2048 tokens")]  # fmt: skip
+    kept = {"k4v2": "cal=k4v2_b4096", "k3v2": "cal=k3v2_dpup", "k2v2": "cal=k2v2"}
+    tried = [("k4v2", "cal=k4v2"), ("k4v2", "cal=k4v2_dp"), ("k4v2", "cal=k4v2_s3"), ("k3v2", "cal=k3v2"),
+             ("k3v2", "cal=k3v2_b4096"), ("k3v2", "cal=k3v2_dp")]  # fmt: skip
     shown = [r for r in quantized if r["first"] in (0, 4) and r["boundary"] in ("0", kept.get(r["config"]))]
     first4 = {(r["config"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized
               if (r["first"], r["boundary"]) == (4, "0")}  # fmt: skip
@@ -222,26 +222,27 @@ def issue46() -> list[str]:
         return [r for r in quantized if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
                 (config, 4, boundary, chunk, "austen:prideprejudice")]  # fmt: skip
 
-    def figure(config: str, boundary: str) -> str:
+    def figure(config: str, boundary: str, seed0: bool = True) -> str:
         mine = of(config, boundary)
         if not mine:
             return "not measured"
         mean, bits = (statistics.fmean(r[k] for r in mine) for k in ("delta_pct", "bits_per_coordinate"))
-        seed0 = [r["delta_pct"] for r in mine if r["seed"] == 0]
-        return f"{mean:+.2f}% (seed 0 {seed0[0]:+.2f}%) at {bits:.3f} bits" if seed0 else f"{mean:+.2f}% at {bits:.3f} bits"
+        zero = [r["delta_pct"] for r in mine if r["seed"] == 0]
+        return f"{mean:+.2f}%" + (f" (s0 {zero[0]:+.2f})" if zero and seed0 else "") + f" at {bits:.3f}"
 
     targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
     out += para(
         "Kept: 4 exact first tokens by default in the k4v2, k3v2, k2v2 presets (`first=0`: off); not kept: 64 first",
-        "tokens, boundary layers (the first and last layer exact or at int8:",
-        f"{min(layers):+.2f} to {max(layers):+.2f} points from first 4 alone; the folder's `lowbit_regions.md` has",
-        "both). `cal=X...`: the layers `kvplus calibrate",
-        "--text austen:persuasion --tokens 2048 --bits X --up ... --max-bits B` chose (`eval/results/calibrate_46/`:",
-        "per-layer KL from full precision, on another text), loaded with `calibration=PATH`; `_b4096`: with",
-        "`--budget-tokens 4096` (the bits a 4096-token cache holds; `cal=k2v2` counted them at 2048). Tried, not kept",
-        "(P&P c32, 3 seeds): " + "; ".join(f"{b} ({what}) {figure(c, b)}" for c, b, what in tried) + ".",
-        "Issue 46's targets (Pride and Prejudice, c32, 3 seeds, first 4), preset / calibrated: "
-        + "; ".join(f"{c} {figure(c, '0')} / {figure(c, kept[c])} (<= +{t}%, <= {b})" for c, (t, b) in targets.items())
+        "tokens, boundary layers (first and last layer exact or int8:",
+        f"{min(layers):+.2f} to {max(layers):+.2f} points; rows in the folder's `lowbit_regions.md`). `cal=X`: the",
+        "layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X --up ... --max-bits B` chose",
+        "(`eval/results/calibrate_46/`; greedy by KL from full precision per bit, bits at 2048 tokens), loaded with",
+        "`calibration=PATH`; `_b4096`: `--budget-tokens 4096` (what a",
+        "4096-token cache holds) and the exact knapsack; `_dpup`: and a two-step `--up` (k3v2: k4v3); `_dp`: and",
+        "`--up` k4v4 (k4v2) or k4v3 (k3v2), `--down` k3v2 (k4v2) or k2v2 (k3v2); `_s3`: `--seed 0 1 2`. Tried, not kept (P&P c32, mean of 3 seeds (s0: seed 0) at bits/coord): "
+        + "; ".join(f"{b} {figure(c, b)}" for c, b in tried if of(c, b)) + ".",
+        "Issue 46's targets, preset / calibrated: "
+        + "; ".join(f"{c} {figure(c, '0', False)} / {figure(c, kept[c])} (<= +{t}%, <= {b})" for c, (t, b) in targets.items())
         + ".",
     )
     return out
