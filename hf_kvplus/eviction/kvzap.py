@@ -16,10 +16,10 @@ import bisect
 
 import torch
 
-from ..errors import ConfigError, ShapeError
+from ..errors import ShapeError
 from ..storage.slots import SlotStore
 from ..surrogate import KEEP_GRID
-from .policy import KEEP, EvictionPolicy, check_compress, padding_and_recent
+from .policy import KEEP, EvictionPolicy, check_compress, check_ranked_budget, padding_and_recent
 from .rope import RotaryShift
 
 
@@ -52,13 +52,7 @@ class KVzapPolicy(EvictionPolicy):
     def __init__(self, budget: int, weights: torch.Tensor, rotary: RotaryShift, sinks: int = 4, recent: int = 0,
                  compress: str = "prefill", shares: torch.Tensor | None = None):  # fmt: skip
         self.compress = check_compress(compress)
-        if budget < 1:
-            raise ConfigError(f"the KVzap budget must hold at least 1 token, got budget={budget}")
-        if sinks < 0 or recent < 0 or sinks + recent >= budget:
-            raise ConfigError(
-                f"sinks={sinks} + recent={recent} must be >= 0 and leave room for ranked tokens in budget={budget}: "
-                f"give sinks + recent <= {budget - 1}"
-            )
+        check_ranked_budget("KVzap", budget, sinks, recent)
         if weights.ndim != 2 or weights.shape[1] != 3 * rotary.head_dim + 1:
             raise ShapeError(
                 f"KVzap weights are [kv_heads, 3 x head_dim + 1 = {3 * rotary.head_dim + 1}], got "

@@ -19,6 +19,17 @@ DROP = float("-inf")
 COMPRESS = ("always", "prefill")
 
 
+def check_ranked_budget(what: str, budget: int, sinks: int, recent: int) -> None:
+    """Refuses a `budget` below 1, or one that the `sinks` and `recent` tokens kept unranked fill."""
+    if budget < 1:
+        raise ConfigError(f"the {what} budget must hold at least 1 token, got budget={budget}")
+    if sinks < 0 or recent < 0 or sinks + recent >= budget:
+        raise ConfigError(
+            f"sinks={sinks} + recent={recent} must be >= 0 and leave room for ranked tokens in budget={budget}: "
+            f"give sinks + recent <= {budget - 1}"
+        )
+
+
 def check_compress(compress: str) -> str:
     if compress not in COMPRESS:
         raise ConfigError(f"compress must be one of {COMPRESS}, got {compress!r}")

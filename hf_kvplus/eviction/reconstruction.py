@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..storage.slots import SlotStore
-from .policy import KEEP, EvictionPolicy, check_compress, padding_and_recent
+from .policy import KEEP, EvictionPolicy, check_compress, check_ranked_budget, padding_and_recent
 
 
 class ReconstructionPolicy(EvictionPolicy):
@@ -38,13 +38,7 @@ class ReconstructionPolicy(EvictionPolicy):
     def __init__(self, budget: int, sinks: int = 4, recent: int = 0, kernel_size: int = 1, compress: str = "prefill",
                  reduce: str = "max_head"):  # fmt: skip
         self.compress = check_compress(compress)
-        if budget < 1:
-            raise ConfigError(f"the reconstruction budget must hold at least 1 token, got budget={budget}")
-        if sinks < 0 or recent < 0 or sinks + recent >= budget:
-            raise ConfigError(
-                f"sinks={sinks} + recent={recent} must be >= 0 and leave room for ranked tokens in budget={budget}: "
-                f"give sinks + recent <= {budget - 1}"
-            )
+        check_ranked_budget("reconstruction", budget, sinks, recent)
         if compress == "always" and recent < 1:
             raise ConfigError("compress='always' needs recent >= 1: tokens after the reconstruction have no score, and "
                               "without a recent window each would be evicted right after its own step")  # fmt: skip
