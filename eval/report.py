@@ -207,9 +207,10 @@ def issue46() -> list[str]:
         "calibrated row: from its first 4 tokens alone).",
     )
     # the calibration each class keeps in the table; the others (tried) are summed up below it
-    kept = {"k4v2": "cal=k4v2_s3", "k3v2": "cal=k3v2_dpup", "k2v2": "cal=k2v2"}
-    tried = [("k4v2", "cal=k4v2"), ("k4v2", "cal=k4v2_b4096"), ("k4v2", "cal=k4v2_dp"), ("k3v2", "cal=k3v2"),
-             ("k3v2", "cal=k3v2_b4096"), ("k3v2", "cal=k3v2_dp")]  # fmt: skip
+    kept = {"k4v2": "cal=k4v2_s3dp", "k3v2": "cal=k3v2_dpup", "k2v2": "cal=k2v2"}
+    tried = [("k4v2", "cal=k4v2"), ("k4v2", "cal=k4v2_b4096"), ("k4v2", "cal=k4v2_dp"), ("k4v2", "cal=k4v2_s3"),
+             ("k4v2", "cal=k4v2_s3d"), ("k3v2", "cal=k3v2"), ("k3v2", "cal=k3v2_b4096"),
+             ("k3v2", "cal=k3v2_dp")]  # fmt: skip
     shown = [r for r in quantized if r["first"] in (0, 4) and r["boundary"] in ("0", kept.get(r["config"]))]
     first4 = {(r["config"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized
               if (r["first"], r["boundary"]) == (4, "0")}  # fmt: skip
@@ -233,15 +234,16 @@ def issue46() -> list[str]:
     targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
     out += para(
         "Kept: 4 exact first tokens by default in the k4v2, k3v2, k2v2 presets (`first=0`: off); not kept: 64 first",
-        "tokens, boundary layers (first and last layer exact or int8:",
+        "tokens, boundary layers (first/last layer exact or int8:",
         f"{min(layers):+.2f} to {max(layers):+.2f} points; rows in the folder's `lowbit_regions.md`). `cal=X`: the",
         "layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X --up ... --max-bits B` chose",
-        "(`eval/results/calibrate_46/`; greedy by KL from full precision per bit, bits at 2048 tokens), loaded with",
-        "`calibration=PATH`; `_b4096`: `--budget-tokens 4096` (what a",
-        "4096-token cache holds) and the exact knapsack; `_dpup`: and a two-step `--up` (k3v2: k4v3); `_dp`: and",
-        "`--up` k4v4 (k4v2) or k4v3 (k3v2), `--down` k3v2 (k4v2) or k2v2 (k3v2); `_s3`: and `--seed 0 1 2`. Tried, not kept (P&P c32, mean of 3 seeds (s0: seed 0) at bits/coord): "
-        + "; ".join(f"{b} {figure(c, b)}" for c, b in tried if of(c, b)) + ".",
-        "Issue 46's targets, preset / calibrated: "
+        "(`eval/results/calibrate_46/`; greedy by KL from full precision per bit;",
+        "`calibration=PATH`); `_b4096`: `--budget-tokens 4096`, exact knapsack; `_dpup`: and two-step `--up`",
+        "(k3v2: k4v3); `_dp`: and `--up` k4v4 (k4v2) or k4v3 (k3v2), `--down` k3v2 (k4v2) or k2v2 (k3v2); `_s3`: and",
+        "`--seed 0 1 2`; `_s3d`: and `--down k3v2`; `_s3dp`: and `--up k4v3 k4v4`. Not kept (P&P c32, 3-seed mean",
+        "(s0: seed 0) at bits/coord): "
+        + "; ".join(f"{b.removeprefix('cal=')} {figure(c, b)}" for c, b in tried if of(c, b)) + ".",
+        "Targets, preset / kept: "
         + "; ".join(f"{c} {figure(c, '0', False)} / {figure(c, kept[c])} (<= +{t}%, <= {b})" for c, (t, b) in targets.items())
         + ".",
     )
