@@ -127,11 +127,7 @@ class RotaryShift:
                 f"expected keys [batch, heads, n, {self.head_dim}] and positions [batch, heads, n], got "
                 f"{tuple(keys.shape)} and {tuple(positions.shape)}"
             )
-        angles = positions.to(torch.float64)[..., None] * -self._inv_freq(keys.device)
-        rest = self.head_dim - self.rotary_dim
-        cos, sin = angles.cos().float(), angles.sin().float()
-        cos = torch.cat((cos, cos, cos.new_ones(*cos.shape[:-1], rest)), dim=-1)
-        sin = torch.cat((sin, sin, sin.new_zeros(*sin.shape[:-1], rest)), dim=-1)
+        cos, sin = self._full(positions.to(torch.float64)[..., None] * -self._inv_freq(keys.device))
         x, partner = self.prepare(keys)
         return torch.addcmul(x * cos, partner, sin)
 
@@ -139,18 +135,21 @@ class RotaryShift:
         """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on
         `device`: each angle twice (both halves), then 1 and 0 on the channels that do not rotate."""
         if isinstance(shift, torch.Tensor):
-            return self._full(shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :])
+            cos, sin = self._full(shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :])
+            return cos[:, None, None, :], sin[:, None, None, :]
         if self._last is None or self._last[:2] != (shift, device):  # made on the device: no host-to-device copy
             cos, sin = self._full(shift * self._inv_freq(device)[None, :])
-            self._last = (shift, device, cos, sin)
+            self._last = (shift, device, cos[:, None, None, :], sin[:, None, None, :])
         return self._last[2], self._last[3]
 
     def _full(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[..., head_dim]` float32 of `angles` `[..., rotary_dim / 2]` (float64): each angle twice, then
+        1 and 0 on the channels that do not rotate."""
         rest = self.head_dim - self.rotary_dim
         cos, sin = angles.cos(), angles.sin()
-        cos = torch.cat((cos, cos, angles.new_ones(angles.shape[0], rest)), dim=-1)
-        sin = torch.cat((sin, sin, angles.new_zeros(angles.shape[0], rest)), dim=-1)
-        return cos.float()[:, None, None, :], sin.float()[:, None, None, :]
+        cos = torch.cat((cos, cos, angles.new_ones(*angles.shape[:-1], rest)), dim=-1)
+        sin = torch.cat((sin, sin, angles.new_zeros(*angles.shape[:-1], rest)), dim=-1)
+        return cos.float(), sin.float()
 
     def place(self, device: torch.device) -> None:
         """Moves the inverse frequencies to `device` now, eagerly: a compiled step that moved them would hold a CPU
