@@ -21,6 +21,7 @@ import sys
 import torch
 
 from hf_kvplus import KVzipCache, cache_kwargs
+from hf_kvplus.evaluation.surrogate_fit import ridge_solve
 from hf_kvplus.eviction.rope import RotaryShift
 from hf_kvplus.resolve import load_model, load_text
 
@@ -69,11 +70,7 @@ def features(record: dict, kind: str, rotary: RotaryShift) -> torch.Tensor:
 
 def fit(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
     xb = torch.cat([x, torch.ones_like(x[..., :1])], -1).double()
-    gram = xb.transpose(1, 2) @ xb
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
-    eye[-1, -1] = 0
-    penalty = ridge * gram.diagonal(dim1=1, dim2=2)[:, :-1].mean(-1)[:, None, None]
-    return torch.linalg.solve(gram + penalty * eye, xb.transpose(1, 2) @ y.double()[..., None])[..., 0].float()
+    return ridge_solve(xb.transpose(1, 2) @ xb, (xb.transpose(1, 2) @ y.double()[..., None])[..., 0], ridge)
 
 
 def spearman(a, b):

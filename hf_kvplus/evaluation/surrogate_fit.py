@@ -96,13 +96,20 @@ def fit_surrogate(model, tokenizer, chunks: list[torch.Tensor], *, name: str, ri
             targets.append(target.cpu())
         shares += ids.shape[1] * layer_shares(torch.stack(targets))
         tokens += ids.shape[1]
-    penalty = ridge * gram.diagonal(dim1=-2, dim2=-1)[..., :-1].mean(-1)[..., None, None]
-    eye = torch.eye(size, dtype=torch.float64)
-    eye[-1, -1] = 0
-    weights = torch.linalg.solve(gram + penalty * eye, moment[..., None])[..., 0].float()
+    weights = ridge_solve(gram, moment, ridge)
     record = {"chunks": len(chunks), "tokens": tokens, "ridge": ridge, **(measured or {})}
     return Surrogate(name, getattr(model.config, "model_type", ""), spec.num_layers, heads, head_dim, "rope_kv",
                      weights, (shares / tokens).float(), record)  # fmt: skip
+
+
+def ridge_solve(gram: torch.Tensor, moment: torch.Tensor, ridge: float) -> torch.Tensor:
+    """float32 weights `[..., f + 1]` of least squares from the normal equations (`gram` `[..., f + 1, f + 1]` and
+    `moment` `[..., f + 1]` of features with a last column of ones, float64), with a ridge of `ridge` x the mean of
+    the features' diagonal entries; the intercept (last) is not penalized."""
+    penalty = ridge * gram.diagonal(dim1=-2, dim2=-1)[..., :-1].mean(-1)[..., None, None]
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
+    eye[-1, -1] = 0
+    return torch.linalg.solve(gram + penalty * eye, moment[..., None])[..., 0].float()
 
 
 def layer_shares(scores: torch.Tensor) -> torch.Tensor:
