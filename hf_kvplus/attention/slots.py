@@ -116,7 +116,7 @@ def _rows_with_mass(rows, keys, values, valid, scaling, q, reduce="sum"):
         width, first = n - r + stop, n - r + start  # slots these queries may read; the first fresh one among them
         logits = torch.einsum("bhgqd,bhnd->bhgqn", grouped[:, :, :, start:stop], keys[:, :, :width])
         cols = torch.arange(first, width, device=keys.device)
-        fresh = cols > torch.arange(first, width, device=keys.device)[:, None]  # [chunk, chunk]: the future
+        fresh = cols > cols[:, None]  # [chunk, chunk]: the future
         logits[..., first:].masked_fill_(fresh, float("-inf"))
         if valid is not None:
             blocked = ~valid[:, None, None, None, :width]
