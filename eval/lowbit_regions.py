@@ -17,6 +17,10 @@ region is given explicitly, so a preset's default never enters a row. Bits per c
 `quantized_report()["bits_per_coordinate"]` after the run: every token outside the window, the exact regions
 counted at their dtype (float32 here, as the model runs on the CPU).
 
+Each run also records `se_pct`, the standard error of its change in points: the spread of its per-token log-likelihood
+differences from DynamicCache's over the square root of their count (paired, on the same tokens). DynamicCache's
+per-token values are kept in `dynamic_nll.json` in `--out` (measured again where missing).
+
 Runs are appended to `runs.jsonl` in `--out` as they finish, and a rerun skips the rows already there (so a long
 grid can be stopped, and extended with other options into the same folder). Writes `lowbit_regions.json` (every
 run and the settings), `lowbit_regions.md` (mean and min .. max over seeds, per text and chunk size) and
@@ -87,6 +91,12 @@ def key(row: dict) -> tuple:
             row["seed"])  # fmt: skip
 
 
+def standard_error(nll: torch.Tensor, base: list[float]) -> float:
+    """The standard error of the mean per-token difference of `nll` from `base` (nats): std / sqrt(count)."""
+    difference = nll.double() - torch.tensor(base, dtype=torch.float64)
+    return float(difference.std() / difference.numel() ** 0.5)
+
+
 def read_runs(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -105,13 +115,15 @@ def summarize(runs: list[dict]) -> list[dict]:
         table.append({"config": config, "first": first, "boundary": boundary, "text": text.removeprefix("austen:"),
                       "chunk": chunk, "bits": statistics.fmean(r["bits_per_coordinate"] for r in mine),
                       "mean": statistics.fmean(deltas), "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}",
-                      "seeds": len(mine), "seed0": next((r["delta_pct"] for r in mine if r["seed"] == 0), None)})  # fmt: skip
+                      "seeds": len(mine), "seed0": next((r["delta_pct"] for r in mine if r["seed"] == 0), None),
+                      "se0": next((r.get("se_pct") for r in mine if r["seed"] == 0), None)})  # fmt: skip
     return table
 
 
 COLUMNS = [("config", "config", ""), ("first", "first", "d"), ("boundary", "boundary", ""), ("text", "text", ""),
            ("chunk", "chunk", "d"), ("bits", "bits/coord", ".3f"), ("mean", "delta % mean", "+.3f"),
-           ("range", "min .. max", ""), ("seed0", "seed 0", "+.3f"), ("seeds", "seeds", "d")]  # fmt: skip
+           ("range", "min .. max", ""), ("seed0", "seed 0", "+.3f"), ("se0", "+- se", ".3f"),
+           ("seeds", "seeds", "d")]  # fmt: skip
 
 
 def wide(runs: list[dict]) -> str:
@@ -215,6 +227,8 @@ def main(argv=None) -> None:
             for config, first, boundary in itertools.product(args.configs, args.firsts, args.boundaries)]  # fmt: skip
     todo = [row for row in plan if key(row) not in done]
     ids, bases = {}, {(r["text"], r["chunk"], r["tokens"], r["window"]): r for r in runs if r["config"] == "dynamic"}
+    nll_file = args.out / "dynamic_nll.json"
+    base_nll = json.loads(nll_file.read_text()) if nll_file.exists() else {}
 
     def record(row: dict) -> None:
         runs.append(row)
@@ -226,21 +240,27 @@ def main(argv=None) -> None:
         if text not in ids:
             ids[text] = tokenize(tokenizer, load_text(text), args.tokens)
         where = (text, chunk, args.tokens, args.window)
-        if where not in bases:  # DynamicCache once per text and chunk size
+        name = f"{text} c{chunk} t{args.tokens}"
+        if where not in bases or name not in base_nll:  # DynamicCache once per text and chunk size
             result = perplexity(model, ids[text], DynamicCache(config=model.config), mode="chunked", chunk_size=chunk,
                                 label=f"dynamic {text} {chunk}")  # fmt: skip
-            bases[where] = {"text": text, "chunk": chunk, "tokens": args.tokens, "window": args.window,
-                            "config": "dynamic", "first": 0, "boundary": "0", "seed": None,
-                            "perplexity": result.perplexity, "seconds": result.seconds}  # fmt: skip
-            record(bases[where])
+            base_nll[name] = result.nll.tolist()
+            nll_file.write_text(json.dumps(base_nll))
+            if where not in bases:
+                bases[where] = {"text": text, "chunk": chunk, "tokens": args.tokens, "window": args.window,
+                                "config": "dynamic", "first": 0, "boundary": "0", "seed": None,
+                                "perplexity": result.perplexity, "seconds": result.seconds}  # fmt: skip
+                record(bases[where])
         cache = QuantizedCache(model.config, bits=row["config"], window=args.window, first_tokens=row["first"],
                                rotation_seed=row["seed"], **region_options(row["boundary"], row["config"], args.calibrations))  # fmt: skip
         result = perplexity(model, ids[text], cache, mode="chunked", chunk_size=chunk, label=label(row))
+        ratio = result.perplexity / bases[where]["perplexity"]
         row |= {"spec": label(row), "perplexity": result.perplexity, "seconds": result.seconds,
-                "delta_pct": 100 * (result.perplexity / bases[where]["perplexity"] - 1),
+                "delta_pct": 100 * (ratio - 1), "se_pct": 100 * ratio * standard_error(result.nll, base_nll[name]),
                 "bits_per_coordinate": cache.quantized_report()["bits_per_coordinate"]}  # fmt: skip
         record(row)
-        tqdm.write(f"{text} chunk {chunk} {row['spec']}: ppl {row['perplexity']:.4f} ({row['delta_pct']:+.3f}%), "
+        tqdm.write(f"{text} chunk {chunk} {row['spec']}: ppl {row['perplexity']:.4f} ({row['delta_pct']:+.3f}% "
+                   f"+- {row['se_pct']:.3f}), "
                    f"{row['bits_per_coordinate']:.3f} bits, {row['seconds']:.0f} s")  # fmt: skip
     print(report(runs, meta, args.out))
     print(f"wrote {args.out}/lowbit_regions.json, .md and .png")

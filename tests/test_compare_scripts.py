@@ -124,3 +124,25 @@ else:
 """
     done = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-500:]
+
+
+def test_lowbit_regions_dry_run_records_each_runs_standard_error(tmp_path):
+    """A run's change comes with its paired standard error, from DynamicCache's per-token values kept beside it."""
+    done = subprocess.run([sys.executable, str(ROOT / "eval" / "lowbit_regions.py"), "--dry-run", "--out", str(tmp_path),
+                           "--texts", "austen:prideprejudice", "--configs", "k4v2", "--firsts", "4", "--boundaries", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    (row,) = [r for r in runs if r["config"] == "k4v2"]
+    base = json.loads((tmp_path / "dynamic_nll.json").read_text())
+    assert list(base) == ["austen:prideprejudice c32 t300"] and len(base["austen:prideprejudice c32 t300"]) == 299
+    assert 0 < row["se_pct"] < 1  # k4v2 moves each token's log-likelihood by a few hundredths
+
+
+def test_standard_error_is_the_paired_differences_spread_over_root_count(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "eval"))
+    import torch
+    from lowbit_regions import standard_error
+
+    # differences +1, -1, +1, -1: sample standard deviation sqrt(4 / 3), over sqrt(4)
+    assert standard_error(torch.tensor([2.0, 0.0, 3.0, 1.0]), [1.0, 1.0, 2.0, 2.0]) == pytest.approx((4 / 3) ** 0.5 / 2)
