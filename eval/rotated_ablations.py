@@ -19,6 +19,15 @@
   (no exact tokens: each key coded as mu + code(k - mu) or code(k), whichever of k - mu and k is shorter, one bit
   a token); `values-centered+sinks` (`center+sinks` on the values as well). `k16vY` rows keep keys exact: the
   values' own share.
+- `value-codes` (issue 46, item 2): what other codes at the same bits could gain. First, on `--stats-text` (not the
+  evaluation's text), each layer's keys and values of a DynamicCache prefill, rotated as `QuantizedCache` rotates
+  them (keys less their centre): the mean squared error of the shipped (Beta-model) codebook, of a codebook fitted
+  by Lloyd's algorithm to those very coordinates (in-sample: an upper bound of what a fitted codebook gains), and of
+  the shipped one scaled per head and rotated coordinate by its spread; and the share of the energy a per-head mean
+  leaves (what a centre removes). Then perplexity with `--calibration`'s `layer_bits` on `--configs`' first format,
+  the first 4 tokens exact, over `--seeds`, for each of `--code-variants`: `shipped`; `haar` (a Haar-random rotation
+  for power-of-two head dims too, instead of the randomized Hadamard transform); `values-centred` (the values given
+  a centre, as `RotatedFormat.for_layer` gives the keys one).
 
 SmolLM2-135M, the first 4096 tokens of Pride and Prejudice in chunks of 256, a 128-token window, perplexity change
 against DynamicCache on the same ids; writes `<ablation>.json` and `<ablation>.md` into `--out`.
@@ -35,15 +44,23 @@ from pathlib import Path
 import torch
 from compare_turboquant import parse_config
 from tqdm.auto import tqdm
-from transformers import Cache, DynamicCache
+from transformers import AutoTokenizer, Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from hf_kvplus import QuantizedCache
+from hf_kvplus.calibration import Calibration
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.kernels import rotated_format
-from hf_kvplus.kernels.rotated_format import RotatedFormat, dequantize_rotated, quantize_rotated
+from hf_kvplus.kernels.rotated_format import (
+    KeyCenter,
+    RotatedFormat,
+    codebook,
+    dequantize_rotated,
+    quantize_rotated,
+    rotation,
+)
 from hf_kvplus.resolve import load_model, load_text
 
 
@@ -91,7 +108,7 @@ def codebooks(args, model, ids, base) -> tuple[list[dict], str]:
     plan = [(kind, name, s) for name in args.configs for kind in ("lloyd-max", "uniform") for s in args.seeds]
     for kind, name, seed in tqdm(plan, desc="runs"):
         use_codebooks(kind)
-        _, kb, vb = parse_config(name)
+        kb, vb, _ = parse_config(name)
         cache = QuantizedCache(model.config, key_bits=kb, value_bits=vb, window=args.window, rotation_seed=seed)
         rows.append(measure(args, model, ids, base, cache, {"codebook": kind, "config": name, "seed": seed}))
     use_codebooks("lloyd-max")
@@ -113,13 +130,13 @@ def over_seeds(rows: list[dict], configs, column: str, kinds) -> str:
 
 def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
     up = parse_config(args.up)
-    _, kb, vb = parse_config(args.base)
+    kb, vb, _ = parse_config(args.base)
     rows = []
     for layer in tqdm([None, *range(model.config.num_hidden_layers)], desc="layers"):
         cache = QuantizedCache(model.config, key_bits=kb, value_bits=vb, window=args.window, rotation_seed=args.seed)
         if layer is not None:  # the one layer's storage recoded at the higher bits (same seed as it had)
             storage = cache.layers[layer].storage
-            storage.segment.fmt = RotatedFormat(up[1], up[2], storage.segment.fmt.seed)
+            storage.segment.fmt = RotatedFormat(up[0], up[1], storage.segment.fmt.seed)
         rows.append(measure(args, model, ids, base, cache, {"layer": "none" if layer is None else layer}))
     none = rows[0]["delta_pct"]
     for row in rows:
@@ -192,6 +209,106 @@ def centering(args, model, ids, base) -> tuple[list[dict], str]:
     return rows, over_seeds(rows, args.configs, "variant", args.variants)
 
 
+def code_statistics(model, ids, seed: int, bits_list=(2, 3)) -> list[dict]:
+    """Per side and bits, the mean over layers of the coordinate MSE (unit vectors, rotated) of the shipped codebook,
+    of one fitted to the coordinates, and of the shipped one scaled per (head, coordinate); and the energy share a
+    per-head centre leaves."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[None], past_key_values=cache, use_cache=True)
+    rows = []
+    for side in ("keys", "values"):
+        per_layer = []
+        for index, layer in enumerate(cache.layers):
+            x = (layer.keys if side == "keys" else layer.values)[0, :, 4:].float()  # [H, T, D], sinks left out
+            mu = x.mean(1, keepdim=True)
+            left = float((x - mu).square().sum() / x.square().sum())
+            if side == "keys":  # keys are coded relative to their centre
+                x = x - mu
+            unit = x @ rotation(x.shape[-1], seed + index)
+            unit = unit / unit.norm(dim=-1, keepdim=True)
+            spread = unit.std(1, keepdim=True) * unit.shape[-1] ** 0.5
+            errors = {}
+            for bits in bits_list:
+                book = codebook(unit.shape[-1], bits)[0]
+                scaled = coding_error(unit / spread, book, mean=False) * spread.square()
+                errors[bits] = (coding_error(unit, book), coding_error(unit, fitted_levels(unit.flatten(), 2**bits)),
+                                float(scaled.mean()))  # fmt: skip
+            per_layer.append((left, errors))
+        for bits in bits_list:
+            shipped, fitted, scaled = (statistics.fmean(e[bits][i] for _, e in per_layer) for i in range(3))
+            rows.append({"side": side, "bits": bits, "shipped": shipped, "fitted_pct": 100 * (fitted / shipped - 1),
+                         "scaled_pct": 100 * (scaled / shipped - 1),
+                         "centred_energy": statistics.fmean(left for left, _ in per_layer)})  # fmt: skip
+    return rows
+
+
+def coding_error(x: torch.Tensor, levels: torch.Tensor, *, mean: bool = True):
+    """Squared error of coding each entry of x to its nearest level: the mean, or per entry."""
+    error = (x - levels[torch.bucketize(x, (levels[1:] + levels[:-1]) / 2)]).square()
+    return float(error.mean()) if mean else error
+
+
+def fitted_levels(x: torch.Tensor, count: int, iterations: int = 60) -> torch.Tensor:
+    """Lloyd's algorithm on the samples x (made symmetric, as the shipped codebooks are), from their quantiles."""
+    x = torch.cat([x, -x])
+    sample = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))[:200_000]]
+    levels = torch.quantile(sample, (torch.arange(count) + 0.5) / count)
+    for _ in range(iterations):
+        cell = torch.bucketize(x, (levels[1:] + levels[:-1]) / 2)
+        total = torch.zeros(count).index_add_(0, cell, x)
+        seen = torch.zeros(count).index_add_(0, cell, torch.ones_like(x))
+        levels = torch.where(seen > 0, total / seen.clamp_min(1), levels)
+    return levels
+
+
+#: The `value-codes` perplexity variants.
+CODE_VARIANTS = ("shipped", "haar", "values-centred")
+
+
+def code_variant(variant: str) -> None:
+    """Makes this process's rotated formats those of `variant` (see the module doc), from now on."""
+    rotated_format._ROTATIONS.clear()
+    rotated_format._make_rotation = _haar_rotation if variant == "haar" else _shipped_rotation
+    RotatedFormat.for_layer = _values_centred if variant == "values-centred" else _shipped_for_layer
+
+
+_shipped_rotation = rotated_format._make_rotation
+_shipped_for_layer = RotatedFormat.for_layer
+
+
+def _haar_rotation(d: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0x5EED0000 + seed)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def _values_centred(fmt: RotatedFormat, index: int) -> RotatedFormat:
+    made = _shipped_for_layer(fmt, index)
+    return RotatedFormat(made.key_bits, made.value_bits, made.seed, made.key_center, KeyCenter())
+
+
+def value_codes(args, model, ids, base) -> tuple[list[dict], str]:
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    stats = code_statistics(model, tokenize(tokenizer, load_text(args.stats_text), 2048), args.seeds[0])
+    columns = [("side", "side", ""), ("bits", "bits", "d"), ("shipped", "MSE shipped", ".5f"),
+               ("fitted_pct", "fitted codebook %", "+.1f"), ("scaled_pct", "scaled per coordinate %", "+.1f"),
+               ("centred_energy", "energy a centre leaves", ".2f")]  # fmt: skip
+    stats_table = format_table(stats, columns)
+    tqdm.write(stats_table)
+    name = args.configs[0]
+    kb, vb, _ = parse_config(name)
+    layer_bits = Calibration.load(args.calibration).layer_bits if args.calibration else None
+    rows = []
+    for variant, seed in tqdm([(v, s) for v in args.code_variants for s in args.seeds], desc="runs"):
+        code_variant(variant)
+        cache = QuantizedCache(model.config, key_bits=kb, value_bits=vb, window=args.window, first_tokens=4,
+                               layer_bits=layer_bits, rotation_seed=seed)  # fmt: skip
+        rows.append(measure(args, model, ids, base, cache, {"variant": variant, "config": name, "seed": seed}))
+    code_variant("shipped")
+    return [*stats, *rows], f"{stats_table}\n\n{over_seeds(rows, [name], 'variant', args.code_variants)}"
+
+
 def measure(args, model, ids, base: float, cache, row: dict) -> dict:
     ppl = perplexity(model, ids, cache, mode="chunked", chunk_size=args.chunk, label=str(row)).perplexity
     row.update(perplexity=ppl, delta_pct=100 * (ppl / base - 1), bits=16 * cache.quantized_report()["ratio_to_fp16"])
@@ -201,7 +318,7 @@ def measure(args, model, ids, base: float, cache, row: dict) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ablation", choices=["codebooks", "layer-bits", "centering"])
+    parser.add_argument("ablation", choices=["codebooks", "layer-bits", "centering", "value-codes"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=256)
@@ -215,12 +332,17 @@ def main(argv=None) -> None:
     parser.add_argument("--base", default="k4v2", help="layer-bits: every layer's format")
     parser.add_argument("--up", default="k8v8", help="layer-bits: the one layer's format")
     parser.add_argument("--seed", type=int, default=0, help="layer-bits: rotation seed")
+    parser.add_argument("--code-variants", nargs="+", default=list(CODE_VARIANTS), choices=CODE_VARIANTS,
+                        help="value-codes: perplexity variants")
+    parser.add_argument("--calibration", type=Path, help="value-codes: a calibration.json, whose layer_bits to use")
+    parser.add_argument("--stats-text", default="austen:persuasion", help="value-codes: the statistics' text")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m")
     ids = tokenize(tokenizer, load_text("austen:prideprejudice"), args.tokens)
     base = perplexity(model, ids, DynamicCache(config=model.config), mode="chunked", chunk_size=args.chunk).perplexity
-    run = {"codebooks": codebooks, "layer-bits": layer_bits, "centering": centering}[args.ablation]
+    ablations = {"codebooks": codebooks, "layer-bits": layer_bits, "centering": centering, "value-codes": value_codes}
+    run = ablations[args.ablation]
     rows, table = run(args, model, ids, base)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {**stamp(), "ablation": args.ablation, "args": {k: str(v) for k, v in vars(args).items()}, "dynamic": base}
