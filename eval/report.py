@@ -207,10 +207,10 @@ def issue46() -> list[str]:
         "calibrated row: from its first 4 tokens alone).",
     )
     # the calibration each class keeps in the table; the others (tried) are summed up below it
-    kept = {"k4v2": "cal=k4v2_s3dp", "k3v2": "cal=k3v2_dpup", "k2v2": "cal=k2v2"}
+    kept = {"k4v2": "cal=k4v2_s3dp", "k3v2": "cal=k3v2_s3w", "k2v2": "cal=k2v2"}
     tried = [("k4v2", "cal=k4v2"), ("k4v2", "cal=k4v2_b4096"), ("k4v2", "cal=k4v2_dp"), ("k4v2", "cal=k4v2_s3"),
-             ("k4v2", "cal=k4v2_s3d"), ("k3v2", "cal=k3v2"), ("k3v2", "cal=k3v2_b4096"),
-             ("k3v2", "cal=k3v2_dp")]  # fmt: skip
+             ("k4v2", "cal=k4v2_s3d"), ("k4v2", "cal=k4v2_s3e"), ("k3v2", "cal=k3v2"), ("k3v2", "cal=k3v2_b4096"),
+             ("k3v2", "cal=k3v2_dp"), ("k3v2", "cal=k3v2_dpup")]  # fmt: skip
     shown = [r for r in quantized if r["first"] in (0, 4) and r["boundary"] in ("0", kept.get(r["config"]))]
     first4 = {(r["config"], r["chunk"], r["text"], r["seed"]): r["delta_pct"] for r in quantized
               if (r["first"], r["boundary"]) == (4, "0")}  # fmt: skip
@@ -228,26 +228,58 @@ def issue46() -> list[str]:
         if not mine:
             return "not measured"
         mean, bits = (statistics.fmean(r[k] for r in mine) for k in ("delta_pct", "bits_per_coordinate"))
-        zero = [r["delta_pct"] for r in mine if r["seed"] == 0]
-        return f"{mean:+.2f}%" + (f" (s0 {zero[0]:+.2f})" if zero and seed0 else "") + f" at {bits:.3f}"
+        zero = [r for r in mine if r["seed"] == 0]
+        s0 = f" (s0 {zero[0]['delta_pct']:+.2f}" + (f" ± {zero[0]['se_pct']:.2f}" if "se_pct" in zero[0] else "") + ")"
+        return f"{mean:+.2f}%" + (s0 if zero and seed0 else "") + f" at {bits:.3f}"
 
     targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
+    errors = {c: [r["se_pct"] for r in of(c, kept[c]) if "se_pct" in r] for c in kept}
     out += para(
         "Kept: 4 exact first tokens by default in the k4v2, k3v2, k2v2 presets (`first=0`: off); not kept: 64 first",
         "tokens, boundary layers (first/last layer exact or int8:",
         f"{min(layers):+.2f} to {max(layers):+.2f} points; rows in the folder's `lowbit_regions.md`). `cal=X`: the",
         "layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X --up ... --max-bits B` chose",
-        "(`eval/results/calibrate_46/`; greedy by KL from full precision per bit;",
+        "(`eval/results/calibrate_46/`; by KL from full precision;",
         "`calibration=PATH`); `_b4096`: `--budget-tokens 4096`, exact knapsack; `_dpup`: and two-step `--up`",
         "(k3v2: k4v3); `_dp`: and `--up` k4v4 (k4v2) or k4v3 (k3v2), `--down` k3v2 (k4v2) or k2v2 (k3v2); `_s3`: and",
-        "`--seed 0 1 2`; `_s3d`: and `--down k3v2`; `_s3dp`: and `--up k4v3 k4v4`. Not kept (P&P c32, 3-seed mean",
-        "(s0: seed 0) at bits/coord): "
+        "`--seed 0 1 2`; `_s3d`: and `--down k3v2`; `_s3dp`: and `--up k4v3 k4v4`; `_s3e`: and `--up k3v3 k3v4`;",
+        "`_s3w`: `--up k3v3 k4v2 k4v3 k2v3 k3v4 --seed 0 1 2`. Not kept (P&P c32, 3-seed mean (s0: seed 0, ± its",
+        "paired standard error over the 4,095 tokens, where measured) at bits/coord): "
         + "; ".join(f"{b.removeprefix('cal=')} {figure(c, b)}" for c, b in tried if of(c, b)) + ".",
         "Targets, preset / kept: "
         + "; ".join(f"{c} {figure(c, '0', False)} / {figure(c, kept[c])} (<= +{t}%, <= {b})" for c, (t, b) in targets.items())
-        + ".",
+        + ". One seed's change is noisy: its standard error is "
+        + ", ".join(f"{statistics.fmean(e):.2f} ({c})" for c, e in errors.items() if e) + " points on the kept rows.",
     )
-    return out
+    bench = load("bench_calibrated_46/bench.json")
+    base, *calibrated = bench["results"]
+    out += para(
+        f"**Decode of the kept calibrations** (`{command(bench)}`, {where(bench, 'bench_calibrated_46/')}), tokens/s",
+        "against plain `quantized:k4v2`'s in the same run: "
+        + ", ".join(f"{r['cache'].split(':')[1]} {r['decode_tok_s'] / base['decode_tok_s']:.2f}x" for r in calibrated)
+        + " (target: at least 1 / 1.1 = 0.91x).",
+    )
+    return out + value_codes()
+
+
+def value_codes() -> list[str]:
+    """Issue 46's codes at the same bits, measured and not kept (`rotated_ablations.py value-codes`)."""
+    d = load("rotated_ablations/value-codes.json")
+    stats = {(r["side"], r["bits"]): r for r in d["rows"] if "side" in r}
+    runs = [r for r in d["rows"] if "variant" in r]
+    cells = []
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == variant]
+        zero = next(r["delta_pct"] for r in mine if r["seed"] == 0)
+        cells.append(f"{variant} {statistics.fmean(r['delta_pct'] for r in mine):+.2f}% (s0 {zero:+.2f})")
+    v2, k2 = stats["values", 2], stats["keys", 2]
+    return para(
+        "**Other codes, not kept** (`python eval/rotated_ablations.py value-codes ... --out",
+        f"eval/results/rotated_ablations`; {machine(d)}, {day(d)}): on Persuasion, a codebook fitted to the rotated",
+        f"2-bit values lowers their MSE by {-v2['fitted_pct']:.1f}% (in-sample), scales per rotated coordinate change it",
+        f"by {v2['scaled_pct']:+.1f}% (keys {k2['scaled_pct']:+.1f}%); a per-head mean leaves {v2['centred_energy']:.0%}",
+        f"of the values' energy ({k2['centred_energy']:.0%} of the keys'). Calibrated k4v2, P&P c32: " + "; ".join(cells) + ".",
+    )
 
 
 def turboquant() -> list[str]:
