@@ -228,9 +228,9 @@ def issue46() -> list[str]:
         if not mine:
             return "not measured"
         mean, bits = (statistics.fmean(r[k] for r in mine) for k in ("delta_pct", "bits_per_coordinate"))
-        zero = [r for r in mine if r["seed"] == 0]
-        s0 = f" (s0 {zero[0]['delta_pct']:+.2f}" + (f" ± {zero[0]['se_pct']:.2f}" if "se_pct" in zero[0] else "") + ")"
-        return f"{mean:+.2f}%" + (s0 if zero and seed0 else "") + f" at {bits:.3f}"
+        zero = next((r for r in mine if r["seed"] == 0), None) if seed0 else None
+        error = f" ± {zero['se_pct']:.2f}" if zero and "se_pct" in zero else ""
+        return f"{mean:+.2f}%" + (f" (s0 {zero['delta_pct']:+.2f}{error})" if zero else "") + f" at {bits:.3f}"
 
     targets = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
     errors = {c: [r["se_pct"] for r in of(c, kept[c]) if "se_pct" in r] for c in kept}
