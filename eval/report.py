@@ -279,7 +279,17 @@ def value_codes() -> list[str]:
         f"2-bit values lowers their MSE by {-v2['fitted_pct']:.1f}% (in-sample), scales per rotated coordinate change it",
         f"by {v2['scaled_pct']:+.1f}% (keys {k2['scaled_pct']:+.1f}%); a per-head mean leaves {v2['centred_energy']:.0%}",
         f"of the values' energy ({k2['centred_energy']:.0%} of the keys'). Calibrated k4v2, P&P c32: " + "; ".join(cells) + ".",
+        "Each key channel scaled to unit spread before the rotation (KVQuant; `rotated_ablations.py centering",
+        "--variants center+sinks scaled-keys+center+sinks`, simulated coder, c256, `scaled_keys_*/`): "
+        + "; ".join(scaled_keys(c) for c in ("k4v2", "k3v2")) + ".",
     )
+
+
+def scaled_keys(config: str) -> str:
+    """`config`'s mean change with per-channel key scales against the centre alone (seeds' mean)."""
+    rows = load(f"rotated_ablations/scaled_keys_{config}/centering.json")["rows"]
+    mean = {v: statistics.fmean(r["delta_pct"] for r in rows if r["variant"] == v) for v in dict.fromkeys(r["variant"] for r in rows)}
+    return f"{config} {mean['scaled-keys+center+sinks']:+.2f}% against {mean['center+sinks']:+.2f}%"
 
 
 def turboquant() -> list[str]:

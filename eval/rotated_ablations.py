@@ -17,8 +17,10 @@
   mu + code(k - mu), mu the per-head mean key of the first quantized tokens but those 4, which stay exact: a shift
   shared by every key of a head leaves the softmax unchanged when the window's keys are shifted alike); `choice`
   (no exact tokens: each key coded as mu + code(k - mu) or code(k), whichever of k - mu and k is shorter, one bit
-  a token); `values-centered+sinks` (`center+sinks` on the values as well). `k16vY` rows keep keys exact: the
-  values' own share.
+  a token); `values-centered+sinks` (`center+sinks` on the values as well); `scaled-keys+center+sinks`
+  (`center+sinks` with each key channel divided by its spread over those first coded tokens before the rotation,
+  and multiplied back after: KVQuant's per-channel scaling, issue 46). `k16vY` rows keep keys exact: the values'
+  own share.
 - `value-codes` (issue 46, item 2): what other codes at the same bits could gain. First, on `--stats-text` (not the
   evaluation's text), each layer's keys and values of a DynamicCache prefill, rotated as `QuantizedCache` rotates
   them (keys less their centre): the mean squared error of the shipped (Beta-model) codebook, of a codebook fitted
@@ -147,7 +149,8 @@ def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
 
 
 #: The `centering` variants, and the first tokens each keeps exact.
-VARIANTS = {"base": 0, "sinks": 4, "center+sinks": 4, "choice": 0, "values-centered+sinks": 4}
+VARIANTS = {"base": 0, "sinks": 4, "center+sinks": 4, "choice": 0, "values-centered+sinks": 4,
+            "scaled-keys+center+sinks": 4}
 
 
 def roundtrip(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
@@ -168,15 +171,20 @@ class CenteringLayer(DynamicLayer):
         self.bits, self.seed, self.window, self.variant = (key_bits, value_bits), seed + index, window, variant
         self.coded = VARIANTS[variant]  # tokens before `coded` are done (the first ones kept exact)
         self.centers: list[torch.Tensor | None] = [None, None]
+        self.scales: torch.Tensor | None = None  # the keys' per-channel spread (`scaled-keys+center+sinks`)
 
     def code(self, x: torch.Tensor, side: int) -> torch.Tensor:
-        keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks")
+        keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks", "scaled-keys+center+sinks")
         centered = keys_centered if side == 0 else self.variant == "values-centered+sinks"
         if not centered or self.bits[side] == 16:
             return roundtrip(x, self.bits[side], self.seed)
         if self.centers[side] is None:  # the mean of the first tokens coded (those after the exact ones)
             self.centers[side] = x.float().mean(dim=2, keepdim=True)
         mu = self.centers[side]
+        if self.variant == "scaled-keys+center+sinks" and side == 0:  # each channel coded at unit spread
+            if self.scales is None:
+                self.scales = (x.float() - mu).std(dim=2, keepdim=True).clamp_min(1e-6)
+            return mu + self.scales * roundtrip((x - mu) / self.scales, self.bits[side], self.seed)
         shifted = mu + roundtrip(x - mu, self.bits[side], self.seed)
         if self.variant != "choice":
             return shifted
