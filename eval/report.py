@@ -274,22 +274,26 @@ def value_codes() -> list[str]:
         cells.append(f"{variant} {statistics.fmean(r['delta_pct'] for r in mine):+.2f}% (s0 {zero:+.2f})")
     v2, k2 = stats["values", 2], stats["keys", 2]
     return para(
-        "**Other codes, not kept** (`python eval/rotated_ablations.py value-codes ... --out",
+        "**Other codes at the same bits** (`python eval/rotated_ablations.py value-codes ... --out",
         f"eval/results/rotated_ablations`; {machine(d)}, {day(d)}): on Persuasion, a codebook fitted to the rotated",
         f"2-bit values lowers their MSE by {-v2['fitted_pct']:.1f}% (in-sample), scales per rotated coordinate change it",
         f"by {v2['scaled_pct']:+.1f}% (keys {k2['scaled_pct']:+.1f}%); a per-head mean leaves {v2['centred_energy']:.0%}",
         f"of the values' energy ({k2['centred_energy']:.0%} of the keys'). Calibrated k4v2, P&P c32: " + "; ".join(cells) + ".",
-        "Each key channel scaled to unit spread before the rotation (KVQuant; `rotated_ablations.py centering",
-        "--variants center+sinks scaled-keys+center+sinks`, simulated coder, c256, `scaled_keys_*/`): "
-        + "; ".join(scaled_keys(c) for c in ("k4v2", "k3v2")) + ".",
+        "With KVQuant's key codes (`rotated_ablations.py centering --variants ...`, a simulated coder, c256, 3 seeds;",
+        "`scaled_keys_*/`, `prerope_keys_*/`), against the centre alone: each key channel scaled to unit spread before",
+        "the rotation, " + "; ".join(key_codes(c, "scaled_keys", "scaled-keys+center+sinks") for c in ("k4v2", "k3v2")),
+        "(not kept); keys centred and coded before RoPE, "
+        + "; ".join(key_codes(c, "prerope_keys", "pre-rope-keys+center+sinks") for c in ("k4v2", "k3v2"))
+        + " (not built yet: the decode kernels read keys after RoPE).",
     )
 
 
-def scaled_keys(config: str) -> str:
-    """`config`'s mean change with per-channel key scales against the centre alone (seeds' mean)."""
-    rows = load(f"rotated_ablations/scaled_keys_{config}/centering.json")["rows"]
-    mean = {v: statistics.fmean(r["delta_pct"] for r in rows if r["variant"] == v) for v in dict.fromkeys(r["variant"] for r in rows)}
-    return f"{config} {mean['scaled-keys+center+sinks']:+.2f}% against {mean['center+sinks']:+.2f}%"
+def key_codes(config: str, folder: str, variant: str) -> str:
+    """`config`'s mean change (over seeds) with `variant`'s key codes against the centre alone (`centering.md`)."""
+    rows = load(f"rotated_ablations/{folder}_{config}/centering.json")["rows"]
+    base = [r for r in load("rotated_ablations/centering.json")["rows"] if (r["config"], r["variant"]) == (config, "center+sinks")]
+    mean = statistics.fmean(r["delta_pct"] for r in rows if r["variant"] == variant)
+    return f"{config} {mean:+.2f}% against {statistics.fmean(r['delta_pct'] for r in base):+.2f}%"
 
 
 def turboquant() -> list[str]:

@@ -19,7 +19,9 @@
   (no exact tokens: each key coded as mu + code(k - mu) or code(k), whichever of k - mu and k is shorter, one bit
   a token); `values-centered+sinks` (`center+sinks` on the values as well); `scaled-keys+center+sinks`
   (`center+sinks` with each key channel divided by its spread over those first coded tokens before the rotation,
-  and multiplied back after: KVQuant's per-channel scaling, issue 46). `k16vY` rows keep keys exact: the values'
+  and multiplied back after: KVQuant's per-channel scaling, issue 46); `pre-rope-keys+center+sinks` (`center+sinks`
+  on the keys rotated back to position 0, rotated to their positions again after decoding: KVQuant's pre-RoPE keys,
+  whose per-channel mean does not turn with the position, issue 46). `k16vY` rows keep keys exact: the values'
   own share.
 - `value-codes` (issue 46, item 2): what other codes at the same bits could gain. First, on `--stats-text` (not the
   evaluation's text), each layer's keys and values of a DynamicCache prefill, rotated as `QuantizedCache` rotates
@@ -54,6 +56,7 @@ from hf_kvplus.calibration import Calibration
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import format_table, stamp
+from hf_kvplus.eviction.rope import RotaryShift
 from hf_kvplus.kernels import rotated_format
 from hf_kvplus.kernels.rotated_format import (
     KeyCenter,
@@ -150,7 +153,7 @@ def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
 
 #: The `centering` variants, and the first tokens each keeps exact.
 VARIANTS = {"base": 0, "sinks": 4, "center+sinks": 4, "choice": 0, "values-centered+sinks": 4,
-            "scaled-keys+center+sinks": 4}
+            "scaled-keys+center+sinks": 4, "pre-rope-keys+center+sinks": 4}
 
 
 def roundtrip(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
@@ -166,15 +169,18 @@ class CenteringLayer(DynamicLayer):
     """Tokens older than the newest `window` replaced once by their coding under `variant` (see the module doc);
     layer `index` rotates with `seed + index`, as `QuantizedCache`'s layers do."""
 
-    def __init__(self, index: int, key_bits: int, value_bits: int, seed: int, window: int, variant: str):
+    def __init__(self, index: int, key_bits: int, value_bits: int, seed: int, window: int, variant: str,
+                 rope: RotaryShift | None = None):  # fmt: skip
         super().__init__()
+        self.rope = rope  # the model's rotary embedding (`pre-rope-keys+center+sinks`)
         self.bits, self.seed, self.window, self.variant = (key_bits, value_bits), seed + index, window, variant
         self.coded = VARIANTS[variant]  # tokens before `coded` are done (the first ones kept exact)
         self.centers: list[torch.Tensor | None] = [None, None]
         self.scales: torch.Tensor | None = None  # the keys' per-channel spread (`scaled-keys+center+sinks`)
 
     def code(self, x: torch.Tensor, side: int) -> torch.Tensor:
-        keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks", "scaled-keys+center+sinks")
+        keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks", "scaled-keys+center+sinks",
+                                         "pre-rope-keys+center+sinks")  # fmt: skip
         centered = keys_centered if side == 0 else self.variant == "values-centered+sinks"
         if not centered or self.bits[side] == 16:
             return roundtrip(x, self.bits[side], self.seed)
@@ -197,7 +203,12 @@ class CenteringLayer(DynamicLayer):
         end = keys.shape[-2] - self.window
         if end > self.coded:
             part = slice(self.coded, end)
-            keys[:, :, part] = self.code(keys[:, :, part], 0).to(keys.dtype)
+            if self.variant == "pre-rope-keys+center+sinks":  # coded before RoPE, turned back to their positions
+                positions = torch.arange(self.coded, end).expand(*keys.shape[:2], -1)
+                before = self.code(self.rope.unrotate(keys[:, :, part], positions), 0)
+                keys[:, :, part] = self.rope.unrotate(before, -positions).to(keys.dtype)
+            else:
+                keys[:, :, part] = self.code(keys[:, :, part], 0).to(keys.dtype)
             values[:, :, part] = self.code(values[:, :, part], 1).to(values.dtype)
             self.coded = end
         return torch.cat([keys[:, :, :start], key_states], -2), torch.cat([values[:, :, :start], value_states], -2)
@@ -208,7 +219,9 @@ def centering(args, model, ids, base) -> tuple[list[dict], str]:
     plan = [(name, v, s) for name in args.configs for v in args.variants for s in args.seeds]
     for name, variant, seed in tqdm(plan, desc="runs"):
         kb, vb = map(int, re.fullmatch(r"k(\d+)v(\d+)", name).groups())
-        layers = [CenteringLayer(i, kb, vb, seed, args.window, variant) for i in range(model.config.num_hidden_layers)]
+        rope = RotaryShift.from_config(model.config)
+        layers = [CenteringLayer(i, kb, vb, seed, args.window, variant, rope)
+                  for i in range(model.config.num_hidden_layers)]  # fmt: skip
         ppl = perplexity(model, ids, Cache(layers=layers), mode="chunked", chunk_size=args.chunk,
                          label=f"{name} {variant} {seed}").perplexity  # fmt: skip
         rows.append({"config": name, "variant": variant, "seed": seed, "perplexity": ppl,
