@@ -63,6 +63,7 @@ from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
     codebook,
     dequantize_rotated,
+    haar_rotation,
     quantize_rotated,
     rotation,
 )
@@ -217,9 +218,9 @@ class CenteringLayer(DynamicLayer):
 def centering(args, model, ids, base) -> tuple[list[dict], str]:
     rows = []
     plan = [(name, v, s) for name in args.configs for v in args.variants for s in args.seeds]
+    rope = RotaryShift.from_config(model.config)
     for name, variant, seed in tqdm(plan, desc="runs"):
         kb, vb = map(int, re.fullmatch(r"k(\d+)v(\d+)", name).groups())
-        rope = RotaryShift.from_config(model.config)
         layers = [CenteringLayer(i, kb, vb, seed, args.window, variant, rope)
                   for i in range(model.config.num_hidden_layers)]  # fmt: skip
         ppl = perplexity(model, ids, Cache(layers=layers), mode="chunked", chunk_size=args.chunk,
@@ -290,18 +291,12 @@ CODE_VARIANTS = ("shipped", "haar", "values-centred")
 def code_variant(variant: str) -> None:
     """Makes this process's rotated formats those of `variant` (see the module doc), from now on."""
     rotated_format._ROTATIONS.clear()
-    rotated_format._make_rotation = _haar_rotation if variant == "haar" else _shipped_rotation
+    rotated_format._make_rotation = haar_rotation if variant == "haar" else _shipped_rotation
     RotatedFormat.for_layer = _values_centred if variant == "values-centred" else _shipped_for_layer
 
 
 _shipped_rotation = rotated_format._make_rotation
 _shipped_for_layer = RotatedFormat.for_layer
-
-
-def _haar_rotation(d: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0x5EED0000 + seed)
-    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float()
 
 
 def _values_centred(fmt: RotatedFormat, index: int) -> RotatedFormat:

@@ -57,6 +57,7 @@ __all__ = [
     "codebook",
     "coding_center",
     "dequantize_rotated",
+    "haar_rotation",
     "lloyd_max",
     "pack_bits",
     "quantize_rotated",
@@ -250,13 +251,20 @@ _FUSED_ROTATION_ELEMENTS = 1 << 14
 
 def _make_rotation(d: int, seed: int) -> torch.Tensor:
     """On the CPU (the caller moves it), whatever torch's default device: the generator is a CPU one."""
-    generator = torch.Generator().manual_seed(0x5EED0000 + seed)
     if d & (d - 1) == 0:
+        generator = torch.Generator().manual_seed(0x5EED0000 + seed)
         h = torch.ones(1, 1, dtype=torch.float64, device="cpu")
         while h.shape[0] < d:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
         signs = torch.randint(0, 2, (d,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
         return (signs[:, None] * h / math.sqrt(d)).float()
+    return haar_rotation(d, seed)
+
+
+def haar_rotation(d: int, seed: int) -> torch.Tensor:
+    """A Haar-random orthogonal float32 [d, d] of `seed` (QR of a seeded Gaussian matrix), on the CPU: the rotation of
+    head dims that are not powers of two (an ablation's alternative for the others)."""
+    generator = torch.Generator().manual_seed(0x5EED0000 + seed)
     q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64, device="cpu"))
     return (q * torch.sign(torch.diagonal(r))).float()  # signs fixed: Haar-distributed
 
