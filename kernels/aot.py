@@ -88,6 +88,7 @@ from hf_kvplus.kernels.errors import ConfigError
 from hf_kvplus.kernels.paged_attention import DEFAULT_BLOCK_SIZE
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, DEFAULT_GROUP, PackedKV, QuantFormat
 from hf_kvplus.kernels.rotated_format import ROTATED_BITS, KeyCenter, RotatedFormat
+from hf_kvplus.kernels.turning_center import RotaryBasis
 
 __all__ = [
     "ARCHS", "MAX_SHARED", "Row", "Spec", "covering", "format_table", "main", "parse_arch", "run", "specializations",
@@ -414,11 +415,20 @@ def _centered(fmt: RotatedFormat, head_dim: int) -> RotatedFormat:
     return replace(fmt, key_center=KeyCenter.given(_meta(KV_HEADS, head_dim, dtype=torch.float32), fmt.seed))
 
 
-def _rotated(fmt, head_dim, group, mask, block_size, mass) -> list[Spec]:
+def _turning(fmt: RotatedFormat, head_dim: int) -> RotatedFormat:
+    """``fmt`` with a key centre turning with RoPE, set, as a growing storage's full-attention layer has it."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    center = KeyCenter(RotaryBasis(inv_freq, head_dim))
+    center.mu = _meta(KV_HEADS, head_dim, dtype=torch.float32)
+    center.weights = center.rotated_weights = _meta(KV_HEADS, head_dim, head_dim, dtype=torch.float32)
+    return replace(fmt, key_center=center)
+
+
+def _rotated(fmt, head_dim, group, mask, block_size, mass, turning=False) -> list[Spec]:
     """Rotated-format decode attention over KEYS coded tokens (dense, or paged when ``block_size``) plus a
-    residual, as ``quant_attention``'s dispatcher launches it for a cache's layer (keys centred): q and the
-    residual rotated, float32."""
-    fmt = _centered(fmt, head_dim)
+    residual, as ``quant_attention``'s dispatcher launches it for a cache's layer (keys centred; `turning`: relative to
+    a turning centre, dense): q and the residual rotated, float32."""
+    fmt = _turning(fmt, head_dim) if turning else _centered(fmt, head_dim)
     q = _meta(BATCH, KV_HEADS * group, head_dim, dtype=torch.float32)
     residual = _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=torch.float32)
     if block_size is None:
@@ -434,7 +444,7 @@ def _rotated(fmt, head_dim, group, mask, block_size, mass) -> list[Spec]:
             residual_v=residual, mask=_mask(mask, KEYS + RESIDUAL), block_table=table, with_mass=mass,
         ),
         {
-            "_rotated_split_kernel": f"fp32 d{head_dim} {fmt} {storage}{flags}",
+            "_rotated_split_kernel": f"fp32 d{head_dim} {fmt} {storage}{flags}{' turning' if turning else ''}",
             "_decode_split_kernel": f"fp32 d{head_dim} dense{flags}",
             "_decode_merge_kernel": f"fp32 dv{head_dim}{' lse' if mass else ''}",
         },
@@ -490,6 +500,7 @@ def specializations() -> list[Spec]:
         specs += _pack_at(dt, _default_format(bits, d), d)
     for fmt, d, g, mask, mass in itertools.product(ROTATED_FORMATS, HEAD_DIMS, groups, flags, flags):
         specs += _rotated(fmt, d, g, mask, None, mass) + _rotated(fmt, d, g, mask, DEFAULT_BLOCK_SIZE, mass)
+        specs += _rotated(fmt, d, g, mask, None, mass, turning=True)
     for bits in ROTATED_BITS:
         fmt = RotatedFormat(bits, bits)
         if fmt not in ROTATED_FORMATS:

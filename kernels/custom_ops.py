@@ -40,6 +40,7 @@ from hf_kvplus.kernels import paged_attention as paged
 from hf_kvplus.kernels import quant_attention as quant
 from hf_kvplus.kernels import quant_format, rotated_attention, rotated_pack
 from hf_kvplus.kernels import quant_pack as pack
+from hf_kvplus.kernels.errors import ConfigError
 from hf_kvplus.kernels.quant_format import BIT_WIDTHS, PackedKV, QuantFormat
 from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat
 from hf_kvplus.kernels.rotated_format import quantize_rotated as quantize_rotated_twin
@@ -329,13 +330,20 @@ def _(x, bits, group_size, codes, scale, zero, slots):
 
 def _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
                     mask, block_table, key_center):  # fmt: skip
-    """(PackedKV, RotatedFormat, keywords) of the rotated attention ops' arguments."""
+    """(PackedKV, RotatedFormat, keywords) of the rotated attention ops' arguments (a turning centre's two tensors,
+    ``key_turn_q`` and ``key_turn_rows``, go to the Triton kernel as its ``turn``)."""
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, check=False,
     )  # fmt: skip
     fmt = RotatedFormat(key_bits, value_bits, seed, KeyCenter.given(key_center, seed, rotated=True))
     return PackedKV(k, k_norm, None, v, v_norm, None), fmt, kw
+
+
+def _no_turn_off_cuda(key_turn_q: Tensor | None) -> None:
+    if key_turn_q is not None:
+        raise ConfigError("the rotated attention operators read a turning key centre on CUDA only (Triton); off CUDA "
+                          "the dispatcher runs the C++ operator or the twin")  # fmt: skip
 
 
 @torch.library.custom_op("kvplus::rotated_decode_attention", mutates_args=())
@@ -357,7 +365,10 @@ def rotated_decode_attention(
     block_table: Tensor | None,
     num_splits: int | None,
     key_center: Tensor | None,
+    key_turn_q: Tensor | None = None,
+    key_turn_rows: Tensor | None = None,
 ) -> Tensor:
+    _no_turn_off_cuda(key_turn_q)
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
                                       residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     return quant.quantized_decode_attention_torch(q, packed, fmt, **kw)
@@ -366,17 +377,18 @@ def rotated_decode_attention(
 @rotated_decode_attention.register_kernel("cuda")
 def rotated_decode_attention_cuda(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
 ):  # fmt: skip
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
                                       residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
-    return rotated_attention.rotated_decode_attention_triton(q, packed, fmt, num_splits=num_splits, **kw)[0]
+    turn = None if key_turn_q is None else (key_turn_q, key_turn_rows)
+    return rotated_attention.rotated_decode_attention_triton(q, packed, fmt, num_splits=num_splits, turn=turn, **kw)[0]
 
 
 @rotated_decode_attention.register_fake
 def _(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
 ):  # fmt: skip
     return _attention_out(q, v.shape[-1] * 8 // value_bits)
 
@@ -400,7 +412,10 @@ def rotated_decode_attention_with_mass(
     block_table: Tensor | None,
     num_splits: int | None,
     key_center: Tensor | None,
+    key_turn_q: Tensor | None = None,
+    key_turn_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    _no_turn_off_cuda(key_turn_q)
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
                                       residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     return quant.quantized_decode_attention_with_mass_torch(q, packed, fmt, **kw)
@@ -409,19 +424,20 @@ def rotated_decode_attention_with_mass(
 @rotated_decode_attention_with_mass.register_kernel("cuda")
 def rotated_decode_attention_with_mass_cuda(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
 ):  # fmt: skip
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
                                       residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
+    turn = None if key_turn_q is None else (key_turn_q, key_turn_rows)
     return rotated_attention.rotated_decode_attention_triton(
-        q, packed, fmt, num_splits=num_splits, with_mass=True, **kw
+        q, packed, fmt, num_splits=num_splits, with_mass=True, turn=turn, **kw
     )
 
 
 @rotated_decode_attention_with_mass.register_fake
 def _(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
 ):  # fmt: skip
     keys = length + (0 if residual_k is None else residual_k.shape[2])
     mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)

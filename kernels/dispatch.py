@@ -247,10 +247,12 @@ def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
         p = packed
         op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
         center = fmt.key_center
+        turning = center is not None and center.mu is not None and center.turns is not None
+        turn = (center.query_weights(q_rot, rotated=True), center.rows(kw["start"] + kw["length"], q.device)) if turning else (None, None)
         result = op(
             q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
             *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
-            None if center is None else center.rotated,
+            None if center is None or turning else center.rotated, *turn,
         )  # fmt: skip
         result = result if with_mass else (result, None)
     elif path == "triton":
@@ -286,14 +288,18 @@ _TWIN_ARGS = (
 # ---------------------------------------------------------------------------------------------------
 
 
-def quantize_keys(x, fmt, out=None, *, check: bool = True):
+def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int = 0):
     """Keys [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
     The Triton path needs 4-d keys [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
     results are written into it (see ``quant_pack``'s module doc) and ``out``'s tensors are returned.
-    ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc).
+    ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc). `index`: the buffer index
+    of x's first token, where a turning key centre (``kernels/turning_center.py``) codes it.
     """
-    return _quantize(x, fmt, out, "keys", check)
+    center = getattr(fmt, "key_center", None)
+    turning = center is not None and center.turns is not None
+    positions = torch.arange(index, index + x.shape[-2], device=x.device) if turning else None
+    return _quantize(x, fmt, out, "keys", check, positions)
 
 
 def quantize_values(x, fmt, out=None, *, check: bool = True):
@@ -306,14 +312,14 @@ def quantize_values(x, fmt, out=None, *, check: bool = True):
     return _quantize(x, fmt, out, "values", check)
 
 
-def _quantize(x, fmt, out, kind: str, check: bool):
+def _quantize(x, fmt, out, kind: str, check: bool, positions=None):
     """Both quantize entry points: off CUDA ``quant_pack.quantize_off_cuda``; a rotated format on CUDA through
     :func:`_rotated_cuda`; else the custom operator (writing into `out`, or into tensors allocated first) or Triton."""
     path = _path(x, check)
     if path in _TWINS:
-        return quantize_off_cuda(x, fmt, out, kind, check)
+        return quantize_off_cuda(x, fmt, out, kind, check, positions)
     if isinstance(fmt, RotatedFormat):
-        return _rotated_cuda(x, fmt, out, kind, None, path, check)
+        return _rotated_cuda(x, fmt, out, kind, None, path, check, positions)
     if path == "op":
         codes, scale, zero = _new_out(kind, tuple(x.shape), fmt, x.device) if out is None else out
         op = custom_ops.quantize_keys if kind == "keys" else custom_ops.quantize_values
@@ -343,16 +349,19 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
     return quantize_values_at_triton(x, fmt, out, slots, check=check)
 
 
-def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, path: str, check: bool):
-    """A rotated format on CUDA: the custom operator while compiling (``check=False``), else the Triton kernel."""
+def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, path: str, check: bool, positions=None):
+    """A rotated format on CUDA: the custom operator while compiling (``check=False``; one centre per head), else the
+    Triton kernel."""
     if path == "op":
         codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
         center = fmt.center_of(side)
         if center is not None and not fmt.inputs_rotated:
-            center.observe(x, fmt.seed)  # the layer's first keys set its centre (once; see rotated_format)
-        mu = None if center is None else center.mu
+            center.observe(x, fmt.seed, positions)  # the layer's first keys set its centre (once; see rotated_format)
+        turning = center is not None and center.turns is not None
+        # a turning centre goes as the centre of each token [H, T, D] (what `centered` subtracts alike)
+        mu = None if center is None else center.at(positions, rotated=False) if turning else center.mu
         custom_ops.quantize_rotated(
             x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
         )
         return codes, norms, None
-    return quantize_rotated_triton(x, fmt, side, out, slots, check=check)
+    return quantize_rotated_triton(x, fmt, side, out, slots, check=check, positions=positions)

@@ -200,8 +200,12 @@ class PackedKV:
         return codes, key_params + value_params
 
     def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V."""
-        k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt, dtype)
+        """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V (a turning key
+        centre's indices counted from the buffers' first token)."""
+        center = getattr(fmt, "key_center", None)
+        turning = center is not None and center.turns is not None
+        positions = torch.arange(self.k.shape[2], device=self.k.device) if turning else None
+        k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt, dtype, positions=positions)
         v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt, dtype)
         return k[:, :, lo:hi], v[:, :, lo:hi]
 
@@ -288,12 +292,14 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     return torch.addcmul(zero, codes.float(), scale)
 
 
-def quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize_keys(
+    x: torch.Tensor, fmt: QuantFormat, *, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Keys ``[..., T, D]`` (T a multiple of the group size) to (codes, scale, zero), per channel per group of tokens
-    (a rotated format: (codes, norms, None), per token)."""
+    (a rotated format: (codes, norms, None), per token; `positions`: the tokens' indices, for a turning centre)."""
     _check_float(x, "keys")
     if fmt.rotated:
-        return (*quantize_rotated(x, fmt, "keys"), None)
+        return (*quantize_rotated(x, fmt, "keys", positions), None)
     T, D = x.shape[-2:]
     if T % fmt.group_size:
         raise ShapeError(f"keys hold {T} tokens, not a multiple of the group size {fmt.group_size}")
@@ -308,12 +314,14 @@ def quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torc
     return pack_codes(codes, fmt), scale, zero
 
 
-def quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize_values(
+    x: torch.Tensor, fmt: QuantFormat, *, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Values ``[..., T, D]`` to (codes, scale, zero), per token per group of channels (a rotated format:
     (codes, norms, None))."""
     _check_float(x, "values")
     if fmt.rotated:
-        return (*quantize_rotated(x, fmt, "values"), None)
+        return (*quantize_rotated(x, fmt, "values", positions), None)
     D = x.shape[-1]
     fmt.check_head_dim(D)
     xf = x.float().unflatten(-1, (D // fmt.group_size, fmt.group_size))  # [..., T, groups, G]
@@ -327,12 +335,13 @@ def quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, to
 
 
 def dequantize_keys(
-    codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False, planes=False
+    codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False, planes=False, positions=None
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
-    rotated)."""
+    rotated; `positions`: the tokens' indices, for a turning centre)."""
     if fmt.rotated:
-        return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space, planes=planes)
+        return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space, planes=planes,
+                                  positions=positions)  # fmt: skip
     q = unpack_planes(codes, fmt).unflatten(-3, (scale.shape[-2], fmt.group_size))  # [..., groups, G, per, P]
     s, z = (None if t is None else t.unflatten(-1, q.shape[-2:]).unsqueeze(-3) for t in (scale, zero))
     return _decode(q, s, z, fmt).flatten(-2).flatten(-3, -2).to(dtype)

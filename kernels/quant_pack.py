@@ -184,11 +184,12 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 
 
-def quantize_off_cuda(x, fmt, out, kind: str, check: bool):
-    """The dispatchers' path off CUDA: :func:`_off_cuda`'s codes, copied into ``out`` when it is given."""
+def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None):
+    """The dispatchers' path off CUDA: :func:`_off_cuda`'s codes, copied into ``out`` when it is given (`positions`:
+    the tokens' indices, for a turning key centre)."""
     if check:
         _check_fmt(fmt)
-    result = _off_cuda(x, fmt, kind, quantize_keys_torch if kind == "keys" else quantize_values_torch)
+    result = _off_cuda(x, fmt, kind, quantize_keys_torch if kind == "keys" else quantize_values_torch, positions)
     if out is None:
         return result
     codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device) if check else out
@@ -199,11 +200,11 @@ def quantize_off_cuda(x, fmt, out, kind: str, check: bool):
     return codes, scale, zero
 
 
-def _off_cuda(x, fmt, side: str, twin):
+def _off_cuda(x, fmt, side: str, twin, positions=None):
     """(codes, scale, zero) off CUDA: a rotated format's CPU operator where it takes x, else the twin."""
     if isinstance(fmt, RotatedFormat) and rotated_cpu.encodes(x):
-        return (*rotated_cpu.rotated_encode_cpu(x, fmt, side), None)
-    return twin(x, fmt)
+        return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions), None)
+    return twin(x, fmt) if positions is None else twin(x, fmt, positions=positions)
 
 
 def quantize_values_at_torch(x, fmt: QuantFormat, out, slots):

@@ -17,7 +17,10 @@ Arguments as ``quantized_decode_attention_triton`` (its module docstring) with q
 residual_k/residual_v float32 [B, Hkv, R, D/Dv] already rotated; ``packed`` holds key codes [L, Hkv, T, D *
 key_bits / 8], key norms [L, Hkv, T, 1] float16, value codes and norms alike, zeros None (L = B dense, or the
 pool's blocks with ``block_table``). ``keys_per_token`` is accepted and ignored: a rotated format's keys are per
-token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel.
+token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel; a
+turning centre (``kernels/turning_center.py``): the query's weights ``W R q`` [B, Hq, D] and the basis rows of the
+tokens' indices [START + N, D], whose dot product is the centre's share of a key's score (where its norm is not
+negative); ``turn`` (the custom operator's): those two tensors given, for a format without a centre.
 Returns (out float32 [B, Hq, Dv] in the rotated space, mass float32 [B, Hkv, length + R] with ``with_mass``,
 else None).
 """
@@ -57,6 +60,7 @@ def rotated_decode_attention_triton(
     keys_per_token: bool = False,
     check: bool = True,
     with_mass: bool = False,
+    turn=None,
 ):
     """Split-KV decode attention in the rotated space (see the module doc): (out, mass or None)."""
     if check:
@@ -76,7 +80,8 @@ def rotated_decode_attention_triton(
         info = _dims(q, packed, fmt, residual_k, block_table)
 
     def launch(q, partials, plan, scores):
-        _launch_rotated_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores)
+        _launch_rotated_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores,
+                              turn)  # fmt: skip
 
     return split_decode(
         q, info, launch, length, scale, residual_k, residual_v, mask, num_splits, with_mass, torch.float32
@@ -84,7 +89,7 @@ def rotated_decode_attention_triton(
 
 
 def _launch_rotated_split(
-    q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores
+    q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores, turn=None
 ):  # fmt: skip
     """Kernel 1 over the coded tokens: splits 0 .. plan.num_splits - 1 of ``partials``; ``scores``: None, or
     float32 [B, Hq, length] (any strides) that receives the log2-domain logits (-inf where masked)."""
@@ -96,15 +101,20 @@ def _launch_rotated_split(
     k_book = codebook(D, fmt.key_bits, q.device)[0]
     v_book = codebook(info.Dv, fmt.value_bits, q.device)[0]
     center = fmt.key_center
-    k_mu = None if center is None else center.rotated
+    if turn is None and center is not None and center.mu is not None and center.turns is not None:
+        # the query's weights (q is rotated) and the basis rows of indices 0 .. START + N - 1
+        turn = center.query_weights(q, rotated=True), center.rows(start + length, q.device)
+    k_mu = None if center is None or center.turns is not None else center.rotated
+    q_turn, turn_rows = (q, k_book) if turn is None else turn  # (never read without KEY_TURN)
     # fmt: off
     _rotated_split_kernel[(B, info.Hkv * plan.g_chunks, plan.num_splits)](
         q, packed.k, packed.k_scale, packed.v, packed.v_scale, k_book, v_book,
         k_book if k_mu is None else k_mu,  # never read without a centre (KEY_CENTER=False)
+        q_turn, turn_rows,  # read only with a turning centre (KEY_TURN)
         mask_arg, mid_o, mid_m, mid_l, bt_arg, scores_arg,
         length, info.G, D, info.Dv, Hq, mid_m.shape[-1], plan.tiles_per_split, start, info.num_blocks,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), q_turn.stride(0), q_turn.stride(1),
         *packed.k.stride(), *packed.k_scale.stride()[:3],
         *packed.v.stride(), *packed.v_scale.stride()[:3],
         smb, smn,
@@ -112,7 +122,7 @@ def _launch_rotated_split(
         ssb, ssh, ssn,
         HAS_MASK=mask is not None,
         PAGED=info.paged, BLOCK_SIZE=info.T if info.paged else 1,
-        STORE_SCORES=scores is not None, KEY_CENTER=k_mu is not None,
+        STORE_SCORES=scores is not None, KEY_CENTER=k_mu is not None, KEY_TURN=turn is not None,
         KBITS=fmt.key_bits, VBITS=fmt.value_bits,
         G_CHUNKS=plan.g_chunks, BLOCK_G=plan.block_g, D_PAD=plan.d_pad, DV_PAD=plan.dv_pad,
         BLOCK_N=plan.block_n,
@@ -156,10 +166,10 @@ if triton is not None:
 
     @triton.jit
     def _rotated_split_kernel(
-        Q, KC, KN, VC, VN, KBook, VBook, KMu, Mask, MidO, MidM, MidL, BT, Scores,
+        Q, KC, KN, VC, VN, KBook, VBook, KMu, QT, TurnRows, Mask, MidO, MidM, MidL, BT, Scores,
         N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
         qk_scale,
-        stride_qb, stride_qh,
+        stride_qb, stride_qh, stride_qtb, stride_qth,
         stride_kcb, stride_kch, stride_kcn, stride_kcp,
         stride_knb, stride_knh, stride_knn,
         stride_vcb, stride_vch, stride_vcn, stride_vcp,
@@ -169,7 +179,7 @@ if triton is not None:
         stride_sb, stride_sh, stride_sn,
         HAS_MASK: tl.constexpr,
         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        STORE_SCORES: tl.constexpr, KEY_CENTER: tl.constexpr,
+        STORE_SCORES: tl.constexpr, KEY_CENTER: tl.constexpr, KEY_TURN: tl.constexpr,
         KBITS: tl.constexpr, VBITS: tl.constexpr,
         G_CHUNKS: tl.constexpr,
         BLOCK_G: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,7 +188,9 @@ if triton is not None:
         # block BT[b, t // BLOCK_SIZE] at offset t % BLOCK_SIZE (block ids outside 0..NUM_BLOCKS-1 count as
         # masked keys, never dereferenced). Its key is KBook[code] * KN[token] per coordinate, its value
         # VBook[code] * VN[token]; KEY_CENTER: keys relative to the centre KMu [Hkv, D] where KN >= 0 (see
-        # _decode_rows). STORE_SCORES: also write the log2-domain logits into Scores [B, HQ, N].
+        # _decode_rows). KEY_TURN: keys relative to a turning centre where KN >= 0, whose score term is the dot
+        # product of the query's weights QT [B, HQ, D] with the basis row TurnRows[t] [D] of the key's token t
+        # (kernels/turning_center.py). STORE_SCORES: also write the log2-domain logits into Scores [B, HQ, N].
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -192,6 +204,9 @@ if triton is not None:
         q_rows = pid_h * G + offs_g
         q_ptrs = Q + pid_b * stride_qb + q_rows[:, None] * stride_qh + offs_c[None, :]
         q = tl.load(q_ptrs, mask=g_ok[:, None] & (offs_c < D)[None, :], other=0.0).to(tl.float32)
+        if KEY_TURN:
+            qt_ptrs = QT + pid_b * stride_qtb + q_rows[:, None] * stride_qth + offs_c[None, :]
+            qt = tl.load(qt_ptrs, mask=g_ok[:, None] & (offs_c < D)[None, :], other=0.0)
 
         if PAGED:
             kc_base = KC + pid_h * stride_kch
@@ -232,15 +247,21 @@ if triton is not None:
                 vc_rows, vn_rows = tok * stride_vcn, tok * stride_vnn
 
             k_norm = tl.load(kn_base + kn_rows, mask=n_ok, other=0.0).to(tl.float32)
-            k = _decode_rows(kc_base, kc_rows, n_ok, KBook, k_norm, KMu + pid_h * D, D, stride_kcp, KBITS, BLOCK_N,
-                             D_PAD, KEY_CENTER)  # fmt: skip
+            k = _decode_rows(kc_base, kc_rows, n_ok, KBook, tl.abs(k_norm) if KEY_TURN else k_norm, KMu + pid_h * D,
+                             D, stride_kcp, KBITS, BLOCK_N, D_PAD, KEY_CENTER)  # fmt: skip
             v_norm = tl.load(vn_base + vn_rows, mask=n_ok, other=0.0).to(tl.float32)
             v = _decode_rows(vc_base, vc_rows, n_ok, VBook, v_norm, VBook, DV, stride_vcp, VBITS, BLOCK_N, DV_PAD,
                              False)  # fmt: skip
 
             # Scores in the log2 domain; masked keys are -inf, so exp2(-inf - finite max) = 0. q is float32:
             # "ieee" keeps float32 accuracy ("tf32" would round q, K and P to 11 bits).
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if KEY_TURN:
+                row_ok = n_ok[:, None] & (offs_c < D)[None, :]
+                rows = tl.load(TurnRows + tok[:, None] * D + offs_c[None, :], mask=row_ok, other=0.0)
+                turn = tl.dot(qt, tl.trans(rows), input_precision="ieee")
+                s += tl.where((k_norm >= 0)[None, :], turn, 0.0)
+            s = s * qk_scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
             if STORE_SCORES:
                 s_ptrs = (

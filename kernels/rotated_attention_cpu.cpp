@@ -236,6 +236,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_norms, const at::Tensor& v_codes,
     const at::Tensor& v_norms, const at::Tensor& k_table, const at::Tensor& v_table,
     const at::Tensor& k_rotation, const at::Tensor& v_rotation, const std::optional<at::Tensor>& k_center,
+    const std::optional<at::Tensor>& k_turn_q, const std::optional<at::Tensor>& k_turn_rows,
     const std::optional<at::Tensor>& ring_k, const std::optional<at::Tensor>& ring_v, bool ring_rotated,
     const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
@@ -267,11 +268,24 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kBool && mask->size(0) == B && mask->size(1) == L,
                 "rotated_decode_cpu: the mask must be bool [B, ", L, "]");
   }
-  const bool centred = k_center.has_value();
-  if (centred) {
+  // A turning centre (k_turn_q, k_turn_rows): the centre term of the key at code t is dot(W q, e(t)), the query's
+  // weights [B, Hq, D] with the basis row of its position [N, D] (kernels/turning_center.py).
+  const bool turning = k_turn_q.has_value();
+  const bool centred = k_center.has_value() || turning;
+  TORCH_CHECK(!(k_center.has_value() && turning), "rotated_decode_cpu: a fixed and a turning centre both given");
+  if (k_center.has_value()) {
     TORCH_CHECK(k_center->scalar_type() == at::kFloat && k_center->is_contiguous() && k_center->size(0) == Hkv &&
                     k_center->size(1) == D,
                 "rotated_decode_cpu: the keys' centre must be contiguous float32 [Hkv, D]");
+  }
+  if (turning) {
+    TORCH_CHECK(k_turn_rows.has_value() && k_turn_q->scalar_type() == at::kFloat && k_turn_q->is_contiguous() &&
+                    k_turn_q->dim() == 3 && k_turn_q->size(0) == B && k_turn_q->size(1) == Hq &&
+                    k_turn_q->size(2) == D && k_turn_rows->scalar_type() == at::kFloat &&
+                    k_turn_rows->is_contiguous() && k_turn_rows->dim() == 2 && k_turn_rows->size(0) == N &&
+                    k_turn_rows->size(1) == D,
+                "rotated_decode_cpu: a turning centre takes contiguous float32 query weights [", B, ", ", Hq, ", ", D,
+                "] and basis rows [", N, ", ", D, "]");
   }
   TORCH_CHECK(k_rotation.scalar_type() == at::kFloat && k_rotation.is_contiguous() && k_rotation.dim() == 2 &&
                   k_rotation.size(0) == D && k_rotation.size(1) == D && v_rotation.scalar_type() == at::kFloat &&
@@ -289,7 +303,9 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   const at::Half *kn = k_norms.data_ptr<at::Half>(), *vn = v_norms.data_ptr<at::Half>();
   const float *kt = k_table.data_ptr<float>(), *vt = v_table.data_ptr<float>();
   const float *rot_k = k_rotation.data_ptr<float>(), *rot_v = v_rotation.data_ptr<float>();
-  const float* mu = centred ? k_center->data_ptr<float>() : nullptr;
+  const float* mu = k_center.has_value() ? k_center->data_ptr<float>() : nullptr;
+  const float* turn_q = turning ? k_turn_q->data_ptr<float>() : nullptr;
+  const float* turn_rows = turning ? k_turn_rows->data_ptr<float>() : nullptr;
   const float* rk = R ? ring_k->data_ptr<float>() : nullptr;
   const float* rv = R ? ring_v->data_ptr<float>() : nullptr;
   const bool* mk = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
@@ -309,8 +325,9 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
         for (int64_t d = 0; d < D; ++d) accumulate(q_in + g * D + d, rot_k + d * D, 1, qr.data() + g * D, D);
       const float* qg = qr.data();
       const float* q_ring = ring_rotated ? qg : q_in;
-      if (centred)
+      if (mu != nullptr)
         for (int64_t g = 0; g < G; ++g) qmu[g] = dot(qg + g * D, mu + h * D, D);
+      const float* qe = turning ? turn_q + (b * Hq + h * G) * D : nullptr;
       auto attended = [&](int64_t t) { return mk == nullptr || mk[b * mk_s0 + t * mk_s1]; };
       // Scores: the codes, a block at a time, then the ring.
       const uint8_t* kc_bh = kc + b * k_codes.stride(0) + h * k_codes.stride(1);
@@ -333,8 +350,13 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
         const float norm = half_to_float(kn_bh[t * k_norms.stride(2)]);
         const float coef = centred ? std::fabs(norm) : norm;
         const bool add_mu = centred && norm >= 0.f;
-        for (int64_t g = 0; g < G; ++g)
-          scores[g * L + t] = s * (coef * scores[g * L + t] + (add_mu ? qmu[g] : 0.f));
+        if (turning && add_mu) {
+          const float* row = turn_rows + t * D;
+          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = s * (coef * scores[g * L + t] + dot(qe + g * D, row, D));
+        } else {
+          for (int64_t g = 0; g < G; ++g)
+            scores[g * L + t] = s * (coef * scores[g * L + t] + (add_mu ? qmu[g] : 0.f));
+        }
       }
       for (int64_t r = 0; r < R; ++r) {
         const bool live = attended(N + r);
@@ -403,7 +425,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 TORCH_LIBRARY(hf_kvplus_cpu, m) {
   m.def(
       "rotated_decode(Tensor q, Tensor k_codes, Tensor k_norms, Tensor v_codes, Tensor v_norms, Tensor k_table, "
-      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? ring_k, Tensor? ring_v, "
+      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? k_turn_q, Tensor? k_turn_rows, "
+      "Tensor? ring_k, Tensor? ring_v, "
       "bool ring_rotated, Tensor? mask, float scale, bool with_mass) "
       "-> (Tensor, Tensor)");
 }

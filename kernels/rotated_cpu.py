@@ -67,15 +67,18 @@ def encodes(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dim() == 4 and x.is_floating_point() and available()
 
 
-def rotated_encode_cpu(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rotated_encode_cpu(
+    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [B, H, T, D * bits // 8], norms float16 [B, H, T, 1]) of x [B, H, T, D], as
-    `rotated_format.quantize_rotated` makes them (a centred side's first call sets its centre, as there)."""
+    `rotated_format.quantize_rotated` makes them (a centred side's first call sets its centre, as there; a turning
+    centre is taken at the tokens' indices `positions`)."""
     D = x.shape[-1]
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
     turn = None if fmt.inputs_rotated else rotation(D, fmt.seed, x.device)
-    mu = coding_center(x, fmt, side)
+    mu = coding_center(x, fmt, side, positions)
     return torch.ops.hf_kvplus_cpu.rotated_encode(x.float(), turn, boundaries, centroids, mu, bits,
                                                   rotated_format.RENORMALIZE)  # (an ablation may turn it off)
 
@@ -89,7 +92,9 @@ def rotated_decode_cpu(
     `quant_attention`'s twin computes it; the rotations of q and of the output happen inside."""
     D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
     center = fmt.key_center
-    k_center = center.rotated if center is not None and center.mu is not None else None
+    centred = center is not None and center.mu is not None
+    turning = centred and center.turns is not None
+    k_center = center.rotated if centred and not turning else None
     if residual_k is not None:
         residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
     end, device = start + length, q.device
@@ -98,6 +103,7 @@ def rotated_decode_cpu(
         packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
         byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
         rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
+        center.query_weights(q) if turning else None, center.rows(end, device)[start:] if turning else None,
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -144,8 +150,8 @@ def _ninja_on_path() -> None:
 
 
 def _fake(
-    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, ring_k, ring_v,
-    ring_rotated, mask, scale, with_mass,
+    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, k_turn_q, k_turn_rows,
+    ring_k, ring_v, ring_rotated, mask, scale, with_mass,
 ):  # fmt: skip
     B, Hq, _ = q.shape
     Hkv, L = k_codes.shape[1], k_codes.shape[2] + (0 if ring_k is None else ring_k.shape[2])

@@ -48,6 +48,7 @@ import torch
 
 from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, ShapeError
+from hf_kvplus.kernels.turning_center import RotaryBasis
 
 __all__ = [
     "ROTATED_BITS",
@@ -84,22 +85,69 @@ class KeyCenter:
     """One layer's key centre: ``mu`` float32 [H, D] (and ``mu @ R`` as ``rotated``) per KV head, or None until the
     layer's first keys are quantized (`observe`). Shared by every storage that holds the layer's codes (one paged
     pool's caches and its prefix store), never changed once set, and kept across `reset` (any centre decodes the
-    codes made with it)."""
+    codes made with it).
 
-    __slots__ = ("mu", "rotated", "in_planes")
+    `turns` (a `turning_center.RotaryBasis`): a turning centre, ``mu`` the keys' pre-RoPE mean and the centre of the
+    key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
+    and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``rows``, ``query_weights``)."""
 
-    def __init__(self):
+    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_rows")
+
+    def __init__(self, turns: RotaryBasis | None = None, origin: int = 0):
         self.mu: torch.Tensor | None = None
         self.rotated: torch.Tensor | None = None
         #: ``rotated`` with its channels in plane order, per bit width (what a compiled twin adds to its planes).
         self.in_planes: dict[int, torch.Tensor] = {}
+        self.turns, self.origin = turns, origin
+        #: A turning centre's W [H, D, D] (``c(p) = e(p) @ W``) and ``W @ R``.
+        self.weights: torch.Tensor | None = None
+        self.rotated_weights: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # e(origin + i) for indices 0 .. len - 1, grown by doubling
 
-    def observe(self, x: torch.Tensor, seed: int) -> None:
-        """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens); a
-        no-op after."""
-        if self.mu is None:
+    def observe(self, x: torch.Tensor, seed: int, positions: torch.Tensor | None = None) -> None:
+        """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens; a
+        turning centre's turned back from their indices `positions` [T] first); a no-op after."""
+        if self.mu is not None:
+            return
+        r = rotation(x.shape[-1], seed, x.device)
+        if self.turns is None:
             mu = x.float().mean(dim=(0, 2))
-            self._set(mu, mu @ rotation(x.shape[-1], seed, x.device))
+            self._set(mu, mu @ r)
+            return
+        self.mu = self.turns.unturned(x, self._positions(positions, x) + self.origin).mean(dim=(0, 2))
+        self.weights = self.turns.weights(self.mu)
+        self.rotated_weights = self.weights @ r
+
+    def at(self, positions: torch.Tensor, *, rotated: bool) -> torch.Tensor:
+        """A turning centre at indices `positions` [T]: float32 [H, T, D] (`rotated`: in the rotated space)."""
+        w = self.rotated_weights if rotated else self.weights
+        return torch.einsum("td,hde->hte", self.turns.rows(positions + self.origin), w)
+
+    def rows(self, count: int, device: torch.device) -> torch.Tensor:
+        """float32 [count, D]: the basis rows ``e(origin + i)`` of indices 0 .. count - 1 (a view of a table kept on
+        `device` and doubled when a longer one is asked for: a host-side length check, no device sync)."""
+        table = self._rows
+        if table is None or table.shape[0] < count or table.device != torch.device(device):
+            size = max(count, 2 * (0 if table is None else table.shape[0]), 256)
+            table = self.turns.rows(torch.arange(self.origin, self.origin + size, device=device))
+            if not torch.compiler.is_compiling():
+                self._rows = table
+        return table[:count]
+
+    def query_weights(self, q: torch.Tensor, *, rotated: bool = False) -> torch.Tensor:
+        """float32 [B, Hq, D]: ``W q`` of each query head (grouped onto its KV head), so that ``q . c(p)`` is its
+        dot product with ``e(p)``; `rotated`: q in the rotated space (``W R`` then, the same products)."""
+        B, Hq, D = q.shape
+        w = self.rotated_weights if rotated else self.weights
+        H = w.shape[0]
+        return torch.einsum("bhgd,hed->bhge", q.float().view(B, H, Hq // H, D), w).reshape(B, Hq, D).contiguous()
+
+    def _positions(self, positions: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        if positions is None:
+            raise ConfigError("a turning key centre codes and reads keys at their positions: none were given")
+        if positions.shape != x.shape[-2:-1]:
+            raise ShapeError(f"positions must be [{x.shape[-2]}] (one per token), got {tuple(positions.shape)}")
+        return positions
 
     def _set(self, mu: torch.Tensor, rotated: torch.Tensor) -> None:
         self.mu, self.rotated = mu, rotated
@@ -116,7 +164,8 @@ class KeyCenter:
         return made
 
     def __repr__(self) -> str:
-        return f"KeyCenter({'unset' if self.mu is None else tuple(self.mu.shape)})"
+        kind = "KeyCenter" if self.turns is None else "KeyCenter(turning)"
+        return f"{kind}({'unset' if self.mu is None else tuple(self.mu.shape)})"
 
 
 @dataclass(frozen=True)
@@ -191,10 +240,11 @@ class RotatedFormat:
         """Bytes at rest of one token's key and value of one head: codes plus two float16 norms."""
         return self.code_dim(head_dim, "keys") + self.code_dim(head_dim, "values") + 4
 
-    def for_layer(self, index: int) -> RotatedFormat:
+    def for_layer(self, index: int, *, turns: RotaryBasis | None = None, origin: int = 0) -> RotatedFormat:
         """This format with the rotation seed of layer `index` (each layer rotates differently) and, with
-        `CENTER_KEYS`, a key centre of its own."""
-        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index, KeyCenter() if CENTER_KEYS else None)
+        `CENTER_KEYS`, a key centre of its own (turning with `turns`, index 0 at position `origin`)."""
+        center = KeyCenter(turns, origin) if CENTER_KEYS else None
+        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index, center)
 
     def side_formats(self) -> tuple[RotatedFormat, RotatedFormat]:
         """(keys, values) as formats whose values-side functions code them: each side's bits (and centre) on both
@@ -362,14 +412,17 @@ def _offsets(count: int, step: int, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-def quantize_rotated(x: torch.Tensor, fmt: RotatedFormat, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rotated(
+    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Head vectors ``[..., T, D]`` to (codes uint8 ``[..., T, D * bits // 8]``, norms float16 ``[..., T, 1]``); a
-    side with a centre (x then [B, H, T, D]): relative to it where that is shorter, the norm negative where not."""
+    side with a centre (x then [B, H, T, D]): relative to it where that is shorter, the norm negative where not (a
+    turning centre: at the tokens' `positions` [T])."""
     D = x.shape[-1]
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
-    xf, norm, sign = centered(x, fmt, side)
+    xf, norm, sign = centered(x, fmt, side, positions)
     unit = (xf if fmt.inputs_rotated else rotated(xf, rotation(D, fmt.seed, x.device))) / norm.clamp_min(1e-30)
     codes = _bucketized(unit, boundaries)
     if RENORMALIZE:
@@ -398,15 +451,15 @@ def signed_norms(norm: torch.Tensor, sign: torch.Tensor | None) -> torch.Tensor:
 
 
 def centered(
-    x: torch.Tensor, fmt: RotatedFormat, side: str
+    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(what a side's codes code, float32; its length [..., T, 1]; the sign of each token's norm: +1 relative to the
     centre, -1 plain, or None for a side without a centre); the centre is :func:`coding_center`'s."""
-    mu = coding_center(x, fmt, side)
+    mu = coding_center(x, fmt, side, positions)
     xf = x.float()
     if mu is None:
         return xf, torch.linalg.vector_norm(xf, dim=-1, keepdim=True), None
-    shifted = xf - mu[:, None, :]
+    shifted = xf - (mu if mu.dim() == 3 else mu[:, None, :])
     shifted_length = torch.linalg.vector_norm(shifted, dim=-1, keepdim=True)
     length = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
     shorter = shifted_length <= length
@@ -414,15 +467,23 @@ def centered(
             torch.where(shorter, 1.0, -1.0))  # fmt: skip
 
 
-def coding_center(x: torch.Tensor, fmt: RotatedFormat, side: str) -> torch.Tensor | None:
-    """The centre [H, D] that a side's codes of x are relative to, in x's space, or None for a side without one. The
-    side's first call sets it from its keys (x [B, H, T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the
-    set centre, rotated."""
+def coding_center(
+    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The centre [H, D] that a side's codes of x are relative to, in x's space (a turning centre: [H, T, D], at the
+    tokens' `positions` [T]), or None for a side without one. The side's first call sets it from its keys (x [B, H,
+    T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the set centre, rotated."""
     center = fmt.center_of(side)
     if center is None:
         return None
     if x.dim() != 4:
         raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
+    if center.turns is not None:
+        positions = center._positions(positions, x)
+        if center.mu is None and fmt.inputs_rotated:
+            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
+        center.observe(x, fmt.seed, positions)
+        return center.at(positions, rotated=fmt.inputs_rotated)
     if fmt.inputs_rotated:
         if center.mu is None:
             raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
@@ -550,11 +611,11 @@ def byte_table(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
 
 def dequantize_rotated(
     codes: torch.Tensor, norms: torch.Tensor, fmt: RotatedFormat, side: str, dtype=torch.float32, *,
-    rotated_space: bool = False, planes: bool = False,
+    rotated_space: bool = False, planes: bool = False, positions: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Inverse of :func:`quantize_rotated`: ``[..., T, D]`` in `dtype`; with `rotated_space`, left rotated
     (``x^ @ R``: what attention in the rotated space reads); with `planes` too, its channels in plane order
-    (:func:`plane_order`)."""
+    (:func:`plane_order`). A turning centre's codes are read at the tokens' `positions` [T]."""
     bits = fmt.bits_of(side)
     D = codes.shape[-1] * 8 // bits
     if codes.shape[-1] * 8 % bits:
@@ -563,15 +624,20 @@ def dequantize_rotated(
     center = fmt.center_of(side)
     centred = center is not None and center.mu is not None
     k = planes_of(D, bits) if planes and rotated_space else 1
+    turning = None
+    if centred and center.turns is not None:  # [H, T, D], in the space (and plane order) decoded into
+        turning = center.at(center._positions(positions, codes), rotated=rotated_space)
+        turning = in_plane_order(turning, bits) if k > 1 else turning
     if k > 1:  # decoded, scaled and centred in [..., planes, P]; flattened last
         x = decoded_planes(codes, D, bits) * (norms.abs() if centred else norms)[..., None]
         if centred:
-            mu = center.in_planes[bits]
-            x = x + (norms >= 0).float()[..., None] * mu.view(mu.shape[0], 1, k, -1)
+            mu = center.in_planes[bits].view(-1, 1, k, D // k) if turning is None else turning.unflatten(-1, (k, -1))
+            x = x + (norms >= 0).float()[..., None] * mu
         return x.to(dtype).flatten(-2)
     x = decoded_units(codes, D, bits) * (norms.abs() if centred else norms)
     if not rotated_space:
         x = rotated(x, rotation(D, fmt.seed, codes.device).T)
     if centred:  # one pass: the centre added where the norm is not negative
-        x = x.addcmul_((norms >= 0).float(), (center.rotated if rotated_space else center.mu)[:, None, :])
+        mu = (center.rotated if rotated_space else center.mu)[:, None, :] if turning is None else turning
+        x = x.addcmul_((norms >= 0).float(), mu)
     return x.to(dtype)

@@ -44,9 +44,11 @@ TILE_ELEMENTS = 2048
 NUM_WARPS = 4
 
 
-def quantize_rotated_triton(x, fmt: RotatedFormat, side: str, out=None, slots=None, *, check: bool = True):
+def quantize_rotated_triton(
+    x, fmt: RotatedFormat, side: str, out=None, slots=None, *, check: bool = True, positions=None
+):  # fmt: skip
     """x [B, H, T, D] -> (codes, norms, None) as ``quantize_rotated``, written into ``out`` (rows ``slots``)
-    when given (see the module doc)."""
+    when given (see the module doc; `positions`: the tokens' indices, for a turning key centre)."""
     if check:
         _check(x, fmt, side, out, slots)
     B, H, T, D = x.shape
@@ -60,7 +62,7 @@ def quantize_rotated_triton(x, fmt: RotatedFormat, side: str, out=None, slots=No
     codes, norms, _ = out
     if B * H * T == 0:
         return out
-    xf, length, sign = centered(x, fmt, side)
+    xf, length, sign = centered(x, fmt, side, positions)
     x_rot = xf if fmt.inputs_rotated else xf @ rotation(D, fmt.seed, x.device)
     length = length[..., 0]  # [B, H, T]
     if sign is not None:  # plain codes: negative lengths

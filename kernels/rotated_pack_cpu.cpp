@@ -61,10 +61,14 @@ std::tuple<at::Tensor, at::Tensor> rotated_encode_cpu(const at::Tensor& x, const
     TORCH_CHECK(rotation->dim() == 2 && rotation->size(0) == D && rotation->size(1) == D &&
                     rotation->scalar_type() == at::kFloat,
                 "rotated_encode_cpu: the rotation must be float32 [", D, ", ", D, "], got ", rotation->sizes());
+  // One centre per head [H, D], or one per head and token [H, T, D] (a turning centre at each token's position).
   if (center)
-    TORCH_CHECK(center->dim() == 2 && center->size(0) == H && center->size(1) == D &&
-                    center->scalar_type() == at::kFloat,
-                "rotated_encode_cpu: the centre must be float32 [", H, ", ", D, "], got ", center->sizes());
+    TORCH_CHECK(((center->dim() == 2 && center->size(0) == H) ||
+                 (center->dim() == 3 && center->size(0) == H && center->size(1) == T)) &&
+                    center->size(-1) == D && center->scalar_type() == at::kFloat,
+                "rotated_encode_cpu: the centre must be float32 [", H, ", ", D, "] or [", H, ", ", T, ", ", D,
+                "], got ", center->sizes());
+  const bool per_token = center && center->dim() == 3;
   const at::Tensor xc = x.contiguous(), bc = boundaries.contiguous(), cc = centroids.contiguous();
   const at::Tensor rc = rotation ? rotation->contiguous() : at::Tensor();
   const at::Tensor mc = center ? center->contiguous() : at::Tensor();
@@ -86,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_encode_cpu(const at::Tensor& x, const
       float length = length_of(v, D);
       bool plain = false;
       if (mp) {
-        const float* mu = mp + ((i / T) % H) * D;
+        const float* mu = mp + (per_token ? ((i / T) % H) * T + i % T : (i / T) % H) * D;
         for (int64_t d = 0; d < D; ++d) shifted[d] = v[d] - mu[d];
         const float shifted_length = length_of(shifted.data(), D);
         if (shifted_length <= length) {

@@ -1,7 +1,7 @@
 """The rotated formats' C++ decode attention on the CPU (``kernels/rotated_cpu``).
 
 The operator is checked against the float64 softmax over the twin's decoded keys and values (codes of every bit
-width, centred keys with both signs of norm, a ring, a mask, an offset window, query groups, the mass), with the
+width, centred keys with both signs of norm, keys relative to a turning centre, a ring, a mask, an offset window, query groups, the mass), with the
 codes outside the window and the norms of masked tokens poisoned (0xFF, NaN); then that the dispatcher sends CPU
 calls to it, eager and compiled (one node of the graph), that bad input gets an error naming the numbers, and
 that without it (no toolchain, or ``HF_KVPLUS_CPU_KERNELS=0``) the twin runs.
@@ -29,6 +29,7 @@ from hf_kvplus.kernels.rotated_format import (
     quantize_rotated,
     rotation,
 )
+from hf_kvplus.kernels.turning_center import RotaryBasis
 
 TOOLCHAIN = bool(shutil.which("c++") or shutil.which("g++")) and bool(
     shutil.which("ninja") or importlib.util.find_spec("ninja")
@@ -45,14 +46,15 @@ def built():
 
 def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, start=6, seed=0):
     """Codes of N tokens (keys around a common offset with a far-off first token, so a centred format codes both
-    signs of norm), q and a ring of R as the model gives them, and a mask over the window ``start .. N`` plus the
-    ring."""
+    signs of norm; `centred="turning"`: relative to a centre turning with RoPE, index 0 at position 3), q and a ring
+    of R as the model gives them, and a mask over the window ``start .. N`` plus the ring."""
     g = torch.Generator().manual_seed(seed)
-    fmt = RotatedFormat(key_bits, value_bits, seed=3, key_center=KeyCenter() if centred else None)
+    center = turning_center(D) if centred == "turning" else KeyCenter() if centred else None
+    fmt = RotatedFormat(key_bits, value_bits, seed=3, key_center=center)
     keys = torch.randn(B, Hkv, N, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
     keys[:, :, 0] = 6 * torch.randn(B, Hkv, D, generator=g)
     values = torch.randn(B, Hkv, N, D, generator=g)
-    kc, kn = quantize_rotated(keys, fmt, "keys")
+    kc, kn = quantize_rotated(keys, fmt, "keys", torch.arange(N) if centred == "turning" else None)
     vc, vn = quantize_rotated(values, fmt, "values")
     q = torch.randn(B, Hkv * G, D, generator=g)
     ring_k, ring_v = torch.randn(B, Hkv, R, D, generator=g), torch.randn(B, Hkv, R, D, generator=g)
@@ -61,12 +63,20 @@ def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, s
     return fmt, PackedKV(kc, kn, None, vc, vn, None), q, ring_k, ring_v, mask, start
 
 
+def turning_center(D: int) -> KeyCenter:
+    """A key centre turning with a partial RoPE (the last quarter of the channels does not turn), index 0 at 3."""
+    rotary = D - D // 4 // 2 * 2
+    return KeyCenter(RotaryBasis(1.0 / 100.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary), D), 3)
+
+
 def reference(fmt, packed, q, ring_k, ring_v, mask, start, scale):
     """float64 (output [B, Hq, D], mass [B, Hkv, L]) over the decoded window and the ring, in the rotated space
     (q and the ring rotated in, the output rotated back)."""
     r = rotation(q.shape[-1], fmt.seed).double()
     q, ring_k, ring_v = q.double() @ r, ring_k.double() @ r, ring_v.double() @ r
-    k = dequantize_rotated(packed.k[:, :, start:], packed.k_scale[:, :, start:], fmt, "keys", rotated_space=True)
+    turning = fmt.key_center is not None and fmt.key_center.turns is not None
+    k = dequantize_rotated(packed.k[:, :, start:], packed.k_scale[:, :, start:], fmt, "keys", rotated_space=True,
+                           positions=torch.arange(start, packed.k.shape[2]) if turning else None)  # fmt: skip
     v = dequantize_rotated(packed.v[:, :, start:], packed.v_scale[:, :, start:], fmt, "values", rotated_space=True)
     k, v = torch.cat([k, ring_k], 2).double(), torch.cat([v, ring_v], 2).double()
     B, Hq, D = q.shape
@@ -98,7 +108,7 @@ def test_the_operator_builds_where_there_is_a_toolchain():
 @pytest.mark.parametrize(
     "key_bits,value_bits,D,centred",
     [(4, 2, 32, True), (3, 2, 32, True), (4, 4, 64, False), (2, 3, 64, True), (8, 1, 32, False), (1, 8, 40, True),
-     (3, 3, 48, False)],
+     (3, 3, 48, False), (4, 2, 64, "turning"), (3, 2, 32, "turning"), (8, 4, 48, "turning")],
 )  # fmt: skip
 @pytest.mark.parametrize("G,ring_rotated", [(1, False), (3, True)])
 def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G,
@@ -122,10 +132,10 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
 
 
 @needs_operator
-@pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (3, 4), (1, 2)])
-def test_a_short_window_decodes_its_keys_in_place(key_bits, value_bits):
+@pytest.mark.parametrize("key_bits,value_bits,centred", [(4, 2, True), (3, 4, True), (1, 2, True), (2, 2, "turning")])
+def test_a_short_window_decodes_its_keys_in_place(key_bits, value_bits, centred):
     """Under `kTableMin` code positions the keys' scores come from decoded codes, not from per-query tables."""
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=True, N=40, G=2)
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=centred, N=40, G=2)
     want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
     out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 40 - start, 0.3,
                                                          ring_k, ring_v, mask, True)  # fmt: skip

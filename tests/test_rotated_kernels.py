@@ -44,6 +44,7 @@ from hf_kvplus.kernels.rotated_format import (
     rotation,
 )
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
+from hf_kvplus.kernels.turning_center import RotaryBasis
 
 POISON_CODE = 0xFF
 
@@ -65,11 +66,13 @@ def offset_keys(L, Hkv, T, D):
 
 def coded(fmt, L, Hkv, T, D, Dv):
     """PackedKV of random keys/values [L, Hkv, T, D/Dv] coded by the twin, and their rotated float64 decodings."""
-    kc, kn = quantize_rotated(offset_keys(L, Hkv, T, D), fmt, "keys")
+    turning = fmt.key_center is not None and fmt.key_center.turns is not None
+    positions = torch.arange(T) if turning else None  # a turning centre: at the buffer indices (dense layouts)
+    kc, kn = quantize_rotated(offset_keys(L, Hkv, T, D), fmt, "keys", positions)
     if fmt.key_center is not None and T >= 8:
         assert (kn < 0).any() and (kn >= 0).any(), "a centred format coded every key alike"
     vc, vn = quantize_rotated(torch.randn(L, Hkv, T, Dv), fmt, "values")
-    k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, rotated_space=True)
+    k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, rotated_space=True, positions=positions)
     v_hat = dequantize_rotated(vc, vn, fmt, "values", torch.float64, rotated_space=True)
     return PackedKV(kc, kn, None, vc, vn, None), k_hat, v_hat
 
@@ -142,16 +145,23 @@ ATTENTION_CASES = [
     (4, 2, 96, 64, 2, 2, 2, None, 2, 30, 3, (1, 0), 2, False),  # value head dim != key head dim
     (2, 2, 96, 96, 2, 2, 1, None, 4, 25, 5, (0, 27), None, True),  # row 1: only the last residual keys
     (3, 3, 96, 96, 2, 2, 2, 8, 0, 30, 2, (3, 0), 2, True),
+    (4, 2, 64, 64, 2, 2, 2, None, 5, 60, 5, (0, 20), 2, "turning"),  # a turning centre (dense: buffer indices)
+    (3, 2, 96, 96, 2, 2, 3, None, 0, 40, 3, None, None, "turning"),
 ]
 
 
 def _case_id(c):
-    return f"k{c[0]}v{c[1]}-d{c[2]}-{'dense' if c[7] is None else f'bs{c[7]}'}-g{c[6]}{'-centred' if c[13] else ''}"
+    centred = "-turning" if c[13] == "turning" else "-centred" if c[13] else ""
+    return f"k{c[0]}v{c[1]}-d{c[2]}-{'dense' if c[7] is None else f'bs{c[7]}'}-g{c[6]}{centred}"
 
 
-def layer_format(key_bits, value_bits, seed, centred=True):
-    """A cache layer's format (its keys centred, the centre set by the first keys it codes), or a plain one."""
+def layer_format(key_bits, value_bits, seed, centred=True, head_dim=64):
+    """A cache layer's format (its keys centred, the centre set by the first keys it codes; `centred="turning"`: a
+    centre turning with a RoPE of base 500 over every channel, index 0 at position 4), or a plain one."""
     fmt = RotatedFormat(key_bits, value_bits, seed)
+    if centred == "turning":
+        inv_freq = 1.0 / 500.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        return fmt.for_layer(0, turns=RotaryBasis(inv_freq, head_dim), origin=4)
     return fmt.for_layer(0) if centred else fmt
 
 
@@ -159,7 +169,7 @@ def layer_format(key_bits, value_bits, seed, centred=True):
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[_case_id(c) for c in ATTENTION_CASES])
 def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
     kb, vb, D, Dv, B, Hkv, G, bs, start, length, R, pads, num_splits, centred = case
-    fmt = layer_format(kb, vb, 3, centred)
+    fmt = layer_format(kb, vb, 3, centred, D)
     lay = Layout(fmt, B, Hkv, D, Dv, start, length, bs)
     q = torch.randn(B, Hkv * G, D)
     rk, rv = residual(B, Hkv, R, D, Dv)
@@ -233,9 +243,9 @@ def test_attention_validates(seed):
 # ---------------------------------------------------------------------------------------------------
 
 
-def assert_matches_twin(codes, norms, x, fmt, side, what):
+def assert_matches_twin(codes, norms, x, fmt, side, what, positions=None):
     """Codes bit for bit, norms to one float16 ulp (and nearly all exactly)."""
-    want_codes, want_norms = quantize_rotated(x, fmt, side)
+    want_codes, want_norms = quantize_rotated(x, fmt, side, positions)
     assert codes.dtype == torch.uint8 and norms.dtype == torch.float16
     assert torch.equal(codes, want_codes), f"{what}: codes differ from the twin's"
     ulps = (norms.view(torch.int16).int() - want_norms.view(torch.int16).int()).abs()
@@ -364,6 +374,41 @@ def quantize_op_args(with_slots, centred=False):
     norms = torch.zeros(B, H, rows, 1, dtype=torch.float16)
     center = x[:, :, 1:].mean(dim=(0, 2)) if centred else None
     return x, fmt.key_bits, fmt.value_bits, fmt.seed, "values", codes, norms, slots, center
+
+
+@pytest.mark.parametrize("case", PACK_CASES[1::3], ids=[f"{c[0]}bit-d{c[1]}-{str(c[2])[6:]}" for c in PACK_CASES[1::3]])
+def test_quantize_turning_matches_twin(seed, poisoned_empty, case):
+    # Keys relative to a turning centre at buffer indices 7 ..: the twin's codes (the centre set by the same keys).
+    bits, D, dtype, B, H, T = case
+    x = offset_keys(B, H, T, D).to(dtype)
+    positions = torch.arange(7, 7 + T)
+    fmt = layer_format(bits, 2, 7, "turning", D)
+    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", positions=positions)
+    assert fmt.key_center.mu is not None and (norms < 0).any() and (norms >= 0).any()
+    assert_matches_twin(codes, norms, x, fmt, "keys", f"turning {bits} bits {dtype}", positions)
+
+
+def test_cuda_implementations_take_a_turning_centre(seed):
+    # The ops' CUDA bodies with a turning centre's tensors (under the interpreter): the attention's against the Triton
+    # path reading the centre from the format, the quantize op's (the centre of each token) against Triton's codes.
+    fmt = layer_format(3, 2, 5, "turning")
+    lay = Layout(fmt, 2, 2, 64, 64, 3, 30)
+    q, (rk, rv), mask = torch.randn(2, 4, 64), residual(2, 2, 4, 64, 64), left_padding(2, 34, (0, 5))
+    kw = dict(start=3, length=30, scale=0.125, residual_k=rk, residual_v=rv, mask=mask, num_splits=2, check=False)
+    want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw)[0]
+    center = fmt.key_center
+    args = (*attention_op_args(fmt, lay, q, rk, rv, mask, 0.125)[:-1], None,
+            center.query_weights(q, rotated=True), center.rows(33, q.device))  # fmt: skip
+    assert_same(ops.rotated_decode_attention_cuda(*args), want, seed, "rotated attention, turning centre")
+    plain = RotatedFormat(3, 2, 5, KeyCenter.given(center.mu, 5))  # the wrong centre: a different output
+    assert not torch.allclose(rotated_decode_attention_triton(q, lay.packed, plain, **kw)[0], want, atol=1e-3)
+
+    x = offset_keys(2, 2, 12, 64)
+    positions = torch.arange(20, 32)
+    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", positions=positions)
+    codes2, norms2 = torch.empty_like(codes), torch.empty_like(norms)
+    ops.quantize_rotated_cuda(x, 3, 2, 5, "keys", codes2, norms2, None, center.at(positions, rotated=False))
+    assert_same((codes2, norms2), (codes, norms), seed, "quantize_rotated, turning centre")
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])

@@ -175,5 +175,7 @@ def test_bad_input_names_the_numbers():
         op(x, r, boundaries, centroids, None, 3, True)
     with pytest.raises(RuntimeError, match=r"rotation must be float32 \[32, 32\], got \[16, 16\]"):
         op(x, rotation(16, 0), boundaries, centroids, None, 4, True)
-    with pytest.raises(RuntimeError, match=r"centre must be float32 \[2, 32\], got \[3, 32\]"):
+    with pytest.raises(RuntimeError, match=r"centre must be float32 \[2, 32\] or \[2, 3, 32\], got \[3, 32\]"):
         op(x, r, boundaries, centroids, torch.zeros(3, 32), 4, True)
+    with pytest.raises(RuntimeError, match=r"or \[2, 3, 32\], got \[2, 4, 32\]"):  # a centre per token: T of them
+        op(x, r, boundaries, centroids, torch.zeros(2, 4, 32), 4, True)
