@@ -7,8 +7,10 @@ from collections.abc import Callable, Mapping
 from transformers import PreTrainedConfig
 
 from .cache import KVCache
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModelError
+from .eviction.rope import RotaryShift
 from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
+from .kernels.turning_center import RotaryBasis
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .precision import PrecisionRegions, precision_report
@@ -42,6 +44,7 @@ def quantized_storage(
     max_tokens: int | None = None,
     rotation_seed: int = 0,
     regions: PrecisionRegions | None = None,
+    turning_keys: bool | None = None,
 ) -> Callable[[LayerSpec], KVStorage]:
     """A `KVCache` storage factory holding K/V quantized: combine it with any retention.
 
@@ -50,7 +53,7 @@ def quantized_storage(
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
     `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
     boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives `layer_bits`'s layers
-    their own format.
+    their own format. `turning_keys`: see `QuantizedCache`.
     """
     regions = regions or PrecisionRegions(window=window)
     window = regions.window
@@ -69,6 +72,7 @@ def quantized_storage(
         raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r} (or a layer's own bits)")
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens, regions.first)  # bad sizes fail here, not at a forward
+    turns = turning_basis(config, turning_keys, max_tokens, any(f is not None and f.rotated for f in formats.values()))
 
     def segment(fmt=fmt) -> QuantizedSegment:
         if backend == "quanto":
@@ -88,13 +92,41 @@ def quantized_storage(
         if layer_fmt is None:  # a layer at full precision
             static = max_tokens is not None and spec.kind == "full"
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
-        layer_fmt = layer_fmt.for_layer(spec.index)
         first = regions.first if spec.kind == "full" else 0
+        if turns is not None and layer_fmt.rotated and spec.kind == "full":  # the keys' centre turns with RoPE
+            layer_fmt = layer_fmt.for_layer(spec.index, turns=turns, origin=first)
+        else:
+            layer_fmt = layer_fmt.for_layer(spec.index)
         if max_tokens is not None and spec.kind == "full":
             return StaticQuantizedStorage(layer_fmt, window, max_tokens, first)
         return QuantizedStorage(segment(layer_fmt), window=window, first=first)
 
     return storage
+
+
+def turning_basis(
+    config: PreTrainedConfig, turning_keys: bool | None, max_tokens: int | None, rotated: bool
+) -> RotaryBasis | None:
+    """The rotary basis that a rotated format's key centre turns with (`kernels/turning_center.py`), or None: a fixed
+    centre. `turning_keys` None: turning where it can (rotated formats, a model with rotate-half RoPE, growing storage:
+    not `max_tokens`), True: turning or a `ConfigError` saying why not, False: fixed."""
+    if turning_keys is False or (turning_keys is None and not rotated):
+        return None
+    why = None
+    if not rotated:
+        why = "only a rotated format's keys have a centre"
+    elif max_tokens is not None:
+        why = "max_tokens's static storage adds one centre per head"
+    else:
+        try:
+            shift = RotaryShift.from_config(config)
+        except UnsupportedModelError as exc:
+            why = str(exc)
+    if why is None:
+        return RotaryBasis(shift.inv_freq, shift.head_dim)
+    if turning_keys:
+        raise ConfigError(f"turning_keys=True: the keys' centre cannot turn here ({why})")
+    return None
 
 
 class QuantizedCache(KVCache):
@@ -119,6 +151,12 @@ class QuantizedCache(KVCache):
     `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a format of its own: what `kvplus
     calibrate` chooses (`Calibration.load(path).layer_bits`; spec `calibration=PATH`).
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
+    `turning_keys`: a rotated format's keys are coded relative to a centre per KV head; by default (None) on
+    full-attention layers of the growing storage that centre turns with RoPE, the keys' pre-RoPE mean at each key's
+    position (`kernels/turning_center.py`; spec `center=turning`), which codes a model's keys with about a quarter
+    less divergence from full precision than a fixed centre at the same bytes (BENCHMARKS.md, "turning key centre");
+    False (spec `center=fixed`): one fixed centre per head, as `max_tokens`'s static storage, sliding layers and
+    models without rotate-half RoPE have; True: turning or a `ConfigError` saying why not.
     Works for full, sliding-window and hybrid models. `backend="quanto"` quantizes the same groups with
     optimum-quanto instead (dequantized for attention), for comparison.
 
@@ -155,6 +193,7 @@ class QuantizedCache(KVCache):
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
+        turning_keys: bool | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -165,7 +204,7 @@ class QuantizedCache(KVCache):
         self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,
-            max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions,
+            max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions, turning_keys=turning_keys,
         )  # fmt: skip
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         self.format = resolve_format(self.model_spec, 4 if bits is None else bits, group_size, rotation_seed)

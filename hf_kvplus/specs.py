@@ -21,6 +21,8 @@
                             precision, or at `boundary_bits=int8|...`); `seed=N` (default 0) picks a rotated
                             format's rotations (`rotation_seed`: layer i rotates with N + i), e.g.
                             `quantized:k4v2:seed=1`; a KIVI format has no rotation and refuses it;
+                            `center=turning|fixed`: a rotated format's key centre turns with RoPE (the
+                            default where the model and storage allow: not with `max_tokens`) or not;
                             `calibration=PATH` holds some layers at other bits, as `kvplus calibrate` chose
                             for this model and format (also for `paged-quantized` and `offloaded-quantized`)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
@@ -272,12 +274,14 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
-        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed"} | REGION_OPTIONS
+        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed", "center"} | REGION_OPTIONS
                      | CALIBRATION_OPTION)
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
         _check_seed(spec)
+        if spec.kwargs.get("center", "turning") not in ("turning", "fixed"):
+            raise ConfigError(f"cache spec {spec.text!r}: center must be 'turning' or 'fixed', got {spec.kwargs['center']!r}")
         for key in ("group", "window", "max_tokens"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
@@ -485,6 +489,7 @@ def _quantized(config, args, kwargs, max_length):
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         backend=kwargs.get("backend", "kvplus"),
         rotation_seed=_seed(kwargs),
+        turning_keys={"turning": True, "fixed": False}.get(kwargs.get("center")),
         **_static_options(kwargs, max_length),
         **_regions(kwargs),
         **_calibrated(config, args[0], kwargs),

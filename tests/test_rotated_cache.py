@@ -17,6 +17,7 @@ from hf_kvplus import (
     SinkCache,
     cache_kwargs,
 )
+from hf_kvplus.eviction.rope import RotaryShift
 from hf_kvplus.kernels.rotated_format import RotatedFormat
 from hf_kvplus.specs import parse_cache_spec
 
@@ -113,13 +114,22 @@ def offset_keys(batch, tokens, seed, heads=2, head_dim=64):
     return keys.to(torch.get_default_device())
 
 
+def turned(keys: torch.Tensor, cfg) -> torch.Tensor:
+    """`keys` [B, H, T, D] as the model's RoPE leaves them: token t turned to position t."""
+    positions = torch.arange(keys.shape[2]).expand(*keys.shape[:2], -1)
+    return RotaryShift.from_config(cfg).unrotate(keys, -positions)
+
+
 @pytest.mark.parametrize("kind", ["quantized", "static", "paged", "offloaded"])
 def test_keys_are_coded_relative_to_a_centre(kind, monkeypatch):
-    """With a common offset per head, centred keys decode closer than plain ones (same bytes); the far-off sink is
-    coded plainly, not relative to the centre, and decodes no worse than a plain code would."""
+    """With a common offset per head (before RoPE where the storage's centre turns with it, after RoPE where it is
+    fixed), centred keys decode closer than plain ones (same bytes); the far-off sink is coded plainly, not relative
+    to the centre, and decodes no worse than a plain code would."""
     from hf_kvplus.kernels import rotated_format
 
+    turning = kind in ("quantized", "offloaded")  # growing storage: the default centre turns
     keys, values = offset_keys(2, 120, seed=1), torch.randn(2, 2, 120, 64)
+    keys = turned(keys, config()) if turning else keys
     errors = {}
     for centred in (True, False):
         monkeypatch.setattr(rotated_format, "CENTER_KEYS", centred)
@@ -127,9 +137,62 @@ def test_keys_are_coded_relative_to_a_centre(kind, monkeypatch):
         cache.update(keys, values, 0)
         held = cache.layers[0].keys
         errors[centred] = ((held - keys).norm(dim=-1) / keys.norm(dim=-1))[:, :, :100]  # the window is exact
-        assert cache.layers[0].storage.fmt.key_center is (cache.layers[0].storage.fmt.key_center if centred else None)
+        center = cache.layers[0].storage.fmt.key_center
+        assert (center is not None) == centred and (not centred or (center.turns is not None) == turning)
     assert errors[True][:, :, 1:].mean() < 0.5 * errors[False][:, :, 1:].mean(), errors
     assert torch.allclose(errors[True][:, :, 0], errors[False][:, :, 0]), "the sink was coded relative to the centre"
+
+
+def test_the_turning_centre_codes_rope_keys_closer_and_switches_off():
+    """Keys with a pre-RoPE offset, as a model's: the default (turning) centre decodes them closer than a fixed one
+    (`turning_keys=False`, spec `center=fixed`)."""
+    cfg = config()
+    keys, values = turned(offset_keys(1, 300, seed=5), cfg), torch.randn(1, 2, 300, 64)
+    errors = {}
+    for kind, cache in (("turning", QuantizedCache(cfg, bits="k3v2", window=8)),
+                        ("fixed", parse_cache_spec("quantized:k3v2:window=8:center=fixed").build(cfg))):  # fmt: skip
+        cache.update(keys, values, 0)
+        center = cache.layers[0].storage.fmt.key_center
+        assert (center.turns is not None) == (kind == "turning") and center.mu is not None
+        errors[kind] = ((cache.layers[0].keys - keys).norm(dim=-1) / keys.norm(dim=-1))[:, :, 4:290].mean()
+    assert errors["turning"] < 0.7 * errors["fixed"], errors
+
+
+@pytest.mark.parametrize("path", ["operator", "twin"])
+def test_a_decode_step_reads_the_turning_centre_as_the_dense_view_does(path, monkeypatch):
+    """A decode step over turning-centre codes (the C++ operator, or the twin where it is not built) gives the logits of
+    a dense attention over the cache's decoded keys and values (the dense view, made as a prefill reads the codes)."""
+    from hf_kvplus.kernels import rotated_cpu
+
+    if path == "twin":
+        monkeypatch.setattr(rotated_cpu, "available", lambda: False)
+    model = get_model("llama")
+    prompt, step = make_prompt(60, seed=2), torch.tensor([[7]])
+    cache = QuantizedCache(model.config, bits="k3v2", window=4)
+    model(prompt, **cache_kwargs(cache))
+    assert all(layer.storage.fmt.key_center.turns is not None for layer in cache.layers)
+    dense = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        dense.update(layer.keys.clone(), layer.values.clone(), i)
+    got, want = (model(step, **cache_kwargs(c)).logits for c in (cache, dense))
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    fixed = QuantizedCache(model.config, bits="k3v2", window=4, turning_keys=False)  # a centre that does not turn
+    model(prompt, **cache_kwargs(fixed))
+    assert not torch.allclose(model(step, **cache_kwargs(fixed)).logits, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bits": "k4v2", "max_tokens": 64, "turning_keys": True}, "static storage adds one centre per head"),
+    ({"bits": "int4", "turning_keys": True}, "only a rotated format"),
+])  # fmt: skip
+def test_a_turning_centre_where_it_cannot_turn_is_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        QuantizedCache(config(), **kwargs)
+    static = QuantizedCache(config(), bits="k4v2", max_tokens=256)  # left to the default: fixed there
+    static.update(torch.randn(1, 2, 70, 64), torch.randn(1, 2, 70, 64), 0)
+    assert static.layers[0].storage.fmt.key_center.turns is None
+    with pytest.raises(ConfigError, match="center must be"):
+        parse_cache_spec("quantized:k4v2:center=spinning").build(config())
 
 
 def test_a_centre_is_set_once_and_shared_by_a_pools_caches():

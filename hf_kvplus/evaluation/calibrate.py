@@ -159,11 +159,11 @@ def calibrate(
                               rotation_seed=seed, layer_bits=layer_bits)  # fmt: skip
 
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-                "first_tokens": first_tokens}  # fmt: skip
+                "first_tokens": first_tokens, "key_center": key_center(cache())}  # fmt: skip
     known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
     known_base: dict[int, float] = {}
     for earlier in reuse:
-        theirs = earlier.measured | {"model": earlier.model, "bits": earlier.bits}
+        theirs = {"key_center": "fixed"} | earlier.measured | {"model": earlier.model, "bits": earlier.bits}
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
             raise ConfigError(f"a reused calibration was measured otherwise ({differs}; this one: {protocol})")
@@ -217,7 +217,8 @@ def calibrate(
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-            "first_tokens": first_tokens, "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
+            "first_tokens": first_tokens, "key_center": protocol["key_center"],
+            "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
             "candidates": list(candidates), "budget_tokens": budget_tokens,
             "allocation": "exact multiple-choice knapsack over the layers",
             "objective": "mean KL(full || quantized) of the next-token distributions, nats per token"
@@ -234,6 +235,14 @@ def calibrate(
         },
     )  # fmt: skip
     return calibration, options
+
+
+def key_center(cache: QuantizedCache) -> str:
+    """`turning` where a layer's keys are coded relative to a centre turning with RoPE, else `fixed` (calibrations
+    measured before the turning centre say nothing: fixed)."""
+    formats = [getattr(layer.storage, "fmt", None) for layer in cache.layers]
+    centers = [getattr(f, "key_center", None) for f in formats]
+    return "turning" if any(c is not None and c.turns is not None for c in centers) else "fixed"
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, ConfigError
 from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
 from ..memory import MemoryReport, tensor_bytes
@@ -31,6 +31,9 @@ class PackedSegment(QuantizedSegment):
 
     def __init__(self, fmt: QuantFormat):
         self.fmt = fmt
+        #: Keys coded relative to a turning centre (`kernels/turning_center.py`), at their buffer index: the buffers
+        #: are read from index 0 and never compacted (a full-attention layer drops no token from the front).
+        self.turning = getattr(getattr(fmt, "key_center", None), "turns", None) is not None
         self.buffers: PackedKV | None = None
         self.start = self.end = 0
         self.granule = fmt.group_size * -(-64 // fmt.group_size)
@@ -69,19 +72,20 @@ class PackedSegment(QuantizedSegment):
             self._compact(self.length + n)
         g, e = self.fmt.group_size, self.end
         b = self.buffers
-        quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g), check=False)
+        quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g), check=False,
+                      index=e)  # fmt: skip
         quantize_values(values, self.fmt, out=_out(b.v[:, :, e : e + n], b.v_scale, b.v_zero, e, e + n), check=False)
         self._note_written(e, e + n)
         self.end += n
 
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
         lo, hi = self.start + first, self.start + last
-        a, b = self._groups(lo, hi)
+        a, b = self._groups(0 if self.turning else lo, hi)
         return b.dequantized(self.fmt, lo - a, hi - a, dtype or self.dtype)
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
         lo = self.start + first
-        a, groups = self._groups(lo, lo + count)
+        a, groups = self._groups(0 if self.turning else lo, lo + count)
         return quantized_read(groups, self.fmt, lo - a, count, recent_k, recent_v, None, dense)
 
     def _groups(self, lo: int, hi: int) -> tuple[int, PackedKV]:
@@ -96,6 +100,11 @@ class PackedSegment(QuantizedSegment):
         return a, cut[2]
 
     def drop_front(self, count: int) -> None:
+        if self.turning:
+            raise ConfigError(
+                f"dropping {count} tokens from the front would move codes made relative to a turning key centre at "
+                "their buffer index (only full-attention layers take one)"
+            )
         self.start += count  # the next append compacts (or empties) the buffers
 
     def truncate(self, keep: int) -> None:
