@@ -13,7 +13,8 @@ DynamicCache on the same ids and chunks (measured once per text and chunk size).
 rotation_seed=<seed>)` for every `--configs` x `--firsts` x `--boundaries` x `--seeds`; a boundary is `0` (none),
 `1` (the first and last layer at the model's precision), `1@int8` (at int8: `boundary_bits=int8`) or `cal=NAME`
 (the layers `kvplus calibrate` chose, read from `--calibrations/NAME/calibration.json`: `layer_bits`). Every
-region is given explicitly, so a preset's default never enters a row. Bits per coordinate:
+region is given explicitly, so a preset's default never enters a row; so is the keys' centre (`--centers`: `turning`,
+the cache's default, and or `fixed`, `turning_keys=False`; rows from before the turning centre have none: fixed). Bits per coordinate:
 `quantized_report()["bits_per_coordinate"]` after the run: every token outside the window, the exact regions
 counted at their dtype (float32 here, as the model runs on the CPU).
 
@@ -83,12 +84,18 @@ def label(row: dict) -> str:
     boundary = f":boundary={layers}" + (f":boundary_bits={bits}" if bits else "")
     if row["boundary"].startswith("cal="):
         boundary = f":calibration={calibration_path(row['boundary']).relative_to(Path(__file__).parent.parent)}"
-    return f"quantized:{row['config']}:window={row['window']}:first={row['first']}{boundary}:seed={row['seed']}"
+    return (f"quantized:{row['config']}:window={row['window']}:first={row['first']}{boundary}:seed={row['seed']}"
+            f":center={center(row)}")  # fmt: skip
+
+
+def center(row: dict) -> str:
+    """The key centre a row's cache had: `turning` or `fixed` (rows measured before the turning centre: fixed)."""
+    return row.get("center", "fixed")
 
 
 def key(row: dict) -> tuple:
     return (row["text"], row["chunk"], row["tokens"], row["window"], row["config"], row["first"], row["boundary"],
-            row["seed"])  # fmt: skip
+            row["seed"], center(row))  # fmt: skip
 
 
 def standard_error(nll: torch.Tensor, base: list[float]) -> float:
@@ -106,13 +113,14 @@ def read_runs(path: Path) -> list[dict]:
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (config, first, boundary, text, chunk): mean, min and max over seeds, bits."""
     table = []
-    groups = dict.fromkeys((r["config"], r["first"], r["boundary"], r["text"], r["chunk"]) for r in runs
+    groups = dict.fromkeys((r["config"], r["first"], r["boundary"], r["text"], r["chunk"], center(r)) for r in runs
                            if r["config"] != "dynamic")  # fmt: skip
-    for config, first, boundary, text, chunk in sorted(groups, key=lambda g: (g[0], g[3], g[4], g[1], g[2])):
-        mine = [r for r in runs if (r["config"], r["first"], r["boundary"], r["text"], r["chunk"]) ==
-                (config, first, boundary, text, chunk)]  # fmt: skip
+    for config, first, boundary, text, chunk, kind in sorted(groups, key=lambda g: (g[0], g[3], g[4], g[1], g[2], g[5])):
+        mine = [r for r in runs if (r["config"], r["first"], r["boundary"], r["text"], r["chunk"], center(r)) ==
+                (config, first, boundary, text, chunk, kind)]  # fmt: skip
         deltas = [r["delta_pct"] for r in mine]
-        table.append({"config": config, "first": first, "boundary": boundary, "text": text.removeprefix("austen:"),
+        table.append({"config": config, "first": first, "boundary": boundary, "center": kind,
+                      "text": text.removeprefix("austen:"),
                       "chunk": chunk, "bits": statistics.fmean(r["bits_per_coordinate"] for r in mine),
                       "mean": statistics.fmean(deltas), "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}",
                       "seeds": len(mine), "seed0": next((r["delta_pct"] for r in mine if r["seed"] == 0), None),
@@ -120,7 +128,8 @@ def summarize(runs: list[dict]) -> list[dict]:
     return table
 
 
-COLUMNS = [("config", "config", ""), ("first", "first", "d"), ("boundary", "boundary", ""), ("text", "text", ""),
+COLUMNS = [("config", "config", ""), ("first", "first", "d"), ("boundary", "boundary", ""), ("center", "key centre", ""),
+           ("text", "text", ""),
            ("chunk", "chunk", "d"), ("bits", "bits/coord", ".3f"), ("mean", "delta % mean", "+.3f"),
            ("range", "min .. max", ""), ("seed0", "seed 0", "+.3f"), ("se0", "+- se", ".3f"),
            ("seeds", "seeds", "d")]  # fmt: skip
@@ -203,6 +212,8 @@ def main(argv=None) -> None:
     parser.add_argument("--boundaries", nargs="+", default=["0", "1"], type=lambda t: parse_boundary(t) and t,
                         help="boundary layers: 0, 1, 1@int8 (the boundary layers at int8) or cal=NAME (a calibration)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rotation seeds")
+    parser.add_argument("--centers", nargs="+", default=["turning"], choices=["turning", "fixed"],
+                        help="the keys' centre: turning with RoPE (the cache's default) or fixed")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--report-only", action="store_true", help="write the tables from runs.jsonl, measure nothing")
     parser.add_argument("--dry-run", action="store_true", help="every row tiny: 300 tokens, window 64, seed 0")
@@ -222,9 +233,10 @@ def main(argv=None) -> None:
     model, tokenizer = load_model(args.model)
     # Rows ordered chunk size, then seed, then text: a grid stopped early has every setting on every text at seed 0.
     plan = [{"text": text, "chunk": chunk, "tokens": args.tokens, "window": args.window, "config": config,
-             "first": first, "boundary": boundary, "seed": seed}
+             "first": first, "boundary": boundary, "seed": seed, "center": kind}
             for chunk, seed, text in itertools.product(args.chunks, args.seeds, args.texts)
-            for config, first, boundary in itertools.product(args.configs, args.firsts, args.boundaries)]  # fmt: skip
+            for config, first, boundary, kind in itertools.product(args.configs, args.firsts, args.boundaries,
+                                                                   args.centers)]  # fmt: skip
     todo = [row for row in plan if key(row) not in done]
     ids, bases = {}, {(r["text"], r["chunk"], r["tokens"], r["window"]): r for r in runs if r["config"] == "dynamic"}
     nll_file = args.out / "dynamic_nll.json"
@@ -252,7 +264,8 @@ def main(argv=None) -> None:
                                 "perplexity": result.perplexity, "seconds": result.seconds}  # fmt: skip
                 record(bases[where])
         cache = QuantizedCache(model.config, bits=row["config"], window=args.window, first_tokens=row["first"],
-                               rotation_seed=row["seed"], **region_options(row["boundary"], row["config"], args.calibrations))  # fmt: skip
+                               rotation_seed=row["seed"], turning_keys=row["center"] == "turning",
+                               **region_options(row["boundary"], row["config"], args.calibrations))  # fmt: skip
         result = perplexity(model, ids[text], cache, mode="chunked", chunk_size=chunk, label=label(row))
         ratio = result.perplexity / bases[where]["perplexity"]
         row |= {"spec": label(row), "perplexity": result.perplexity, "seconds": result.seconds,

@@ -21,8 +21,14 @@
   (`center+sinks` with each key channel divided by its spread over those first coded tokens before the rotation,
   and multiplied back after: KVQuant's per-channel scaling, issue 46); `pre-rope-keys+center+sinks` (`center+sinks`
   on the keys rotated back to position 0, rotated to their positions again after decoding: KVQuant's pre-RoPE keys,
-  whose per-channel mean does not turn with the position, issue 46). `k16vY` rows keep keys exact: the values'
-  own share.
+  whose per-channel mean does not turn with the position, issue 46); `rope-center+sinks` (the same centre, the mean
+  of the keys rotated back to position 0, rotated to each key's position and subtracted there: the keys are coded
+  after RoPE, as a cache holds them, relative to a centre that turns with the position); `center+choice+sinks`
+  (`center+sinks` with `choice`'s plain codes: what `QuantizedCache` does, first 4 tokens exact); and
+  `rope-center+choice+sinks` (that, with the format's turning centre, `KeyCenter(RotaryBasis)`: the keys coded and
+  decoded by `quantize_rotated`/`dequantize_rotated` at their positions). Each run also records its KL from
+  DynamicCache's next-token distributions (millinats per token, far less noisy than the perplexity). `k16vY` rows
+  keep keys exact: the values' own share. With `--calibration`, each layer takes its `layer_bits` format.
 - `value-codes` (issue 46, item 2): what other codes at the same bits could gain. First, on `--stats-text` (not the
   evaluation's text), each layer's keys and values of a DynamicCache prefill, rotated as `QuantizedCache` rotates
   them (keys less their centre): the mean squared error of the shipped (Beta-model) codebook, of a codebook fitted
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -54,6 +61,7 @@ from transformers.cache_utils import DynamicLayer
 from hf_kvplus import QuantizedCache
 from hf_kvplus.calibration import Calibration
 from hf_kvplus.cli.common import tokenize
+from hf_kvplus.evaluation.calibrate import _chunked_pass
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.eviction.rope import RotaryShift
@@ -67,6 +75,7 @@ from hf_kvplus.kernels.rotated_format import (
     quantize_rotated,
     rotation,
 )
+from hf_kvplus.kernels.turning_center import RotaryBasis
 from hf_kvplus.resolve import load_model, load_text
 
 
@@ -121,16 +130,19 @@ def codebooks(args, model, ids, base) -> tuple[list[dict], str]:
     return rows, over_seeds(rows, args.configs, "codebook", ("lloyd-max", "uniform"))
 
 
-def over_seeds(rows: list[dict], configs, column: str, kinds) -> str:
-    """The table of each (config, kind in `column`): its delta's mean, min and max over the seeds."""
+def over_seeds(rows: list[dict], configs, column: str, kinds, *, kl: bool = False) -> str:
+    """The table of each (config, kind in `column`): its delta's mean, min and max over the seeds (and with `kl`, the
+    mean KL from DynamicCache's next-token distributions, millinats per token)."""
     table = []
     for name in configs:
         for kind in kinds:
-            deltas = [r["delta_pct"] for r in rows if r["config"] == name and r[column] == kind]
+            runs = [r for r in rows if r["config"] == name and r[column] == kind]
+            deltas = [r["delta_pct"] for r in runs]
             table.append({"config": name, column: kind, "mean": statistics.fmean(deltas),
-                          "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}", "runs": len(deltas)})  # fmt: skip
+                          "range": f"{min(deltas):+.3f} .. {max(deltas):+.3f}", "runs": len(deltas),
+                          "kl": statistics.fmean(r.get("kl_mnat", math.nan) for r in runs)})  # fmt: skip
     columns = [("config", "config", ""), (column, column, ""), ("mean", "delta % mean", "+.3f"),
-               ("range", "min .. max", ""), ("runs", "seeds", "d")]  # fmt: skip
+               ("range", "min .. max", ""), ("runs", "seeds", "d"), *([("kl", "KL mnat/token", ".3f")] if kl else [])]  # fmt: skip
     return format_table(table, columns)
 
 
@@ -154,7 +166,8 @@ def layer_bits(args, model, ids, base) -> tuple[list[dict], str]:
 
 #: The `centering` variants, and the first tokens each keeps exact.
 VARIANTS = {"base": 0, "sinks": 4, "center+sinks": 4, "choice": 0, "values-centered+sinks": 4,
-            "scaled-keys+center+sinks": 4, "pre-rope-keys+center+sinks": 4}
+            "scaled-keys+center+sinks": 4, "pre-rope-keys+center+sinks": 4, "rope-center+sinks": 4,
+            "center+choice+sinks": 4, "rope-center+choice+sinks": 4}
 
 
 def roundtrip(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
@@ -178,10 +191,12 @@ class CenteringLayer(DynamicLayer):
         self.coded = VARIANTS[variant]  # tokens before `coded` are done (the first ones kept exact)
         self.centers: list[torch.Tensor | None] = [None, None]
         self.scales: torch.Tensor | None = None  # the keys' per-channel spread (`scaled-keys+center+sinks`)
+        self.turning: RotatedFormat | None = None  # the keys' format, turning centre (`rope-center+choice+sinks`)
 
     def code(self, x: torch.Tensor, side: int) -> torch.Tensor:
         keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks", "scaled-keys+center+sinks",
-                                         "pre-rope-keys+center+sinks")  # fmt: skip
+                                         "pre-rope-keys+center+sinks", "rope-center+sinks", "center+choice+sinks",
+                                         "rope-center+choice+sinks")  # fmt: skip
         centered = keys_centered if side == 0 else self.variant == "values-centered+sinks"
         if not centered or self.bits[side] == 16:
             return roundtrip(x, self.bits[side], self.seed)
@@ -192,8 +207,12 @@ class CenteringLayer(DynamicLayer):
             if self.scales is None:
                 self.scales = (x.float() - mu).std(dim=2, keepdim=True).clamp_min(1e-6)
             return mu + self.scales * roundtrip((x - mu) / self.scales, self.bits[side], self.seed)
+        return self.shifted(x, mu, side)
+
+    def shifted(self, x: torch.Tensor, mu: torch.Tensor, side: int) -> torch.Tensor:
+        """x coded relative to mu; with a `choice` variant, plainly where x is shorter than x - mu."""
         shifted = mu + roundtrip(x - mu, self.bits[side], self.seed)
-        if self.variant != "choice":
+        if "choice" not in self.variant or side == 1:
             return shifted
         shorter = (x - mu).norm(dim=-1, keepdim=True) <= x.norm(dim=-1, keepdim=True)
         return torch.where(shorter, shifted, roundtrip(x, self.bits[side], self.seed))
@@ -204,10 +223,23 @@ class CenteringLayer(DynamicLayer):
         end = keys.shape[-2] - self.window
         if end > self.coded:
             part = slice(self.coded, end)
+            positions = torch.arange(self.coded, end).expand(*keys.shape[:2], -1)
             if self.variant == "pre-rope-keys+center+sinks":  # coded before RoPE, turned back to their positions
-                positions = torch.arange(self.coded, end).expand(*keys.shape[:2], -1)
                 before = self.code(self.rope.unrotate(keys[:, :, part], positions), 0)
                 keys[:, :, part] = self.rope.unrotate(before, -positions).to(keys.dtype)
+            elif self.variant == "rope-center+sinks" and self.bits[0] != 16:  # the pre-RoPE centre, turned
+                if self.centers[0] is None:
+                    self.centers[0] = self.rope.unrotate(keys[:, :, part], positions).mean(dim=2, keepdim=True)
+                mu = self.rope.unrotate(self.centers[0].expand_as(keys[:, :, part]), -positions)
+                keys[:, :, part] = self.shifted(keys[:, :, part].float(), mu, 0).to(keys.dtype)
+            elif self.variant == "rope-center+choice+sinks" and self.bits[0] != 16:  # the format's turning centre
+                if self.turning is None:
+                    basis = RotaryBasis(self.rope.inv_freq, keys.shape[-1])
+                    self.turning = RotatedFormat(self.bits[0], self.bits[0], self.seed, KeyCenter(basis))
+                tokens = torch.arange(self.coded, end)
+                codes, norms = quantize_rotated(keys[:, :, part], self.turning, "keys", tokens)
+                decoded = dequantize_rotated(codes, norms, self.turning, "keys", positions=tokens)
+                keys[:, :, part] = decoded.to(keys.dtype)
             else:
                 keys[:, :, part] = self.code(keys[:, :, part], 0).to(keys.dtype)
             values[:, :, part] = self.code(values[:, :, part], 1).to(values.dtype)
@@ -219,16 +251,19 @@ def centering(args, model, ids, base) -> tuple[list[dict], str]:
     rows = []
     plan = [(name, v, s) for name in args.configs for v in args.variants for s in args.seeds]
     rope = RotaryShift.from_config(model.config)
+    reference: list[torch.Tensor] = []  # DynamicCache's log-probabilities, for each run's KL from them
+    _chunked_pass(model, ids, DynamicCache(config=model.config), args.chunk, reference)
+    layer_bits = Calibration.load(args.calibration).layer_bits if args.calibration else {}
     for name, variant, seed in tqdm(plan, desc="runs"):
-        kb, vb = map(int, re.fullmatch(r"k(\d+)v(\d+)", name).groups())
-        layers = [CenteringLayer(i, kb, vb, seed, args.window, variant, rope)
-                  for i in range(model.config.num_hidden_layers)]  # fmt: skip
-        ppl = perplexity(model, ids, Cache(layers=layers), mode="chunked", chunk_size=args.chunk,
-                         label=f"{name} {variant} {seed}").perplexity  # fmt: skip
+        bits = [re.fullmatch(r"k(\d+)v(\d+)", str(layer_bits.get(i, name))).groups()
+                for i in range(model.config.num_hidden_layers)]  # fmt: skip
+        layers = [CenteringLayer(i, int(kb), int(vb), seed, args.window, variant, rope) for i, (kb, vb) in enumerate(bits)]
+        nll, kl = _chunked_pass(model, ids, Cache(layers=layers), args.chunk, reference)
+        ppl = math.exp(nll)
         rows.append({"config": name, "variant": variant, "seed": seed, "perplexity": ppl,
-                     "delta_pct": 100 * (ppl / base - 1)})  # fmt: skip
+                     "delta_pct": 100 * (ppl / base - 1), "kl_mnat": 1000 * kl})  # fmt: skip
         tqdm.write(json.dumps(rows[-1]))
-    return rows, over_seeds(rows, args.configs, "variant", args.variants)
+    return rows, over_seeds(rows, args.configs, "variant", args.variants, kl=True)
 
 
 def code_statistics(model, ids, seed: int, bits_list=(2, 3)) -> list[dict]:
@@ -336,6 +371,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ablation", choices=["codebooks", "layer-bits", "centering", "value-codes"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--text", default="austen:prideprejudice", help="the evaluation's text")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--window", type=int, default=128)
@@ -350,12 +386,12 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="layer-bits: rotation seed")
     parser.add_argument("--code-variants", nargs="+", default=list(CODE_VARIANTS), choices=CODE_VARIANTS,
                         help="value-codes: perplexity variants")
-    parser.add_argument("--calibration", type=Path, help="value-codes: a calibration.json, whose layer_bits to use")
+    parser.add_argument("--calibration", type=Path, help="value-codes, centering: a calibration.json, whose layer_bits to use")
     parser.add_argument("--stats-text", default="austen:persuasion", help="value-codes: the statistics' text")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m")
-    ids = tokenize(tokenizer, load_text("austen:prideprejudice"), args.tokens)
+    ids = tokenize(tokenizer, load_text(args.text), args.tokens)
     base = perplexity(model, ids, DynamicCache(config=model.config), mode="chunked", chunk_size=args.chunk).perplexity
     ablations = {"codebooks": codebooks, "layer-bits": layer_bits, "centering": centering, "value-codes": value_codes}
     run = ablations[args.ablation]
@@ -363,7 +399,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {**stamp(), "ablation": args.ablation, "args": {k: str(v) for k, v in vars(args).items()}, "dynamic": base}
     (args.out / f"{args.ablation}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    md = (f"{args.ablation}: smollm2-135m on austen:prideprejudice, first {ids.numel()} tokens, chunks of {args.chunk}, "
+    md = (f"{args.ablation}: smollm2-135m on {args.text}, first {ids.numel()} tokens, chunks of {args.chunk}, "
           f"window {args.window}; DynamicCache perplexity {base:.4f}; {meta['machine']}, {meta['date']}\n\n```\n{table}\n```\n")  # fmt: skip
     (args.out / f"{args.ablation}.md").write_text(md)
     print(md)
