@@ -50,7 +50,7 @@ from hf_kvplus.kernels.quant_pack import (
     quantize_values_triton,
 )
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
-from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation
+from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation, turning_key_center
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 __all__ = [
@@ -246,13 +246,14 @@ def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
     if path == "op":
         p = packed
         op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
-        center = fmt.key_center
-        turning = center is not None and center.mu is not None and center.turns is not None
-        turn = (center.query_weights(q_rot, rotated=True), center.rows(kw["start"] + kw["length"], q.device)) if turning else (None, None)
+        center, turning = fmt.key_center, turning_key_center(fmt)
+        turn = (None, None)
+        if turning is not None and turning.mu is not None:  # the query's weights and the basis rows of the codes
+            turn = turning.query_weights(q_rot, rotated=True), turning.rows(kw["start"] + kw["length"], q.device)
         result = op(
             q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
             *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
-            None if center is None or turning else center.rotated, *turn,
+            None if center is None or turning is not None else center.rotated, *turn,
         )  # fmt: skip
         result = result if with_mass else (result, None)
     elif path == "triton":
@@ -296,8 +297,7 @@ def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int = 0):
     ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc). `index`: the buffer index
     of x's first token, where a turning key centre (``kernels/turning_center.py``) codes it.
     """
-    center = getattr(fmt, "key_center", None)
-    turning = center is not None and center.turns is not None
+    turning = turning_key_center(fmt) is not None
     positions = torch.arange(index, index + x.shape[-2], device=x.device) if turning else None
     return _quantize(x, fmt, out, "keys", check, positions)
 
@@ -350,16 +350,15 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
 
 
 def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, path: str, check: bool, positions=None):
-    """A rotated format on CUDA: the custom operator while compiling (``check=False``; one centre per head), else the
-    Triton kernel."""
+    """A rotated format on CUDA: the custom operator while compiling (``check=False``; a turning centre goes to it as the
+    centre of each token), else the Triton kernel."""
     if path == "op":
         codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
         center = fmt.center_of(side)
         if center is not None and not fmt.inputs_rotated:
             center.observe(x, fmt.seed, positions)  # the layer's first keys set its centre (once; see rotated_format)
-        turning = center is not None and center.turns is not None
-        # a turning centre goes as the centre of each token [H, T, D] (what `centered` subtracts alike)
-        mu = None if center is None else center.at(positions, rotated=False) if turning else center.mu
+        turning = turning_key_center(fmt) is not None and side == "keys"
+        mu = None if center is None else center.at(positions, rotated=False) if turning else center.mu  # [H, (T,) D]
         custom_ops.quantize_rotated(
             x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
         )

@@ -98,6 +98,7 @@ from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
     from_plane_order,
     planes_of,
+    turning_key_center,
 )
 
 try:
@@ -862,8 +863,7 @@ def _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes=False):
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
     space = {"rotated_space": True, "planes": planes} if fmt.rotated else {}
-    center = getattr(fmt, "key_center", None)
-    at = {"positions": torch.arange(t0, t1, device=kc.device)} if center is not None and center.turns is not None else {}
+    at = {"positions": torch.arange(t0, t1, device=kc.device)} if turning_key_center(fmt) is not None else {}
     k = (dequantize_values if keys_per_token and not fmt.rotated else dequantize_keys)(kc, ks, kz, fmt, **space, **at)
     if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
         k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]

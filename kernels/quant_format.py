@@ -34,7 +34,7 @@ import torch
 
 from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, DTypeError, ShapeError
-from hf_kvplus.kernels.rotated_format import dequantize_rotated, quantize_rotated
+from hf_kvplus.kernels.rotated_format import dequantize_rotated, quantize_rotated, turning_key_center
 
 __all__ = [
     "BIT_WIDTHS",
@@ -202,8 +202,7 @@ class PackedKV:
     def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V (a turning key
         centre's indices counted from the buffers' first token)."""
-        center = getattr(fmt, "key_center", None)
-        turning = center is not None and center.turns is not None
+        turning = turning_key_center(fmt) is not None
         positions = torch.arange(self.k.shape[2], device=self.k.device) if turning else None
         k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt, dtype, positions=positions)
         v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt, dtype)

@@ -32,7 +32,7 @@ import torch
 from hf_kvplus.kernels.decode_attention import _is_interpreted
 from hf_kvplus.kernels.errors import ConfigError, KernelUnavailableError
 from hf_kvplus.kernels.quant_attention import LOG2E, _check_inputs, _dims, optional_args, split_decode
-from hf_kvplus.kernels.rotated_format import RotatedFormat, codebook
+from hf_kvplus.kernels.rotated_format import RotatedFormat, codebook, turning_key_center
 
 try:
     import triton
@@ -100,11 +100,11 @@ def _launch_rotated_split(
     )  # fmt: skip
     k_book = codebook(D, fmt.key_bits, q.device)[0]
     v_book = codebook(info.Dv, fmt.value_bits, q.device)[0]
-    center = fmt.key_center
-    if turn is None and center is not None and center.mu is not None and center.turns is not None:
+    center, turning = fmt.key_center, turning_key_center(fmt)
+    if turn is None and turning is not None and turning.mu is not None:
         # the query's weights (q is rotated) and the basis rows of indices 0 .. START + N - 1
-        turn = center.query_weights(q, rotated=True), center.rows(start + length, q.device)
-    k_mu = None if center is None or center.turns is not None else center.rotated
+        turn = turning.query_weights(q, rotated=True), turning.rows(start + length, q.device)
+    k_mu = None if center is None or turning is not None else center.rotated
     q_turn, turn_rows = (q, k_book) if turn is None else turn  # (never read without KEY_TURN)
     # fmt: off
     _rotated_split_kernel[(B, info.Hkv * plan.g_chunks, plan.num_splits)](

@@ -33,7 +33,14 @@ from pathlib import Path
 import torch
 
 from hf_kvplus.kernels import rotated_format
-from hf_kvplus.kernels.rotated_format import RotatedFormat, byte_table, codebook, coding_center, rotation
+from hf_kvplus.kernels.rotated_format import (
+    RotatedFormat,
+    byte_table,
+    codebook,
+    coding_center,
+    rotation,
+    turning_key_center,
+)
 
 __all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "supports"]
 
@@ -92,9 +99,8 @@ def rotated_decode_cpu(
     `quant_attention`'s twin computes it; the rotations of q and of the output happen inside."""
     D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
     center = fmt.key_center
-    centred = center is not None and center.mu is not None
-    turning = centred and center.turns is not None
-    k_center = center.rotated if centred and not turning else None
+    turning = turning_key_center(fmt) is not None and center.mu is not None
+    k_center = center.rotated if center is not None and center.mu is not None and not turning else None
     if residual_k is not None:
         residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
     end, device = start + length, q.device

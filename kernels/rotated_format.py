@@ -63,6 +63,7 @@ __all__ = [
     "pack_bits",
     "quantize_rotated",
     "rotation",
+    "turning_key_center",
     "unpack_bits",
 ]
 
@@ -155,7 +156,8 @@ class KeyCenter:
 
     @staticmethod
     def given(center: torch.Tensor | None, seed: int, *, rotated: bool = False) -> KeyCenter | None:
-        """A centre of a given tensor [H, D] (`rotated`: in the rotated space), or None (the custom ops' argument)."""
+        """A centre of a given tensor [H, D], or [H, T, D] (one per token: a turning centre at the tokens coded)
+        (`rotated`: in the rotated space), or None (the custom ops' argument)."""
         if center is None:
             return None
         made = KeyCenter()
@@ -166,6 +168,12 @@ class KeyCenter:
     def __repr__(self) -> str:
         kind = "KeyCenter" if self.turns is None else "KeyCenter(turning)"
         return f"{kind}({'unset' if self.mu is None else tuple(self.mu.shape)})"
+
+
+def turning_key_center(fmt) -> KeyCenter | None:
+    """`fmt`'s key centre where it turns with RoPE, set or not (any format: None for one without)."""
+    center = getattr(fmt, "key_center", None)
+    return center if center is not None and center.turns is not None else None
 
 
 @dataclass(frozen=True)
@@ -478,15 +486,13 @@ def coding_center(
         return None
     if x.dim() != 4:
         raise ShapeError(f"centred codes take [B, H, T, D] vectors, got shape {tuple(x.shape)}")
+    if fmt.inputs_rotated and center.mu is None:
+        raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
     if center.turns is not None:
         positions = center._positions(positions, x)
-        if center.mu is None and fmt.inputs_rotated:
-            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
         center.observe(x, fmt.seed, positions)
         return center.at(positions, rotated=fmt.inputs_rotated)
     if fmt.inputs_rotated:
-        if center.mu is None:
-            raise ConfigError("rotated keys are coded relative to a centre set from the keys as they were; none is set")
         return center.rotated
     center.observe(x, fmt.seed)
     return center.mu

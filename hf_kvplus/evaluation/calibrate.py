@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..calibration import Calibration
 from ..errors import ConfigError
 from ..formats import parse_bits
+from ..kernels.rotated_format import turning_key_center
 from ..model_spec import ModelSpec
 from ..precision import layer_region_bits
 from ..quantized_cache import QuantizedCache
@@ -240,9 +241,8 @@ def calibrate(
 def key_center(cache: QuantizedCache) -> str:
     """`turning` where a layer's keys are coded relative to a centre turning with RoPE, else `fixed` (calibrations
     measured before the turning centre say nothing: fixed)."""
-    formats = [getattr(layer.storage, "fmt", None) for layer in cache.layers]
-    centers = [getattr(f, "key_center", None) for f in formats]
-    return "turning" if any(c is not None and c.turns is not None for c in centers) else "fixed"
+    turning = any(turning_key_center(getattr(layer.storage, "fmt", None)) is not None for layer in cache.layers)
+    return "turning" if turning else "fixed"
 
 
 @torch.inference_mode()

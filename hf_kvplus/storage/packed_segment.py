@@ -7,6 +7,7 @@ import torch
 from ..errors import CacheMismatchError, ConfigError
 from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
+from ..kernels.rotated_format import turning_key_center
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment
@@ -33,7 +34,7 @@ class PackedSegment(QuantizedSegment):
         self.fmt = fmt
         #: Keys coded relative to a turning centre (`kernels/turning_center.py`), at their buffer index: the buffers
         #: are read from index 0 and never compacted (a full-attention layer drops no token from the front).
-        self.turning = getattr(getattr(fmt, "key_center", None), "turns", None) is not None
+        self.turning = turning_key_center(fmt) is not None
         self.buffers: PackedKV | None = None
         self.start = self.end = 0
         self.granule = fmt.group_size * -(-64 // fmt.group_size)
