@@ -331,7 +331,7 @@ def _(x, bits, group_size, codes, scale, zero, slots):
 def _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
                     mask, block_table, key_center):  # fmt: skip
     """(PackedKV, RotatedFormat, keywords) of the rotated attention ops' arguments (a turning centre's two tensors,
-    ``key_turn_q`` and ``key_turn_rows``, go to the Triton kernel as its ``turn``)."""
+    ``key_turn_q`` and ``key_turn_basis`` [D, positions], go to the Triton kernel as its ``turn``)."""
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, check=False,
@@ -366,7 +366,7 @@ def rotated_decode_attention(
     num_splits: int | None,
     key_center: Tensor | None,
     key_turn_q: Tensor | None = None,
-    key_turn_rows: Tensor | None = None,
+    key_turn_basis: Tensor | None = None,
 ) -> Tensor:
     _no_turn_off_cuda(key_turn_q)
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
@@ -377,18 +377,18 @@ def rotated_decode_attention(
 @rotated_decode_attention.register_kernel("cuda")
 def rotated_decode_attention_cuda(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
 ):  # fmt: skip
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
                                       residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
-    turn = None if key_turn_q is None else (key_turn_q, key_turn_rows)
+    turn = None if key_turn_q is None else (key_turn_q, key_turn_basis)
     return rotated_attention.rotated_decode_attention_triton(q, packed, fmt, num_splits=num_splits, turn=turn, **kw)[0]
 
 
 @rotated_decode_attention.register_fake
 def _(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
 ):  # fmt: skip
     return _attention_out(q, v.shape[-1] * 8 // value_bits)
 
@@ -413,7 +413,7 @@ def rotated_decode_attention_with_mass(
     num_splits: int | None,
     key_center: Tensor | None,
     key_turn_q: Tensor | None = None,
-    key_turn_rows: Tensor | None = None,
+    key_turn_basis: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     _no_turn_off_cuda(key_turn_q)
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
@@ -424,11 +424,11 @@ def rotated_decode_attention_with_mass(
 @rotated_decode_attention_with_mass.register_kernel("cuda")
 def rotated_decode_attention_with_mass_cuda(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
 ):  # fmt: skip
     packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
                                       residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
-    turn = None if key_turn_q is None else (key_turn_q, key_turn_rows)
+    turn = None if key_turn_q is None else (key_turn_q, key_turn_basis)
     return rotated_attention.rotated_decode_attention_triton(
         q, packed, fmt, num_splits=num_splits, with_mass=True, turn=turn, **kw
     )
@@ -437,7 +437,7 @@ def rotated_decode_attention_with_mass_cuda(
 @rotated_decode_attention_with_mass.register_fake
 def _(
     q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_rows=None,
+    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
 ):  # fmt: skip
     keys = length + (0 if residual_k is None else residual_k.shape[2])
     mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)

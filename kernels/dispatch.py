@@ -249,7 +249,7 @@ def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
         center, turning = fmt.key_center, turning_key_center(fmt)
         turn = (None, None)
         if turning is not None and turning.mu is not None:  # the query's weights and the basis rows of the codes
-            turn = turning.query_weights(q_rot, rotated=True), turning.rows(kw["start"] + kw["length"], q.device)
+            turn = turning.query_weights(q_rot, rotated=True), turning.basis(kw["start"] + kw["length"], q.device)
         result = op(
             q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
             *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),

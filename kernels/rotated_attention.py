@@ -18,8 +18,8 @@ residual_k/residual_v float32 [B, Hkv, R, D/Dv] already rotated; ``packed`` hold
 key_bits / 8], key norms [L, Hkv, T, 1] float16, value codes and norms alike, zeros None (L = B dense, or the
 pool's blocks with ``block_table``). ``keys_per_token`` is accepted and ignored: a rotated format's keys are per
 token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel; a
-turning centre (``kernels/turning_center.py``): the query's weights ``W R q`` [B, Hq, D] and the basis rows of the
-tokens' indices [START + N, D], whose dot product is the centre's share of a key's score (where its norm is not
+turning centre (``kernels/turning_center.py``): the query's weights ``W R q`` [B, Hq, D] and the basis of the
+tokens' indices [D, START + N], whose dot product is the centre's share of a key's score (where its norm is not
 negative); ``turn`` (the custom operator's): those two tensors given, for a format without a centre.
 Returns (out float32 [B, Hq, Dv] in the rotated space, mass float32 [B, Hkv, length + R] with ``with_mass``,
 else None).
@@ -102,19 +102,19 @@ def _launch_rotated_split(
     v_book = codebook(info.Dv, fmt.value_bits, q.device)[0]
     center, turning = fmt.key_center, turning_key_center(fmt)
     if turn is None and turning is not None and turning.mu is not None:
-        # the query's weights (q is rotated) and the basis rows of indices 0 .. START + N - 1
-        turn = turning.query_weights(q, rotated=True), turning.rows(start + length, q.device)
+        # the query's weights (q is rotated) and the basis of indices 0 .. START + N - 1, [D, START + N]
+        turn = turning.query_weights(q, rotated=True), turning.basis(start + length, q.device)
     k_mu = None if center is None or turning is not None else center.rotated
-    q_turn, turn_rows = (q, k_book) if turn is None else turn  # (never read without KEY_TURN)
+    q_turn, turn_basis = (q, q) if turn is None else turn  # (never read without KEY_TURN)
     # fmt: off
     _rotated_split_kernel[(B, info.Hkv * plan.g_chunks, plan.num_splits)](
         q, packed.k, packed.k_scale, packed.v, packed.v_scale, k_book, v_book,
         k_book if k_mu is None else k_mu,  # never read without a centre (KEY_CENTER=False)
-        q_turn, turn_rows,  # read only with a turning centre (KEY_TURN)
+        q_turn, turn_basis,  # read only with a turning centre (KEY_TURN)
         mask_arg, mid_o, mid_m, mid_l, bt_arg, scores_arg,
         length, info.G, D, info.Dv, Hq, mid_m.shape[-1], plan.tiles_per_split, start, info.num_blocks,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1), q_turn.stride(0), q_turn.stride(1),
+        q.stride(0), q.stride(1), q_turn.stride(0), q_turn.stride(1), turn_basis.stride(0), turn_basis.stride(1),
         *packed.k.stride(), *packed.k_scale.stride()[:3],
         *packed.v.stride(), *packed.v_scale.stride()[:3],
         smb, smn,
@@ -166,10 +166,10 @@ if triton is not None:
 
     @triton.jit
     def _rotated_split_kernel(
-        Q, KC, KN, VC, VN, KBook, VBook, KMu, QT, TurnRows, Mask, MidO, MidM, MidL, BT, Scores,
+        Q, KC, KN, VC, VN, KBook, VBook, KMu, QT, TurnBasis, Mask, MidO, MidM, MidL, BT, Scores,
         N, G, D, DV, HQ, NUM_SPLITS, TILES_PER_SPLIT, START, NUM_BLOCKS,
         qk_scale,
-        stride_qb, stride_qh, stride_qtb, stride_qth,
+        stride_qb, stride_qh, stride_qtb, stride_qth, stride_ebd, stride_ebn,
         stride_kcb, stride_kch, stride_kcn, stride_kcp,
         stride_knb, stride_knh, stride_knn,
         stride_vcb, stride_vch, stride_vcn, stride_vcp,
@@ -189,7 +189,7 @@ if triton is not None:
         # masked keys, never dereferenced). Its key is KBook[code] * KN[token] per coordinate, its value
         # VBook[code] * VN[token]; KEY_CENTER: keys relative to the centre KMu [Hkv, D] where KN >= 0 (see
         # _decode_rows). KEY_TURN: keys relative to a turning centre where KN >= 0, whose score term is the dot
-        # product of the query's weights QT [B, HQ, D] with the basis row TurnRows[t] [D] of the key's token t
+        # product of the query's weights QT [B, HQ, D] with the basis column TurnBasis[:, t] [D] of the key's token t
         # (kernels/turning_center.py). STORE_SCORES: also write the log2-domain logits into Scores [B, HQ, N].
         pid_b = tl.program_id(0).to(tl.int64)
         pid_hg = tl.program_id(1)
@@ -258,7 +258,7 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             if KEY_TURN:
                 row_ok = n_ok[:, None] & (offs_c < D)[None, :]
-                rows = tl.load(TurnRows + tok[:, None] * D + offs_c[None, :], mask=row_ok, other=0.0)
+                rows = tl.load(TurnBasis + tok[:, None] * stride_ebn + offs_c[None, :] * stride_ebd, mask=row_ok, other=0.0)
                 turn = tl.dot(qt, tl.trans(rows), input_precision="ieee")
                 s += tl.where((k_norm >= 0)[None, :], turn, 0.0)
             s = s * qk_scale

@@ -48,6 +48,8 @@ inline void decode_token(const uint8_t* codes, int64_t nbytes, const float* tabl
 // Tokens decoded at a time before they are read: floats just stored in pieces and read back as a vector stall
 // the load (store forwarding fails), unless other stores have come between.
 constexpr int64_t kBlock = 16;
+// Positions per block of a turning centre's term (G rows of it stay in L1 while the basis streams past).
+constexpr int64_t kTurnBlock = 256;
 
 // `n` tokens' codes, `stride` bytes apart, to floats `[n, channels]`.
 template <int Per, bool Wide>
@@ -236,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_norms, const at::Tensor& v_codes,
     const at::Tensor& v_norms, const at::Tensor& k_table, const at::Tensor& v_table,
     const at::Tensor& k_rotation, const at::Tensor& v_rotation, const std::optional<at::Tensor>& k_center,
-    const std::optional<at::Tensor>& k_turn_q, const std::optional<at::Tensor>& k_turn_rows,
+    const std::optional<at::Tensor>& k_turn_q, const std::optional<at::Tensor>& k_turn_basis,
     const std::optional<at::Tensor>& ring_k, const std::optional<at::Tensor>& ring_v, bool ring_rotated,
     const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
@@ -268,8 +270,9 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kBool && mask->size(0) == B && mask->size(1) == L,
                 "rotated_decode_cpu: the mask must be bool [B, ", L, "]");
   }
-  // A turning centre (k_turn_q, k_turn_rows): the centre term of the key at code t is dot(W q, e(t)), the query's
-  // weights [B, Hq, D] with the basis row of its position [N, D] (kernels/turning_center.py).
+  // A turning centre (k_turn_q, k_turn_basis): the centre term of the key at code t is dot(W q, e(t)), the query's
+  // weights [B, Hq, D] with the basis column of its position, [D, N] with unit stride along the positions
+  // (kernels/turning_center.py).
   const bool turning = k_turn_q.has_value();
   const bool centred = k_center.has_value() || turning;
   TORCH_CHECK(!(k_center.has_value() && turning), "rotated_decode_cpu: a fixed and a turning centre both given");
@@ -279,13 +282,13 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
                 "rotated_decode_cpu: the keys' centre must be contiguous float32 [Hkv, D]");
   }
   if (turning) {
-    TORCH_CHECK(k_turn_rows.has_value() && k_turn_q->scalar_type() == at::kFloat && k_turn_q->is_contiguous() &&
+    TORCH_CHECK(k_turn_basis.has_value() && k_turn_q->scalar_type() == at::kFloat && k_turn_q->is_contiguous() &&
                     k_turn_q->dim() == 3 && k_turn_q->size(0) == B && k_turn_q->size(1) == Hq &&
-                    k_turn_q->size(2) == D && k_turn_rows->scalar_type() == at::kFloat &&
-                    k_turn_rows->is_contiguous() && k_turn_rows->dim() == 2 && k_turn_rows->size(0) == N &&
-                    k_turn_rows->size(1) == D,
+                    k_turn_q->size(2) == D && k_turn_basis->scalar_type() == at::kFloat &&
+                    k_turn_basis->dim() == 2 && k_turn_basis->size(0) == D && k_turn_basis->size(1) == N &&
+                    k_turn_basis->stride(1) == 1,
                 "rotated_decode_cpu: a turning centre takes contiguous float32 query weights [", B, ", ", Hq, ", ", D,
-                "] and basis rows [", N, ", ", D, "]");
+                "] and a basis [", D, ", ", N, "] with unit stride along the positions");
   }
   TORCH_CHECK(k_rotation.scalar_type() == at::kFloat && k_rotation.is_contiguous() && k_rotation.dim() == 2 &&
                   k_rotation.size(0) == D && k_rotation.size(1) == D && v_rotation.scalar_type() == at::kFloat &&
@@ -305,7 +308,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   const float *rot_k = k_rotation.data_ptr<float>(), *rot_v = v_rotation.data_ptr<float>();
   const float* mu = k_center.has_value() ? k_center->data_ptr<float>() : nullptr;
   const float* turn_q = turning ? k_turn_q->data_ptr<float>() : nullptr;
-  const float* turn_rows = turning ? k_turn_rows->data_ptr<float>() : nullptr;
+  const float* turn_basis = turning ? k_turn_basis->data_ptr<float>() : nullptr;
+  const int64_t turn_ld = turning ? k_turn_basis->stride(0) : 0;
   const float* rk = R ? ring_k->data_ptr<float>() : nullptr;
   const float* rv = R ? ring_v->data_ptr<float>() : nullptr;
   const bool* mk = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
@@ -316,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), plain(G * Dv), qr(G * D);
-    std::vector<float> qmu(G, 0.f), lut, ut;
+    std::vector<float> qmu(G, 0.f), lut, ut, turn(turning ? G * N : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
       const float* q_in = qp + (b * Hq + h * G) * D;
@@ -327,7 +331,21 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
       const float* q_ring = ring_rotated ? qg : q_in;
       if (mu != nullptr)
         for (int64_t g = 0; g < G; ++g) qmu[g] = dot(qg + g * D, mu + h * D, D);
-      const float* qe = turning ? turn_q + (b * Hq + h * G) * D : nullptr;
+      if (turning) {  // turn[g, t] = dot(W q_g, e(t)): a block of positions at a time, each basis row read once
+        const float* qe = turn_q + (b * Hq + h * G) * D;
+        for (int64_t t0 = 0; t0 < N; t0 += kTurnBlock) {
+          const int64_t n = std::min(kTurnBlock, N - t0);
+          for (int64_t g = 0; g < G; ++g) std::fill_n(turn.data() + g * N + t0, n, 0.f);
+          for (int64_t d = 0; d < D; ++d) {
+            const float* e = turn_basis + d * turn_ld + t0;
+            for (int64_t g = 0; g < G; ++g) {
+              const float w = qe[g * D + d];
+              float* o = turn.data() + g * N + t0;
+              for (int64_t i = 0; i < n; ++i) o[i] += w * e[i];
+            }
+          }
+        }
+      }
       auto attended = [&](int64_t t) { return mk == nullptr || mk[b * mk_s0 + t * mk_s1]; };
       // Scores: the codes, a block at a time, then the ring.
       const uint8_t* kc_bh = kc + b * k_codes.stride(0) + h * k_codes.stride(1);
@@ -351,8 +369,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
         const float coef = centred ? std::fabs(norm) : norm;
         const bool add_mu = centred && norm >= 0.f;
         if (turning && add_mu) {
-          const float* row = turn_rows + t * D;
-          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = s * (coef * scores[g * L + t] + dot(qe + g * D, row, D));
+          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = s * (coef * scores[g * L + t] + turn[g * N + t]);
         } else {
           for (int64_t g = 0; g < G; ++g)
             scores[g * L + t] = s * (coef * scores[g * L + t] + (add_mu ? qmu[g] : 0.f));
@@ -425,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 TORCH_LIBRARY(hf_kvplus_cpu, m) {
   m.def(
       "rotated_decode(Tensor q, Tensor k_codes, Tensor k_norms, Tensor v_codes, Tensor v_norms, Tensor k_table, "
-      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? k_turn_q, Tensor? k_turn_rows, "
+      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? k_turn_q, Tensor? k_turn_basis, "
       "Tensor? ring_k, Tensor? ring_v, "
       "bool ring_rotated, Tensor? mask, float scale, bool with_mass) "
       "-> (Tensor, Tensor)");

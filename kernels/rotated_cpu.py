@@ -109,7 +109,7 @@ def rotated_decode_cpu(
         packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
         byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
         rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
-        center.query_weights(q) if turning else None, center.rows(end, device)[start:] if turning else None,
+        center.query_weights(q) if turning else None, center.basis(end, device)[:, start:] if turning else None,
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -156,7 +156,7 @@ def _ninja_on_path() -> None:
 
 
 def _fake(
-    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, k_turn_q, k_turn_rows,
+    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, k_turn_q, k_turn_basis,
     ring_k, ring_v, ring_rotated, mask, scale, with_mass,
 ):  # fmt: skip
     B, Hq, _ = q.shape

@@ -90,9 +90,9 @@ class KeyCenter:
 
     `turns` (a `turning_center.RotaryBasis`): a turning centre, ``mu`` the keys' pre-RoPE mean and the centre of the
     key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
-    and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``rows``, ``query_weights``)."""
+    and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``basis``, ``query_weights``)."""
 
-    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_rows")
+    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_basis")
 
     def __init__(self, turns: RotaryBasis | None = None, origin: int = 0):
         self.mu: torch.Tensor | None = None
@@ -103,7 +103,7 @@ class KeyCenter:
         #: A turning centre's W [H, D, D] (``c(p) = e(p) @ W``) and ``W @ R``.
         self.weights: torch.Tensor | None = None
         self.rotated_weights: torch.Tensor | None = None
-        self._rows: torch.Tensor | None = None  # e(origin + i) for indices 0 .. len - 1, grown by doubling
+        self._basis: torch.Tensor | None = None  # e(origin + i) of indices 0 .. len - 1 as columns, grown by doubling
 
     def observe(self, x: torch.Tensor, seed: int, positions: torch.Tensor | None = None) -> None:
         """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens; a
@@ -124,16 +124,17 @@ class KeyCenter:
         w = self.rotated_weights if rotated else self.weights
         return torch.einsum("td,hde->hte", self.turns.rows(positions + self.origin), w)
 
-    def rows(self, count: int, device: torch.device) -> torch.Tensor:
-        """float32 [count, D]: the basis rows ``e(origin + i)`` of indices 0 .. count - 1 (a view of a table kept on
-        `device` and doubled when a longer one is asked for: a host-side length check, no device sync)."""
-        table = self._rows
-        if table is None or table.shape[0] < count or table.device != torch.device(device):
-            size = max(count, 2 * (0 if table is None else table.shape[0]), 256)
-            table = self.turns.rows(torch.arange(self.origin, self.origin + size, device=device))
+    def basis(self, count: int, device: torch.device) -> torch.Tensor:
+        """float32 [D, count]: the basis ``e(origin + i)`` of indices 0 .. count - 1 as columns, unit stride along the
+        indices (a view of a table kept on `device` and doubled when a longer one is asked for: a host-side length
+        check, no device sync)."""
+        table = self._basis
+        if table is None or table.shape[1] < count or table.device != torch.device(device):
+            size = max(count, 2 * (0 if table is None else table.shape[1]), 256)
+            table = self.turns.rows(torch.arange(self.origin, self.origin + size, device=device)).T.contiguous()
             if not torch.compiler.is_compiling():
-                self._rows = table
-        return table[:count]
+                self._basis = table
+        return table[:, :count]
 
     def query_weights(self, q: torch.Tensor, *, rotated: bool = False) -> torch.Tensor:
         """float32 [B, Hq, D]: ``W q`` of each query head (grouped onto its KV head), so that ``q . c(p)`` is its

@@ -398,7 +398,7 @@ def test_cuda_implementations_take_a_turning_centre(seed):
     want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw)[0]
     center = fmt.key_center
     args = (*attention_op_args(fmt, lay, q, rk, rv, mask, 0.125)[:-1], None,
-            center.query_weights(q, rotated=True), center.rows(33, q.device))  # fmt: skip
+            center.query_weights(q, rotated=True), center.basis(33, q.device))  # fmt: skip
     assert_same(ops.rotated_decode_attention_cuda(*args), want, seed, "rotated attention, turning centre")
     plain = RotatedFormat(3, 2, 5, KeyCenter.given(center.mu, 5))  # the wrong centre: a different output
     assert not torch.allclose(rotated_decode_attention_triton(q, lay.packed, plain, **kw)[0], want, atol=1e-3)

@@ -141,7 +141,7 @@ def test_typed_errors():
         v_codes, v_norms = quantize_rotated(keys, fmt, "values")
         torch.ops.kvplus.rotated_decode_attention(
             torch.randn(1, H, D), codes, norms, v_codes, v_norms, 4, 2, 0, 0, 8, 0.125, None, None, None, None, None,
-            None, torch.randn(1, H, D), torch.randn(8, D),
+            None, torch.randn(1, H, D), torch.randn(D, 8),
         )  # fmt: skip
     with pytest.raises(ConfigError, match="rotary dims"):
         RotaryBasis(torch.ones(40), D)
