@@ -48,8 +48,37 @@ inline void decode_token(const uint8_t* codes, int64_t nbytes, const float* tabl
 // Tokens decoded at a time before they are read: floats just stored in pieces and read back as a vector stall
 // the load (store forwarding fails), unless other stores have come between.
 constexpr int64_t kBlock = 16;
-// Positions per block of a turning centre's term (G rows of it stay in L1 while the basis streams past).
-constexpr int64_t kTurnBlock = 256;
+// Positions per block of a turning centre's term (kernels/rotated_cpu.py's TURN_BLOCK). Only the first block's
+// basis columns are read: RoPE's angles add, so a later block's term is the first block's sums with each query's
+// weights turned by the block's offset (`turned_weights`), and the [D, kTurnBlock] columns stay in L1.
+constexpr int64_t kTurnBlock = 64;
+typedef float Lanes16 __attribute__((vector_size(64)));  // GCC/Clang vectors: one AVX-512 or two AVX registers
+constexpr int kTurnVecs = kTurnBlock / 16;
+
+// out[g, j] = dot(u[g], local[:, j]) for j < n, `GB` queries' sums held in registers over the D rows of `local`
+// ([D, kTurnBlock] contiguous).
+template <int GB>
+void turn_block(const float* u, int64_t D, const float* local, float* out, int64_t ld, int64_t n) {
+  Lanes16 acc[GB][kTurnVecs] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    Lanes16 e[kTurnVecs];
+    std::memcpy(e, local + d * kTurnBlock, sizeof(e));
+    for (int g = 0; g < GB; ++g) {
+      const float w = u[g * D + d];
+      for (int v = 0; v < kTurnVecs; ++v) acc[g][v] += w * e[v];
+    }
+  }
+  for (int g = 0; g < GB; ++g) std::memcpy(out + g * ld, acc[g], n * sizeof(float));
+}
+
+// A query's basis weights u [D] turned by an offset's angles (cs [2, pairs]: cos, then sin): dot(u', e(p)) equals
+// dot(u, e(p + offset)) for e's cos rows [0, pairs), sin rows [pairs, 2 pairs) and constant rows past them.
+inline void turned_weights(const float* u, const float* cs, int64_t pairs, int64_t D, float* out) {
+  const float *c = cs, *s = cs + pairs, *a = u, *b = u + pairs;
+  for (int64_t i = 0; i < pairs; ++i) out[i] = a[i] * c[i] + b[i] * s[i];
+  for (int64_t i = 0; i < pairs; ++i) out[pairs + i] = b[i] * c[i] - a[i] * s[i];
+  for (int64_t d = 2 * pairs; d < D; ++d) out[d] = u[d];
+}
 
 // `n` tokens' codes, `stride` bytes apart, to floats `[n, channels]`.
 template <int Per, bool Wide>
@@ -238,7 +267,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_norms, const at::Tensor& v_codes,
     const at::Tensor& v_norms, const at::Tensor& k_table, const at::Tensor& v_table,
     const at::Tensor& k_rotation, const at::Tensor& v_rotation, const std::optional<at::Tensor>& k_center,
-    const std::optional<at::Tensor>& k_turn_q, const std::optional<at::Tensor>& k_turn_basis,
+    const std::optional<at::Tensor>& k_turn_weights, const std::optional<at::Tensor>& k_turn_basis,
+    const std::optional<at::Tensor>& k_turn_steps,
     const std::optional<at::Tensor>& ring_k, const std::optional<at::Tensor>& ring_v, bool ring_rotated,
     const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
@@ -270,10 +300,11 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kBool && mask->size(0) == B && mask->size(1) == L,
                 "rotated_decode_cpu: the mask must be bool [B, ", L, "]");
   }
-  // A turning centre (k_turn_q, k_turn_basis): the centre term of the key at code t is dot(W q, e(t)), the query's
-  // weights [B, Hq, D] with the basis column of its position, [D, N] with unit stride along the positions
-  // (kernels/turning_center.py).
-  const bool turning = k_turn_q.has_value();
+  // A turning centre (k_turn_weights, k_turn_basis, k_turn_steps): the centre term of the key at code t is
+  // dot(W q, e(t)), W [Hkv, D, D] of each KV head (c(p) = e(p) W); e of the first kTurnBlock codes as columns [D,
+  // kTurnBlock], its rows cos [0, h), sin [h, 2 h) of RoPE's h angles, then constant; and the cos and sin of the
+  // angles at kTurnBlock k [K, 2, h], which turn the first block's basis to block k's (kernels/turning_center.py).
+  const bool turning = k_turn_weights.has_value();
   const bool centred = k_center.has_value() || turning;
   TORCH_CHECK(!(k_center.has_value() && turning), "rotated_decode_cpu: a fixed and a turning centre both given");
   if (k_center.has_value()) {
@@ -282,13 +313,17 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
                 "rotated_decode_cpu: the keys' centre must be contiguous float32 [Hkv, D]");
   }
   if (turning) {
-    TORCH_CHECK(k_turn_basis.has_value() && k_turn_q->scalar_type() == at::kFloat && k_turn_q->is_contiguous() &&
-                    k_turn_q->dim() == 3 && k_turn_q->size(0) == B && k_turn_q->size(1) == Hq &&
-                    k_turn_q->size(2) == D && k_turn_basis->scalar_type() == at::kFloat &&
-                    k_turn_basis->dim() == 2 && k_turn_basis->size(0) == D && k_turn_basis->size(1) == N &&
-                    k_turn_basis->stride(1) == 1,
-                "rotated_decode_cpu: a turning centre takes contiguous float32 query weights [", B, ", ", Hq, ", ", D,
-                "] and a basis [", D, ", ", N, "] with unit stride along the positions");
+    TORCH_CHECK(k_turn_basis.has_value() && k_turn_steps.has_value() && k_turn_weights->scalar_type() == at::kFloat &&
+                    k_turn_weights->is_contiguous() && k_turn_weights->dim() == 3 && k_turn_weights->size(0) == Hkv &&
+                    k_turn_weights->size(1) == D && k_turn_weights->size(2) == D &&
+                    k_turn_basis->scalar_type() == at::kFloat && k_turn_basis->is_contiguous() &&
+                    k_turn_basis->dim() == 2 && k_turn_basis->size(0) == D && k_turn_basis->size(1) == kTurnBlock &&
+                    k_turn_steps->scalar_type() == at::kFloat && k_turn_steps->is_contiguous() &&
+                    k_turn_steps->dim() == 3 && k_turn_steps->size(0) * kTurnBlock >= N &&
+                    k_turn_steps->size(1) == 2 && 2 * k_turn_steps->size(2) <= D,
+                "rotated_decode_cpu: a turning centre takes contiguous float32 weights [", Hkv, ", ", D, ", ", D,
+                "], a basis [", D, ", ", kTurnBlock, "] and the angles of at least ", (N + kTurnBlock - 1) / kTurnBlock,
+                " blocks [K, 2, h <= ", D / 2, "]");
   }
   TORCH_CHECK(k_rotation.scalar_type() == at::kFloat && k_rotation.is_contiguous() && k_rotation.dim() == 2 &&
                   k_rotation.size(0) == D && k_rotation.size(1) == D && v_rotation.scalar_type() == at::kFloat &&
@@ -307,9 +342,10 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   const float *kt = k_table.data_ptr<float>(), *vt = v_table.data_ptr<float>();
   const float *rot_k = k_rotation.data_ptr<float>(), *rot_v = v_rotation.data_ptr<float>();
   const float* mu = k_center.has_value() ? k_center->data_ptr<float>() : nullptr;
-  const float* turn_q = turning ? k_turn_q->data_ptr<float>() : nullptr;
-  const float* turn_basis = turning ? k_turn_basis->data_ptr<float>() : nullptr;
-  const int64_t turn_ld = turning ? k_turn_basis->stride(0) : 0;
+  const float* turn_w = turning ? k_turn_weights->data_ptr<float>() : nullptr;
+  const int64_t turn_blocks = turning ? (N + kTurnBlock - 1) / kTurnBlock : 0, P2 = turning ? k_turn_steps->size(2) : 0;
+  const float* turn_local = turning ? k_turn_basis->data_ptr<float>() : nullptr;
+  const float* turn_cs = turning ? k_turn_steps->data_ptr<float>() : nullptr;
   const float* rk = R ? ring_k->data_ptr<float>() : nullptr;
   const float* rv = R ? ring_v->data_ptr<float>() : nullptr;
   const bool* mk = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
@@ -320,7 +356,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), plain(G * Dv), qr(G * D);
-    std::vector<float> qmu(G, 0.f), lut, ut, turn(turning ? G * N : 0);
+    std::vector<float> qmu(G, 0.f), lut, ut, turn(turning ? G * N : 0), uq(turning ? G * D : 0),
+        qw(turning ? G * D : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
       const float* q_in = qp + (b * Hq + h * G) * D;
@@ -331,17 +368,21 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
       const float* q_ring = ring_rotated ? qg : q_in;
       if (mu != nullptr)
         for (int64_t g = 0; g < G; ++g) qmu[g] = dot(qg + g * D, mu + h * D, D);
-      if (turning) {  // turn[g, t] = dot(W q_g, e(t)): a block of positions at a time, each basis row read once
-        const float* qe = turn_q + (b * Hq + h * G) * D;
-        for (int64_t t0 = 0; t0 < N; t0 += kTurnBlock) {
-          const int64_t n = std::min(kTurnBlock, N - t0);
-          for (int64_t g = 0; g < G; ++g) std::fill_n(turn.data() + g * N + t0, n, 0.f);
-          for (int64_t d = 0; d < D; ++d) {
-            const float* e = turn_basis + d * turn_ld + t0;
-            for (int64_t g = 0; g < G; ++g) {
-              const float w = qe[g * D + d];
-              float* o = turn.data() + g * N + t0;
-              for (int64_t i = 0; i < n; ++i) o[i] += w * e[i];
+      if (turning) {  // turn[g, t] = dot(W q_g, e(t)): per block, the weights turned to it over the first columns
+        for (int64_t g = 0; g < G; ++g)  // the query's weights W q (q as the model gives it)
+          for (int64_t e = 0; e < D; ++e) qw[g * D + e] = dot(turn_w + (h * D + e) * D, q_in + g * D, D);
+        const float* qe = qw.data();
+        for (int64_t k = 0; k < turn_blocks; ++k) {
+          const int64_t t0 = k * kTurnBlock, n = std::min(kTurnBlock, N - t0);
+          for (int64_t g = 0; g < G; ++g) turned_weights(qe + g * D, turn_cs + k * P2 * 2, P2, D, uq.data() + g * D);
+          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const float *u = uq.data() + g0 * D, *local = turn_local;
+            float* o = turn.data() + g0 * N + t0;
+            switch (std::min<int64_t>(4, G - g0)) {
+              case 1: turn_block<1>(u, D, local, o, N, n); break;
+              case 2: turn_block<2>(u, D, local, o, N, n); break;
+              case 3: turn_block<3>(u, D, local, o, N, n); break;
+              default: turn_block<4>(u, D, local, o, N, n);
             }
           }
         }
@@ -442,8 +483,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 TORCH_LIBRARY(hf_kvplus_cpu, m) {
   m.def(
       "rotated_decode(Tensor q, Tensor k_codes, Tensor k_norms, Tensor v_codes, Tensor v_norms, Tensor k_table, "
-      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? k_turn_q, Tensor? k_turn_basis, "
-      "Tensor? ring_k, Tensor? ring_v, "
+      "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? k_turn_weights, Tensor? k_turn_basis, "
+      "Tensor? k_turn_steps, Tensor? ring_k, Tensor? ring_v, "
       "bool ring_rotated, Tensor? mask, float scale, bool with_mass) "
       "-> (Tensor, Tensor)");
 }

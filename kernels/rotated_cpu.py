@@ -49,6 +49,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("rotated_attention_cpu.c
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _FLAGS = ["-O3", "-march=native", "-std=c++17", *_OPENMP]
+#: Codes per block of a turning key centre's term in the decode operator (its `kTurnBlock`).
+TURN_BLOCK = 64
 #: None: not tried yet; then whether the operators are registered.
 _LOADED: bool | None = None
 
@@ -109,7 +111,8 @@ def rotated_decode_cpu(
         packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
         byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
         rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
-        center.query_weights(q) if turning else None, center.basis(end, device)[:, start:] if turning else None,
+        center.weights if turning else None, *(center.block_basis(start, length, TURN_BLOCK, device) if turning
+                                               else (None, None)),
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -156,8 +159,8 @@ def _ninja_on_path() -> None:
 
 
 def _fake(
-    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, k_turn_q, k_turn_basis,
-    ring_k, ring_v, ring_rotated, mask, scale, with_mass,
+    q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, k_turn_weights,
+    k_turn_basis, k_turn_steps, ring_k, ring_v, ring_rotated, mask, scale, with_mass,
 ):  # fmt: skip
     B, Hq, _ = q.shape
     Hkv, L = k_codes.shape[1], k_codes.shape[2] + (0 if ring_k is None else ring_k.shape[2])

@@ -92,7 +92,8 @@ class KeyCenter:
     key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
     and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``basis``, ``query_weights``)."""
 
-    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_basis")
+    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_basis", "_block",
+                 "_steps")
 
     def __init__(self, turns: RotaryBasis | None = None, origin: int = 0):
         self.mu: torch.Tensor | None = None
@@ -104,6 +105,8 @@ class KeyCenter:
         self.weights: torch.Tensor | None = None
         self.rotated_weights: torch.Tensor | None = None
         self._basis: torch.Tensor | None = None  # e(origin + i) of indices 0 .. len - 1 as columns, grown by doubling
+        self._block: tuple | None = None  # (start, size, device, block_basis's first columns) of the last call
+        self._steps: tuple | None = None  # (size, block_basis's angles), grown by doubling
 
     def observe(self, x: torch.Tensor, seed: int, positions: torch.Tensor | None = None) -> None:
         """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens; a
@@ -130,11 +133,32 @@ class KeyCenter:
         check, no device sync)."""
         table = self._basis
         if table is None or table.shape[1] < count or table.device != torch.device(device):
-            size = max(count, 2 * (0 if table is None else table.shape[1]), 256)
+            size = max(1 << (count - 1).bit_length(), 256)
             table = self.turns.rows(torch.arange(self.origin, self.origin + size, device=device)).T.contiguous()
             if not torch.compiler.is_compiling():
                 self._basis = table
         return table[:, :count]
+
+    def block_basis(self, start: int, count: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the C++ decode reads of a turning centre over indices ``start .. start + count``, in blocks of `size`:
+        float32 [D, size], the basis ``e(origin + start + j)`` of j < size as columns, and float32 [K, 2, h] (K >=
+        count / size blocks, h rotary pairs), the cos and the sin of each pair's angle at position ``size * k``. RoPE's
+        angles add, so block k's basis is the first block's turned by those angles: a few KB, where `basis` holds
+        D floats a position. Both kept (the angles grown by doubling), so a decode step computes neither."""
+        dev, blocks = torch.device(device), -(-count // size)
+        first = self._block
+        if first is None or first[:3] != (start, size, dev):
+            first = (start, size, dev, self.turns.rows(torch.arange(size, device=dev) + self.origin + start).T.contiguous())
+            if not torch.compiler.is_compiling():
+                self._block = first
+        steps = self._steps
+        if steps is None or steps[0] != size or steps[1].shape[0] < blocks or steps[1].device != dev:
+            h = self.turns.rotary_dim // 2
+            rows = self.turns.rows(size * torch.arange(max(1 << (blocks - 1).bit_length(), 64), device=dev))
+            steps = (size, rows[:, : 2 * h].reshape(-1, 2, h).contiguous())
+            if not torch.compiler.is_compiling():
+                self._steps = steps
+        return first[3], steps[1]
 
     def query_weights(self, q: torch.Tensor, *, rotated: bool = False) -> torch.Tensor:
         """float32 [B, Hq, D]: ``W q`` of each query head (grouped onto its KV head), so that ``q . c(p)`` is its

@@ -44,12 +44,12 @@ def built():
         rotated_cpu.available()
 
 
-def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, start=6, seed=0):
+def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, start=6, seed=0, origin=3):
     """Codes of N tokens (keys around a common offset with a far-off first token, so a centred format codes both
-    signs of norm; `centred="turning"`: relative to a centre turning with RoPE, index 0 at position 3), q and a ring
+    signs of norm; `centred="turning"`: relative to a centre turning with RoPE, index 0 at `origin`), q and a ring
     of R as the model gives them, and a mask over the window ``start .. N`` plus the ring."""
     g = torch.Generator().manual_seed(seed)
-    center = turning_center(D) if centred == "turning" else KeyCenter() if centred else None
+    center = turning_center(D, origin) if centred == "turning" else KeyCenter() if centred else None
     fmt = RotatedFormat(key_bits, value_bits, seed=3, key_center=center)
     keys = torch.randn(B, Hkv, N, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
     keys[:, :, 0] = 6 * torch.randn(B, Hkv, D, generator=g)
@@ -63,10 +63,11 @@ def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, s
     return fmt, PackedKV(kc, kn, None, vc, vn, None), q, ring_k, ring_v, mask, start
 
 
-def turning_center(D: int) -> KeyCenter:
-    """A key centre turning with a partial RoPE (the last quarter of the channels does not turn), index 0 at 3."""
+def turning_center(D: int, origin: int = 3) -> KeyCenter:
+    """A key centre turning with a partial RoPE (the last quarter of the channels does not turn), index 0 at
+    `origin`."""
     rotary = D - D // 4 // 2 * 2
-    return KeyCenter(RotaryBasis(1.0 / 100.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary), D), 3)
+    return KeyCenter(RotaryBasis(1.0 / 100.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary), D), origin)
 
 
 def reference(fmt, packed, q, ring_k, ring_v, mask, start, scale):
@@ -129,6 +130,21 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
                                                            mask, False)  # fmt: skip
     assert none is None
     torch.testing.assert_close(alone, out, atol=0, rtol=0)
+
+
+@needs_operator
+@pytest.mark.parametrize("G,start,origin", [(5, 6, 3), (3, 0, 40_000), (1, 61, 7)])
+def test_a_turning_centre_over_many_blocks_of_positions(G, start, origin):
+    """The operator sums a turning centre's term over blocks of positions, each block's from the first block's
+    basis turned by its offset (angle addition, in float32): over several blocks and a ragged last one, query
+    groups past the four summed at once, a window starting inside a block and positions far from 0."""
+    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=300, start=start,
+                                                            origin=origin)  # fmt: skip
+    want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
+    out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 300 - start, 0.3, ring_k,
+                                               ring_v, mask, True)  # fmt: skip
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
 
 
 @needs_operator

@@ -53,6 +53,24 @@ def test_basis_rows_times_weights_turn_the_mean_as_rope_does():
     assert torch.equal(by_basis[..., ROTARY:], mu[:, None, ROTARY:].expand(H, 5, -1))  # the rest does not turn
 
 
+def test_the_block_basis_turns_its_first_block_to_every_later_one():
+    """`KeyCenter.block_basis` (what the C++ decode reads): the first block's columns, turned by block k's angles as
+    RoPE turns a pair (complex multiplication), are `basis`'s columns of block k; the rows past the rotary dims are
+    the same in every block; a second call returns the kept tables."""
+    center, size, start, count = KeyCenter(basis(), origin=5), 16, 3, 70
+    first, steps = center.block_basis(start, count, size, torch.device("cpu"))
+    assert first.shape == (D, size) and steps.shape[1:] == (2, ROTARY // 2) and steps.shape[0] >= -(-count // size)
+    full = center.basis(start + 5 * size, torch.device("cpu"))
+    h = ROTARY // 2
+    for k in range(5):
+        turned = torch.complex(first[:h], first[h:ROTARY]) * torch.complex(steps[k, 0], steps[k, 1])[:, None]
+        want = full[:, start + k * size : start + (k + 1) * size]
+        torch.testing.assert_close(torch.cat((turned.real, turned.imag)), want[:ROTARY], atol=2e-6, rtol=0)
+        assert torch.equal(first[ROTARY:], want[ROTARY:])
+    again = center.block_basis(start, count, size, torch.device("cpu"))
+    assert again[0] is first and again[1] is steps
+
+
 def test_unturned_inverts_rope():
     b, positions = basis(), torch.arange(100, 140)
     x = torch.randn(2, H, 40, D)
