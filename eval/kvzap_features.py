@@ -58,7 +58,7 @@ def collect(text: str, start: int, n: int, out: str) -> None:
 
 def features(record: dict, kind: str, rotary: RotaryShift) -> torch.Tensor:
     keys, values, pos = record["keys"].float(), record["values"].float(), record["pos"]
-    pre = rotary.unrotate(keys[None], pos[None])[0]
+    pre = rotary.unturned(keys[None], pos[None])[0]
     half = keys.shape[-1] // 2
     pairs = torch.hypot(keys[..., :half], keys[..., half:])
     logpos = torch.log1p(pos.float())[..., None]

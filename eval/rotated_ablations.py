@@ -225,12 +225,12 @@ class CenteringLayer(DynamicLayer):
             part = slice(self.coded, end)
             positions = torch.arange(self.coded, end).expand(*keys.shape[:2], -1)
             if self.variant == "pre-rope-keys+center+sinks":  # coded before RoPE, turned back to their positions
-                before = self.code(self.rope.unrotate(keys[:, :, part], positions), 0)
-                keys[:, :, part] = self.rope.unrotate(before, -positions).to(keys.dtype)
+                before = self.code(self.rope.unturned(keys[:, :, part], positions), 0)
+                keys[:, :, part] = self.rope.unturned(before, -positions).to(keys.dtype)
             elif self.variant == "rope-center+sinks" and self.bits[0] != 16:  # the pre-RoPE centre, turned
                 if self.centers[0] is None:
-                    self.centers[0] = self.rope.unrotate(keys[:, :, part], positions).mean(dim=2, keepdim=True)
-                mu = self.rope.unrotate(self.centers[0].expand_as(keys[:, :, part]), -positions)
+                    self.centers[0] = self.rope.unturned(keys[:, :, part], positions).mean(dim=2, keepdim=True)
+                mu = self.rope.unturned(self.centers[0].expand_as(keys[:, :, part]), -positions)
                 keys[:, :, part] = self.shifted(keys[:, :, part].float(), mu, 0).to(keys.dtype)
             elif self.variant == "rope-center+choice+sinks" and self.bits[0] != 16:  # the format's turning centre
                 if self.turning is None:

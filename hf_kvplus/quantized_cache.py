@@ -123,7 +123,7 @@ def turning_basis(
         except UnsupportedModelError as exc:
             why = str(exc)
     if why is None:
-        return RotaryBasis(shift.inv_freq, shift.head_dim)
+        return shift  # a RotaryShift is the RotaryBasis of the model's RoPE
     if turning_keys:
         raise ConfigError(f"turning_keys=True: the keys' centre cannot turn here ({why})")
     return None

@@ -58,13 +58,14 @@ class RotaryBasis:
         return w
 
     def unturned(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """float32 x [B, H, T, D], token t turned at ``positions[t]`` ([T]), turned back to position 0."""
-        if x.dim() != 4 or x.shape[-1] != self.head_dim or positions.shape != x.shape[2:3]:
-            raise ShapeError(f"expected x [B, H, T, {self.head_dim}] and positions [T], got {tuple(x.shape)} and "
-                             f"{tuple(positions.shape)}")  # fmt: skip
+        """float32 x [B, H, T, D], each token turned at its position (`positions` [T], or [B, H, T] per row and head),
+        turned back to position 0: the keys before RoPE (negative positions turn them on)."""
+        if x.dim() != 4 or x.shape[-1] != self.head_dim or positions.shape not in (x.shape[2:3], x.shape[:3]):
+            raise ShapeError(f"expected x [B, H, T, {self.head_dim}] and positions [T] or [B, H, T], got "
+                             f"{tuple(x.shape)} and {tuple(positions.shape)}")  # fmt: skip
         h, r = self.rotary_dim // 2, self.rotary_dim
         e = self.rows(positions)
-        cos, sin = e[:, :h], e[:, h:r]
+        cos, sin = e[..., :h], e[..., h:r]
         x = x.float()
         x1, x2 = x[..., :h], x[..., h:r]
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, x[..., r:]), dim=-1)

@@ -117,7 +117,7 @@ def offset_keys(batch, tokens, seed, heads=2, head_dim=64):
 def turned(keys: torch.Tensor, cfg) -> torch.Tensor:
     """`keys` [B, H, T, D] as the model's RoPE leaves them: token t turned to position t."""
     positions = torch.arange(keys.shape[2]).expand(*keys.shape[:2], -1)
-    return RotaryShift.from_config(cfg).unrotate(keys, -positions)
+    return RotaryShift.from_config(cfg).unturned(keys, -positions)
 
 
 @pytest.mark.parametrize("kind", ["quantized", "static", "paged", "offloaded"])

@@ -27,7 +27,7 @@ def kvzap_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
                    rotary: RotaryShift) -> torch.Tensor:  # fmt: skip
     """`[batch, kv_heads, n, 3 x head_dim]` float32: keys as cached, keys before RoPE, values (the "rope_kv"
     features), for keys and values `[batch, kv_heads, n, head_dim]` at `positions` `[batch, kv_heads, n]`."""
-    return torch.cat((keys.float(), rotary.unrotate(keys, positions), values.float()), dim=-1)
+    return torch.cat((keys.float(), rotary.unturned(keys, positions), values.float()), dim=-1)
 
 
 def predict(features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

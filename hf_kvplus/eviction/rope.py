@@ -15,6 +15,7 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..errors import ShapeError, UnsupportedModelError
+from ..kernels.turning_center import RotaryBasis
 from ..model_spec import ATTENTION_LAYER_KINDS, ModelSpec
 
 #: Model families that rotate interleaved pairs (GPT-J style) rather than the two halves of the head.
@@ -29,20 +30,19 @@ def _rope_parameters(config: PreTrainedConfig, layer_type: str | None) -> dict:
     return params
 
 
-class RotaryShift:
-    """Rotates cached keys by a number of positions, as the model's rotary embedding would.
+class RotaryShift(RotaryBasis):
+    """Rotates cached keys by a number of positions, as the model's rotary embedding would (and back to position 0:
+    `RotaryBasis.unturned`).
 
     `rotary_dim` leading channels rotate (the rest pass through, as with partial rotary), in the
     rotate-half convention of Llama-family models: channel i pairs with channel i + rotary_dim / 2.
     """
 
     def __init__(self, inv_freq: torch.Tensor, head_dim: int):
-        self.inv_freq = inv_freq.detach().double().cpu()
-        self.rotary_dim = 2 * self.inv_freq.numel()
-        self.head_dim = head_dim
+        if 2 * inv_freq.numel() > head_dim:
+            raise UnsupportedModelError(f"rotary dims {2 * inv_freq.numel()} exceed head_dim {head_dim}")
+        super().__init__(inv_freq, head_dim)
         self._last: tuple | None = None  # (shift, device, cos, sin) of the last int shift
-        if self.rotary_dim > head_dim:
-            raise UnsupportedModelError(f"rotary dims {self.rotary_dim} exceed head_dim {head_dim}")
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig, layer_type: str | None = "full_attention") -> RotaryShift:
@@ -118,18 +118,6 @@ class RotaryShift:
         x, partner = prepared
         cos, sin = self._factors(shift, x.device)
         return torch.addcmul(x * cos, partner, sin).to(dtype)
-
-    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`keys` [batch, heads, n, head_dim], each rotated at its own position (`positions` [batch, heads, n]),
-        rotated back to position 0: the keys before RoPE, in float32 (angles in float64)."""
-        if keys.ndim != 4 or keys.shape[-1] != self.head_dim or positions.shape != keys.shape[:3]:
-            raise ShapeError(
-                f"expected keys [batch, heads, n, {self.head_dim}] and positions [batch, heads, n], got "
-                f"{tuple(keys.shape)} and {tuple(positions.shape)}"
-            )
-        cos, sin = self._full(positions.to(torch.float64)[..., None] * -self._inv_freq(keys.device))
-        x, partner = self.prepare(keys)
-        return torch.addcmul(x * cos, partner, sin)
 
     def _factors(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on
