@@ -21,13 +21,14 @@ returns it with the residual: quantization comes before attention, and a chunk a
 (`TinyKVCache(compression=...)`): safe K4V4, balanced K4V3, compact K3V3 (values per token), aggressive K3V2 with
 value groups of 32; and `recommend_bits(mode="storage")` gives K4V2 (raw `key_bits=4, value_bits=2`, values per
 token) to a model whose key norms are 8 times its value norms. Where hf_kvplus differs: it rotates each head vector
-and codes it with a Lloyd-Max codebook and one float16 norm (keys about a per-head centre), gives each query its own
-window exact (a chunk of n sees the newest `window + n - 1` tokens at full precision, the past's window included),
-and its k4v2 and k3v2 presets keep the 4 first tokens exact.
+and codes it with a Lloyd-Max codebook and one float16 norm (keys about a per-head centre turning with RoPE), gives
+each query its own window exact (a chunk of n sees the newest `window + n - 1` tokens at full precision, the past's
+window included), and its k4v2 and k3v2 presets keep the 4 first tokens exact.
 
 Rows, by `--configs` name: `tiny:<preset>` (`TinyKVCache.for_model(model, compression=preset)`), `tiny:k<X>v<Y>`
 (`key_bits=X, value_bits=Y`), with `+protect<N>` (`protect_first=N, protect_last=N`); `kXvY`: hf_kvplus
-`QuantizedCache(bits="kXvY", window, rotation_seed=s)` as it ships (k4v2, k3v2: 4 exact first tokens), over `--seeds`.
+`QuantizedCache(bits="kXvY", window, rotation_seed=s)` as it ships (k4v2, k3v2: 4 exact first tokens; the keys'
+centre turning with RoPE), over `--seeds`.
 Transformers 5.24's attention calls `cache.update(k, v, layer_idx, kwargs=...)`, which `TinyKVCache.update` (no
 `**kwargs`) refuses with a TypeError; the rows use a subclass whose `update` drops that argument (it held nothing
 `TinyKVCache` reads) and changes nothing else.
@@ -115,7 +116,8 @@ def plan(args) -> list[Row]:
 
 NOTES = (
     "Cells: perplexity change against DynamicCache, mean [min .. max] over seeds (runs). hf_kvplus: "
-    "QuantizedCache(bits=config, rotation_seed=s) as it ships (k4v2, k3v2: 4 exact first tokens); "
+    "QuantizedCache(bits=config, rotation_seed=s) as it ships (k4v2, k3v2: 4 exact first tokens; keys' centre "
+    "turning with RoPE); "
     "tiny-turboquant: TinyKVCache.for_model(model, compression=preset) (safe K4V4, balanced K4V3, compact K3V3, "
     "aggressive K3V2 with value groups of 32), k4v2: key_bits=4, value_bits=2; +protect1: protect_first=1, "
     "protect_last=1; residual_len 128. bits/coord: every token outside the window, codes packed, scales, zero "

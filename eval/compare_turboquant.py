@@ -12,7 +12,7 @@ SmolLM2-135M, window 128, chunks of 32 and 256, seeds 0 1 2).
 Rows, by `--configs` name (`kXvY`: X bits per key coordinate, Y per value coordinate):
 
 - `kXvY`: hf_kvplus `QuantizedCache(bits="kXvY", window, rotation_seed=s)` as it ships (k4v2, k3v2, k2v2: 4 exact
-  first tokens), over `--seeds`; and **the reference's own cache**, one run (it takes no seed),
+  first tokens; the keys' centre turning with RoPE), over `--seeds`; and **the reference's own cache**, one run (it takes no seed),
   `turboquant.TurboQuantDynamicCache(residual_length=window)` with `compress_all()` called after every forward, its
   one way to compress (its `wrap(model).generate()` calls it only after generating). What its users get, read from
   turboquant/hf_cache.py and kv_cache.py: the cache stores K/V at full precision as a DynamicCache does, so a
@@ -196,7 +196,8 @@ def plan(args) -> list[Row]:
 
 NOTES = (
     "Cells: perplexity change against DynamicCache, mean [min .. max] over seeds (runs). hf_kvplus: "
-    "QuantizedCache(bits=config, rotation_seed=s) as it ships (k4v2, k3v2, k2v2: 4 exact first tokens); "
+    "QuantizedCache(bits=config, rotation_seed=s) as it ships (k4v2, k3v2, k2v2: 4 exact first tokens; keys' "
+    "centre turning with RoPE); "
     "turboquant-torch cache: its TurboQuantDynamicCache with compress_all() after every forward (QJL keys, "
     "one rotation for all layers, every token past the window re-coded at each call), its TurboQuantKVCache "
     "given key_bit_width and value_bit_width (seed 0, its own); MSE (QJL) keys, coded once: its quantizers "

@@ -5,7 +5,8 @@ Protocol: `--model` on the first `--tokens` tokens of `--text`, fed in chunks of
 256: prefill-like), each chunk attending to the cache of the earlier ones; perplexity change against DynamicCache on
 the same ids and chunks, measured once per chunk size in the same run. hf_kvplus's rows are `QuantizedCache(
 bits="kXvY", window=--window, rotation_seed=s)` as it ships (the k4v2, k3v2 and k2v2 presets keep 4 exact first
-tokens, `PRESET_FIRST_TOKENS`), over `--seeds`.
+tokens, `PRESET_FIRST_TOKENS`; the keys' centre turns with RoPE on a model that has it: `center` in each run), over
+`--seeds`.
 
 Bits per coordinate (a coordinate of a key or of a value), counted the same way for every cache: over every token
 outside the full-precision recent window, the codes at their packed width plus their metadata (norms, scales, zero
@@ -15,7 +16,8 @@ held in (float32 here, as the model runs on the CPU). hf_kvplus: `quantized_repo
 Runs are appended to `runs.jsonl` in `--out` as they finish and a rerun skips those there (a grid can be stopped, or
 split over processes into the same folder, then `--report-only`). `--reuse` takes hf_kvplus's rows from
 eval/lowbit_regions.py's `runs.jsonl` where its protocol is the same (text, tokens, window, chunk, config, seed, the
-preset's first tokens, no boundary layers), after checking that its DynamicCache perplexity is this run's.
+preset's first tokens, no boundary layers, the key centre), after checking that its DynamicCache perplexity is this
+run's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hf_kvplus import QuantizedCache
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import stamp
-from hf_kvplus.quantized_cache import preset_first_tokens
+from hf_kvplus.quantized_cache import preset_first_tokens, turning_basis
 from hf_kvplus.resolve import load_model, load_text
 
 OURS = "hf_kvplus"
@@ -98,6 +100,7 @@ def key(row: dict) -> tuple:
         row["text"],
         row["tokens"],
         row["window"],
+        row.get("center", "fixed") if row["series"] == OURS else None,
     )
 
 
@@ -107,8 +110,14 @@ def read_runs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def reused(args, row: Row, chunk: int, base: dict) -> dict | None:
-    """hf_kvplus's run of `row` at `chunk` from `--reuse`, if its protocol is this one's."""
+def shipped_center(config) -> str:
+    """The key centre hf_kvplus's rows ship with on this model: "turning" with RoPE where it can, else "fixed"."""
+    return "fixed" if turning_basis(config, None, None, rotated=True) is None else "turning"
+
+
+def reused(args, row: Row, chunk: int, base: dict, center: str) -> dict | None:
+    """hf_kvplus's run of `row` at `chunk` from `--reuse`, if its protocol is this one's (`center`: the key centre
+    the row ships with; a run without one had the fixed centre)."""
     if args.reuse is None or row.series != OURS:
         return None
     theirs = read_runs(args.reuse)
@@ -120,7 +129,8 @@ def reused(args, row: Row, chunk: int, base: dict) -> dict | None:
         return None
     want = where | {"config": row.config, "seed": row.seed, "first": preset_first_tokens(row.config, None),
                     "boundary": "0"}  # fmt: skip
-    found = next((r for r in theirs if all(r.get(k) == v for k, v in want.items())), None)
+    found = next((r for r in theirs if all(r.get(k) == v for k, v in want.items())
+                  and r.get("center", "fixed") == center), None)  # fmt: skip
     if found is None:
         return None
     return {"perplexity": found["perplexity"], "seconds": found["seconds"],
@@ -134,6 +144,7 @@ def run(args, plan: list[Row], log: Path) -> list[dict]:
     model, tokenizer = load_model(args.model)
     ids = tokenize(tokenizer, load_text(args.text), args.tokens)
     tokens = ids.numel()
+    center = shipped_center(model.config)
 
     def record(row: dict) -> dict:
         runs.append(row)
@@ -153,9 +164,11 @@ def run(args, plan: list[Row], log: Path) -> list[dict]:
                            "seconds": result.seconds, "delta_pct": 0.0, "bits_per_coordinate": 32.0})  # fmt: skip
         for row in tqdm(plan, desc=f"chunk {chunk}", unit="run"):
             entry = {"series": row.series, "config": row.config, "seed": row.seed, **where}
+            if row.series == OURS:
+                entry["center"] = center
             if key(entry) in done:
                 continue
-            got = reused(args, row, chunk, base)
+            got = reused(args, row, chunk, base, center)
             if got is None:
                 cache = row.make(model)
                 result = perplexity(model, ids, cache, mode="chunked", chunk_size=chunk,
