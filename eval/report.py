@@ -286,7 +286,8 @@ def value_codes() -> list[str]:
         "the rotation, " + "; ".join(key_codes(c, "scaled_keys", "scaled-keys+center+sinks") for c in ("k4v2", "k3v2")),
         "(not kept); keys centred and coded before RoPE, "
         + "; ".join(key_codes(c, "prerope_keys", "pre-rope-keys+center+sinks") for c in ("k4v2", "k3v2"))
-        + " (not built yet: the decode kernels read keys after RoPE).",
+        + " (built as a centre that turns with RoPE instead, so the decode kernels still read keys after RoPE:",
+        "\"turning key centre\" below).",
     )
 
 
@@ -386,7 +387,8 @@ def turning_cache() -> list[str]:
         "--up k4v3 k4v4 --down k3v2 --max-bits 3.5 --budget-tokens 4096 --seed 0 1 2`, three single-seed runs merged",
         f"by `--reuse`; {changed} of {new['num_layers']} layers chose otherwise; KL on Persuasion",
         f"{1000 * new['measured']['calibrated_kl']:.2f} mnat/token with the turning centre).",
-    ) + table(header, rows, "llrrrrrr") + para("Targets (P&P, chunks of 32; kept rows): " + "; ".join(met) + ".") + turning_bench()
+    ) + table(header, rows, "llrrrrrr") + para("Targets (P&P, chunks of 32; kept rows): " + "; ".join(met) + ".") + (
+        turning_emma() + turning_bench())
 
 
 def turning_bench() -> list[str]:
@@ -399,9 +401,32 @@ def turning_bench() -> list[str]:
         + ", ".join(f"`{r['cache'].split('calibration=')[0].rstrip(':')}`"
                     + (f" (`{r['cache'].split('calibrate_46/')[1].split('/')[0]}`)" if "calibration=" in r["cache"] else "")
                     + f" {r['decode_tok_s'] / base['decode_tok_s']:.3f}x" for r in rest)
-        + " (target: at least 1 / 1.1 = 0.909x; the centre's term, a dot product per key and query with its position's",
-        "basis, costs about 100 us a layer at 4K in the C++ operator).",
+        + " (target: at least 1 / 1.1 = 0.909x). The centre's term is a dot product per key and query with its",
+        "position's basis: about 60 us a layer at 4K in the C++ operator, which reads one block's basis and turns the",
+        "query's weights per block (docs/kernels.md); it was 105 us reading a [D, positions] table, plus 12 us for the",
+        "weights in Python, and 0.908x for plain k4v2 (`git log eval/results/bench_turning_46`).",
     )
+
+
+def turning_emma() -> list[str]:
+    """The caches with the turning centre on the second text (Emma), presets and the kept calibrations, against the
+    fixed-centre presets of `lowbit_regions_46`."""
+    d, fixed = load("lowbit_regions_46t/lowbit_regions.json")["runs"], load("lowbit_regions_46/lowbit_regions.json")
+    fixed = fixed["runs"]
+
+    def mean(runs: list[dict], config: str, boundary: str, chunk: int) -> str:
+        got = [r["delta_pct"] for r in runs if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
+               (config, 4, boundary, chunk, "austen:emma")]  # fmt: skip
+        return f"{statistics.fmean(got):+.2f}% [{min(got):+.2f}..{max(got):+.2f}]" if got else "not measured"
+
+    rows = [[config, "preset (first 4)" if boundary == "0" else f"`{boundary.removeprefix('cal=')}`",
+             *(mean(runs, config, boundary, c) for c in (32, 256) for runs in (fixed, d))]
+            for config in TARGETS_46 for boundary in ("0", KEPT_TURNING[config])]  # fmt: skip
+    header = ["class", "layers", "c32 fixed centre", "c32 turning", "c256 fixed centre", "c256 turning"]
+    return para(
+        "**On the second text** (Emma; the same command with `--texts austen:emma`, into `lowbit_regions_46t`): 4096",
+        "tokens, window 128, first 4 exact, 3 seeds, mean [min..max]. The calibrations were measured on Persuasion.",
+    ) + table(header, rows, "llrrrr")
 
 
 def key_codes(config: str, folder: str, variant: str) -> str:
@@ -460,7 +485,8 @@ def turboquant() -> list[str]:
     out = para(
         f"**Against TurboQuant, tiny-turboquant** (`{command(tq)}`, and `compare_tiny_turboquant.py` into",
         f"`tiny_turboquant_46`; {where(tq, 'turboquant_46/')}; {tq['tokens']} tokens, window {tq['window']}; seeds 0-2",
-        "where a range shows; bits count norms, scales, exact tokens; NaN: overflow):",
+        "where a range shows; hf_kvplus as it ships, its keys' centre turning with RoPE; bits count norms, scales,",
+        "exact tokens; NaN: overflow):",
     )
     header = ["hf_kvplus", "bits"] + [f"c{c}" for c in chunks] + ["other", "bits"] + [f"c{c}" for c in chunks]
     return out + table(header, body, "lr" + "r" * len(chunks) + "lr" + "r" * len(chunks))
@@ -775,13 +801,22 @@ def gpu_speed() -> list[str]:
     for v in ("3.6.0", "3.9.0"):
         a = load(f"aot_sm90/triton-{v}.json.gz")
         ok = sum(r["status"] == "ok" for r in a["rows"])
-        split = [r for r in a["rows"] if r["kernel"] == "_quant_split_kernel"]
-        spill = sum(bool(r["spill_stores"] or r["spill_loads"]) for r in split)
-        parts.append(f"triton {v} ({day(a)}): {ok} of {len(a['rows'])} compile, {spill} of {len(split)} quantized "
-                     "split kernels spill")  # fmt: skip
+        spills = []
+        for kernel, name in (("_quant_split_kernel", "quantized"), ("_rotated_split_kernel", "rotated")):
+            split = [r for r in a["rows"] if r["kernel"] == kernel]
+            turning = [r for r in split if " turning " in r["spec"]]
+            if split:
+                spills.append(f"{sum(bool(r['spill_stores'] or r['spill_loads']) for r in split)} of {len(split)} {name}"
+                              + (f" ({sum(bool(r['spill_stores'] or r['spill_loads']) for r in turning)} of"
+                                 f" {len(turning)} with a turning centre)" if turning else ""))  # fmt: skip
+        kernels = sorted({r["kernel"] for r in a["rows"]})
+        parts.append(f"triton {v} ({day(a)}; {len(kernels)} kernels): {ok} of {len(a['rows'])} compile; split "
+                     f"kernels that spill: {', '.join(spills)}")  # fmt: skip
     out += para(
         "`python -m hf_kvplus.kernels.aot --arch sm_90 --json eval/results/aot_sm90/triton-<version>.json` (stored",
-        f"gzipped): {'; '.join(parts)} (float32 queries, head dim 256, large query groups).",
+        f"gzipped): {'; '.join(parts)}. Most spills come with float32 queries, head dim 256 or 32-query groups; the",
+        "rotated formats' kernels and the turning centre's specializations came after the triton 3.6 run (the GPU",
+        "image's triton), which a lent GPU is owed.",
     )
     return out
 

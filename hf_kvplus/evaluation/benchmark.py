@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,8 +183,9 @@ def plot_bench(results: list[BenchResult], path: str | Path, title: str = "") ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r.cache for r in results]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ["\n".join(textwrap.wrap(r.cache, 36, break_on_hyphens=False)) for r in results]  # specs with paths are long
+    lines = sum(name.count("\n") + 1 for name in names)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, max(4.0, 1.5 + 0.3 * lines)), sharey=True)
     left.barh(names, [r.decode_tok_s for r in results])
     left.set_xlabel("decode tokens/s")
     right.barh(names, [r.bytes_per_token for r in results])
