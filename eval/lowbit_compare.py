@@ -112,7 +112,7 @@ def read_runs(path: Path) -> list[dict]:
 
 def shipped_center(config) -> str:
     """The key centre hf_kvplus's rows ship with on this model: "turning" with RoPE where it can, else "fixed"."""
-    return "fixed" if turning_basis(config, None, None, rotated=True) is None else "turning"
+    return "fixed" if turning_basis(config, None, rotated=True) is None else "turning"
 
 
 def reused(args, row: Row, chunk: int, base: dict, center: str) -> dict | None:

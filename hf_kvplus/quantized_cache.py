@@ -72,7 +72,7 @@ def quantized_storage(
         raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r} (or a layer's own bits)")
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens, regions.first)  # bad sizes fail here, not at a forward
-    turns = turning_basis(config, turning_keys, max_tokens, any(f is not None and f.rotated for f in formats.values()))
+    turns = turning_basis(config, turning_keys, any(f is not None and f.rotated for f in formats.values()))
 
     def segment(fmt=fmt) -> QuantizedSegment:
         if backend == "quanto":
@@ -93,30 +93,29 @@ def quantized_storage(
             static = max_tokens is not None and spec.kind == "full"
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
+        static = max_tokens is not None and spec.kind == "full"
         if turns is not None and layer_fmt.rotated and spec.kind == "full":  # the keys' centre turns with RoPE
-            layer_fmt = layer_fmt.for_layer(spec.index, turns=turns, origin=first)
+            # index 0 at the position of the storage's first code: token p at code p in the static storage, after
+            # the exact first tokens in the growing one
+            layer_fmt = layer_fmt.for_layer(spec.index, turns=turns, origin=0 if static else first)
         else:
             layer_fmt = layer_fmt.for_layer(spec.index)
-        if max_tokens is not None and spec.kind == "full":
+        if static:
             return StaticQuantizedStorage(layer_fmt, window, max_tokens, first)
         return QuantizedStorage(segment(layer_fmt), window=window, first=first)
 
     return storage
 
 
-def turning_basis(
-    config: PreTrainedConfig, turning_keys: bool | None, max_tokens: int | None, rotated: bool
-) -> RotaryBasis | None:
+def turning_basis(config: PreTrainedConfig, turning_keys: bool | None, rotated: bool) -> RotaryBasis | None:
     """The rotary basis that a rotated format's key centre turns with (`kernels/turning_center.py`), or None: a fixed
-    centre. `turning_keys` None: turning where it can (rotated formats, a model with rotate-half RoPE, growing storage:
-    not `max_tokens`), True: turning or a `ConfigError` saying why not, False: fixed."""
+    centre. `turning_keys` None: turning where it can (rotated formats, a model with rotate-half RoPE), True: turning
+    or a `ConfigError` saying why not, False: fixed."""
     if turning_keys is False or (turning_keys is None and not rotated):
         return None
     why = None
     if not rotated:
         why = "only a rotated format's keys have a centre"
-    elif max_tokens is not None:
-        why = "max_tokens's static storage adds one centre per head"
     else:
         try:
             shift = RotaryShift.from_config(config)
@@ -152,11 +151,11 @@ class QuantizedCache(KVCache):
     calibrate` chooses (`Calibration.load(path).layer_bits`; spec `calibration=PATH`).
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     `turning_keys`: a rotated format's keys are coded relative to a centre per KV head; by default (None) on
-    full-attention layers of the growing storage that centre turns with RoPE, the keys' pre-RoPE mean at each key's
+    full-attention layers (growing or `max_tokens`'s static storage) that centre turns with RoPE, the keys' pre-RoPE mean at each key's
     position (`kernels/turning_center.py`; spec `center=turning`), which codes a model's keys with about a quarter
     less divergence from full precision than a fixed centre at the same bytes (BENCHMARKS.md, "turning key centre");
-    False (spec `center=fixed`): one fixed centre per head, as `max_tokens`'s static storage, sliding layers and
-    models without rotate-half RoPE have; True: turning or a `ConfigError` saying why not.
+    False (spec `center=fixed`): one fixed centre per head, as sliding layers and models without rotate-half RoPE
+    have; True: turning or a `ConfigError` saying why not.
     Works for full, sliding-window and hybrid models. `backend="quanto"` quantizes the same groups with
     optimum-quanto instead (dequantized for attention), for comparison.
 

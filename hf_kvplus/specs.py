@@ -22,7 +22,7 @@
                             format's rotations (`rotation_seed`: layer i rotates with N + i), e.g.
                             `quantized:k4v2:seed=1`; a KIVI format has no rotation and refuses it;
                             `center=turning|fixed`: a rotated format's key centre turns with RoPE (the
-                            default where the model and storage allow: not with `max_tokens`) or not;
+                            default where the model and storage allow: not in a paged pool) or not;
                             `calibration=PATH` holds some layers at other bits, as `kvplus calibrate` chose
                             for this model and format (also for `paged-quantized` and `offloaded-quantized`)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);

@@ -289,16 +289,17 @@ _TWIN_ARGS = (
 # ---------------------------------------------------------------------------------------------------
 
 
-def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int = 0):
+def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int | torch.Tensor = 0):
     """Keys [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
     The Triton path needs 4-d keys [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
     results are written into it (see ``quant_pack``'s module doc) and ``out``'s tensors are returned.
     ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc). `index`: the buffer index
-    of x's first token, where a turning key centre (``kernels/turning_center.py``) codes it.
+    of x's first token (an int, or a 0-d tensor on x's device: no sync), where a turning key centre
+    (``kernels/turning_center.py``) codes it.
     """
     turning = turning_key_center(fmt) is not None
-    positions = torch.arange(index, index + x.shape[-2], device=x.device) if turning else None
+    positions = index + torch.arange(x.shape[-2], device=x.device) if turning else None
     return _quantize(x, fmt, out, "keys", check, positions)
 
 

@@ -199,11 +199,11 @@ class PackedKV:
         value_params = sum(t[:, :, lo:hi].numel() * 2 for t in (self.v_scale, self.v_zero) if t is not None)
         return codes, key_params + value_params
 
-    def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V (a turning key
-        centre's indices counted from the buffers' first token)."""
+        centre's indices counted from `index` at the buffers' first token)."""
         turning = turning_key_center(fmt) is not None
-        positions = torch.arange(self.k.shape[2], device=self.k.device) if turning else None
+        positions = index + torch.arange(self.k.shape[2], device=self.k.device) if turning else None
         k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt, dtype, positions=positions)
         v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt, dtype)
         return k[:, :, lo:hi], v[:, :, lo:hi]

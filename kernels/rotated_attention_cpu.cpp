@@ -48,7 +48,7 @@ inline void decode_token(const uint8_t* codes, int64_t nbytes, const float* tabl
 // Tokens decoded at a time before they are read: floats just stored in pieces and read back as a vector stall
 // the load (store forwarding fails), unless other stores have come between.
 constexpr int64_t kBlock = 16;
-// Positions per block of a turning centre's term (kernels/rotated_cpu.py's TURN_BLOCK). Only the first block's
+// Positions per block of a turning centre's term (kernels/rotated_format.py's TURN_BLOCK). Only the first block's
 // basis columns are read: RoPE's angles add, so a later block's term is the first block's sums with each query's
 // weights turned by the block's offset (`turned_weights`), and the [D, kTurnBlock] columns stay in L1.
 constexpr int64_t kTurnBlock = 64;

@@ -49,8 +49,6 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("rotated_attention_cpu.c
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _FLAGS = ["-O3", "-march=native", "-std=c++17", *_OPENMP]
-#: Codes per block of a turning key centre's term in the decode operator (its `kTurnBlock`).
-TURN_BLOCK = 64
 #: None: not tried yet; then whether the operators are registered.
 _LOADED: bool | None = None
 
@@ -111,7 +109,7 @@ def rotated_decode_cpu(
         packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
         byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
         rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
-        center.weights if turning else None, *(center.block_basis(start, length, TURN_BLOCK, device) if turning
+        center.weights if turning else None, *(center.block_basis(start, length, device) if turning
                                                else (None, None)),
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip

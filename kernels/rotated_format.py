@@ -82,6 +82,10 @@ UNIFORM_SIGMAS = 6.5
 _TABLES = Path(__file__).with_name("rotated_codebooks.json")
 
 
+#: Codes per block of a turning key centre's term in the C++ decode operator (its `kTurnBlock`): `block_basis`.
+TURN_BLOCK = 64
+
+
 class KeyCenter:
     """One layer's key centre: ``mu`` float32 [H, D] (and ``mu @ R`` as ``rotated``) per KV head, or None until the
     layer's first keys are quantized (`observe`). Shared by every storage that holds the layer's codes (one paged
@@ -139,7 +143,18 @@ class KeyCenter:
                 self._basis = table
         return table[:, :count]
 
-    def block_basis(self, start: int, count: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, count: int, device: torch.device) -> None:
+        """Makes and keeps, eagerly, what a decode over indices 0 .. count - 1 reads of a turning centre on `device`
+        (a compiled step that made it would make it at every step): `basis` on CUDA (the Triton kernels),
+        `block_basis` elsewhere (the C++ operator)."""
+        if torch.device(device).type == "cuda":
+            self.basis(count, device)
+        else:
+            self.block_basis(0, count, device)
+
+    def block_basis(
+        self, start: int, count: int, device: torch.device, size: int = TURN_BLOCK
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What the C++ decode reads of a turning centre over indices ``start .. start + count``, in blocks of `size`:
         float32 [D, size], the basis ``e(origin + start + j)`` of j < size as columns, and float32 [K, 2, h] (K >=
         count / size blocks, h rotary pairs), the cos and the sin of each pair's angle at position ``size * k``. RoPE's

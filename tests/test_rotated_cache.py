@@ -127,7 +127,7 @@ def test_keys_are_coded_relative_to_a_centre(kind, monkeypatch):
     to the centre, and decodes no worse than a plain code would."""
     from hf_kvplus.kernels import rotated_format
 
-    turning = kind in ("quantized", "offloaded")  # growing storage: the default centre turns
+    turning = kind in ("quantized", "static", "offloaded")  # where the default centre turns (not a paged pool's)
     keys, values = offset_keys(2, 120, seed=1), torch.randn(2, 2, 120, 64)
     keys = turned(keys, config()) if turning else keys
     errors = {}
@@ -181,16 +181,54 @@ def test_a_decode_step_reads_the_turning_centre_as_the_dense_view_does(path, mon
     assert not torch.allclose(model(step, **cache_kwargs(fixed)).logits, want, atol=1e-3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"bits": "k4v2", "max_tokens": 64, "turning_keys": True}, "static storage adds one centre per head"),
-    ({"bits": "int4", "turning_keys": True}, "only a rotated format"),
-])  # fmt: skip
-def test_a_turning_centre_where_it_cannot_turn_is_refused(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
-        QuantizedCache(config(), **kwargs)
-    static = QuantizedCache(config(), bits="k4v2", max_tokens=256)  # left to the default: fixed there
+def test_the_static_storage_codes_decode_steps_at_their_positions():
+    """Keys with a pre-RoPE offset, written one decode step at a time into the static storage, which codes each group
+    as it leaves the window: relative to the turning centre at the group's positions they decode far closer than
+    relative to a fixed centre (a group coded at the wrong positions would not)."""
+    cfg = config()
+    keys, values = turned(offset_keys(1, 200, seed=6), cfg), torch.randn(1, 2, 200, 64)
+    errors = {}
+    for centre in ("turning", "fixed"):
+        cache = QuantizedCache(cfg, bits="k3v2", window=8, max_tokens=256, turning_keys=centre == "turning")
+        cache.update(keys[:, :, :40], values[:, :, :40], 0)  # the prefill sets the centre
+        for t in range(40, 200):
+            cache.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], 0)
+        held = cache.layers[0].keys
+        errors[centre] = ((held - keys).norm(dim=-1) / keys.norm(dim=-1))[:, :, 48:180].mean()
+    assert errors["turning"] < 0.7 * errors["fixed"], errors
+
+
+def test_the_static_storage_reads_its_turning_codes_alike_on_every_path(monkeypatch):
+    """The static storage (`max_tokens`: token p at code position p) codes keys relative to the turning centre at
+    their positions as a decode step quantizes them, inside the step: the C++ operator's steps and the twin's give
+    the same logits from the same state, and the same steps with a fixed centre differ."""
+    import copy
+
+    from hf_kvplus.kernels import rotated_cpu
+
+    model = get_model("llama")
+    prompt, steps = make_prompt(60, seed=2), [torch.tensor([[t]]) for t in (7, 11, 3, 5, 9, 2, 8, 4, 6, 1)]
+    logits = {}
+    for centre in ("turning", "fixed"):
+        cache = QuantizedCache(model.config, bits="k3v2", window=4, max_tokens=128, turning_keys=centre == "turning")
+        model(prompt, **cache_kwargs(cache))
+        assert all((layer.storage.fmt.key_center.turns is not None) == (centre == "turning") for layer in cache.layers)
+        for path in ("operator", "twin"):
+            if path == "twin":
+                monkeypatch.setattr(rotated_cpu, "available", lambda: False)
+            run = copy.deepcopy(cache)  # ten steps: groups leave the window and are coded inside steps
+            logits[centre, path] = torch.cat([model(step, **cache_kwargs(run)).logits for step in steps], dim=1)
+            monkeypatch.undo()
+    torch.testing.assert_close(logits["turning", "operator"], logits["turning", "twin"], atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(logits["turning", "operator"], logits["fixed", "operator"], atol=1e-3)
+
+
+def test_a_turning_centre_where_it_cannot_turn_is_refused():
+    with pytest.raises(ConfigError, match="only a rotated format"):
+        QuantizedCache(config(), bits="int4", turning_keys=True)
+    static = QuantizedCache(config(), bits="k4v2", max_tokens=256)  # left to the default: turning there too
     static.update(torch.randn(1, 2, 70, 64), torch.randn(1, 2, 70, 64), 0)
-    assert static.layers[0].storage.fmt.key_center.turns is None
+    assert static.layers[0].storage.fmt.key_center.turns is not None
     with pytest.raises(ConfigError, match="center must be"):
         parse_cache_spec("quantized:k4v2:center=spinning").build(config())
 

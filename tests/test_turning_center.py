@@ -58,7 +58,7 @@ def test_the_block_basis_turns_its_first_block_to_every_later_one():
     RoPE turns a pair (complex multiplication), are `basis`'s columns of block k; the rows past the rotary dims are
     the same in every block; a second call returns the kept tables."""
     center, size, start, count = KeyCenter(basis(), origin=5), 16, 3, 70
-    first, steps = center.block_basis(start, count, size, torch.device("cpu"))
+    first, steps = center.block_basis(start, count, torch.device("cpu"), size)
     assert first.shape == (D, size) and steps.shape[1:] == (2, ROTARY // 2) and steps.shape[0] >= -(-count // size)
     full = center.basis(start + 5 * size, torch.device("cpu"))
     h = ROTARY // 2
@@ -67,7 +67,7 @@ def test_the_block_basis_turns_its_first_block_to_every_later_one():
         want = full[:, start + k * size : start + (k + 1) * size]
         torch.testing.assert_close(torch.cat((turned.real, turned.imag)), want[:ROTARY], atol=2e-6, rtol=0)
         assert torch.equal(first[ROTARY:], want[ROTARY:])
-    again = center.block_basis(start, count, size, torch.device("cpu"))
+    again = center.block_basis(start, count, torch.device("cpu"), size)
     assert again[0] is first and again[1] is steps
 
 

@@ -10,7 +10,7 @@ import torch
 from ..errors import CacheMismatchError, ConfigError, UnsupportedOperationError
 from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PackedKV, QuantFormat
-from ..kernels.rotated_format import rotated, rotation
+from ..kernels.rotated_format import rotated, rotation, turning_key_center
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
 from .base import KVStorage
@@ -31,6 +31,9 @@ class StaticQuantizedStorage(KVStorage):
     has just left it (values are coded as they leave, ahead of the frontier that makes them read), at
     positions computed on the device: a step that completes a group and one that does not run the same ops
     (re-quantizing a group gives the same codes), so one compiled graph serves every step.
+
+    A rotated format's key centre may turn with RoPE (`kernels/turning_center.py`): token p is coded and read at code
+    position p, so its centre is the one at position p, set from the first keys at their positions.
 
     A rotated format's ring holds its tokens rotated (``x @ R`` in the model's dtype: one rounding), so that a step
     rotates only its new token: the tokens leaving the window are coded as the ring holds them, and attention reads
@@ -126,8 +129,10 @@ class StaticQuantizedStorage(KVStorage):
         fmt = self.fmt
         if not fmt.rotated:
             return keys, values
-        if fmt.key_center is not None:
-            fmt.key_center.observe(keys, fmt.seed)  # a no-op once set
+        center = fmt.key_center
+        if center is not None and center.mu is None:  # set once, from the first keys (at their positions: a turning
+            # centre's are its code positions, token p at p)
+            center.observe(keys, fmt.seed, torch.arange(self.end, self.end + keys.shape[2], device=keys.device))
         r_k, r_v = (rotation(x.shape[-1], fmt.seed, x.device) for x in (keys, values))
         return rotated(keys, r_k).to(keys.dtype), rotated(values, r_v).to(values.dtype)
 
@@ -192,7 +197,7 @@ class StaticQuantizedStorage(KVStorage):
     def _quantize_keys(self, keys: torch.Tensor, tokens: torch.Tensor, groups: torch.Tensor) -> None:
         """Quantizes whole groups of exact keys into code positions `tokens` (key groups `groups`)."""
         b = self.buffers
-        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.code_fmt, check=False)
+        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.code_fmt, check=False, index=tokens[0])
         b.k.index_copy_(2, tokens, k)
         b.k_scale.index_copy_(2, groups, k_scale)
         if b.k_zero is not None:
@@ -280,7 +285,7 @@ class StaticQuantizedStorage(KVStorage):
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.fmt.group_size
         a, z = lo // g * g, -(-hi // g) * g
-        return self.buffers.span(g, a, z).dequantized(self.fmt, lo - a, hi - a, self.ring_k.dtype)
+        return self.buffers.span(g, a, z).dequantized(self.fmt, lo - a, hi - a, self.ring_k.dtype, index=a)
 
     # ------------------------------------------------------------------ edits
     def drop_front(self, count: int) -> None:
@@ -360,4 +365,7 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
         self.count.place(device)
         self.range_guard.place(device)
+        center = turning_key_center(self.fmt)
+        if center is not None:  # every step reads all code positions with the turning centre's basis
+            center.prepare(n, device)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)
