@@ -295,8 +295,9 @@ def value_codes() -> list[str]:
 TARGETS_46 = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
 #: The calibration each class keeps with the turning centre (`eval/results/calibrate_46/`), and each class's rows of
 #: the turning-centre table (the preset, calibrations made with the fixed centre, the kept one).
-KEPT_TURNING = {"k4v2": "cal=k4v2_t3dp", "k3v2": "cal=k3v2_s3w", "k2v2": "cal=k2v2"}
-TURNING_ROWS = {"k4v2": ("0", "cal=k4v2_s3dp", "cal=k4v2_t3dp"), "k3v2": ("0", "cal=k3v2_s3w"), "k2v2": ("0", "cal=k2v2")}
+KEPT_TURNING = {"k4v2": "cal=k4v2_t3dp", "k3v2": "cal=k3v2_s3w", "k2v2": "cal=k2v2_t"}
+TURNING_ROWS = {"k4v2": ("0", "cal=k4v2_s3dp", "cal=k4v2_t3dp"), "k3v2": ("0", "cal=k3v2_s3w"),
+                "k2v2": ("0", "cal=k2v2", "cal=k2v2_t")}  # fmt: skip
 
 #: The turning-centre runs (`rotated_ablations.py centering`): (class, calibration, text, chunk) -> folder.
 TURNING_RUNS = {
@@ -356,6 +357,7 @@ def turning_cache() -> list[str]:
         return text + (f" (s0 {zero['delta_pct']:+.2f} ± {zero['se_pct']:.2f})" if seed0 and zero else "")
 
     new, old = (load(f"calibrate_46/{name}/calibration.json") for name in ("k4v2_t3dp", "k4v2_s3dp"))
+    two = load("calibrate_46/k2v2_t/calibration.json")
     changed = sum(old["layer_bits"].get(layer) != new["layer_bits"].get(layer)
                   for layer in set(old["layer_bits"]) | set(new["layer_bits"]))  # fmt: skip
     rows, met = [], []
@@ -386,7 +388,11 @@ def turning_cache() -> list[str]:
         "`k4v2_t3dp`: `k4v2_s3dp`'s options calibrated again with the turning centre (`kvplus calibrate ... --bits k4v2",
         "--up k4v3 k4v4 --down k3v2 --max-bits 3.5 --budget-tokens 4096 --seed 0 1 2`, three single-seed runs merged",
         f"by `--reuse`; {changed} of {new['num_layers']} layers chose otherwise; KL on Persuasion",
-        f"{1000 * new['measured']['calibrated_kl']:.2f} mnat/token with the turning centre).",
+        f"{1000 * new['measured']['calibrated_kl']:.2f} mnat/token with the turning centre). `k2v2_t`: k2v2 calibrated",
+        "with the turning centre (`kvplus calibrate ... --bits k2v2 --up k2v3 k3v2 k3v3 --max-bits 2.5 --budget-tokens",
+        f"4096 --seed 0`: KL {1000 * two['measured']['base_kl']:.1f} -> {1000 * two['measured']['calibrated_kl']:.1f}",
+        f"mnat/token at {two['bits_per_coordinate']:.3f} bits; `k2v2` was measured with the fixed centre, two",
+        "candidates, no `--budget-tokens`).",
     ) + table(header, rows, "llrrrrrr") + para("Targets (P&P, chunks of 32; kept rows): " + "; ".join(met) + ".") + (
         turning_emma() + turning_bench())
 
