@@ -89,11 +89,10 @@ def quantized_storage(
 
     def storage(spec: LayerSpec) -> KVStorage:
         layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
+        static = max_tokens is not None and spec.kind == "full"
         if layer_fmt is None:  # a layer at full precision
-            static = max_tokens is not None and spec.kind == "full"
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
-        static = max_tokens is not None and spec.kind == "full"
         if turns is not None and layer_fmt.rotated and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
@@ -151,9 +150,10 @@ class QuantizedCache(KVCache):
     calibrate` chooses (`Calibration.load(path).layer_bits`; spec `calibration=PATH`).
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     `turning_keys`: a rotated format's keys are coded relative to a centre per KV head; by default (None) on
-    full-attention layers (growing or `max_tokens`'s static storage) that centre turns with RoPE, the keys' pre-RoPE mean at each key's
-    position (`kernels/turning_center.py`; spec `center=turning`), which codes a model's keys with about a quarter
-    less divergence from full precision than a fixed centre at the same bytes (BENCHMARKS.md, "turning key centre");
+    full-attention layers (growing or `max_tokens`'s static storage) that centre turns with RoPE, the keys' pre-RoPE
+    mean at each key's position (`kernels/turning_center.py`; spec `center=turning`), which codes a model's keys with
+    about a quarter less divergence from full precision than a fixed centre at the same bytes (BENCHMARKS.md,
+    "turning key centre");
     False (spec `center=fixed`): one fixed centre per head, as sliding layers and models without rotate-half RoPE
     have; True: turning or a `ConfigError` saying why not.
     Works for full, sliding-window and hybrid models. `backend="quanto"` quantizes the same groups with

@@ -94,7 +94,8 @@ class KeyCenter:
 
     `turns` (a `turning_center.RotaryBasis`): a turning centre, ``mu`` the keys' pre-RoPE mean and the centre of the
     key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
-    and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``basis``, ``query_weights``)."""
+    and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``basis``, ``query_weights``; the
+    C++ operator reads ``block_basis`` and ``weights``)."""
 
     __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_basis", "_block",
                  "_steps")
