@@ -191,6 +191,14 @@ def quality() -> list[str]:
     return out
 
 
+def first_four(
+    runs: list[dict], config: str, boundary: str, chunk: int, text: str = "austen:prideprejudice"
+) -> list[dict]:
+    """`eval/lowbit_regions.py`'s runs of `config` with 4 exact first tokens, `boundary` layers, at `chunk` on `text`."""
+    return [r for r in runs if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
+            (config, 4, boundary, chunk, text)]  # fmt: skip
+
+
 def issue46() -> list[str]:
     d = load("lowbit_regions_46/lowbit_regions.json")
     runs = d["runs"]
@@ -220,8 +228,7 @@ def issue46() -> list[str]:
     out += table(header, body, "lrlr" + "r" * (len(header) - 4))
 
     def of(config: str, boundary: str, chunk: int = 32) -> list[dict]:
-        return [r for r in quantized if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
-                (config, 4, boundary, chunk, "austen:prideprejudice")]  # fmt: skip
+        return first_four(quantized, config, boundary, chunk)
 
     def figure(config: str, boundary: str, seed0: bool = True) -> str:
         mine = of(config, boundary)
@@ -344,10 +351,6 @@ def turning_cache() -> list[str]:
     calibrations, both chunk sizes; and issue 46's targets."""
     d, fixed = load("lowbit_regions_46t/lowbit_regions.json"), load("lowbit_regions_46/lowbit_regions.json")["runs"]
 
-    def of(runs: list[dict], config: str, boundary: str, chunk: int) -> list[dict]:
-        return [r for r in runs if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
-                (config, 4, boundary, chunk, "austen:prideprejudice")]  # fmt: skip
-
     def cell(runs: list[dict], seed0: bool = False) -> str:
         if not runs:
             return "not measured"
@@ -363,8 +366,8 @@ def turning_cache() -> list[str]:
     rows, met = [], []
     for config in TARGETS_46:
         for boundary in TURNING_ROWS[config]:
-            mine = {c: of(d["runs"], config, boundary, c) for c in (32, 256)}
-            theirs = {c: of(fixed, config, boundary, c) for c in (32, 256)}
+            mine = {c: first_four(d["runs"], config, boundary, c) for c in (32, 256)}
+            theirs = {c: first_four(fixed, config, boundary, c) for c in (32, 256)}
             bits = statistics.fmean(r["bits_per_coordinate"] for r in mine[32]) if mine[32] else float("nan")
             gap = (statistics.fmean(r["delta_pct"] for r in mine[256]) - statistics.fmean(r["delta_pct"] for r in mine[32])
                    if mine[32] and mine[256] else None)  # fmt: skip
@@ -417,12 +420,10 @@ def turning_bench() -> list[str]:
 def turning_emma() -> list[str]:
     """The caches with the turning centre on the second text (Emma), presets and the kept calibrations, against the
     fixed-centre presets of `lowbit_regions_46`."""
-    d, fixed = load("lowbit_regions_46t/lowbit_regions.json")["runs"], load("lowbit_regions_46/lowbit_regions.json")
-    fixed = fixed["runs"]
+    d, fixed = (load(f"{folder}/lowbit_regions.json")["runs"] for folder in ("lowbit_regions_46t", "lowbit_regions_46"))
 
     def mean(runs: list[dict], config: str, boundary: str, chunk: int) -> str:
-        got = [r["delta_pct"] for r in runs if (r["config"], r["first"], r["boundary"], r["chunk"], r["text"]) ==
-               (config, 4, boundary, chunk, "austen:emma")]  # fmt: skip
+        got = [r["delta_pct"] for r in first_four(runs, config, boundary, chunk, "austen:emma")]
         return f"{statistics.fmean(got):+.2f}% [{min(got):+.2f}..{max(got):+.2f}]" if got else "not measured"
 
     rows = [[config, "preset (first 4)" if boundary == "0" else f"`{boundary.removeprefix('cal=')}`",
