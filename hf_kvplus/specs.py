@@ -99,7 +99,11 @@ class CacheKind:
     requires: tuple[str, ...] = ()  # importable modules it needs
 
     def available(self) -> bool:
-        return all(importlib.util.find_spec(module) is not None for module in self.requires)
+        return not self.missing()
+
+    def missing(self) -> list[str]:
+        """The modules of `requires` that cannot be imported."""
+        return [module for module in self.requires if not _installed(module)]
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,8 @@ class CacheSpec:
     kwargs: dict[str, str] = field(default_factory=dict)
 
     def build(self, config: PreTrainedConfig, max_length: int | None = None) -> Cache:
-        if not self.kind.available():
-            missing = [m for m in self.kind.requires if importlib.util.find_spec(m) is None]
+        missing = self.kind.missing()
+        if missing:
             raise ConfigError(f"cache spec {self.text!r} needs the Python modules {missing}, not installed")
         return self.kind.build(config, self.args, self.kwargs, max_length)
 
@@ -123,6 +127,14 @@ class CacheSpec:
 
     def __str__(self) -> str:
         return self.text
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported; `find_spec` of a dotted name raises when its parent package is absent."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 CACHE_KINDS: dict[str, CacheKind] = {}
@@ -511,7 +523,7 @@ def _paged_quantized(config, args, kwargs, max_length):
 
 def _hf_quantized(config, args, kwargs, max_length):
     backend, bits = args[0], int(args[1])
-    if backend == "hqq" and importlib.util.find_spec("hqq") is None:
+    if backend == "hqq" and not _installed("hqq"):
         raise ConfigError("cache spec hf-quantized:hqq needs the hqq package, not installed")
     return HFQuantizedCache(
         backend=backend,
