@@ -143,3 +143,12 @@ def test_train_surrogate_fits_saves_and_measures_a_surrogate_that_a_kvzap_spec_t
     code = main(["ppl", "--model", folder, "--text", text, "--tokens", "100", "--chunk", "50", "--cache", "dynamic",
                  "--cache", f"kvzap:40:weights={weights}", "--out", str(tmp_path / "ppl")])  # fmt: skip
     assert code == 0
+
+
+def test_version_names_the_installed_package(capsys):
+    import hf_kvplus
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf_kvplus {hf_kvplus.__version__}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from ..errors import KVPlusError
 from . import bench, calibrate, demo, needle, plan, ppl, surrogate
 
@@ -14,6 +15,7 @@ COMMANDS = (ppl, needle, bench, plan, calibrate, surrogate, demo)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplus", description="hf_kvplus: KV caches for Transformers.")
+    parser.add_argument("--version", action="version", version=f"hf_kvplus {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(subparsers)
