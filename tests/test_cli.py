@@ -101,6 +101,8 @@ def test_errors_exit_2_with_the_reason(local_model, capsys):
     assert main(["demo", "--model", folder, "--text", text, "--depths", "0.1", "0.3", "0.5", "0.7", "0.9"]) == 2
     err = capsys.readouterr().err
     assert "4 pass keys" in err and "5 depths" in err
+    assert main(["ppl", "--model", folder, "--text", text, "--tokens", "100000"]) == 2
+    assert "--tokens 100000 asks for more than the text holds" in capsys.readouterr().err
 
 
 def test_ppl_streams_a_pg19_book_longer_than_the_models_positions(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     common.setup(args)
     model, tokenizer, text = common.load(args)
-    ids = common.tokenize(tokenizer, text, args.tokens)
+    ids = common.scored_tokens(tokenizer, text, args.tokens)
     calibration, options = calibrate(
         model, ids, model_name=args.model, bits=args.bits, candidates=[*args.up, *args.down],
         max_bits=args.max_bits, chunk_size=args.chunk, window=args.window, first_tokens=args.first,

@@ -55,6 +55,15 @@ def tokenize(tokenizer, text: str, tokens: int) -> torch.Tensor:
     return ids[:tokens]
 
 
+def scored_tokens(tokenizer, text: str, tokens: int) -> torch.Tensor:
+    """The first `tokens` token ids of `text`, refused when the text is shorter: a figure quoted for N tokens is
+    measured on N."""
+    ids = tokenize(tokenizer, text, tokens)
+    if ids.numel() < tokens:
+        raise ConfigError(f"--tokens {tokens} asks for more than the text holds: {ids.numel()} tokens")
+    return ids
+
+
 def passages(tokenizer, text: str, tokens: int, batch: int) -> torch.Tensor:
     """`[batch, tokens]`: consecutive passages of `text`, one per row, so that a batch holds distinct prompts (one
     prompt repeated would let a cache that shares or dedups rows look better than it is)."""

@@ -27,7 +27,7 @@ def run(args) -> int:
     common.setup(args)
     specs = common.cache_specs(args, ["dynamic"])
     model, tokenizer, text = common.load(args)
-    ids = common.tokenize(tokenizer, text, args.tokens)
+    ids = common.scored_tokens(tokenizer, text, args.tokens)
     results = []
     for spec in specs:
         result = perplexity(
