@@ -5,13 +5,21 @@ integer id. Several caches (beams, requests sharing a prompt, the prefix store) 
 block, so each id carries a reference count and goes back to the free list when the count reaches
 zero. The pool never touches tensors: the paged storage sizes its tensors by `capacity` and grows
 them from a grow listener.
+
+A pool is shared by caches that may live in several threads (a server's workers): every operation holds the
+pool's `lock` (a reentrant lock, which the prefix store on the pool takes too), so it is atomic. A decode step
+calls the pool only when a row starts a new block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
+
+import torch
 
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 
@@ -31,6 +39,10 @@ class BlockPool:
     operation is O(log capacity) per id. Every operation that fails raises before changing anything.
     The heap is sifted in Python (`_heap_push`, `_heap_pop`), not by the C `heapq`, which
     `torch.compile` cannot trace: a decode step that starts a block stays one graph.
+
+    Thread-safe: each operation runs under `lock` (reentrant: the reclaimer and the grow listeners run inside
+    `allocate`'s hold). `release` is the path of a collected cache's finalizer, which the collector may run in
+    the middle of a pool operation on the same thread: there it waits in a queue that the next operation drains.
     """
 
     def __init__(self, num_blocks: int | None = None, *, initial: int = 64):
@@ -46,6 +58,32 @@ class BlockPool:
         self._free: list[int] = list(range(initial))  # min-heap of the ids whose count is 0
         self._reclaimer: Callable[[int], int] | None = None
         self._listeners: list[Callable[[int], None]] = []
+        self.lock = threading.RLock()
+        self._deferred: list[int] = []  # ids released by a finalizer while this thread was inside an operation
+
+    def hold(self):
+        """The pool's lock, with the finalizers' queued releases dropped first. A step that `torch.compile` traces
+        takes no lock (dynamo cannot enter one): a compiled decode on a pool shared across threads is unguarded."""
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        self.lock.acquire()
+        try:
+            self._drain()
+        except BaseException:
+            self.lock.release()
+            raise
+        return _Held(self.lock)
+
+    def __getstate__(self) -> dict:
+        with self.hold():
+            state = dict(self.__dict__)
+        del state["lock"], state["_deferred"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+        self._deferred = []
 
     @classmethod
     def from_bytes(cls, budget_bytes: int, bytes_per_block: int) -> BlockPool:
@@ -66,11 +104,13 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        with self.hold():
+            return len(self._free)
 
     @property
     def num_used(self) -> int:
-        return len(self._refs) - len(self._free)
+        with self.hold():
+            return len(self._refs) - len(self._free)
 
     @property
     def is_fixed(self) -> bool:
@@ -78,7 +118,8 @@ class BlockPool:
 
     def refcount(self, block_id: int) -> int:
         """References held on `block_id` (0 when free)."""
-        return self._refs[self._index(block_id)]
+        with self.hold():
+            return self._refs[self._index(block_id)]
 
     def __repr__(self) -> str:
         kind = "fixed" if self._fixed else "growable"
@@ -91,9 +132,10 @@ class BlockPool:
         It frees (through `decref`) up to `needed` blocks that nobody but itself holds and returns
         how many it freed. One reclaimer per pool; `None` detaches it.
         """
-        if reclaimer is not None and self._reclaimer is not None and reclaimer != self._reclaimer:
-            raise UnsupportedOperationError("this block pool already has a reclaimer (one prefix store per pool)")
-        self._reclaimer = reclaimer
+        with self.lock:
+            if reclaimer is not None and self._reclaimer is not None and reclaimer != self._reclaimer:
+                raise UnsupportedOperationError("this block pool already has a reclaimer (one prefix store per pool)")
+            self._reclaimer = reclaimer
 
     def add_grow_listener(self, callback: Callable[[int], None]) -> None:
         """`callback(new_capacity)` runs after every growth, before the allocation that caused it returns.
@@ -102,31 +144,35 @@ class BlockPool:
         shrinks back to its old capacity (listeners that already grew keep their larger tensors,
         which is harmless) and the allocation fails with that exception.
         """
-        self._listeners.append(callback)
+        with self.lock:
+            self._listeners.append(callback)
 
     def remove_grow_listener(self, callback: Callable[[int], None]) -> None:
-        self._listeners.remove(callback)
+        with self.lock:
+            self._listeners.remove(callback)
 
     # -------------------------------------------------------- operations
     def allocate(self, n: int) -> list[int]:
         """`n` free ids, lowest first, each with reference count 1; all or nothing."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"allocate needs a block count >= 0, got {n!r}")
-        if n > len(self._free):
-            self._make_room(n)
-        ids = [_heap_pop(self._free) for _ in range(n)]
-        for i in ids:
-            self._refs[i] = 1
-        return ids
+        with self.hold():
+            if n > len(self._free):
+                self._make_room(n)
+            ids = [_heap_pop(self._free) for _ in range(n)]
+            for i in ids:
+                self._refs[i] = 1
+            return ids
 
     def incref(self, ids: Iterable[int]) -> None:
         """One more reference on each id (an id listed twice gets two); every id must be in use."""
-        ids = [self._index(i) for i in ids]
-        for i in ids:
-            if self._refs[i] == 0:
-                raise UnsupportedOperationError(f"incref of block {i}, which is free (not allocated)")
-        for i in ids:
-            self._refs[i] += 1
+        with self.hold():
+            ids = [self._index(i) for i in ids]
+            for i in ids:
+                if self._refs[i] == 0:
+                    raise UnsupportedOperationError(f"incref of block {i}, which is free (not allocated)")
+            for i in ids:
+                self._refs[i] += 1
 
     def decref(self, ids: Iterable[int]) -> list[int]:
         """Drops one reference per listed id; returns the ids that became free (in listed order).
@@ -134,6 +180,27 @@ class BlockPool:
         Dropping more references than a block has (a double free, or a free block) raises
         `UnsupportedOperationError` and changes nothing, so a bug cannot silently corrupt the counts.
         """
+        with self.hold():
+            return self._decref(ids)
+
+    def release(self, ids: Iterable[int]) -> None:
+        """`decref` for a finalizer (a collected cache's blocks): safe wherever the collector runs it. Inside an
+        operation of this pool on the same thread (the collector ran in its middle) the ids wait in a queue that the
+        next operation drains; elsewhere they are dropped at once."""
+        ids = list(ids)
+        if self.lock._is_owned():
+            self._deferred.extend(ids)
+            return
+        with self.hold():
+            self._decref(ids)
+
+    def _drain(self) -> None:
+        """Drops the references that finalizers queued (under the lock, before an operation changes anything)."""
+        if self._deferred:
+            ids, self._deferred = self._deferred, []
+            self._decref(ids)
+
+    def _decref(self, ids: Iterable[int]) -> list[int]:
         ids = [self._index(i) for i in ids]
         for i, times in Counter(ids).items():
             if times > self._refs[i]:
@@ -150,6 +217,10 @@ class BlockPool:
 
     def check(self) -> None:
         """Raises AssertionError unless the free list is exactly the set of ids with count 0."""
+        with self.hold():
+            self._check()
+
+    def _check(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError(f"free list holds duplicates: {sorted(Counter(self._free) - Counter(free))}")
@@ -195,6 +266,21 @@ class BlockPool:
             del self._refs[old:]
             self._free = sorted(i for i in self._free if i < old)  # sorted: a heap
             raise
+
+
+class _Held:
+    """Releases a lock acquired by `BlockPool.hold` (a plain object: cheaper than a generator context manager)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
 
 
 def _heap_push(heap: list[int], item: int) -> None:

@@ -243,8 +243,9 @@ class BlockGroup:
         self._table_tensor = None
 
     def _clear(self, ids: list[int]) -> None:
-        for zero_blocks in self._zero_blocks:
-            zero_blocks(ids)
+        with self.pool.hold():  # (a pool shared across threads grows under its lock: not while this writes)
+            for zero_blocks in self._zero_blocks:
+                zero_blocks(ids)
 
     def _free_column(self, column: int) -> None:
         self.pool.decref([table.pop(column) for table in self.tables])
@@ -266,8 +267,9 @@ class BlockGroup:
                         table[column] = fresh
         finally:
             if targets:
-                for copy_blocks in self._copy_blocks:
-                    copy_blocks(sources, targets)
+                with self.pool.hold():  # (as `_clear`)
+                    for copy_blocks in self._copy_blocks:
+                        copy_blocks(sources, targets)
                 self._table_tensor = None
 
 

@@ -64,19 +64,33 @@ class LayerPool(BlockTensors):
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.retype = False
         blocks.add_grow_listener(self._grow)
 
     def ensure(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Allocates the tensors like `keys`/`values`, or checks that they match what is held."""
-        if self.k is None:
-            shape = (self.blocks.capacity, self.num_kv_heads, self.block_size)
-            self.k = keys.new_zeros(*shape, self.head_dim)  # zeros: a static read sees unwritten slots (masked)
-            self.v = values.new_zeros(*shape, values.shape[-1])
-            mark_static(self.k, self.v)  # written in place by decode steps, compiled ones included
+        if self.k is None or self.retype:
+            with self.blocks.hold():  # two threads' first writes allocate once
+                self._allocate(keys, values)
         elif keys.dtype != self.k.dtype or keys.device != self.k.device:
             raise CacheMismatchError(
-                f"new keys are {keys.dtype} on {keys.device}, the pool holds {self.k.dtype} on {self.k.device}"
+                f"new keys are {keys.dtype} on {keys.device}, the pool holds {self.k.dtype} on {self.k.device} "
+                f"({self.blocks.num_used} blocks in use: a pool takes another dtype only when it holds none)"
             )
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        retype, self.retype = self.retype, False
+        if self.k is not None and not (retype and (keys.dtype != self.k.dtype or keys.device != self.k.device)):
+            return
+        shape = (self.blocks.capacity, self.num_kv_heads, self.block_size)
+        self.k = keys.new_zeros(*shape, self.head_dim)  # zeros: a static read sees unwritten slots (masked)
+        self.v = values.new_zeros(*shape, values.shape[-1])
+        mark_static(self.k, self.v)  # written in place by decode steps, compiled ones included
+
+    def allow_retype(self) -> None:
+        """The next write may bring another dtype or device (the pool's one cache was reset and no block is held):
+        the tensors are then made anew for it."""
+        self.retype = True
 
     @property
     def block_bytes(self) -> int:

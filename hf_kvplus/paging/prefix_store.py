@@ -94,6 +94,9 @@ class PrefixStore:
     The store registers itself as `pool`'s reclaimer: a fixed pool that runs short evicts idle
     blocks here before it raises `CapacityError`. `max_blocks` bounds the store itself (needed on a
     growable pool, which grows instead of reclaiming).
+
+    Thread-safe: every operation holds the pool's lock (`BlockPool.hold`), the one lock of the pool and its store,
+    so a lookup, an insert and the pool's reclaim are atomic together.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, max_blocks: int | None = None):
@@ -115,7 +118,8 @@ class PrefixStore:
     @property
     def stats(self) -> PrefixStoreStats:
         """A snapshot of the counters."""
-        return replace(self._stats)
+        with self.pool.hold():
+            return replace(self._stats)
 
     def lookup(self, token_ids: Sequence[int], namespace: str) -> list[int]:
         """Block ids of the longest stored chain of full blocks that prefixes `token_ids`.
@@ -123,21 +127,22 @@ class PrefixStore:
         The caller receives one pool reference to each returned block (decref them when done). To
         keep at least one token to run the model on (for its logits), look up `token_ids[:-1]`.
         """
-        tokens, namespace = _token_list(token_ids), _check_namespace(namespace)
-        bs, blocks, hashes, parent = self.block_size, [], [], ROOT
-        for start in range(0, len(tokens) - bs + 1, bs):
-            parent = block_hash(parent, namespace, tokens[start : start + bs])
-            entry = self._entries.get(parent)
-            if entry is None:
-                break
-            blocks.append(entry.block_id)
-            hashes.append(parent)
-        self.pool.incref(blocks)
-        self._touch(hashes)
-        self._stats.lookups += 1
-        self._stats.query_blocks += len(tokens) // bs
-        self._stats.hit_blocks += len(blocks)
-        return blocks
+        with self.pool.hold():
+            tokens, namespace = _token_list(token_ids), _check_namespace(namespace)
+            bs, blocks, hashes, parent = self.block_size, [], [], ROOT
+            for start in range(0, len(tokens) - bs + 1, bs):
+                parent = block_hash(parent, namespace, tokens[start : start + bs])
+                entry = self._entries.get(parent)
+                if entry is None:
+                    break
+                blocks.append(entry.block_id)
+                hashes.append(parent)
+            self.pool.incref(blocks)
+            self._touch(hashes)
+            self._stats.lookups += 1
+            self._stats.query_blocks += len(tokens) // bs
+            self._stats.hit_blocks += len(blocks)
+            return blocks
 
     def insert(self, token_ids: Sequence[int], block_ids: Iterable[int], namespace: str) -> int:
         """Stores the full blocks of a sequence whose block `i` holds tokens `[i*bs, (i+1)*bs)`.
@@ -147,63 +152,67 @@ class PrefixStore:
         marked used. With `max_blocks`, idle blocks are evicted first; if that does not make room,
         only the first new blocks that fit are stored. The caller keeps its own references.
         """
-        tokens, namespace = _token_list(token_ids), _check_namespace(namespace)
-        block_ids = list(block_ids)
-        full = len(tokens) // self.block_size
-        if len(block_ids) < full:
-            raise ConfigError(
-                f"{len(tokens)} tokens fill {full} blocks of {self.block_size}, "
-                f"but only {len(block_ids)} block ids were given"
-            )
-        chain = list(zip(chain_hashes(tokens, namespace, self.block_size), block_ids[:full], strict=True))
-        known = 0  # a stored block's parent is always stored, so the stored part is a prefix
-        while known < len(chain) and chain[known][0] in self._entries:
-            known += 1
-        new = chain[known:]
-        self._check_new_blocks([b for _, b in new])
-        if self.max_blocks is not None and len(self) + len(new) > self.max_blocks:
-            protect = {chain[known - 1][0]} if known else set()
-            self._evict(len(self) + len(new) - self.max_blocks, protect)
-            new = new[: max(0, self.max_blocks - len(self))]
-        self.pool.incref([b for _, b in new])
-        for k, (h, b) in enumerate(new, start=known):
-            parent = chain[k - 1][0] if k else None
-            self._entries[h] = _Entry(b, parent)
-            self._by_block[b] = h
-            if parent is not None:
-                self._entries[parent].children += 1
-        self._touch([h for h, _ in chain[: known + len(new)]])
-        self._stats.inserted_blocks += len(new)
-        return len(new)
+        with self.pool.hold():
+            tokens, namespace = _token_list(token_ids), _check_namespace(namespace)
+            block_ids = list(block_ids)
+            full = len(tokens) // self.block_size
+            if len(block_ids) < full:
+                raise ConfigError(
+                    f"{len(tokens)} tokens fill {full} blocks of {self.block_size}, "
+                    f"but only {len(block_ids)} block ids were given"
+                )
+            chain = list(zip(chain_hashes(tokens, namespace, self.block_size), block_ids[:full], strict=True))
+            known = 0  # a stored block's parent is always stored, so the stored part is a prefix
+            while known < len(chain) and chain[known][0] in self._entries:
+                known += 1
+            new = chain[known:]
+            self._check_new_blocks([b for _, b in new])
+            if self.max_blocks is not None and len(self) + len(new) > self.max_blocks:
+                protect = {chain[known - 1][0]} if known else set()
+                self._evict(len(self) + len(new) - self.max_blocks, protect)
+                new = new[: max(0, self.max_blocks - len(self))]
+            self.pool.incref([b for _, b in new])
+            for k, (h, b) in enumerate(new, start=known):
+                parent = chain[k - 1][0] if k else None
+                self._entries[h] = _Entry(b, parent)
+                self._by_block[b] = h
+                if parent is not None:
+                    self._entries[parent].children += 1
+            self._touch([h for h, _ in chain[: known + len(new)]])
+            self._stats.inserted_blocks += len(new)
+            return len(new)
 
     def evict(self, n: int) -> int:
         """Frees up to `n` idle leaf blocks, least recently used first; returns how many."""
-        return self._evict(n)
+        with self.pool.hold():
+            return self._evict(n)
 
     def clear(self) -> None:
         """Drops every stored block: idle ones go back to the pool, live ones lose the store's reference."""
-        blocks = [e.block_id for e in self._entries.values()]
-        self._entries.clear()
-        self._by_block.clear()
-        self.pool.decref(blocks)
+        with self.pool.hold():
+            blocks = [e.block_id for e in self._entries.values()]
+            self._entries.clear()
+            self._by_block.clear()
+            self.pool.decref(blocks)
 
     def check(self) -> None:
         """Raises AssertionError unless the chains, children counts, recency order and references agree."""
-        children = Counter(e.parent for e in self._entries.values() if e.parent is not None)
-        position = {h: k for k, h in enumerate(self._entries)}
-        for h, e in self._entries.items():
-            if e.parent is not None and e.parent not in self._entries:
-                raise AssertionError(f"block {e.block_id} is stored but its parent is not")
-            if e.parent is not None and position[e.parent] < position[h]:
-                raise AssertionError(f"block {e.block_id} is more recently used than its parent")
-            if e.children != children[h]:
-                raise AssertionError(f"block {e.block_id} counts {e.children} children, has {children[h]}")
-            if self._by_block.get(e.block_id) != h or self.pool.refcount(e.block_id) < 1:
-                raise AssertionError(f"block {e.block_id} is stored without its reference")
-        if len(self._by_block) != len(self._entries):
-            raise AssertionError("a block id is stored under two prefixes")
-        if self.max_blocks is not None and len(self) > self.max_blocks:
-            raise AssertionError(f"{len(self)} blocks stored, max_blocks is {self.max_blocks}")
+        with self.pool.hold():
+            children = Counter(e.parent for e in self._entries.values() if e.parent is not None)
+            position = {h: k for k, h in enumerate(self._entries)}
+            for h, e in self._entries.items():
+                if e.parent is not None and e.parent not in self._entries:
+                    raise AssertionError(f"block {e.block_id} is stored but its parent is not")
+                if e.parent is not None and position[e.parent] < position[h]:
+                    raise AssertionError(f"block {e.block_id} is more recently used than its parent")
+                if e.children != children[h]:
+                    raise AssertionError(f"block {e.block_id} counts {e.children} children, has {children[h]}")
+                if self._by_block.get(e.block_id) != h or self.pool.refcount(e.block_id) < 1:
+                    raise AssertionError(f"block {e.block_id} is stored without its reference")
+            if len(self._by_block) != len(self._entries):
+                raise AssertionError("a block id is stored under two prefixes")
+            if self.max_blocks is not None and len(self) > self.max_blocks:
+                raise AssertionError(f"{len(self)} blocks stored, max_blocks is {self.max_blocks}")
 
     # ---------------------------------------------------------- internals
     def _touch(self, hashes: list[bytes]) -> None:

@@ -77,7 +77,9 @@ class QuantLayerPool(BlockTensors):
             )
         if self.k is None:
             self.fmt.check_head_dim(values.shape[-1])
-            self._allocate(self.blocks.capacity, keys.device, values.shape[-1])
+            with self.blocks.hold():  # two threads' first writes allocate once
+                if self.k is None:
+                    self._allocate(self.blocks.capacity, keys.device, values.shape[-1])
         elif keys.device != self.k.device:
             raise CacheMismatchError(f"new keys are on {keys.device}, the pool holds blocks on {self.k.device}")
         elif values.shape[-1] != (held := self.fmt.channels(self.v.shape[-1], "values")):

@@ -79,6 +79,15 @@ class PagedStorage(KVStorage):
             self.count.check_room(new, self.static_length)
             self._append_counted(keys, values)
             return
+        if self.group.pool.is_fixed:
+            self._append(keys, values, new)
+        else:  # a pool shared across threads may grow (new tensors) meanwhile: no write may land in the old ones
+            with self.group.pool.hold():
+                self._append(keys, values, new)
+        if self.device_count and self.count.tensor is None:
+            self.count.place(keys.device)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> None:
         sources = identical_rows(keys) if not self.group.tables and keys.shape[0] > 1 else None
         self.group.reserve(keys.shape[0], self.end + new, sources)
         if new == 1:  # a decode step: each row's block of the token, at one offset in all of them (Python ints)
@@ -91,8 +100,6 @@ class PagedStorage(KVStorage):
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)
         self.end += new
-        if self.device_count and self.count.tensor is None:
-            self.count.place(keys.device)
 
     def _append_counted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A static storage's write after its first fill, compiled or not: at the positions counted on the device,

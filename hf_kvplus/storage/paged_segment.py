@@ -70,6 +70,12 @@ class PagedSegment(QuantizedSegment):
             raise CacheMismatchError(f"new keys have batch {batch}, the cache holds {group.batch_size} rows")
         self.pool.ensure(keys, values)
         self.dtype = keys.dtype
+        with group.pool.hold():  # (once per block: a growing pool, shared across threads, replaces its tensors)
+            self._write(keys, values, same_rows)
+        self.end += n
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None) -> None:
+        batch, n, bs, group = keys.shape[0], keys.shape[2], self.group.block_size, self.group
         group.reserve(batch, self.end + n, same_rows if not group.tables else None)
         first = (self.end - group.base) // bs
         ids = [block for table in group.tables for block in table[first : first + n // bs]]  # row-major
@@ -79,7 +85,6 @@ class PagedSegment(QuantizedSegment):
             index = index_tensor(unique, keys.device)
             ids, k_blocks, v_blocks = [ids[i] for i in unique], k_blocks[index], v_blocks[index]
         self.pool.write(index_tensor(ids, keys.device), k_blocks, v_blocks)
-        self.end += n
 
     def begin_update(self) -> None:
         if self.member == 0:  # the group's first layer: the last forward has passed every layer of the group
