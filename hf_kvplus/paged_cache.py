@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedConfig
 
 from .cache import KVCache
-from .errors import ConfigError, UnsupportedOperationError
+from .errors import CacheMismatchError, ConfigError, UnsupportedOperationError
 from .formats import resolve_format
 from .layer import KVLayer
 from .memory import MemoryReport
@@ -45,6 +45,18 @@ class PagedCache(KVCache):
     >>> cache.reuse_prefix(input_ids)                        # attach stored blocks of the prompt's prefix
     >>> out = model.generate(input_ids, cache=cache)  # prefills only the rest (past_key_values= before 5.24)
     >>> cache.store_prefix(input_ids)                        # offer the prompt's full blocks to later calls
+
+    The store files blocks only under the tokens they hold. A cache cannot see token ids (Transformers hands it
+    keys and values), so it is told them: `reuse_prefix(ids)` tells the cache its prompt (even when nothing is
+    stored yet), and the cache checks what it sees of the next forward: it must feed the rest of that prompt
+    (`len(ids)` tokens in all) and, with several rows, the same tokens in every row (its first layer's keys are
+    compared: beams and `num_return_sequences`, which then share the attached blocks). `store_prefix(ids)` stores
+    only blocks of that prompt (generated tokens are not known to the cache), refuses ids that differ from it, and
+    refuses a cache that was never told its prompt or whose first forward fed another (`UnsupportedOperationError`,
+    `CacheMismatchError`). What the cache cannot see is a forward that feeds other tokens of the same count than the
+    ids told: `reuse_prefix(ids)` is the promise that `generate` gets `ids`.
+
+    Pools and their prefix stores are thread-safe (`PagedPool`): caches in several threads may share one.
 
     Paged and quantized (`bits` 8, 4, 2 or "fp8", as `QuantizedCache`): each layer is a `QuantizedStorage`
     whose quantized part is a `PagedSegment`. The newest `window` tokens (at least; up to a block more) stay at
@@ -107,6 +119,7 @@ class PagedCache(KVCache):
         if not isinstance(namespace, str):
             raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
         self.namespace = namespace
+        self._told: _Told | None = None  # the prompt reuse_prefix told (store_prefix stores only its blocks)
         self._owns_pool = pool is None
         spec = ModelSpec.from_config(config)
         self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
@@ -179,10 +192,15 @@ class PagedCache(KVCache):
                 f"use under namespace {self.namespace!r}) with other caches, so it cannot be pickled or copied; a "
                 "PagedCache built without pool= can"
             )
-        return super().__getstate__()
+        state = super().__getstate__()
+        state.pop("update", None)  # (the check of the first forward after reuse_prefix: made anew below)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        told = state.get("_told")
+        if told is not None and told.fed is None:
+            self.update = self._first_forward
         weakref.finalize(self, _release, list(self.groups.values()))
 
     @property
@@ -207,18 +225,98 @@ class PagedCache(KVCache):
             for layer in self.layers:
                 if isinstance(layer, KVLayer):
                     layer.attached(reused)
+        self._told = _Told(tuple(ids), reused)
+        self.update = self._first_forward  # this instance's next update only: the decode steps pay nothing
         return reused
 
+    def _first_forward(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """The first `update` after `reuse_prefix`: checks that the forward feeds the rest of the prompt told, in
+        every row alike, and fans the attached blocks out to its rows (beams, `num_return_sequences`)."""
+        del self.update
+        told = self._told
+        batch, new = key_states.shape[0], key_states.shape[2]
+        problem = None
+        if told.reused + new != len(told.ids):
+            problem = (
+                f"the first forward after reuse_prefix fed {new} tokens after the {told.reused} reused; the prompt "
+                f"told has {len(told.ids)}"
+            )
+        if batch > 1 and not all(torch.equal(key_states[0], key_states[row]) for row in range(1, batch)):
+            if told.reused:  # (a sync, once per prompt: the host waits for the prefill here anyway)
+                raise CacheMismatchError(
+                    f"reuse_prefix attached {told.reused} tokens of one prompt; this forward's {batch} rows hold "
+                    "different tokens, so they cannot share them (reuse a prefix for one prompt, its beams or its "
+                    "samples)"
+                )
+            problem = f"the first forward after reuse_prefix fed {batch} rows that differ"
+        if batch > 1 and told.reused and problem is None:
+            self.batch_repeat_interleave(batch)  # every row starts with the attached prompt blocks
+        self._told = replace(told, fed=problem is None, problem=problem)
+        return KVCache.update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    def activate_past_recording(self) -> None:
+        """Assisted and prompt-lookup decoding call this before their prefill; after `reuse_prefix` attached blocks,
+        refused: Transformers' assisted decoding gives wrong tokens on a prefilled cache (a DynamicCache's too)."""
+        told = getattr(self, "_told", None)
+        if told is not None and told.reused and told.fed is None:
+            raise UnsupportedOperationError(
+                f"assisted and prompt-lookup decoding after reuse_prefix attached {told.reused} tokens: Transformers' "
+                "assisted generate gives wrong tokens with a prefilled cache; generate without assistant_model / "
+                "prompt_lookup_num_tokens, or give it a cache that reused no prefix"
+            )
+        super().activate_past_recording()
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        told = getattr(self, "_told", None)
+        if told is not None and told.fed and self.get_seq_length() < len(told.ids):
+            self._told = replace(told, ids=told.ids[: self.get_seq_length()])  # later tokens are not known
+
+    def reset(self) -> None:
+        super().reset()
+        self._told = None
+        self.__dict__.pop("update", None)
+        if self._owns_pool and not any(blocks.num_used for blocks in self.pool.blocks.values()):
+            for layer_pool in self.pool.layers.values():  # no block held: the next model may bring another dtype
+                if hasattr(layer_pool, "allow_retype"):
+                    layer_pool.allow_retype()
+
     def store_prefix(self, input_ids) -> int:
-        """Offers the full blocks this cache holds of the prompt `input_ids` (row 0) to later calls in
-        the same namespace; returns how many blocks were newly stored."""
+        """Offers the full blocks this cache holds of its prompt to later calls in the same namespace; returns how
+        many blocks were newly stored.
+
+        The prompt is the one `reuse_prefix` told the cache before `generate` fed it (every row holds it): `input_ids`
+        (the prompt, or the output that starts with it) must agree with it, and only its blocks are stored, never
+        generated tokens, which the cache does not know. A cache never told its prompt, or whose first forward fed
+        another, refuses (`UnsupportedOperationError`); ids that differ from the prompt are refused
+        (`CacheMismatchError`), so one wrong call cannot file blocks under tokens they do not hold."""
         ids, store = self._prompt(input_ids), self._store()
+        told = getattr(self, "_told", None)
+        if told is None or not told.fed:
+            why = (
+                told.problem if told is not None and told.problem else
+                "reuse_prefix(ids) was not called before generate" if told is None else "generate has not run since"
+            )  # fmt: skip
+            raise UnsupportedOperationError(
+                f"store_prefix stores blocks under the prompt the cache was told and fed, and this one cannot know "
+                f"what its blocks hold ({why}): call cache.reuse_prefix(ids), then generate(ids), then "
+                "store_prefix(ids), on one prompt (its beams and samples included)"
+            )
+        known = told.ids
+        for k in range(min(len(ids), len(known))):
+            if ids[k] != known[k]:
+                raise CacheMismatchError(
+                    f"store_prefix got id {ids[k]} at token {k}; the prompt this cache was told and fed holds "
+                    f"{known[k]} there: blocks are stored only under the tokens they hold"
+                )
         group = self.groups["full"]
-        held = min(len(ids), min(member.end for member in group.members))
+        if not group.tables:
+            return 0
+        held = min(len(ids), len(known), min(member.end for member in group.members))
         full = held // self.block_size
         if not full or group.base:
             return 0
-        return store.insert(ids[: full * self.block_size], group.tables[0][:full], self.namespace)
+        return store.insert(known[: full * self.block_size], group.tables[0][:full], self.namespace)
 
     def _store(self):
         if self.regions.overrides():
@@ -276,7 +374,22 @@ class PagedCache(KVCache):
         return {key: group.pool for key, group in self.groups.items()}
 
 
+@dataclass(frozen=True)
+class _Told:
+    """The prompt `reuse_prefix` told the cache: its ids, how many tokens were attached, whether the next forward
+    fed the rest of it (None before that forward), and if not, why."""
+
+    ids: tuple[int, ...]
+    reused: int
+    fed: bool | None = None
+    problem: str | None = None
+
+
 def _release(groups: list[BlockGroup]) -> None:
-    """Gives a collected cache's blocks back to their pools."""
+    """Gives a collected cache's blocks back to their pools (`BlockPool.release`: the collector may run this on any
+    thread, in the middle of a pool operation too)."""
     for group in groups:
-        group.reset()
+        ids = [block for table in group.tables for block in table]
+        group.tables = []
+        group.base = group.reserved = 0
+        group.pool.release(ids)

@@ -99,6 +99,7 @@ def test_paged_cache_with_a_prefix_store_travels_with_it():
     model = get_model("llama")
     cache = PagedCache(model.config, block_size=8)
     ids = prompt_ids()
+    cache.reuse_prefix(ids)  # tells the cache its prompt, which store_prefix stores
     step(model, cache, ids)
     assert cache.store_prefix(ids) == PROMPT // 8
     copies = round_trips(cache)

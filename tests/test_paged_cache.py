@@ -244,6 +244,7 @@ def test_a_prefix_stored_for_one_namespace_is_never_served_to_another():
     pool = PagedPool(model.config, block_size=8)
     ids = prompt(30, seed=3)
     cache = PagedCache(config=model.config, pool=pool, namespace="tenant-a")
+    cache.reuse_prefix(ids)
     model.generate(ids, **cache_kwargs(cache), max_new_tokens=2)
     cache.store_prefix(ids)
     assert PagedCache(config=model.config, pool=pool, namespace="tenant-b").reuse_prefix(ids) == 0

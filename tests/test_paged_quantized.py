@@ -305,6 +305,7 @@ def test_prefix_reuse_attaches_quantized_blocks_and_leaves_the_window_to_prefill
     first = make_prompt(30, seed=14)
     second = torch.cat([first[:, :27], make_prompt(6, seed=15)], dim=1)
     cache = PagedCache(model.config, pool=pool, window=4)
+    cache.reuse_prefix(first)
     generate(model, cache, first, max_new_tokens=6)
     assert cache.store_prefix(first) == 3  # 35 seen, 24 quantized
     del cache
