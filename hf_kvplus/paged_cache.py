@@ -144,6 +144,8 @@ class PagedCache(KVCache):
                     "stay where all the caches sharing it attend (leave pool=None)"
                 )
             pool.check_model(spec)
+            for blocks in pool.blocks.values():  # shared: writes wait for a growth in another thread
+                blocks.guard_writes = not blocks.is_fixed
             if bits is not None or group_size is not None:
                 pool.check_format(resolve_format(spec, bits, group_size))
             if pool.format is not None:

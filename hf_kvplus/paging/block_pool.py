@@ -60,6 +60,9 @@ class BlockPool:
         self._listeners: list[Callable[[int], None]] = []
         self.lock = threading.RLock()
         self._deferred: list[int] = []  # ids released by a finalizer while this thread was inside an operation
+        #: Whether caches hold the lock while they write the pool's tensors: a growable pool shared between caches
+        #: (`PagedCache` with `pool=` sets it), whose growth in one thread replaces the tensors another writes.
+        self.guard_writes = False
 
     def hold(self):
         """The pool's lock, with the finalizers' queued releases dropped first. A step that `torch.compile` traces

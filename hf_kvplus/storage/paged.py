@@ -79,9 +79,9 @@ class PagedStorage(KVStorage):
             self.count.check_room(new, self.static_length)
             self._append_counted(keys, values)
             return
-        if self.group.pool.is_fixed:
+        if not self.group.pool.guard_writes:
             self._append(keys, values, new)
-        else:  # a pool shared across threads may grow (new tensors) meanwhile: no write may land in the old ones
+        else:  # a growable pool shared across threads may grow (new tensors) meanwhile: no write lands in the old ones
             with self.group.pool.hold():
                 self._append(keys, values, new)
         if self.device_count and self.count.tensor is None:
