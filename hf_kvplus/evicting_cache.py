@@ -57,6 +57,9 @@ class EvictingCache(KVCache):
     rollback: bool = True
     #: Whether its policy ranks by accumulated attention, so slots keep a `score` each (StreamingLLM's does not).
     keeps_scores: bool = True
+    #: Whether its slots count the tokens a mask hid (`SlotStore.hidden`: StreamingLLM's sinks move by the evicted
+    #: tokens only).
+    counts_hidden: bool = False
 
     def __init__(
         self,
@@ -99,7 +102,8 @@ class EvictingCache(KVCache):
                 return DenseStorage()
             layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
             codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index))
-            return SlotStore(codec, scores=self.keeps_scores, device_count=compileable, first=first_tokens)
+            return SlotStore(codec, scores=self.keeps_scores, device_count=compileable, first=first_tokens,
+                             count_hidden=self.counts_hidden)  # fmt: skip
 
         def retention(spec: LayerSpec) -> EvictionPolicy:
             return policy(spec) if spec.kind == "full" else model_retention(spec)
@@ -178,6 +182,7 @@ class SinkCache(EvictingCache):
     """
 
     keeps_scores = False  # it evicts by position
+    counts_hidden = True
 
     def __init__(
         self,

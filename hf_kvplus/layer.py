@@ -251,10 +251,16 @@ class KVLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.storage.static_length is not None:  # every position of the buffer, as StaticCache
             return self.storage.static_length, 0
-        width = self.storage.mask_width
-        if width is not None:  # one shape while the slots fill: offset 0 until the tokens outnumber the slots
-            width = max(width, query_length)
-            return width, max(0, self.seen + query_length - width)
+        if self.retention.scored:
+            # Slots are masked by what they hold, not by the model's mask, which attention only reads to learn which
+            # tokens it hides (`SlotStore.note_mask`): so it spans every position, which a held token may have (sinks,
+            # heavy hitters), and a 0 anywhere in the 2-d mask reaches the slot holding that position. A compileable
+            # store's compiled one-token steps keep one shape, its slots (offset 0 until the tokens outnumber them):
+            # their mask spans the newest `slots` positions only (older held ones keep what earlier masks said).
+            width = self.storage.mask_width
+            if width is not None and query_length == 1 and torch.compiler.is_compiling():
+                return width, max(0, self.seen + 1 - width)
+            return self.seen + query_length, 0
         held = self.storage.held
         if self._pending is not None:
             held -= self.retention.excess(self.storage.length, self._pending)

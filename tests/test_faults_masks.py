@@ -49,6 +49,7 @@ EVICTING = {
     "peak": lambda c: PeakCache(c, budget=16, recent=2),
     "kvzap": lambda c: KVzapCache(c, random_surrogate(c), budget=16, recent=2, compress="always"),
     "h2o-int4": lambda c: H2OCache(c, budget=16, recent=4, bits=4, group_size=16),
+    "h2o-k4v2": lambda c: H2OCache(c, budget=16, recent=4, bits="k4v2"),
     "h2o-compileable": lambda c: H2OCache(c, budget=16, recent=4, compileable=True),
     "kvzip-compressed": "kvzip",
 }

@@ -60,7 +60,8 @@ def test_decode_reads_the_codes_then_the_exact_region(seed):
     s = store()
     k, v = kv(2, 20)
     s.append(k, v)
-    s.keep(torch.tensor([0, 1, 2, 3, 9, 12, 15, 19]).expand(2, 2, -1))  # an eviction: the region stays in slots 0..3
+    # An eviction alike in every head (`uniform`: one mask per row): the region stays in slots 0..3.
+    s.keep(torch.tensor([0, 1, 2, 3, 9, 12, 15, 19]).expand(2, 2, -1), uniform=True)
     s.append(*kv(2, 1))
     read = s.read(s.length, 1)
     assert read.residual_k is not None and read.keys.stride(-1) == 0, "decode must read the codes in place"

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.dispatch import decode_attention, quantized_decode_attention
+from ..kernels.quant_format import PACKED_NAMES
 from ..storage.reads import SlotRead
 
 #: Prefill computes the score matrix in query chunks of at most this many elements: on the CPU a chunk that stays in
@@ -24,11 +25,49 @@ CPU_CHUNK_ELEMENTS, GPU_CHUNK_ELEMENTS = 1 << 22, 1 << 26
 
 
 def _prefill_mask(valid: torch.Tensor, q: int) -> torch.Tensor:
-    """`[batch, 1, q, n]` bool: held slots where valid, fresh slots causally (and where valid)."""
-    n = valid.shape[1]
+    """`[batch, 1, q, n]` bool (`[batch, kv_heads, q, n]` for a per-head `valid`): held slots where valid, fresh slots
+    causally (and where valid)."""
+    n = valid.shape[-1]
     cols = torch.arange(n, device=valid.device)
     rows = torch.arange(q, device=valid.device)[:, None] + (n - q)
-    return (valid[:, None, :] & (cols[None, :] <= rows))[:, None]
+    causal = cols[None, :] <= rows
+    if valid.ndim == 3:
+        return valid[:, :, None, :] & causal
+    return (valid[:, None, :] & causal)[:, None]
+
+
+def _by_kv_head(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`[batch, kv_heads, ...]` as `[batch x kv_heads, 1, ...]` (a view of the slots' buffers)."""
+    return None if t is None else t.flatten(0, 1).unsqueeze(1)
+
+
+def _per_head_decode(query, read: SlotRead, mask: torch.Tensor, scaling: float, with_mass: bool, exact: dict):
+    """The decode kernels take one mask per batch row; a per-head `mask` `[batch, kv_heads, n]` (heads that hold
+    different tokens, one of them masked) goes in as `batch x kv_heads` rows of one KV head each, whose query heads are
+    that KV head's group: the same kernels, views of the same buffers, and the output and mass viewed back."""
+    batch, q_heads, dim = query.shape[0], query.shape[1], query.shape[-1]
+    kv_heads = mask.shape[1]
+    q = query[:, :, 0].reshape(batch * kv_heads, q_heads // kv_heads, dim)
+    rows = mask.flatten(0, 1)
+    if read.packed is not None and getattr(read.fmt, "key_center", None) is not None:
+        # A rotated format's key centre is one per KV head, which rows of one head each cannot take: the slots are
+        # dequantized (the first-tokens region exact) and read as full-precision rows.
+        keys, values = read.dense()
+        rows = read.valid().flatten(0, 1)  # (over the slots: `dense()` holds the region's exact copies in theirs)
+        read = SlotRead(keys, values, read.valid)
+    if read.packed is not None:
+        packed = type(read.packed)(*(_by_kv_head(getattr(read.packed, name)) for name in PACKED_NAMES))
+        residual = {name: _by_kv_head(exact[name]) for name in ("residual_k", "residual_v") if name in exact}
+        result = quantized_decode_attention(
+            q, packed, read.fmt, start=0, length=packed.k.shape[2], scale=scaling, keys_per_token=True,
+            with_mass=with_mass, check=False, mask=rows, **residual,
+        )  # fmt: skip
+    else:
+        result = decode_attention(q, _by_kv_head(read.keys), _by_kv_head(read.values), scale=scaling, mask=rows,
+                                  with_mass=with_mass, check=False)  # fmt: skip
+    out, mass = result if with_mass else (result, None)
+    out = out.reshape(batch, q_heads, out.shape[-1])
+    return out, None if mass is None else mass.reshape(batch, kv_heads, mass.shape[-1])
 
 
 def slot_decode(
@@ -36,7 +75,8 @@ def slot_decode(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per row `[batch, q_heads, 1, d]` over the slots of `read` (`[batch, kv_heads, n, d]`, or their codes,
     read in place): the output `[batch, 1, q_heads, d]` and, with `mass_queries`, the mass `[batch, kv_heads, n]`
-    (float32) each slot received. `read.valid()` `[batch, n]` masks the slots holding no real token."""
+    (float32) each slot received. `read.valid()` `[batch, n]` masks the slots holding no real token (`[batch,
+    kv_heads, n]` where heads hold different tokens: `_per_head_decode`)."""
     packed, with_mass = read.packed, mass_queries > 0
     if packed is not None:
         slots = packed.k.shape[2]
@@ -44,6 +84,9 @@ def slot_decode(
             exact = {"residual_k": read.residual_k, "residual_v": read.residual_v, "mask": read.decode_mask()}
         else:
             exact = {"mask": read.valid()}
+        if exact["mask"] is not None and exact["mask"].ndim == 3:
+            out, mass = _per_head_decode(query, read, exact.pop("mask"), scaling, with_mass, exact)
+            return out.unsqueeze(1), None if mass is None else mass[..., :slots]
         result = quantized_decode_attention(
             query[:, :, 0], packed, read.fmt, start=0, length=slots, scale=scaling, keys_per_token=True,
             with_mass=with_mass, check=False, **exact,
@@ -52,8 +95,12 @@ def slot_decode(
         if mass is not None and mass.shape[-1] != slots:  # (the region's entries: tokens no policy evicts)
             mass = mass[..., :slots]
     else:
+        valid = read.valid()
+        if valid is not None and valid.ndim == 3:
+            out, mass = _per_head_decode(query, read, valid, scaling, with_mass, {})
+            return out.unsqueeze(1), mass
         result = decode_attention(
-            query[:, :, 0], read.keys, read.values, scale=scaling, mask=read.valid(), with_mass=with_mass, check=False
+            query[:, :, 0], read.keys, read.values, scale=scaling, mask=valid, with_mass=with_mass, check=False
         )
         out, mass = result if with_mass else (result, None)
     return out.unsqueeze(1), mass
@@ -90,6 +137,8 @@ def _sdpa_rows(rows, keys, values, valid, scaling, q):
         )
     valid = torch.ones(keys.shape[0], n, dtype=torch.bool, device=keys.device) if valid is None else valid
     mask = _prefill_mask(valid, q)[:, :, :r]
+    if mask.shape[1] > 1:  # per KV head: repeated over each one's query heads
+        mask = mask.repeat_interleave(rows.shape[1] // mask.shape[1], dim=1)
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
@@ -118,8 +167,8 @@ def _rows_with_mass(rows, keys, values, valid, scaling, q, reduce="sum"):
         cols = torch.arange(first, width, device=keys.device)
         fresh = cols > cols[:, None]  # [chunk, chunk]: the future
         logits[..., first:].masked_fill_(fresh, float("-inf"))
-        if valid is not None:
-            blocked = ~valid[:, None, None, None, :width]
+        if valid is not None:  # (one mask per row, or per KV head)
+            blocked = ~(valid[:, :, None, None, :width] if valid.ndim == 3 else valid[:, None, None, None, :width])
             logits.masked_fill_(blocked, float("-inf"))
         weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
         if valid is not None:  # a query with no valid key (a padding row) gives zeros, not NaN

@@ -67,6 +67,10 @@ class EvictionPolicy(Retention):
     #: Set by `EvictingCache.appending()`: no forward evicts, tokens append past the budget.
     paused: bool = False
 
+    #: Whether `score` ranks every KV head of a row alike (by position: StreamingLLM), so that evictions keep the same
+    #: positions at the same slots in every head (`SlotStore.aligned`); a policy ranking heads apart clears it.
+    uniform: bool = False
+
     def excess(self, held: int, new: int) -> int:
         """Slots to evict after attending `new` fresh tokens: back down to the budget (when `compress` says so)."""
         if self.paused or (new <= 1 and self.compress == "prefill"):
@@ -102,12 +106,12 @@ class EvictionPolicy(Retention):
             slot = self.victim(store) if one else None
             if slot is not None:  # known without looking at the device: evicted by bookkeeping only
                 store.free(slot)
-            elif one:
-                store.free(self.score(store).argmin(dim=-1, keepdim=True))  # the next one-token append refills it
+            elif one:  # the next one-token append refills it
+                store.free(self.score(store).argmin(dim=-1, keepdim=True), uniform=self.uniform)
             else:
                 # A stable sort breaks ties (max pooling makes many) towards the lower slot, the older token.
                 order = self.score(store).sort(dim=-1, descending=True, stable=True).indices
-                store.keep(order[..., : store.length - count])
+                store.keep(order[..., : store.length - count], uniform=self.uniform)
             self.after_evict(store)
         if store.device_count and refill and self.compress == "always" and store.length <= self.budget:
             # A compileable store holds `budget + 1` slots from the prompt on, the unused ones free (padding, which

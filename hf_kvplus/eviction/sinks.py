@@ -23,6 +23,7 @@ class SinkPolicy(EvictionPolicy):
     """
 
     is_croppable = True
+    uniform = True  # it ranks by position, the same in every head
 
     def __init__(self, num_sinks: int, window: int, rotary: RotaryShift | None, compress: str = "always"):
         self.compress = check_compress(compress)
@@ -106,10 +107,14 @@ class SinkPolicy(EvictionPolicy):
         pos = store.positions
         real_held = (pos[:, 0] >= 0).sum(-1)
         shift = (store.seen_now() - first_real.clamp(min=0)) - real_held  # real tokens evicted per row
+        if store.hidden is not None:  # masked ones are not evicted: the window keeps their gap, the sinks do not close it
+            shift = shift - store.hidden
         moving = (shift > 0) & (first_real >= 0)
-        # Slot of sink i: where pos == first_real + i, the same slot in every head (sinks never move).
+        # Slot of sink i: where pos == first_real + i, the same slot in every head (sinks never move). A sink a mask hid
+        # since is held by no slot: nothing is written for it.
         targets = first_real.clamp(min=0)[:, None] + torch.arange(self.num_sinks, device=pos.device)
-        slots = (pos[:, 0, None, :] == targets[:, :, None]).int().argmax(-1)
+        match = pos[:, 0, None, :] == targets[:, :, None]
+        slots = match.int().argmax(-1)
         slots = slots[:, None, :].expand(-1, pos.shape[1], -1)
         held = store.read_keys(slots)
         if self.sink_keys is None:
@@ -125,7 +130,8 @@ class SinkPolicy(EvictionPolicy):
         else:
             self.sink_keys, self.captured = sink_keys, captured
         self._prepared = None
-        store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift.clamp(min=0)), rows=moving)
+        rows = moving[:, None] & match.any(-1) if store.hidden is not None else moving
+        store.write_keys(slots, self.rotary.rotate(self.sink_keys, shift.clamp(min=0)), rows=rows)
 
     def _rotatable(self, store: SlotStore, keys: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`keys` as the sinks' copy keeps them. Codes that hold each element up to a limit (`value_range`: integer and

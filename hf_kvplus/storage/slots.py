@@ -5,7 +5,9 @@ row b, head h holds one token's key and value, its logical position (`pos`, -1 f
 and, for a policy that ranks by it, its accumulated attention mass (`score`; StreamingLLM ranks by position and
 keeps none). Attention reads the slots with a mask built from `pos`,
 so slot order does not matter to it; compaction keeps slots in position order anyway (padding
-first), which keeps padding slots at the same indices in every head of a row.
+first). A token the model's mask hides (left padding, or a 0 of a later forward's 2-d mask over a held token) is marked
+PAD in every head that holds it, by its position (`hidden_slots`); while every head holds the same positions at the same
+slots (`aligned`) that is one mask per row, else one per head.
 
 How a token's key and value are held is the codec's business: full precision, or quantized per
 token (a token's key and value each stand alone, so any slot can be overwritten in place).
@@ -44,27 +46,26 @@ from .value_range import RangeGuard, code_limit
 PAD = -1
 
 
-def padding_of_new(
-    attention_mask: torch.Tensor, batch: int, new: int, end: int | torch.Tensor | None = None
-) -> torch.Tensor:
-    """`[batch, new]` True where a fresh token is padding, read off the model's 4-d mask.
+def hidden_slots(attention_mask: torch.Tensor, positions: torch.Tensor, seen: int | torch.Tensor) -> torch.Tensor:
+    """`[batch, kv_heads, slots]` True where the model's 4-d mask hides the token a slot holds at `positions`.
 
-    The mask's `new` columns before `end` are the fresh tokens (None: its last ones, as `get_mask_sizes` says for a
-    mask as wide as the tokens held; a mask of fixed width has them at the count of tokens seen, a device tensor in a
-    compiled step, while the slots fill); the last query of a left-padded row is real and sees every real key, so the
-    keys it may not see are padding. Whether any is padding stays on the device (asking would stall it).
+    Each call's mask covers every position a slot may hold (`KVLayer.get_mask_sizes`): its last column is the newest
+    token, `seen - 1`, so column c is position `seen - width + c` (a mask of fixed width, a compileable store's, is
+    wider than the tokens seen while the slots fill: column c is position c then). Its last query is the newest token,
+    which sees every past key the model lets it see, so the keys it may not see are masked: padding, or any 0 of the
+    2-d mask over a held position. Slots map by the position they hold, not by their index (after evictions the two
+    differ, per head); a slot holding no token (PAD) or a position left of the mask is not hidden. All on the device.
     """
     if attention_mask.ndim != 4:
         raise ShapeError(f"expected a 4-d attention mask, got shape {tuple(attention_mask.shape)}")
-    row = attention_mask[:, 0, -1]
-    if end is None:
-        last = row[:, -new:]
-    elif isinstance(end, int):
-        last = row[:, end - new : end]
-    else:
-        last = row.index_select(-1, end - new + torch.arange(new, device=row.device))
+    last = attention_mask[:, 0, -1]
     allowed = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
-    return ~allowed.expand(batch, -1)
+    width = allowed.shape[-1]
+    offset = (seen - width).clamp(min=0) if isinstance(seen, torch.Tensor) else max(0, seen - width)
+    column = positions - offset
+    batch = positions.shape[0]
+    seen_by_last = allowed.expand(batch, -1).gather(1, column.clamp(0, width - 1).flatten(1)).view_as(column)
+    return (column >= 0) & ~seen_by_last
 
 
 def _slot_index(slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -208,8 +209,8 @@ class SlotStore(KVStorage):
 
     Until the model passes a mask, every slot holds a real token and each row's first real position
     is 0 (`first_real` is None, policies work in Python ints). Once a mask came (left padding, maybe),
-    padding slots get `pos` PAD and `first_real` [batch] is kept on the device, updated with each
-    forward's tokens, never read back.
+    slots whose token it hides get `pos` PAD (padding, or held tokens a later mask hides: `note_mask`) and
+    `first_real` [batch] is kept on the device, updated with each forward's tokens, never read back.
 
     `first` keeps the first tokens of each row exact (see the module's docstring): `exact_part` counts them.
 
@@ -226,6 +227,7 @@ class SlotStore(KVStorage):
         scores: bool = True,
         device_count: bool = False,
         first: int = 0,
+        count_hidden: bool = False,
     ):
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ConfigError(f"the first-tokens region must be an int >= 0 tokens, got first={first!r}")
@@ -248,8 +250,16 @@ class SlotStore(KVStorage):
         # The slots the last append wrote: `(lo, hi)`, or a [batch, kv_heads, 1] tensor after a tensor hole's refill.
         self.fresh: tuple[int, int] | torch.Tensor = (0, 0)
         self.in_order = True  # slots hold increasing positions (appends at the end since the last compaction)
+        #: Every head of a row holds the same positions at the same slots (appends, and evictions that rank every head
+        #: alike: `uniform`), so a row's padding is at the same slots in every head and `valid()` is one [batch, slots]
+        #: mask; False once a policy ranked the heads apart (H2O, SnapKV, ...): then it is per head.
+        self.aligned = True
         self.version = 0  # bumped whenever slots move, so a policy tracking the layout knows to stop
         self.first_real: torch.Tensor | None = None  # [batch] first real position per row (-1: none yet), once masked
+        #: With `count_hidden` (StreamingLLM's sinks close up on the evicted tokens, not on masked ones): [batch] how many
+        #: tokens past each row's first real one a mask has hidden, held or evicted since; kept with `first_real`.
+        self.count_hidden = count_hidden
+        self.hidden: torch.Tensor | None = None
         self._used: tuple | None = None  # (length, fields, their views cut to the used slots)
         self._read: tuple | None = None  # (the views of `_used`, the read made of them)
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
@@ -428,10 +438,11 @@ class SlotStore(KVStorage):
 
     def exact_mask(self) -> torch.Tensor:
         """The decode kernel's `[batch, slots + first]` mask over the codes then the exact region (`SlotRead.decode_mask`): a
-        slot's codes where it holds a real token past the region; region entry i where a slot holds position i."""
-        pos = self.positions[:, 0]  # (the region and padding are at the same slots in every head)
+        slot's codes where it holds a real token past the region; region entry i where a slot holds position i. Per
+        head, `[batch, kv_heads, slots + first]`, once the heads are not `aligned` (as `valid`)."""
+        pos = self.positions if not self.aligned else self.positions[:, 0]
         region = torch.arange(self.first, device=pos.device)
-        return torch.cat([pos >= self.first, (pos[:, :, None] == region).any(1)], dim=-1)
+        return torch.cat([pos >= self.first, (pos[..., None] == region).any(-2)], dim=-1)
 
     def _span_slots(self, lo: int, hi: int) -> torch.Tensor:
         """Slots `lo .. hi - 1` of every row and head, `[batch, kv_heads, hi - lo]`."""
@@ -455,16 +466,18 @@ class SlotStore(KVStorage):
         if self.keeps_scores:
             self.fields["score"].scatter_(2, hole, 0.0)
 
-    def free(self, slot: int | torch.Tensor) -> None:
+    def free(self, slot: int | torch.Tensor, uniform: bool = False) -> None:
         """Evicts the token in `slot` by bookkeeping only: a Python int (the same slot in every row and
         head) or a `[batch, kv_heads, 1]` tensor of slots. The slot stays counted in `length` as the hole.
 
         Once a mask came, the hole reads as padding until refilled (the sinks' `after_evict` counts real
         tokens by position); before, nothing reads positions before the refill, so it keeps its token's
-        (`positions` shows PAD there)."""
+        (`positions` shows PAD there). `uniform`: a tensor `slot` is the same in every head of a row (ranked by
+        position), which keeps the heads aligned."""
         if isinstance(slot, int):
             self.hole = slot
             return
+        self.aligned = self.aligned and uniform
         self.hole = self._carried("hole", slot)
         if self.first_real is not None:
             self._write_slots(self.hole, {"pos": PAD})
@@ -483,7 +496,7 @@ class SlotStore(KVStorage):
         free = torch.arange(self.length, slots, device=self.device).expand(*self.pos.shape[:2], -1)
         self._write_slots(free, {"pos": PAD})
         self.length = slots
-        self.free(free[..., :1].contiguous())
+        self.free(free[..., :1].contiguous(), uniform=True)
 
     @property
     def mask_width(self) -> int | None:
@@ -539,18 +552,25 @@ class SlotStore(KVStorage):
         return read
 
     def valid(self) -> torch.Tensor | None:
-        """`[batch, slots]` True where a slot holds a real token; None while no mask ever came (all do)."""
-        return self.positions[:, 0] != PAD if self.first_real is not None else None
+        """True where a slot holds a real token: `[batch, slots]` while the heads are `aligned`, else `[batch,
+        kv_heads, slots]` (a masked token sits at its own slot in each head that holds it); None while no mask ever
+        came (all do)."""
+        if self.first_real is None:
+            return None
+        pos = self.positions
+        return pos[:, 0] != PAD if self.aligned else pos != PAD
 
     def note_mask(self, attention_mask: torch.Tensor, new: int) -> None:
-        """Marks the fresh tokens that the model's mask says are padding, and learns each row's first real
-        position from them (on the device)."""
+        """Marks every used slot whose token the model's mask hides as padding (`hidden_slots`: left padding, and any 0
+        of the 2-d mask over a token held from an earlier forward), and learns each row's first real position from the
+        fresh tokens (on the device). A slot once marked stays padding, as Transformers' 2-d mask in `generate` keeps
+        its zeros; it is evicted first."""
         seen = self.seen_now()
-        end = None  # the fresh tokens' columns end the mask, unless its width is fixed (`mask_width`)
-        if self.mask_width is not None:
-            width = attention_mask.shape[-1]
-            end = seen.clamp(max=width) if isinstance(seen, torch.Tensor) else min(seen, width)
-        self.mark_padding(padding_of_new(attention_mask, self.batch_size, new, end))
+        pos = self.used()["pos"]
+        hidden = hidden_slots(attention_mask, pos, seen)
+        if self.count_hidden:  # the positions of the real tokens hidden now (-1 elsewhere), before they are marked
+            lost = pos[:, 0].masked_fill(~hidden[:, 0], PAD)
+        self.mark_hidden(hidden)
         first_real = self.first_real
         if first_real is None:
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
@@ -563,12 +583,18 @@ class SlotStore(KVStorage):
         real = pos != PAD
         first = torch.where(real.any(-1), pos.masked_fill(~real, seen).min(-1).values, -1)
         self.first_real = self._carried("first_real", torch.where(first_real >= 0, first_real, first))
+        if self.count_hidden:  # (those before the first real token are its padding)
+            first = self.first_real[:, None]
+            counted = ((lost >= first) & (lost >= 0) & (first >= 0)).sum(-1)
+            self.hidden = self._carried("hidden", counted if self.hidden is None else self.hidden + counted)
 
     def note_no_mask(self) -> None:
         """Every row starts at position 0, where no mask came before: `first_real` made now (eagerly, at the prompt)
         rather than in the first masked step, which may be compiled, and a graph that made it would return it."""
         if self.first_real is None:
             self.first_real = self._carried("first_real", self.pos.new_zeros(self.batch_size))
+            if self.count_hidden:
+                self.hidden = self._carried("hidden", self.pos.new_zeros(self.batch_size))
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the held tokens (`last` is all of them: slots have no sequence order)."""
@@ -629,35 +655,40 @@ class SlotStore(KVStorage):
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
-        in the batch rows where `rows` [batch] (bool) is True (None: all); other rows keep their bits."""
+        in the batch rows where `rows` [batch] (bool) is True, or of the slots where `rows` [batch, k] is (None: all);
+        the others keep their bits."""
         parts = self.codec.encode_keys(keys)
         if rows is not None:
+            rows = rows[:, None, None] if rows.ndim == 1 else rows[:, None, :]  # [batch, 1, 1 or k]
             kept = self._gather(slots, parts)
-            parts = {name: torch.where(rows.view(-1, *[1] * (p.ndim - 1)), p, kept[name]) for name, p in parts.items()}
+            parts = {name: torch.where(rows.view(*rows.shape, *[1] * (p.ndim - 3)), p, kept[name])
+                     for name, p in parts.items()}  # fmt: skip
         self._write_slots(slots, parts)
         if self.exact is not None:  # the region's slots in the written rows, the others into the spare last entry
             pos = self.pos.gather(2, slots)
             inside = (pos >= 0) & (pos < self.first)
-            at = torch.where(inside if rows is None else inside & rows[:, None, None], pos, self.first)
+            at = torch.where(inside if rows is None else inside & rows, pos, self.first)
             grid = self._grid_of(*slots.shape[:2], slots.device)
             self.exact["k"].index_put_((*grid, at), keys.to(self.exact["k"].dtype))
 
-    def mark_padding(self, padding: torch.Tensor) -> None:
-        """Marks the slots of the last append as padding where `padding` [batch, new] is True."""
-        padding = padding[:, None, :].to(self.device)
-        if isinstance(self.fresh, tuple) and not self.device_count:
-            self.pos[:, :, self.fresh[0] : self.fresh[1]].masked_fill_(padding, PAD)
-            return
-        slots = self._span_slots(*self.fresh) if isinstance(self.fresh, tuple) else self.fresh
-        self._write_slots(slots, {"pos": self.fresh_positions().masked_fill(padding, PAD)})
+    def mark_hidden(self, hidden: torch.Tensor) -> None:
+        """Marks the used slots where `hidden` [batch, kv_heads, length] is True as padding (`pos` PAD): attention
+        masks them from now on and every policy evicts them first."""
+        if self.device_count:  # by index, as `_write_slots` says why
+            pos = self.used()["pos"]
+            self._write_slots(self._span_slots(0, self.length), {"pos": pos.masked_fill(hidden, PAD)})
+        else:
+            self.used()["pos"].masked_fill_(hidden, PAD)
 
-    def keep(self, slots: torch.Tensor, reallocate: bool = False) -> None:
+    def keep(self, slots: torch.Tensor, reallocate: bool = False, uniform: bool = False) -> None:
         """Keeps slots `slots` [batch, kv_heads, kept] of each row and head, in position order, at the front.
+        `uniform`: the slots were ranked alike in every head of a row (by position), which keeps the heads aligned.
 
         The buffers are re-sized to what the kept slots need (new ones with `reallocate`), so what a layer
         holds at rest after a compaction depends on its budget only, not on how long the prompt was.
         """
         self.settle()
+        self.aligned = self.aligned and uniform
         slots = slots.gather(2, self.pos.gather(2, slots).argsort(dim=2, stable=True))
         kept = self._gather(slots)
         self.length = slots.shape[2]
@@ -673,7 +704,7 @@ class SlotStore(KVStorage):
         drops right after `update`, and the read it returned still names the old slots."""
         self.settle()
         order = self.positions.argsort(dim=-1, descending=True, stable=True)
-        self.keep(order[..., : self.held - count], reallocate=True)
+        self.keep(order[..., : self.held - count], reallocate=True, uniform=True)
 
     def drop_back(self, count: int) -> None:
         """Forgets the `count` newest tokens: those of the last append, which still sit in the last slots."""
@@ -693,7 +724,7 @@ class SlotStore(KVStorage):
         carried = {name: getattr(self, name) is held for name, held in self._carry.items()}
         self._carry = {name: held.index_select(0, indices.to(held.device)) for name, held in self._carry.items()}
         mark_static(*self._carry.values())
-        for name in ("hole", "fresh", "first_real"):
+        for name in ("hole", "fresh", "first_real", "hidden"):
             value = getattr(self, name)
             if carried.get(name):
                 setattr(self, name, self._carry[name])
@@ -711,11 +742,12 @@ class SlotStore(KVStorage):
         self.exact = None
         self._used = self._read = self._lead = None  # (views of the old buffers would keep them)
         self.length = self.seen = 0
-        self.first_real = None
+        self.first_real = self.hidden = None
         self.hole = None
         self.fresh = (0, 0)
         self._carry = {}
         self.in_order = True
+        self.aligned = True
         self.version += 1
 
     def tensors(self) -> dict[str, torch.Tensor]:
