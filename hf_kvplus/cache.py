@@ -63,6 +63,8 @@ class KVCache(Cache):
     A placement that moves bytes (`Offloaded`) is scheduled from `update`: updating layer i releases
     the layer updated before it (its attention has been issued by then), prefetches the next
     `placement.lookahead` layers (wrapping around to layer 0 for the next step) and acquires layer i.
+    Updating the first layer calls `placement.begin()` once the last layer is released and before any
+    layer changes, so a placement that raises there leaves the cache as the last forward left it.
     """
 
     def __init__(
@@ -166,11 +168,11 @@ class KVCache(Cache):
         placement, placed = self.placement, self._placed
         placement.attach(device)
         position = self._position[layer_idx]
-        if position == 0:
-            placement.begin()
         if self._active is not None and self._active != layer_idx:
             placement.release(self.layers[self._active].storage)
         self._active = layer_idx
+        if position == 0:  # every layer at rest now, none changed yet: the placement may refuse the forward here
+            placement.begin()
         for step in range(1, min(placement.lookahead, len(placed) - 1) + 1):
             placement.prefetch(self.layers[placed[(position + step) % len(placed)]].storage)
         placement.acquire(self.layers[layer_idx].storage)

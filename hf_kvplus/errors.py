@@ -17,7 +17,7 @@ from .kernels.errors import (
 )
 
 __all__ = [
-    "CacheMismatchError", "CapacityError", "ConfigError", "DeviceError", "DiskTierError", "DTypeError", "FetchError",
+    "CacheMismatchError", "CapacityError", "ConfigError", "CorruptFileError", "DeviceError", "DiskTierError", "DTypeError", "FetchError",
     "GradientError", "KVPlusError", "KernelUnavailableError", "OutOfRangeError", "RDataError", "ShapeError", "UnsupportedModelError",
     "UnsupportedOperationError",
 ]  # fmt: skip
@@ -38,7 +38,10 @@ class CapacityError(KVPlusError, RuntimeError):
 class DiskTierError(KVPlusError, OSError):
     """The disk tier of an offloaded cache could not write its files (full disk, unwritable folder).
 
-    The layer it was moving stays where it was, so the cache is still whole and usable.
+    A layer it could not write stays whole in host memory and the forward pass goes on, so every layer holds the same
+    tokens. The error is raised when the next forward pass starts, before it changes any layer, if the layers left in
+    host memory still cannot be written; the message names the bytes it needed and the bytes free. Run that forward
+    again once space is freed: the cache carries on.
     """
 
 
@@ -67,3 +70,8 @@ class FetchError(KVPlusError, RuntimeError):
 class RDataError(KVPlusError, ValueError):
     """An R data file is malformed, or uses a part of the format this reader does not handle."""
 
+
+class CorruptFileError(KVPlusError, OSError):
+    """A file hf_kvplus wrote and reads back (a disk tier's spill file) is not what it wrote: cut short, grown, or
+    altered (its checksum differs). The message names the file, the length or checksum expected and found. The data
+    is lost: the cache that held it refuses every later use with this error until it is reset."""

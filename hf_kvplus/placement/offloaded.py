@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -10,9 +11,9 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ..errors import ConfigError, DiskTierError, UnsupportedOperationError
+from ..errors import ConfigError, CorruptFileError, DiskTierError, UnsupportedOperationError
 from .base import Placement, TierBytes
-from .disk import DiskTier
+from .disk import DiskTier, SpillFile
 
 Tensors = dict[str, torch.Tensor]
 
@@ -22,7 +23,7 @@ class _Rest:
     """What the placement keeps for one storage: its tensors at rest and the copies in flight or in use."""
 
     rest: Tensors = field(default_factory=dict)  # host (pinned with CUDA) or memory-mapped tensors
-    files: dict[str, Path | None] = field(default_factory=dict)  # the disk tier's file of each tensor
+    files: dict[str, SpillFile | None] = field(default_factory=dict)  # the disk tier's file of each tensor
     on_disk: bool = False
     fetch: tuple[Tensors, dict[str, int | None], Future | tuple] | None = None  # (source, versions, result)
     installed: Tensors | None = None  # the working copies the storage holds while acquired
@@ -47,9 +48,17 @@ class Offloaded(Placement):
 
     `host_budget` (bytes) with `folder`: once host memory holds more than the budget, a layer that is
     released goes to memory-mapped files in `folder` (the layer just used is the one needed furthest
-    in the future); disk layers are read back on a worker thread ahead of use. A layer that cannot be
-    written (full disk) stays in host memory and the `DiskTierError` is raised before the next forward
-    pass changes any layer. The files go when the cache is reset or collected.
+    in the future); disk layers are read back ahead of use (on a worker thread with CUDA; without it, where
+    a worker would take the compute's cores and GIL, when prefetched). A layer that cannot be
+    written (full disk), whether it spills or its grown buffers are rewritten, stays whole in host memory
+    and the forward pass goes on, so a full disk never leaves some layers holding a step that others
+    lack. When the next forward pass starts, before it changes any layer, the layers left in host memory
+    are spilled again; if the disk still cannot take them, that forward raises `DiskTierError` (the bytes
+    it could not write, the bytes free) and running it again once space is freed carries on. Files are
+    read back checked, length then checksum (`DiskTier.read`): a file cut short or altered is a
+    `CorruptFileError` naming it, never a signal or NaN; the layer's data is lost with it, so the cache
+    refuses every later use with that error until it is reset. The files go when the cache is reset or
+    collected.
 
     Without CUDA the model's device is host memory: host-tier layers are used in place, and the disk
     tier still works (read ahead into memory, written back in place).
@@ -74,7 +83,8 @@ class Offloaded(Placement):
         self._rests: WeakKeyDictionary = WeakKeyDictionary()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplus-disk") if self.disk else None
         self._copy_in = self._copy_out = None
-        self._failure: DiskTierError | None = None
+        self._failure: DiskTierError | None = None  # a write the disk tier could not make; retried at `begin`
+        self._broken: str | None = None  # why the cache lost data (a corrupt file): every later use raises it
 
     def __repr__(self) -> str:
         disk = f", host_budget={self.host_budget}, folder={str(self.disk.root.parent)!r}" if self.disk else ""
@@ -92,9 +102,12 @@ class Offloaded(Placement):
                 self._copy_out = torch.cuda.Stream(self.device)
 
     def begin(self) -> None:
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
+        """Before a forward pass changes any layer: refuses a cache that lost data, and spills the layers that a
+        full disk left in host memory (raising `DiskTierError` if it still cannot)."""
+        if self._broken is not None:
+            raise CorruptFileError(self._broken)
+        if self._failure is not None:
+            self._spill_left_behind()
 
     def gradient_refusal(self) -> str | None:
         if self.disk is None:
@@ -118,6 +131,8 @@ class Offloaded(Placement):
             self._start_fetch(rest)
 
     def acquire(self, storage) -> None:
+        if self._broken is not None:
+            raise CorruptFileError(self._broken)
         rest = self._rest(storage)
         if rest.installed is not None:
             return
@@ -131,7 +146,11 @@ class Offloaded(Placement):
             self._start_fetch(rest)
         result = rest.fetch[2]
         rest.fetch = None
-        copies, event = result.result() if isinstance(result, Future) else result
+        try:
+            copies, event = result.result() if isinstance(result, Future) else result
+        except CorruptFileError as e:
+            self._break(str(e))
+            raise CorruptFileError(self._broken) from e
         if event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(event)
@@ -149,17 +168,38 @@ class Offloaded(Placement):
         source = dict(rest.rest)
         versions = {name: _version(t) for name, t in source.items()}
         if rest.on_disk:
-            result = self._reader.submit(self._read, source, rest.written)
+            files = {}
+            for name, spill in rest.files.items():
+                if spill is not None:
+                    # Its mapped tensor was written in place by others since the checksum was taken (another layer's
+                    # block copies, in paged storage): the checksum is taken from the file as it is read.
+                    version = source[name]._version
+                    files[name], spill.version = (spill, version != spill.version), version
+            if self._cuda:
+                result = self._reader.submit(self._read, source, files, rest.written)
+            else:  # the host is the compute device: a worker thread would take the cores and the GIL from it
+                result = Future()
+                try:
+                    result.set_result(self._read(source, files, None))
+                except CorruptFileError as e:
+                    result.set_exception(e)  # raised where the layer is acquired
         else:
             result = self._to_device(source, rest.written)
         rest.fetch = (source, versions, result)
 
-    def _read(self, source: Tensors, written) -> tuple[Tensors, torch.cuda.Event | None]:
-        """Runs on the reader thread: pages a disk layer into memory (pinned, then copied in, with CUDA)."""
-        if not self._cuda:
-            return {name: t.clone() for name, t in source.items()}, None
-        staged = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t) for name, t in source.items()}
-        return self._to_device(staged, written)
+    def _read(self, source: Tensors, files: dict[str, tuple[SpillFile, bool]], written) -> tuple[Tensors, torch.cuda.Event | None]:
+        """Runs on the reader thread: reads a disk layer's files into memory, checked (pinned, then copied in, with
+        CUDA); its tensors not in files (taken from the storage since) are copied."""
+        pin, staged = self._cuda, {}
+        for name, t in source.items():
+            into = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            if name in files:
+                spill, trust = files[name]
+                self.disk.read(spill, into, trust)
+            else:
+                into.copy_(t)
+            staged[name] = into
+        return (staged, None) if not pin else self._to_device(staged, written)
 
     def _to_device(self, source: Tensors, written) -> tuple[Tensors, torch.cuda.Event]:
         stream = self._copy_in
@@ -226,15 +266,21 @@ class Offloaded(Placement):
         if not changed:
             return
         if rest.on_disk:
-            for name, (t, old, region) in changed.items():
-                if region is None:
-                    self._drop(rest, name)
-                    rest.rest[name], rest.files[name] = self.disk.write(name, t)
-                elif self._cuda:
-                    self._land_later(old, region, t)
-                else:
-                    old[_index(region)] = t[_index(region)]
-            return
+            try:
+                self._write_to_disk(rest, changed)
+                return
+            except DiskTierError as e:  # the layer stays whole in host memory; retried before the next forward
+                self._failure = self._failure or e
+                for name in list(rest.files):
+                    self._drop_file(rest, name)
+                rest.on_disk = False
+                if not self._copies(rest):
+                    rest.rest = dict(held)
+                    return
+                changed = {name: (t, None, None) for name, t in held.items()}
+        self._write_to_host(rest, changed)
+
+    def _write_to_host(self, rest: _Rest, changed: dict) -> None:
         stream = self._copy_out
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the layer's writes and reads
         with torch.cuda.stream(stream):
@@ -247,7 +293,30 @@ class Offloaded(Placement):
             rest.written = stream.record_event()
 
     # ------------------------------------------------------------------ the disk tier
-    def _land_later(self, mapped: torch.Tensor, region: tuple[int, int, int], t: torch.Tensor) -> None:
+    def _write_to_disk(self, rest: _Rest, changed: dict) -> None:
+        """Writes a disk layer's changed tensors: a written region into its file in place (its checksum taken anew
+        from the working copy, which the file then equals), anything else as a new file. A
+        file found cut short is rewritten whole from the working copy, which holds every byte of it."""
+        for name, (t, old, region) in changed.items():
+            spill = rest.files.get(name)
+            if region is not None and (spill is None or not self.disk.check_size(spill)):
+                if spill is not None:
+                    warnings.warn(f"the disk tier file {spill.path} is no longer {spill.nbytes} bytes long (something "
+                                  "else cut or grew it); rewriting it from the layer in use", RuntimeWarning,
+                                  stacklevel=2)  # fmt: skip
+                region = None
+            if region is None:
+                mapped, written = self.disk.write(name, t)  # the new file first: on failure the old one stays
+                self._drop(rest, name)
+                rest.rest[name], rest.files[name] = mapped, written
+            elif self._cuda:
+                self._land_later(old, region, t, spill)
+            else:
+                old[_index(region)] = t[_index(region)]
+                spill.version = old._version
+                self.disk.seal(spill, t)  # (here: handing it to the reader thread costs more than it takes)
+
+    def _land_later(self, mapped: torch.Tensor, region: tuple[int, int, int], t: torch.Tensor, spill: SpillFile) -> None:
         """Writes a decode step's region of a disk layer without making the host wait for the device: copied
         out to pinned memory on the write-back stream, then written into the mapped file by the reader
         thread once the copy is done. The reader runs one task at a time, in order, so the layer's next
@@ -259,30 +328,76 @@ class Offloaded(Placement):
             staged = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=True).copy_(part, non_blocking=True)
             t.record_stream(stream)
             done = stream.record_event()
-        self._reader.submit(_land, mapped, region, staged, done)
+        self._reader.submit(self._land, mapped, region, staged, done, spill)
+
+    def _land(self, mapped: torch.Tensor, region: tuple[int, int, int], staged: torch.Tensor, done, spill: SpillFile) -> None:
+        """On the reader thread: a staged region into its mapped file, once its copy out is done; then the file's
+        checksum, from the mapping (a file cut short since the release loses the region: the cache is broken)."""
+        done.synchronize()
+        if spill.removed:  # the layer was rewritten whole or went back to host memory since
+            return
+        if not self.disk.check_size(spill):
+            self._break(f"the disk tier file {spill.path} is no longer {spill.nbytes} bytes long, so a decode step's "
+                        "tokens could not be written into it")  # fmt: skip
+            return
+        mapped[_index(region)] = staged
+        spill.version = mapped._version
+        self.disk.seal(spill, mapped)
 
     def _spill_if_over_budget(self, storage, rest: _Rest) -> None:
         if self.disk is None or rest.on_disk or self._failure is not None or self._host_bytes() <= self.host_budget:
             return
+        try:
+            self._spill(storage, rest)
+        except DiskTierError as e:
+            self._failure = e  # the layer stays in host memory; spilled again before the next forward changes any
+
+    def _spill(self, storage, rest: _Rest) -> None:
+        """Moves a layer at rest in host memory to files (`DiskTierError` if it cannot: it then stays)."""
         if rest.written is not None:
             rest.written.synchronize()
         mapped, files = {}, {}
         try:
             for name, t in rest.rest.items():
                 mapped[name], files[name] = self.disk.write(name, t)
-        except DiskTierError as e:
-            for path in files.values():
-                self.disk.remove(path)
-            self._failure = e  # the layer stays in host memory; raised before the next forward changes anything
-            return
+        except DiskTierError:
+            for spill in files.values():
+                self.disk.remove(spill)
+            raise
         rest.rest, rest.files, rest.on_disk = mapped, files, True
         storage.load_tensors(mapped)
+
+    def _spill_left_behind(self) -> None:
+        """Spills the layers at rest in host memory past the budget (the last layers first, needed latest), which a
+        write that failed left there; raises `DiskTierError` if the disk still cannot take them."""
+        failure, self._failure = self._failure, None
+        try:
+            for storage, rest in reversed(list(self._rests.items())):
+                if self._host_bytes() <= self.host_budget:
+                    return
+                if rest.installed is None and not rest.on_disk and rest.rest:
+                    self._spill(storage, rest)
+        except DiskTierError as e:
+            self._failure = e
+            over = self._host_bytes() - self.host_budget
+            raise DiskTierError(
+                f"{e}. Layers the disk tier could not write stay whole in host memory, {over} bytes past "
+                f"host_budget={self.host_budget}, and this forward pass has not changed any layer: free space in "
+                f"{self.disk.root.parent} and run it again"
+            ) from failure
+
+    def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = f"{why}; that layer's data is lost, so this cache refuses every use until reset()"
 
     def _host_bytes(self) -> int:
         return sum(_nbytes(r.rest) for r in self._rests.values() if not r.on_disk)
 
     def _drop(self, rest: _Rest, name: str) -> None:
         rest.rest.pop(name, None)
+        self._drop_file(rest, name)
+
+    def _drop_file(self, rest: _Rest, name: str) -> None:
         if self.disk is not None:
             self.disk.remove(rest.files.pop(name, None))
 
@@ -320,8 +435,10 @@ class Offloaded(Placement):
     def forget(self, storage) -> None:
         rest = self._rests.pop(storage, None)
         if rest is not None and self.disk is not None:
-            for path in rest.files.values():
-                self.disk.remove(path)
+            for spill in rest.files.values():
+                self.disk.remove(spill)
+        if not self._rests:  # every layer reset: nothing lost or left behind remains
+            self._broken = self._failure = None
 
     def tier_bytes(self, storages: Iterable) -> TierBytes:
         device = host = disk = 0
@@ -352,12 +469,6 @@ class Offloaded(Placement):
             rest = self._rests[storage] = _Rest()
             rest.rest = dict(storage.tensors())  # raises for a storage that cannot move
         return rest
-
-
-def _land(mapped: torch.Tensor, region: tuple[int, int, int], staged: torch.Tensor, done: torch.cuda.Event) -> None:
-    """On the reader thread: a staged region into its mapped file, once its copy out is done."""
-    done.synchronize()
-    mapped[_index(region)] = staged
 
 
 def _version(t: torch.Tensor) -> int | None:
