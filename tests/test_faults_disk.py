@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zlib
 from pathlib import Path
 
 import pytest
@@ -314,16 +313,7 @@ def _spill_path(cache, layer: int, name: str = "keys") -> Path:
     return Path(getattr(entry, "path", entry))
 
 
-@pytest.fixture(params=["default", "CRC-32"])
-def checksum(request, monkeypatch):
-    """The tier's checksum: XXH3-64 where xxhash is installed, and zlib's CRC-32, which it falls back to."""
-    if request.param == "CRC-32":
-        monkeypatch.setattr(disk_module, "checksum", zlib.crc32)
-        monkeypatch.setattr(disk_module, "CHECKSUM", "CRC-32")
-    return disk_module.CHECKSUM
-
-
-def test_a_spill_file_of_random_bytes_is_a_typed_error_not_nan(model, prompt, checksum, tmp_path):
+def test_a_spill_file_of_random_bytes_is_a_typed_error_not_nan(model, prompt, tmp_path):
     """Promise: a spill file overwritten with other bytes of the same length is refused when read back
     (`CorruptFileError` naming the file and both checksums), never attended to (NaN or wrong logits)."""
     filled = OffloadedCache(model.config, host_budget=0, folder=tmp_path)
@@ -334,7 +324,7 @@ def test_a_spill_file_of_random_bytes_is_a_typed_error_not_nan(model, prompt, ch
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.write(torch.full((size,), 0xFF, dtype=torch.uint8).numpy().tobytes())  # NaN as float32, every value
-    with torch.no_grad(), pytest.raises(CorruptFileError, match=rf"{path.name}.*{checksum} checksum"):
+    with torch.no_grad(), pytest.raises(CorruptFileError, match=rf"{path.name}.*XXH3-64 checksum"):
         logits = model(prompt[:, -1:], **cache_kwargs(filled)).logits
         pytest.fail(f"read back unchecked: logits finite: {bool(torch.isfinite(logits).all())}")
 
