@@ -15,7 +15,18 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from conformance.models import EOS_TOKEN_ID, build_model, get_model
 from conformance.modes import make_prompt
-from hf_kvplus import H2OCache, KVzapCache, SinkCache, SnapKVCache, UnsupportedModelError, cache_kwargs
+from hf_kvplus import (
+    DenseCache,
+    H2OCache,
+    KVzapCache,
+    OffloadedCache,
+    PagedCache,
+    QuantizedCache,
+    SinkCache,
+    SnapKVCache,
+    UnsupportedModelError,
+    cache_kwargs,
+)
 from hf_kvplus.evicting_cache import PeakCache
 from hf_kvplus.kvzip_cache import KVzipCache, reconstruct
 from hf_kvplus.storage.slots import SlotStore
@@ -293,3 +304,27 @@ def test_kvplus_attention_honours_the_mask_as_sdpa_does(name):
     want = feed(model, DynamicCache(config=model.config), "decode")
     model.set_attn_implementation("kvplus")
     assert max_diff(feed(model, WITHIN_BUDGET[name](model.config), "decode"), want) < 1e-4
+
+
+#: The other families, which follow the model's mask over the keys they return or read in place: kept here so that
+#: the promise holds for every cache, not only the evicting ones (a quantized cache within its full-precision window is
+#: exact).
+NON_EVICTING = {
+    "dense": lambda c: DenseCache(c),
+    "paged": lambda c: PagedCache(c, block_size=8),
+    "offloaded": lambda c: OffloadedCache(c),
+    "quantized-int4-in-window": lambda c: QuantizedCache(c, bits=4),
+    "quantized-k4v2-in-window": lambda c: QuantizedCache(c, bits="k4v2"),
+}
+
+
+@pytest.mark.parametrize("mode", ["chunk", "decode"])
+@pytest.mark.parametrize("name", sorted(NON_EVICTING))
+def test_every_other_cache_family_follows_a_mask_over_held_tokens(name, mode):
+    """Dense, paged, offloaded and quantized caches give DynamicCache's logits when a later mask hides held tokens
+    (the sinks and two more)."""
+    model = get_model("llama")
+    zeros = (0, 1, 7, 20)
+    want = feed(model, DynamicCache(config=model.config), mode, zeros)
+    got = feed(model, NON_EVICTING[name](model.config), mode, zeros)
+    assert max_diff(got, want) < 1e-4
