@@ -255,10 +255,11 @@ class KVLayer(CacheLayerMixin):
             # Slots are masked by what they hold, not by the model's mask, which attention only reads to learn which
             # tokens it hides (`SlotStore.note_mask`): so it spans every position, which a held token may have (sinks,
             # heavy hitters), and a 0 anywhere in the 2-d mask reaches the slot holding that position. A compileable
-            # store's compiled one-token steps keep one shape, its slots (offset 0 until the tokens outnumber them):
+            # store's one-token steps keep one shape, its slots (offset 0 until the tokens outnumber them), so that
+            # generate's compiled step sees one mask shape (generate builds the mask outside the compiled forward):
             # their mask spans the newest `slots` positions only (older held ones keep what earlier masks said).
             width = self.storage.mask_width
-            if width is not None and query_length == 1 and torch.compiler.is_compiling():
+            if width is not None and query_length == 1:
                 return width, max(0, self.seen + 1 - width)
             return self.seen + query_length, 0
         held = self.storage.held

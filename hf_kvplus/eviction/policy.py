@@ -99,6 +99,9 @@ class EvictionPolicy(Retention):
         the highest scores are kept."""
         if store.device_count:  # (idempotent: its first call, at the eager prompt, makes what it makes)
             self.prepare_compiled(store)
+            # One graph for every compiled step: a policy ranking heads apart reads per-head masks from the prompt
+            # on, rather than from its first eviction (a second graph).
+            store.aligned = store.aligned and self.uniform
         store.settle()  # ranking counts every slot (a hole is normally refilled by the append before)
         count = self.excess(store.length, new)
         if count:

@@ -564,13 +564,26 @@ class SlotStore(KVStorage):
         """Marks every used slot whose token the model's mask hides as padding (`hidden_slots`: left padding, and any 0
         of the 2-d mask over a token held from an earlier forward), and learns each row's first real position from the
         fresh tokens (on the device). A slot once marked stays padding, as Transformers' 2-d mask in `generate` keeps
-        its zeros; it is evicted first."""
+        its zeros; it is evicted first.
+
+        A compileable store's compiled one-token steps mark their fresh slot only (a graph that rewrote every slot's
+        position would copy the field each step): a 0 that such a step adds over an older held token is not seen, as
+        its fixed-width mask may not reach it either. Generate's decode steps add none (the zeros of a later turn come
+        with its prompt, which marks every slot)."""
         seen = self.seen_now()
-        pos = self.used()["pos"]
+        fresh_only = self.device_count and new == 1 and torch.compiler.is_compiling()
+        if fresh_only:
+            slots = self.fresh if isinstance(self.fresh, torch.Tensor) else self._span_slots(*self.fresh)
+            pos = self.pos.gather(2, slots)
+        else:
+            pos = self.used()["pos"]
         hidden = hidden_slots(attention_mask, pos, seen)
         if self.count_hidden:  # the positions of the real tokens hidden now (-1 elsewhere), before they are marked
             lost = pos[:, 0].masked_fill(~hidden[:, 0], PAD)
-        self.mark_hidden(hidden)
+        if fresh_only:
+            self._write_slots(slots, {"pos": pos.masked_fill(hidden, PAD)})
+        else:
+            self.mark_hidden(hidden)
         first_real = self.first_real
         if first_real is None:
             # Tokens before the first mask were real: those rows start at 0; the others are learned now.
