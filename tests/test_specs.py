@@ -150,6 +150,7 @@ def test_a_spec_whose_extra_is_missing_is_skipped_and_refused_with_a_typed_error
     import sys
 
     monkeypatch.setitem(sys.modules, "optimum", None)  # what an environment without the package looks like
+    monkeypatch.delitem(sys.modules, "optimum.quanto", raising=False)  # (imported by an earlier test)
     spec = parse_cache_spec("hf-quantized:quanto:4")
     assert not spec.kind.available()
     assert "hf-quantized:quanto:4" not in available_cache_specs()
