@@ -391,7 +391,4 @@ def _release(groups: list[BlockGroup]) -> None:
     """Gives a collected cache's blocks back to their pools (`BlockPool.release`: the collector may run this on any
     thread, in the middle of a pool operation too)."""
     for group in groups:
-        ids = [block for table in group.tables for block in table]
-        group.tables = []
-        group.base = group.reserved = 0
-        group.pool.release(ids)
+        group.reset(collected=True)

@@ -212,9 +212,11 @@ class BlockGroup:
             written = max(member.end for member in self.members)
             self._unshare(range((written - self.base) // self.block_size, len(self.tables[0])))
 
-    def reset(self) -> None:
-        for table in self.tables:
-            self.pool.decref(table)
+    def reset(self, collected: bool = False) -> None:
+        """Drops every table's blocks; `collected`: from a collected cache's finalizer (`BlockPool.release`, safe on
+        any thread and in the middle of a pool operation)."""
+        ids = [block for table in self.tables for block in table]
+        (self.pool.release if collected else self.pool.decref)(ids)
         self.tables = []
         self._pads = None
         self.base = self.reserved = 0
