@@ -3,9 +3,9 @@ one protocol (eval/lowbit_compare.py: 4096 tokens of Pride and Prejudice, SmolLM
 256; hf_kvplus over seeds 0 1 2, tiny-turboquant has no randomness).
 
     bash scripts/reference_venv.sh tiny-turboquant /tmp/tinyvenv   # once: tiny-turboquant in its own venv
-    /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --out eval/results/tiny_turboquant_46 \
-        --reuse eval/results/lowbit_regions_46/runs.jsonl   # or a part: --chunks, --configs, --seeds (eval/README.md)
-    /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --out eval/results/tiny_turboquant_46 --report-only
+    /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --out eval/results/compare_tiny_turboquant \
+        --reuse eval/results/lowbit_regions_fixed_centre/runs.jsonl   # or a part: --chunks, --configs, --seeds (eval/README.md)
+    /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --out eval/results/compare_tiny_turboquant --report-only
     /tmp/tinyvenv/bin/python eval/compare_tiny_turboquant.py --dry-run --out /tmp/tiny_dry   # every row, tiny
     python eval/compare_tiny_turboquant.py --ours-only --dry-run --out /tmp/tiny_dry         # without it
 

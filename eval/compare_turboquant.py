@@ -3,9 +3,9 @@ own cache behaves for its users; on one protocol (eval/lowbit_compare.py: 4096 t
 SmolLM2-135M, window 128, chunks of 32 and 256, seeds 0 1 2).
 
     bash scripts/reference_venv.sh turboquant /tmp/tqvenv   # once: the reference imports scipy, which .venv leaves out
-    /tmp/tqvenv/bin/python eval/compare_turboquant.py --out eval/results/turboquant_46 \
-        --reuse eval/results/lowbit_regions_46/runs.jsonl   # or a part: --chunks, --configs, --seeds (eval/README.md)
-    /tmp/tqvenv/bin/python eval/compare_turboquant.py --out eval/results/turboquant_46 --report-only
+    /tmp/tqvenv/bin/python eval/compare_turboquant.py --out eval/results/compare_turboquant \
+        --reuse eval/results/lowbit_regions_fixed_centre/runs.jsonl   # or a part: --chunks, --configs, --seeds (eval/README.md)
+    /tmp/tqvenv/bin/python eval/compare_turboquant.py --out eval/results/compare_turboquant --report-only
     /tmp/tqvenv/bin/python eval/compare_turboquant.py --dry-run --out /tmp/turboquant_dry   # every row, tiny
     python eval/compare_turboquant.py --ours-only --dry-run --out /tmp/turboquant_dry       # without the reference
 

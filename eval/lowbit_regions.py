@@ -1,9 +1,9 @@
 """Exact regions on the low-bit rotated formats (issue 46, item 1): which first tokens and boundary layers pay, per
 bit class, on two texts and over rotation seeds.
 
-    python eval/lowbit_regions.py --out eval/results/lowbit_regions_46
-    python eval/lowbit_regions.py --out eval/results/lowbit_regions_46 --chunks 256   # more rows, same folder
-    python eval/lowbit_regions.py --out eval/results/lowbit_regions_46 --report-only  # tables from what is there
+    python eval/lowbit_regions.py --out eval/results/lowbit_regions_fixed_centre
+    python eval/lowbit_regions.py --out eval/results/lowbit_regions_fixed_centre --chunks 256   # more rows, same folder
+    python eval/lowbit_regions.py --out eval/results/lowbit_regions_fixed_centre --report-only  # tables from what is there
     python eval/lowbit_regions.py --dry-run --out /tmp/lowbit_dry                      # every row, tiny
 
 Protocol (the issue's): `--model` on the first `--tokens` tokens of each `--texts`, fed in chunks of each `--chunks`
@@ -52,7 +52,7 @@ from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.resolve import load_model, load_text
 
 #: Where `cal=NAME` boundaries are read from (`--calibrations`).
-CALIBRATIONS = Path(__file__).parent / "results" / "calibrate_46"
+CALIBRATIONS = Path(__file__).parent / "results" / "calibrate_smollm2_rotated"
 
 
 def parse_boundary(text: str) -> tuple[int, str | None]:

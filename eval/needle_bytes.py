@@ -1,7 +1,7 @@
 """Accuracy against bytes at rest: merges `kvplus needle` runs (one folder per cache or group of caches, each with
 its needle.json) into one table, JSON and plot, by mode.
 
-    python eval/needle_bytes.py eval/results/needle48 --out eval/results/needle48
+    python eval/needle_bytes.py eval/results/needle_accuracy_bytes --out eval/results/needle_accuracy_bytes
 
 Each run is `kvplus needle --lengths 2048 4096 --depths 0.1 0.3 0.5 0.7 0.9 --mode aware|agnostic --cache SPEC
 [--keep SHARE] --out FOLDER/<name>`; this script reads every FOLDER/*/needle.json, groups the trials by mode and

@@ -142,12 +142,12 @@ def demo() -> list[str]:
 def quality() -> list[str]:
     out = ["## Quality: perplexity", ""]
     # int4 on two texts (the same runs measured k4v2 and k3v2 without first tokens: the issue 46 table has them)
-    runs = {t: load(f"window_semantics_stop44/after-{t}.json") for t in ("prideprejudice", "emma")}
+    runs = {t: load(f"window_semantics/after-{t}.json") for t in ("prideprejudice", "emma")}
     by = {t: {r["cache"]: r for r in d["rows"]} for t, d in runs.items()}
     pp = runs["prideprejudice"]
     out += para(
         f"**int4 (KIVI), 4K tokens** (`{command(pp)}`, and `--text austen:emma`; SmolLM2-135M, window 128;",
-        f"{where(pp, 'window_semantics_stop44/')}): {pct(by['prideprejudice']['quantized:int4']['delta_pct'])} on",
+        f"{where(pp, 'window_semantics/')}): {pct(by['prideprejudice']['quantized:int4']['delta_pct'])} on",
         f"Pride and Prejudice (DynamicCache {by['prideprejudice']['dynamic']['perplexity']:.3f}),",
         f"{pct(by['emma']['quantized:int4']['delta_pct'])} on Emma ({by['emma']['dynamic']['perplexity']:.3f}).",
     )
@@ -200,15 +200,15 @@ def first_four(
 
 
 def issue46() -> list[str]:
-    d = load("lowbit_regions_46/lowbit_regions.json")
+    d = load("lowbit_regions_fixed_centre/lowbit_regions.json")
     runs = d["runs"]
     quantized = [r for r in runs if r["config"] != "dynamic"]
     bases = {(r["text"], r["chunk"]): r["perplexity"] for r in runs if r["config"] == "dynamic"}
     out = ["### Issue 46: exact regions on two texts and three seeds", ""]
     out += para(
-        "`python eval/lowbit_regions.py --out eval/results/lowbit_regions_46 --texts T --chunks C --configs ...",
+        "`python eval/lowbit_regions.py --out eval/results/lowbit_regions_fixed_centre --texts T --chunks C --configs ...",
         "--firsts ... --boundaries ... --seeds 0 1 2` per grid, then `--report-only`;",
-        f"{where(d, 'lowbit_regions_46/')}. {d['model']}, {d['tokens']} tokens, window {d['window']}; DynamicCache",
+        f"{where(d, 'lowbit_regions_fixed_centre/')}. {d['model']}, {d['tokens']} tokens, window {d['window']}; DynamicCache",
         ", ".join(f"{t.removeprefix('austen:')} {' / '.join(f'{p:.3f}' for (u, _), p in bases.items() if u == t)}"
                   for t in dict.fromkeys(t for t, _ in bases)) + " (c32 / c256: chunks of 32 / 256).",
         "Cells: mean change over seeds [min .. max] (seeds), and the mean seed-by-seed change from no regions (a",
@@ -246,7 +246,7 @@ def issue46() -> list[str]:
         "tokens, boundary layers (first/last layer exact or int8:",
         f"{min(layers):+.2f} to {max(layers):+.2f} points; rows in the folder's `lowbit_regions.md`). `cal=X`: the",
         "layers `kvplus calibrate --text austen:persuasion --tokens 2048 --bits X --up ... --max-bits B` chose",
-        "(`eval/results/calibrate_46/`; by KL from full precision;",
+        "(`eval/results/calibrate_smollm2_rotated/`; by KL from full precision;",
         "`calibration=PATH`); `_b4096`: `--budget-tokens 4096`, exact knapsack; `_dpup`: and two-step `--up`",
         "(k3v2: k4v3); `_dp`: and `--up` k4v4 (k4v2) or k4v3 (k3v2), `--down` k3v2 (k4v2) or k2v2 (k3v2); `_s3`: and",
         "`--seed 0 1 2`; `_s3d`: and `--down k3v2`; `_s3dp`: and `--up k4v3 k4v4`; `_s3e`: and `--up k3v3 k3v4`;",
@@ -260,10 +260,10 @@ def issue46() -> list[str]:
         "These rows and calibrations were measured with the keys' fixed centre (`center=fixed` reproduces them); the",
         "caches now turn it with RoPE: the targets below, in \"turning key centre\".",
     )
-    bench = load("bench_calibrated_46/bench.json")
+    bench = load("bench_rotated_calibrated_cpu_4k/bench.json")
     base, *calibrated = bench["results"]
     out += para(
-        f"**Decode of the kept calibrations** (`{command(bench)}`, {where(bench, 'bench_calibrated_46/')}), tokens/s",
+        f"**Decode of the kept calibrations** (`{command(bench)}`, {where(bench, 'bench_rotated_calibrated_cpu_4k/')}), tokens/s",
         "against plain `quantized:k4v2`'s in the same run: "
         + ", ".join(f"{r['cache'].split(':')[1]} {r['decode_tok_s'] / base['decode_tok_s']:.2f}x" for r in calibrated)
         + " (target: at least 1 / 1.1 = 0.91x).",
@@ -300,7 +300,7 @@ def value_codes() -> list[str]:
 
 #: Issue 46's targets on P&P at chunks of 32: (perplexity change %, bits per coordinate) per class.
 TARGETS_46 = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
-#: The calibration each class keeps with the turning centre (`eval/results/calibrate_46/`), and each class's rows of
+#: The calibration each class keeps with the turning centre (`eval/results/calibrate_smollm2_rotated/`), and each class's rows of
 #: the turning-centre table (the preset, calibrations made with the fixed centre, the kept one).
 KEPT_TURNING = {"k4v2": "cal=k4v2_t3dp", "k3v2": "cal=k3v2_s3w", "k2v2": "cal=k2v2_t"}
 TURNING_ROWS = {"k4v2": ("0", "cal=k4v2_s3dp", "cal=k4v2_t3dp"), "k3v2": ("0", "cal=k3v2_s3w"),
@@ -335,7 +335,7 @@ def turning_centre() -> list[str]:
               "KL", "KL change"]  # fmt: skip
     return para(
         "**Turning key centre** (`python eval/rotated_ablations.py centering --configs X --calibration",
-        "eval/results/calibrate_46/CAL/calibration.json --variants center+choice+sinks rope-center+choice+sinks",
+        "eval/results/calibrate_smollm2_rotated/CAL/calibration.json --variants center+choice+sinks rope-center+choice+sinks",
         f"--chunk 32 [--text austen:emma] --threads 1`; {machine(first)}, {day(first)};",
         "`eval/results/rotated_ablations/ropecenter_choice_*`): the keys coded relative to their pre-RoPE mean turned to",
         "each key's position (`kernels/turning_center.py`, the twins' coder), against the fixed centre the cache ships;",
@@ -349,7 +349,7 @@ def turning_centre() -> list[str]:
 def turning_cache() -> list[str]:
     """The caches as they ship (turning centre) against the fixed-centre rows, P&P, plain presets and kept
     calibrations, both chunk sizes; and issue 46's targets."""
-    d, fixed = load("lowbit_regions_46t/lowbit_regions.json"), load("lowbit_regions_46/lowbit_regions.json")["runs"]
+    d, fixed = load("lowbit_regions_turning_centre/lowbit_regions.json"), load("lowbit_regions_fixed_centre/lowbit_regions.json")["runs"]
 
     def cell(runs: list[dict], seed0: bool = False) -> str:
         if not runs:
@@ -359,8 +359,8 @@ def turning_cache() -> list[str]:
         zero = next((r for r in runs if r["seed"] == 0), None)
         return text + (f" (s0 {zero['delta_pct']:+.2f} ± {zero['se_pct']:.2f})" if seed0 and zero else "")
 
-    new, old = (load(f"calibrate_46/{name}/calibration.json") for name in ("k4v2_t3dp", "k4v2_s3dp"))
-    two = load("calibrate_46/k2v2_t/calibration.json")
+    new, old = (load(f"calibrate_smollm2_rotated/{name}/calibration.json") for name in ("k4v2_t3dp", "k4v2_s3dp"))
+    two = load("calibrate_smollm2_rotated/k2v2_t/calibration.json")
     changed = sum(old["layer_bits"].get(layer) != new["layer_bits"].get(layer)
                   for layer in set(old["layer_bits"]) | set(new["layer_bits"]))  # fmt: skip
     rows, met = [], []
@@ -384,10 +384,10 @@ def turning_cache() -> list[str]:
     header = ["class", "layers", "bits/coord", "c32 fixed centre", "c32 turning (shipped)", "c256 fixed",
               "c256 turning", "c256 - c32"]  # fmt: skip
     return para(
-        "**The caches with the turning centre** (`python eval/lowbit_regions.py --out eval/results/lowbit_regions_46t",
+        "**The caches with the turning centre** (`python eval/lowbit_regions.py --out eval/results/lowbit_regions_turning_centre",
         "--texts austen:prideprejudice --chunks C --configs X --firsts 4 --boundaries 0 cal=NAME --seeds 0 1 2",
         f"--threads 1`; {machine(d)}, {day(d)}): P&P, 4096 tokens, window 128, first 4 tokens exact, 3 seeds (mean",
-        "[min..max]; s0: seed 0 ± its paired standard error); the fixed-centre rows from `lowbit_regions_46`.",
+        "[min..max]; s0: seed 0 ± its paired standard error); the fixed-centre rows from `lowbit_regions_fixed_centre`.",
         "`k4v2_t3dp`: `k4v2_s3dp`'s options calibrated again with the turning centre (`kvplus calibrate ... --bits k4v2",
         "--up k4v3 k4v4 --down k3v2 --max-bits 3.5 --budget-tokens 4096 --seed 0 1 2`, three single-seed runs merged",
         f"by `--reuse`; {changed} of {new['num_layers']} layers chose otherwise; KL on Persuasion",
@@ -402,25 +402,25 @@ def turning_cache() -> list[str]:
 
 def turning_bench() -> list[str]:
     """Decode speed with the turning centre against today's k4v2 (fixed centre), same run."""
-    bench = load("bench_turning_46/bench.json")
+    bench = load("bench_rotated_turning_cpu_4k/bench.json")
     base, *rest = bench["results"]
     return para(
-        f"**Decode with the turning centre** (`{command(bench)}`, {where(bench, 'bench_turning_46/')}), tokens/s",
+        f"**Decode with the turning centre** (`{command(bench)}`, {where(bench, 'bench_rotated_turning_cpu_4k/')}), tokens/s",
         f"against `{base['cache']}`'s (the fixed centre) in the same run: "
         + ", ".join(f"`{r['cache'].split('calibration=')[0].rstrip(':')}`"
-                    + (f" (`{r['cache'].split('calibrate_46/')[1].split('/')[0]}`)" if "calibration=" in r["cache"] else "")
+                    + (f" (`{r['cache'].split('calibrate_smollm2_rotated/')[1].split('/')[0]}`)" if "calibration=" in r["cache"] else "")
                     + f" {r['decode_tok_s'] / base['decode_tok_s']:.3f}x" for r in rest)
         + " (target: at least 1 / 1.1 = 0.909x). The centre's term is a dot product per key and query with its",
         "position's basis: about 60 us a layer at 4K in the C++ operator, which reads one block's basis and turns the",
         "query's weights per block (docs/kernels.md); it was 105 us reading a [D, positions] table, plus 12 us for the",
-        "weights in Python, and 0.908x for plain k4v2 (`git log eval/results/bench_turning_46`).",
+        "weights in Python, and 0.908x for plain k4v2 (`git log eval/results/bench_rotated_turning_cpu_4k`).",
     )
 
 
 def turning_emma() -> list[str]:
     """The caches with the turning centre on the second text (Emma), presets and the kept calibrations, against the
-    fixed-centre presets of `lowbit_regions_46`."""
-    d, fixed = (load(f"{folder}/lowbit_regions.json")["runs"] for folder in ("lowbit_regions_46t", "lowbit_regions_46"))
+    fixed-centre presets of `lowbit_regions_fixed_centre`."""
+    d, fixed = (load(f"{folder}/lowbit_regions.json")["runs"] for folder in ("lowbit_regions_turning_centre", "lowbit_regions_fixed_centre"))
 
     def mean(runs: list[dict], config: str, boundary: str, chunk: int) -> str:
         got = [r["delta_pct"] for r in first_four(runs, config, boundary, chunk, "austen:emma")]
@@ -431,7 +431,7 @@ def turning_emma() -> list[str]:
             for config in TARGETS_46 for boundary in ("0", KEPT_TURNING[config])]  # fmt: skip
     header = ["class", "layers", "c32 fixed centre", "c32 turning", "c256 fixed centre", "c256 turning"]
     return para(
-        "**On the second text** (Emma; the same command with `--texts austen:emma`, into `lowbit_regions_46t`): 4096",
+        "**On the second text** (Emma; the same command with `--texts austen:emma`, into `lowbit_regions_turning_centre`): 4096",
         "tokens, window 128, first 4 exact, 3 seeds, mean [min..max]. The calibrations were measured on Persuasion.",
     ) + table(header, rows, "llrrrr")
 
@@ -448,7 +448,7 @@ def turboquant() -> list[str]:
     """hf_kvplus's rotated formats as they ship against turboquant-torch (its cache; its quantizers coding each token
     once) and tiny-turboquant's presets (issue 46): one row per pair, hf_kvplus at equal or fewer bits but k4v2's 4
     exact first tokens (+0.03)."""
-    tq, tiny = load("turboquant_46/turboquant.json"), load("tiny_turboquant_46/tiny_turboquant.json")
+    tq, tiny = load("compare_turboquant/turboquant.json"), load("compare_tiny_turboquant/tiny_turboquant.json")
     chunks = tq["chunks"]
     ours = {(r["config"], r["seed"], r["chunk"]): r for d in (tq, tiny) for r in d["runs"] if r["series"] == "hf_kvplus"}
 
@@ -491,7 +491,7 @@ def turboquant() -> list[str]:
         body.append(row)
     out = para(
         f"**Against TurboQuant, tiny-turboquant** (`{command(tq)}`, and `compare_tiny_turboquant.py` into",
-        f"`tiny_turboquant_46`; {where(tq, 'turboquant_46/')}; {tq['tokens']} tokens, window {tq['window']}; seeds 0-2",
+        f"`compare_tiny_turboquant`; {where(tq, 'compare_turboquant/')}; {tq['tokens']} tokens, window {tq['window']}; seeds 0-2",
         "where a range shows; hf_kvplus as it ships, its keys' centre turning with RoPE; bits count norms, scales,",
         "exact tokens; NaN: overflow):",
     )
@@ -563,13 +563,13 @@ def short(spec: str) -> str:
 
 
 def issue48() -> list[str]:
-    aware, agnostic = load("needle48/accuracy_bytes_aware.json"), load("needle48/accuracy_bytes_agnostic.json")
+    aware, agnostic = load("needle_accuracy_bytes/accuracy_bytes_aware.json"), load("needle_accuracy_bytes/accuracy_bytes_agnostic.json")
     first = load(aware["runs"][0].removeprefix("eval/results/"))
     out = ["### Issue 48: accuracy against bytes", ""]
     out += para(
         f"SmolLM2-135M (float32: the full cache is 2.0x float16), {len(aware['depths'])} depths per length; one folder",
         "per cache (its command in needle.json), merged by `python eval/needle_bytes.py",
-        f"eval/results/needle48 --out eval/results/needle48`; {machine(first)}, {day(first)}. \"x fp16\": bytes held",
+        f"eval/results/needle_accuracy_bytes --out eval/results/needle_accuracy_bytes`; {machine(first)}, {day(first)}. \"x fp16\": bytes held",
         "after the answer per token seen, over float16 K/V's; `X%`: X% of each prompt. `--mode aware`: the whole prompt",
         "in one forward; `agnostic`: the context compressed, then the question appended:",
     )
@@ -591,7 +591,7 @@ def issue48() -> list[str]:
     head = [f"x fp16 at {L}" for L in Ls] + [f"right at {L}" for L in Ls] + ["accuracy"]
     out += table(["cache (aware)", "family"] + head, body, "ll" + "r" * len(head))
     kvzip = next(r for r in agnostic["summary"] if r["cache"].startswith("kvzip:"))
-    timing = load("needle48/scoring_prefill/scoring_prefill.json")
+    timing = load("needle_accuracy_bytes/scoring_prefill/scoring_prefill.json")
     kvzap = next(r for r in agnostic["summary"] if r["cache"].startswith("kvzap:"))
     keeping = [r for r in aware["summary"] if r["accuracy"] >= full["accuracy"] and r is not full]
     evicting = max((r for r in keeping if r["family"] == "evicting"), key=lambda r: r["accuracy"], default=None)
@@ -664,10 +664,10 @@ def memory() -> list[str]:
 
 def cpu_speed() -> list[str]:
     out = ["## CPU speed", ""]
-    runs = [load(f"host_cpu_stop44/host-after2-{i}/host.json") for i in (1, 2)]
+    runs = [load(f"host_cpu/host-after2-{i}/host.json") for i in (1, 2)]
     a = runs[0]["args"]
     out += para(
-        f"**Host cost of one eager decode step** (`{command(runs[0])}`, twice; {where(runs[0], 'host_cpu_stop44/')};",
+        f"**Host cost of one eager decode step** (`{command(runs[0])}`, twice; {where(runs[0], 'host_cpu/')};",
         f"tiny 8-layer Llama, prompt {a['prompt']}; target 1.25x; \"stubbed\": every kernel a stub returning zeros).",
     )
     rows = [{r["cache"]: r for r in run["rows"]} for run in runs]
@@ -682,7 +682,7 @@ def cpu_speed() -> list[str]:
     out += table(["cache", "step x Dynamic (run 1, run 2)", "stubbed x Dynamic (run 1, run 2)", "syncs per step"],
                  body, "lllr")
 
-    sets = [("compile_cpu_stop44_1k", "1K"), ("compile_cpu_stop43_8k", "8K"), ("compile_cpu_hd128_stop42", "1K, head dim 128")]
+    sets = [("compile_cpu_paired_1k", "1K"), ("compile_cpu_8k", "8K"), ("compile_cpu_hd128", "1K, head dim 128")]
     data = [(load(f"{f}/compile.json"), label) for f, label in sets]
     cmds = "; ".join(f"{label}: `{command(d).removeprefix('python eval/bench_compile.py ')}`, {machine(d)}, {day(d)}"
                      for d, label in data)  # fmt: skip
@@ -715,17 +715,17 @@ def cpu_speed() -> list[str]:
 
 def gpu_speed() -> list[str]:
     out = ["## GPU speed", ""]
-    env = load("gpu_h100_stop44/call1/env.json")
+    env = load("gpu_h100/call1/env.json")
     gpu, bw = env["gpu"], env["bandwidth"]
     out += para(
         f"Llama-3.1-8B shapes, random bf16, on an {gpu['name']} ({day(env)}; {versions(env)}, CUDA {gpu['cuda']}; copy",
         f"{bw['copy_gb_per_s']:.0f} GB/s, pinned host-to-device {bw['pinned']['gb_per_s']:.1f} GB/s): `bash scripts/gpu_pass.sh env:30",
-        "kernels:130 e2e-b1:110 e2e-b8:150 offload:110`, then `compile-b8:255`, into `eval/results/gpu_h100_stop44/call1`, `call2`.",
+        "kernels:130 e2e-b1:110 e2e-b8:150 offload:110`, then `compile-b8:255`, into `eval/results/gpu_h100/call1`, `call2`.",
     )
     # Compiled decode under CUDA graphs
-    runs = [("H200", load("gpu_h200_stop41/compile-b1/compile.json")),
-            ("H200", load("gpu_h200_stop41/compile-b8/compile.json")),
-            ("H100", load("gpu_h100_stop44/call2/compile.json"))]  # fmt: skip
+    runs = [("H200", load("gpu_h200_compile/compile-b1/compile.json")),
+            ("H200", load("gpu_h200_compile/compile-b8/compile.json")),
+            ("H100", load("gpu_h100/call2/compile.json"))]  # fmt: skip
     cols = [(dev, r["context"], r["batch"]) for dev, d in runs for r in d["rows"] if r["cache"] == "static"]
     cell = {(dev, r["context"], r["batch"], r["cache"]): r for dev, d in runs for r in d["rows"]}
     caches = list(dict.fromkeys(r["cache"] for _, d in runs for r in d["rows"]))
@@ -737,13 +737,13 @@ def gpu_speed() -> list[str]:
     graphs = {r["graphs"] for _, d in runs for r in d["rows"]}
     out += para(
         "**Compiled decode under CUDA graphs, x StaticCache** (`python eval/bench_compile.py --gpu-pass --batch B`, 4",
-        "layers, `mode=\"reduce-overhead\"`; H200: `eval/results/gpu_h200_stop41/`, H100: `call2`;",
+        "layers, `mode=\"reduce-overhead\"`; H200: `eval/results/gpu_h200_compile/`, H100: `call2`;",
         f"{', '.join(sorted({day(d) for _, d in runs}))}; below 1 is faster). CUDA graphs per cache:",
         f"{', '.join(map(str, sorted(graphs)))}; skips: {skips}. Not measured: cut at the step's time limit.",
     )
     out += table(["cache"] + [f"{dev}, {ctx // 1024}K, B={b}" for dev, ctx, b in cols], body, "l" + "r" * len(cols))
 
-    e1, e8 = load("gpu_h100_stop44/call1/e2e_b1.json"), load("gpu_h100_stop44/call1/e2e_b8.json")
+    e1, e8 = load("gpu_h100/call1/e2e_b1.json"), load("gpu_h100/call1/e2e_b8.json")
     r1, r8 = ({r["cache"]: r for r in e["rows"]} for e in (e1, e8))
     out += para(
         f"**Eager decode** (`{command(e1)}` and `--batch 8`; {e1['args']['context'] // 1024}K context,",
@@ -762,7 +762,7 @@ def gpu_speed() -> list[str]:
     out += table(["cache", "B=1 tok/s", "B=8 tok/s", "B=1 x Dynamic", "B=8 x Dynamic", "KV x bf16",
                   "peak, B=8 (MiB)"], body, "lrrrrrr")  # fmt: skip
 
-    k = load("gpu_h100_stop44/call1/kernels.json")
+    k = load("gpu_h100/call1/kernels.json")
     ka = k["args"]
     rows = [r for r in k["rows"] if r["dtype"] == "bfloat16"]
     cols = list(dict.fromkeys((r["N"], r["B"]) for r in rows))
@@ -782,7 +782,7 @@ def gpu_speed() -> list[str]:
     out += table(["kernel"] + [f"{n // 1024}K, B={b}" for n, b in cols] + [f"of copy BW at {last[0] // 1024}K, B={last[1]}"],
                  body, "l" + "r" * (len(cols) + 1))  # fmt: skip
 
-    o = load("gpu_h100_stop44/call1/offload.json")
+    o = load("gpu_h100/call1/offload.json")
     by = {(r["cache"], r["batch"]): r for r in o["rows"]}
     big = max(r["batch"] for r in o["rows"])
     small = [r["vs_on_device"] for r in o["rows"] if r["batch"] == 1 and r["vs_on_device"] != 1.0]

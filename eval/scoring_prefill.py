@@ -4,7 +4,7 @@ same run (issue 48's target: within 1.5x at 4K).
 
     python eval/scoring_prefill.py --threads 1 --tokens 4096 --repeats 2 \
         --cache h2o:820 --cache snapkv:820 --cache peak:820 --cache kvzip:820 \
-        --out eval/results/needle48/scoring_prefill
+        --out eval/results/needle_accuracy_bytes/scoring_prefill
 
 The context is the first `--tokens` tokens of the text. The caches are timed in turn, DynamicCache first, `--repeats`
 rounds; each ratio is of the medians. Writes `scoring_prefill.json` and `scoring_prefill.md` in `--out`.
