@@ -17,7 +17,7 @@ from .kernels.errors import (
 )
 
 __all__ = [
-    "CacheMismatchError", "CapacityError", "ConfigError", "CorruptFileError", "DeviceError", "DiskTierError", "DTypeError", "FetchError",
+    "CacheMismatchError", "CapacityError", "ConfigError", "CorruptFileError", "DeviceError", "DiskTierError", "DTypeError", "FetchError", "FileFormatError",
     "GradientError", "KVPlusError", "KernelUnavailableError", "OutOfRangeError", "RDataError", "ShapeError", "UnsupportedModelError",
     "UnsupportedOperationError",
 ]  # fmt: skip
@@ -75,3 +75,8 @@ class CorruptFileError(KVPlusError, OSError):
     """A file hf_kvplus wrote and reads back (a disk tier's spill file) is not what it wrote: cut short, grown, or
     altered (its checksum differs). The message names the file, the length or checksum expected and found. The data
     is lost: the cache that held it refuses every later use with this error until it is reset."""
+
+
+class FileFormatError(KVPlusError, ValueError):
+    """A file is not one this version of hf_kvplus reads: another format, or a newer format version than it knows.
+    The message names what the file says and what was expected."""
