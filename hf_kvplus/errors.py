@@ -17,7 +17,7 @@ from .kernels.errors import (
 )
 
 __all__ = [
-    "CacheMismatchError", "CapacityError", "ConfigError", "CorruptFileError", "DeviceError", "DiskTierError", "DTypeError", "FetchError", "FileFormatError",
+    "ArtifactNotFoundError", "CacheMismatchError", "CapacityError", "ConfigError", "CorruptFileError", "DeviceError", "DiskTierError", "DTypeError", "FetchError", "FileFormatError",
     "GradientError", "KVPlusError", "KernelUnavailableError", "OutOfRangeError", "RDataError", "ShapeError", "UnsupportedModelError",
     "UnsupportedOperationError",
 ]  # fmt: skip
@@ -80,3 +80,9 @@ class CorruptFileError(KVPlusError, OSError):
 class FileFormatError(KVPlusError, ValueError):
     """A file is not one this version of hf_kvplus reads: another format, or a newer format version than it knows.
     The message names what the file says and what was expected."""
+
+
+class ArtifactNotFoundError(KVPlusError, LookupError):
+    """No artifact fitted to this model (a KVzap surrogate, a low-bit calibration) in the user cache folder or the
+    package data. The message names the model, the command that makes one, what that cost when measured, and where
+    it writes (where the loader looks first)."""
