@@ -27,11 +27,13 @@ def stamp() -> dict:
     import torch
     import transformers
 
+    from .. import __version__
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}: {device}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+        "versions": {"hf_kvplus": __version__, "python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "command": " ".join(sys.argv),
     }
