@@ -1,9 +1,11 @@
-"""Writes BENCHMARKS.md from the JSON in eval/results/<experiment>/.
+"""Writes BENCHMARKS.md and the pages it links (`PAGES`) from the JSON in eval/results/<experiment>/.
 
-    python eval/report.py            # rewrite BENCHMARKS.md
-    python eval/report.py --check    # exit 1 with a short diff when BENCHMARKS.md is not what this writes (CI)
+    python eval/report.py            # rewrite BENCHMARKS.md and docs/benchmarks-*.md
+    python eval/report.py --check    # exit 1 with a short diff when a page is not what this writes, or when
+                                     # BENCHMARKS.md or eval/results outgrow their limits (CI)
 
-One section per question (the demo, quality, retrieval, memory, CPU speed, GPU speed). Every figure is read from a
+One section per question (the demo, quality, retrieval, memory, CPU speed, GPU speed), the headline tables in
+BENCHMARKS.md (at most `MAX_LINES` lines) and the detail on linked pages. Every figure is read from a
 result file: each table names its command, machine, date and folder, and its baseline is the one the same run
 measured (ratios are the ones the JSON holds, or computed against that baseline). An experiment that writes
 results puts its latest run in eval/results/<experiment>/ and then reruns this script; what changed and why goes in
@@ -28,6 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
 TARGET = ROOT / "BENCHMARKS.md"
 WIDTH = 120
+#: BENCHMARKS.md stays a page of headline tables; the detail goes to a linked page (PAGES).
+MAX_LINES = 300
+#: eval/results holds the runs the pages quote, not every artefact of them (raw per-token files, plots nobody links):
+#: the repository stays small to clone.
+MAX_RESULTS_BYTES = 3 * 2**20
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -152,7 +159,12 @@ def quality() -> list[str]:
         f"{pct(by['emma']['quantized:int4']['delta_pct'])} on Emma ({by['emma']['dynamic']['perplexity']:.3f}).",
     )
 
-    out += issue46()
+    out += para(
+        "**Low-bit formats in detail** ([docs/benchmarks-lowbit.md](docs/benchmarks-lowbit.md)): the rotated formats",
+        "with and without exact regions (the first tokens and boundary layers kept at full precision or more bits) on",
+        "two texts and three seeds, the layers `kvplus calibrate` chose, the value codebooks, and the keys' turning",
+        "centre against the fixed one.",
+    )
     out += turboquant()
 
     d = load("ppl_smollm2_quant/ppl_summary.json")
@@ -199,12 +211,12 @@ def first_four(
             (config, 4, boundary, chunk, text)]  # fmt: skip
 
 
-def issue46() -> list[str]:
+def exact_regions() -> list[str]:
     d = load("lowbit_regions_fixed_centre/lowbit_regions.json")
     runs = d["runs"]
     quantized = [r for r in runs if r["config"] != "dynamic"]
     bases = {(r["text"], r["chunk"]): r["perplexity"] for r in runs if r["config"] == "dynamic"}
-    out = ["### Issue 46: exact regions on two texts and three seeds", ""]
+    out = ["## Exact regions on two texts and three seeds", ""]
     out += para(
         "`python eval/lowbit_regions.py --out eval/results/lowbit_regions_fixed_centre --texts T --chunks C --configs ...",
         "--firsts ... --boundaries ... --seeds 0 1 2` per grid, then `--report-only`;",
@@ -552,7 +564,7 @@ def retrieval() -> list[str]:
             for m in dict.fromkeys(r["method"] for r in rows[1:])]  # fmt: skip
     head = [h for ratio in ratios for h in [f"ppl, {1 - ratio:.0%} kept"] + [f"{mode}, {1 - ratio:.0%}" for mode in modes]]
     out += table(["method"] + head, body, "l" + "r" * len(head))
-    out += issue48()
+    out += needle_bytes()
     return out
 
 
@@ -562,10 +574,10 @@ def short(spec: str) -> str:
     return ":".join([kind] + [o for o in options if "/" not in o])
 
 
-def issue48() -> list[str]:
+def needle_bytes() -> list[str]:
     aware, agnostic = load("needle_accuracy_bytes/accuracy_bytes_aware.json"), load("needle_accuracy_bytes/accuracy_bytes_agnostic.json")
     first = load(aware["runs"][0].removeprefix("eval/results/"))
-    out = ["### Issue 48: accuracy against bytes", ""]
+    out = ["### Needle accuracy against bytes", ""]
     out += para(
         f"SmolLM2-135M (float32: the full cache is 2.0x float16), {len(aware['depths'])} depths per length; one folder",
         "per cache (its command in needle.json), merged by `python eval/needle_bytes.py",
@@ -828,11 +840,48 @@ def gpu_speed() -> list[str]:
     return out
 
 
-def render() -> str:
-    lines = header() + demo() + quality() + retrieval() + memory() + cpu_speed() + gpu_speed()
+def lowbit_header() -> list[str]:
+    return ["# Benchmarks: low-bit formats", "",
+            "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
+            ] + para(
+        "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s quality section: hf_kvplus's rotated formats (k4v2:",
+        "4-bit keys and 2-bit values after a rotation; [docs/caches.md](caches.md)) on SmolLM2-135M, with exact",
+        "regions, calibrated layers, value codebooks and the keys' turning centre.",
+    )  # fmt: skip
+
+
+#: Every page this writes (path under the repository) and its sections.
+PAGES = {
+    "BENCHMARKS.md": lambda: header() + demo() + quality() + retrieval() + memory() + cpu_speed() + gpu_speed(),
+    "docs/benchmarks-lowbit.md": lambda: lowbit_header() + exact_regions(),
+}
+
+
+def render(page: str = "BENCHMARKS.md") -> str:
+    lines = PAGES[page]()
     while lines and lines[-1] == "":
         lines.pop()
     return "\n".join(lines) + "\n"
+
+
+def limits(benchmarks: str, results: Path) -> list[str]:
+    """What outgrew its limit: BENCHMARKS.md's lines, eval/results' bytes (the largest folders named)."""
+    problems = []
+    if benchmarks.count("\n") > MAX_LINES:
+        problems.append(f"BENCHMARKS.md has {benchmarks.count(chr(10))} lines, over {MAX_LINES}: move detail to a "
+                        "linked page (PAGES)")  # fmt: skip
+    sizes = {}
+    for path in results.rglob("*"):
+        if path.is_file():
+            top = path.relative_to(results).parts[0]
+            sizes[top] = sizes.get(top, 0) + path.stat().st_size
+    total = sum(sizes.values())
+    if total > MAX_RESULTS_BYTES:
+        largest = ", ".join(f"{name} {size / 2**20:.2f} MiB" for name, size in
+                            sorted(sizes.items(), key=lambda item: -item[1])[:5])  # fmt: skip
+        problems.append(f"eval/results holds {total / 2**20:.2f} MiB, over {MAX_RESULTS_BYTES / 2**20:.0f} MiB; "
+                        f"largest: {largest}")
+    return problems
 
 
 def check(expected: str, actual: str, name: str = "BENCHMARKS.md", context: int = 1, limit: int = 40) -> list[str]:
@@ -846,21 +895,30 @@ def check(expected: str, actual: str, name: str = "BENCHMARKS.md", context: int 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 (with a diff) if BENCHMARKS.md is stale")
-    parser.add_argument("--out", type=Path, default=TARGET, help="where to write (default: BENCHMARKS.md)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 (with a diff) if a page is stale, or BENCHMARKS.md or eval/results too large")
+    parser.add_argument("--root", type=Path, default=ROOT, help="where the pages are (default: the repository)")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        diff = check(text, args.out.read_text() if args.out.exists() else "", args.out.name)
+    texts = {page: render(page) for page in PAGES}
+    if not args.check:
+        for page, text in texts.items():
+            (args.root / page).write_text(text)
+            print(f"wrote {args.root / page} ({text.count(chr(10))} lines)")
+        return 0
+    status = 0
+    for page, text in texts.items():
+        path = args.root / page
+        diff = check(text, path.read_text() if path.exists() else "", page)
         if diff:
             print("\n".join(diff))
-            print(f"{args.out.name} is not what eval/report.py writes: run `python eval/report.py` and commit it.")
-            return 1
-        print(f"{args.out.name} is current ({text.count(chr(10))} lines).")
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out} ({text.count(chr(10))} lines)")
-    return 0
+            print(f"{page} is not what eval/report.py writes: run `python eval/report.py` and commit it.")
+            status = 1
+        else:
+            print(f"{page} is current ({text.count(chr(10))} lines).")
+    for problem in limits(texts["BENCHMARKS.md"], RESULTS):
+        print(problem)
+        status = 1
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""eval/report.py writes BENCHMARKS.md from eval/results/ and `--check` catches a file that differs from it.
+"""eval/report.py writes BENCHMARKS.md (and the pages it links) from eval/results/, and `--check` catches a page that
+differs from it, a BENCHMARKS.md over its line limit and an eval/results over its size limit.
 
 Reads JSON only: no model, no network, well under a second.
 """
@@ -21,9 +22,27 @@ def load_report():
     return report
 
 
-def test_benchmarks_md_is_what_the_report_writes():
+def test_every_page_is_what_the_report_writes():
     report = load_report()
-    assert report.check(report.render(), (ROOT / "BENCHMARKS.md").read_text()) == []
+    assert set(report.PAGES) >= {"BENCHMARKS.md", "docs/benchmarks-lowbit.md"}
+    for page in report.PAGES:
+        assert report.check(report.render(page), (ROOT / page).read_text(), page) == [], page
+
+
+def test_benchmarks_md_and_eval_results_stay_within_their_limits():
+    report = load_report()
+    assert report.limits(report.render(), report.RESULTS) == []
+    assert report.render().count("\n") <= 300
+
+
+def test_the_limits_name_what_outgrew_them(tmp_path):
+    report = load_report()
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "blob.bin").write_bytes(b"\0" * (report.MAX_RESULTS_BYTES + 1))
+    problems = report.limits("line\n" * 301, tmp_path)
+    assert len(problems) == 2
+    assert "301 lines, over 300" in problems[0]
+    assert "big 3.00 MiB" in problems[1]
 
 
 def test_check_fails_on_one_changed_number_and_shows_it(tmp_path, capsys):
@@ -36,12 +55,15 @@ def test_check_fails_on_one_changed_number_and_shows_it(tmp_path, capsys):
     assert any(d.startswith("-") and "51,841" in d for d in diff)
     assert any(d.startswith("+") and "51,840" in d for d in diff)
 
+    for page in report.PAGES:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text(report.render(page))
     copy = tmp_path / "BENCHMARKS.md"
     copy.write_text(changed)
-    assert report.main(["--check", "--out", str(copy)]) == 1
+    assert report.main(["--check", "--root", str(tmp_path)]) == 1
     assert "51,841" in capsys.readouterr().out
     copy.write_text(text)
-    assert report.main(["--check", "--out", str(copy)]) == 0
+    assert report.main(["--check", "--root", str(tmp_path)]) == 0
 
 
 def test_the_figures_come_from_the_result_files(tmp_path, monkeypatch):
