@@ -293,7 +293,7 @@ def main(argv=None) -> None:
                     failed.append(f"{context} tokens, batch {batch}, {spec.text}: {errors[spec.text]}")
                 counted.update(counts)
                 done = [s for s in specs if s.text in counted or s.text in errors]
-                # after each cache: a run cut short keeps what it measured (stop 41's H2O at 32K x 8 ran past the
+                # after each cache: a run cut short keeps what it measured (an H2O run at 32K x 8 once ran past the
                 # step's limit, and the four caches timed before it were lost with the group)
                 write(args, rows + group_rows(args, model, done, context, batch, times, ratios, errors, counted), failed)
             rows += group_rows(args, model, specs, context, batch, times, ratios, errors, counted)

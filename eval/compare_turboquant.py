@@ -29,8 +29,8 @@ Rows, by `--configs` name (`kXvY`: X bits per key coordinate, Y per value coordi
   `from_model`: SmolLM2-135M, 9 over 3, so `from_model(bit_width=2)` is k3v2); to reach k4v2 and k2v2 the rows give
   the `TurboQuantKVCache` that `compress_all()` builds `key_bit_width=X, value_bit_width=Y`, and change nothing else
   (tests/test_compare_scripts.py checks that k3v2 is `from_model(bit_width=2)`, to the last digit).
-- `kXvY+mse`, over `--seeds`: the reference's quantizers as eval/compare_turboquant.py simulated them before
-  issue 46, in the order of its cache: keys `TurboQuant(D, X, unbiased=False, seed=s)` (all X bits to the codes, no
+- `kXvY+mse`, over `--seeds`: the reference's quantizers as eval/compare_turboquant.py simulated them at
+  first, in the order of its cache: keys `TurboQuant(D, X, unbiased=False, seed=s)` (all X bits to the codes, no
   QJL), values `TurboQuant(D, Y, unbiased=False, seed=s + 100)`, one pair for every layer and head; a token is coded
   once, after the forward that pushed it out of the newest `window` (so a chunk sees the past's window exact).
 - `kXvY+qjl`, over `--seeds`: the same, with its cache's keys, `TurboQuant(D, X, unbiased=True, seed=s)`: what its

@@ -1,4 +1,4 @@
-"""Exact regions on the low-bit rotated formats (issue 46, item 1): which first tokens and boundary layers pay, per
+"""Exact regions on the low-bit rotated formats: which first tokens and boundary layers pay, per
 bit class, on two texts and over rotation seeds.
 
     python eval/lowbit_regions.py --out eval/results/lowbit_regions_fixed_centre

@@ -1,4 +1,4 @@
-"""The exact-regions table of issue 46 (`lowbit_regions.py` prints it, `report.py` writes it into BENCHMARKS.md): one
+"""The exact-regions table (`lowbit_regions.py` prints it, `report.py` writes it into docs/benchmarks-lowbit.md): one
 row per (config, first, boundary), one column per chunk size and text. Standard library only (`report.py` runs in CI
 without torch)."""
 

@@ -148,7 +148,7 @@ def demo() -> list[str]:
 
 def quality() -> list[str]:
     out = ["## Quality: perplexity", ""]
-    # int4 on two texts (the same runs measured k4v2 and k3v2 without first tokens: the issue 46 table has them)
+    # int4 on two texts (the same runs measured k4v2 and k3v2 without first tokens: the exact-regions table has them)
     runs = {t: load(f"window_semantics/after-{t}.json") for t in ("prideprejudice", "emma")}
     by = {t: {r["cache"]: r for r in d["rows"]} for t, d in runs.items()}
     pp = runs["prideprejudice"]
@@ -284,7 +284,7 @@ def exact_regions() -> list[str]:
 
 
 def value_codes() -> list[str]:
-    """Issue 46's codes at the same bits, measured and not kept (`rotated_ablations.py value-codes`)."""
+    """Other codes at the same bits, measured and not kept (`rotated_ablations.py value-codes`)."""
     d = load("rotated_ablations/value-codes.json")
     stats = {(r["side"], r["bits"]): r for r in d["rows"] if "side" in r}
     runs = [r for r in d["rows"] if "variant" in r]
@@ -310,7 +310,7 @@ def value_codes() -> list[str]:
     )
 
 
-#: Issue 46's targets on P&P at chunks of 32: (perplexity change %, bits per coordinate) per class.
+#: The low-bit targets on P&P at chunks of 32: (perplexity change %, bits per coordinate) per class.
 TARGETS_46 = {"k4v2": (0.25, 3.5), "k3v2": (0.6, 3.0), "k2v2": (3.0, 2.5)}
 #: The calibration each class keeps with the turning centre (`eval/results/calibrate_smollm2_rotated/`), and each class's rows of
 #: the turning-centre table (the preset, calibrations made with the fixed centre, the kept one).
@@ -329,7 +329,7 @@ TURNING_RUNS = {
 
 
 def turning_centre() -> list[str]:
-    """Issue 46: keys coded relative to their pre-RoPE mean turned to each key's position, against the fixed centre
+    """Keys coded relative to their pre-RoPE mean turned to each key's position, against the fixed centre
     the cache ships (both with its plain-code choice and first 4 tokens exact), on the kept calibrations."""
     rows, first = [], None
     for (config, cal, text, chunk), folder in TURNING_RUNS.items():
@@ -360,7 +360,7 @@ def turning_centre() -> list[str]:
 
 def turning_cache() -> list[str]:
     """The caches as they ship (turning centre) against the fixed-centre rows, P&P, plain presets and kept
-    calibrations, both chunk sizes; and issue 46's targets."""
+    calibrations, both chunk sizes; and the targets."""
     d, fixed = load("lowbit_regions_turning_centre/lowbit_regions.json"), load("lowbit_regions_fixed_centre/lowbit_regions.json")["runs"]
 
     def cell(runs: list[dict], seed0: bool = False) -> str:
@@ -458,7 +458,7 @@ def key_codes(config: str, folder: str, variant: str) -> str:
 
 def turboquant() -> list[str]:
     """hf_kvplus's rotated formats as they ship against turboquant-torch (its cache; its quantizers coding each token
-    once) and tiny-turboquant's presets (issue 46): one row per pair, hf_kvplus at equal or fewer bits but k4v2's 4
+    once) and tiny-turboquant's presets: one row per pair, hf_kvplus at equal or fewer bits but k4v2's 4
     exact first tokens (+0.03)."""
     tq, tiny = load("compare_turboquant/turboquant.json"), load("compare_tiny_turboquant/tiny_turboquant.json")
     chunks = tq["chunks"]

@@ -1,4 +1,4 @@
-"""Ablations of the rotated formats (issue 18) that were measured and not kept, on compare_turboquant.py's protocol.
+"""Ablations of the rotated formats that were measured and not kept, on compare_turboquant.py's protocol.
 
     python eval/rotated_ablations.py codebooks --out eval/results/rotated_ablations
     python eval/rotated_ablations.py layer-bits --out eval/results/rotated_ablations
@@ -19,9 +19,9 @@
   (no exact tokens: each key coded as mu + code(k - mu) or code(k), whichever of k - mu and k is shorter, one bit
   a token); `values-centered+sinks` (`center+sinks` on the values as well); `scaled-keys+center+sinks`
   (`center+sinks` with each key channel divided by its spread over those first coded tokens before the rotation,
-  and multiplied back after: KVQuant's per-channel scaling, issue 46); `pre-rope-keys+center+sinks` (`center+sinks`
+  and multiplied back after: KVQuant's per-channel scaling); `pre-rope-keys+center+sinks` (`center+sinks`
   on the keys rotated back to position 0, rotated to their positions again after decoding: KVQuant's pre-RoPE keys,
-  whose per-channel mean does not turn with the position, issue 46); `rope-center+sinks` (the same centre, the mean
+  whose per-channel mean does not turn with the position); `rope-center+sinks` (the same centre, the mean
   of the keys rotated back to position 0, rotated to each key's position and subtracted there: the keys are coded
   after RoPE, as a cache holds them, relative to a centre that turns with the position); `center+choice+sinks`
   (`center+sinks` with `choice`'s plain codes: what `QuantizedCache` does, first 4 tokens exact); and
@@ -29,7 +29,7 @@
   decoded by `quantize_rotated`/`dequantize_rotated` at their positions). Each run also records its KL from
   DynamicCache's next-token distributions (millinats per token, far less noisy than the perplexity). `k16vY` rows
   keep keys exact: the values' own share. With `--calibration`, each layer takes its `layer_bits` format.
-- `value-codes` (issue 46, item 2): what other codes at the same bits could gain. First, on `--stats-text` (not the
+- `value-codes`: what other codes at the same bits could gain. First, on `--stats-text` (not the
   evaluation's text), each layer's keys and values of a DynamicCache prefill, rotated as `QuantizedCache` rotates
   them (keys less their centre): the mean squared error of the shipped (Beta-model) codebook, of a codebook fitted
   by Lloyd's algorithm to those very coordinates (in-sample: an upper bound of what a fitted codebook gains), and of

@@ -1,6 +1,6 @@
 """What scoring a context costs at prefill: each evicting cache's prefill of a context (plus `compress`, the second
 forward that repeats it, for caches that have one: KVzip) against DynamicCache's prefill of the same tokens, in the
-same run (issue 48's target: within 1.5x at 4K).
+same run (the target: within 1.5x at 4K).
 
     python eval/scoring_prefill.py --threads 1 --tokens 4096 --repeats 2 \
         --cache h2o:820 --cache snapkv:820 --cache peak:820 --cache kvzip:820 \

@@ -22,8 +22,8 @@ from .storage.static_quantized import StaticQuantizedStorage
 BACKENDS = ("kvplus", "quanto")
 
 #: The exact first tokens (attention sinks) each rotated preset keeps by default: `QuantizedCache(bits="k4v2")`,
-#: `quantized:k4v2`, `OffloadedCache(bits="k4v2")`. Measured on two texts and three rotation seeds (BENCHMARKS.md,
-#: "Issue 46"); `first_tokens=0` (spec `first=0`) turns it off, another number replaces it.
+#: `quantized:k4v2`, `OffloadedCache(bits="k4v2")`. Measured on two texts and three rotation seeds (docs/benchmarks-lowbit.md,
+#: "Exact regions"); `first_tokens=0` (spec `first=0`) turns it off, another number replaces it.
 PRESET_FIRST_TOKENS: dict[str, int] = {"k4v2": 4, "k3v2": 4, "k2v2": 4}
 
 

@@ -335,9 +335,9 @@ def rotated(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     quantized storage's ring takes rotated; the sinks an evicting cache reads back in `dequantize_rotated`, and,
     where the C++ operators are not built, what it codes in `quantize_rotated`), as a product and a sum, which
     inductor fuses into the kernels around them: a matrix product is an external call there, whose dispatch costs
-    more than the arithmetic of a head's rotation (a sink on k4v2 slots from 1.32-1.33x to 1.21-1.25x of StaticCache at 1K, paired runs, stop 42).
+    more than the arithmetic of a head's rotation (a sink on k4v2 slots from 1.32-1.33x to 1.21-1.25x of StaticCache at 1K, paired runs).
     The twin attention's rotations of the queries and of the output stay matrix products: done this way as well, a
-    sink on k4v2 slots went from 1.47x to 1.59-1.62x (stop 39); the CPU operator rotates them inside."""
+    sink on k4v2 slots went from 1.47x to 1.59-1.62x; the CPU operator rotates them inside."""
     x = x.float()
     if torch.compiler.is_compiling() and not x.is_cuda and x.numel() <= _FUSED_ROTATION_ELEMENTS:
         return (x.unsqueeze(-1) * r).sum(-2)

@@ -1,6 +1,6 @@
 """A key centre that turns with the position as RoPE turns the keys: the keys' pre-RoPE mean, at each key's position.
 
-Why (issue 46, KVQuant's pre-RoPE keys kept post-RoPE): a layer's keys share a large per-channel mean before RoPE
+Why (KVQuant's pre-RoPE keys, kept post-RoPE): a layer's keys share a large per-channel mean before RoPE
 (the same channels are large in every token). RoPE turns each channel pair by an angle proportional to the
 position, so after it the mean over positions keeps only the slowly turning pairs: on SmolLM2-135M (Persuasion,
 2,048 tokens, mean over layers) a fixed post-RoPE centre leaves 47% of the keys' energy to code, the pre-RoPE mean
