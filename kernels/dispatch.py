@@ -7,8 +7,9 @@ choice is one helper, :func:`_path`, that every entry point calls:
 - while ``torch.compile`` (or ``torch.export``) traces a call with ``check=False`` on CUDA tensors: the torch
   custom operator of ``custom_ops`` (the paged store: on every device), one opaque node running the same kernel;
 - CUDA tensors: the Triton kernel;
-- everything else: a rotated format's C++ operator on the CPU (``rotated_cpu``) where it is built and takes the
-  call, else the plain-torch twin, which a compiled graph traces inline.
+- everything else: on the CPU the C++ operators where they are built (a rotated format's, ``rotated_cpu``; KIVI codes
+  and paged blocks, ``kivi_cpu``; traced, each is one external call), else the plain-torch twin, which a compiled
+  graph traces inline.
 
 Each entry point keeps the contract of its kernel module (shapes, ``check``, errors): ``decode_attention``,
 ``paged_attention``, ``quant_attention`` and ``quant_pack`` document it. The entry points run on every decode step
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.kernels import custom_ops, rotated_cpu
+from hf_kvplus.kernels import custom_ops, kivi_cpu, rotated_cpu
 from hf_kvplus.kernels.decode_attention import (
     _check_num_splits,
     decode_attention_torch,
@@ -29,6 +30,8 @@ from hf_kvplus.kernels.decode_attention import (
 )
 from hf_kvplus.kernels.errors import ShapeError
 from hf_kvplus.kernels.paged_attention import (
+    _check_attention_inputs,
+    _check_block_ids,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
     paged_store_torch,
@@ -84,10 +87,10 @@ _TWINS = ("twin", "traced")
 
 def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
     """Everything a layer's format needs on `device`, made where shapes become fixed (a layer's first call): its
-    tables (``fmt.prepare``) and, on the CPU, a rotated format's C++ operators (built on first use), so that neither
+    tables (``fmt.prepare``) and, on the CPU, the C++ operators (built on first use), so that neither
     a decode step nor a graph compiled later makes them."""
     fmt.prepare(key_dim, value_dim, device)
-    if isinstance(fmt, RotatedFormat) and torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu":
         rotated_cpu.available()
 
 
@@ -131,6 +134,12 @@ def paged_decode_attention(
     ``num_splits`` only affects the Triton path (None = automatic, see ``pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see ``paged_attention``'s module docstring).
     """
+    if kivi_cpu.supports(q):
+        if check:
+            _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits)
+            _check_used_blocks(block_table, k_pool.shape[0], k_pool.shape[2], start, length)
+        out = kivi_cpu.paged_decode_cpu(q, k_pool, v_pool, block_table, start, length, scale, mask)
+        return out.to(q.dtype)
     path = _path(q, check)
     if path == "op":
         return custom_ops.paged_decode_attention(
@@ -203,6 +212,8 @@ def _quantized(q, packed, fmt, kw: dict, with_mass: bool):
     """A rotated format through :func:`_rotated`, else the path of :func:`_path`."""
     if isinstance(fmt, RotatedFormat):
         return _rotated(q, packed, fmt, kw, with_mass)
+    if kivi_cpu.supports(q):
+        return _kivi_cpu(q, packed, fmt, kw, with_mass)
     path = _path(q, kw["check"])
     if path == "op":
         p, args = packed, [kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask")]
@@ -275,6 +286,28 @@ def _rotated_cpu(q, packed, fmt, kw: dict, with_mass: bool):
     )  # fmt: skip
     out = out.to(q.dtype)
     return (out, mass) if with_mass else out
+
+
+def _kivi_cpu(q, packed, fmt, kw: dict, with_mass: bool):
+    """:func:`_quantized` of a KIVI format through the CPU operator (`kivi_cpu`)."""
+    if kw["check"]:
+        info = _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
+        if info.paged and kw["length"] > 0:
+            _check_used_blocks(kw["block_table"], info.num_blocks, info.T, kw["start"], kw["length"])
+    out, mass = kivi_cpu.kivi_decode_cpu(
+        q, packed, fmt, *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask",
+                                          "block_table", "keys_per_token")), with_mass,
+    )  # fmt: skip
+    out = out.to(q.dtype)
+    return (out, mass) if with_mass else out
+
+
+def _check_used_blocks(block_table, num_blocks: int, block_size: int, start: int, length: int) -> None:
+    """The block ids of the table columns tokens `start .. start + length - 1` use are in the pool (a host read, as
+    the twins' check makes): the operators read them unchecked."""
+    if length > 0:
+        first, end = start // block_size, (start + length - 1) // block_size + 1
+        _check_block_ids(block_table[:, first:end], num_blocks, first, end, start, length)
 
 
 #: The twin's positional arguments after (q, packed, fmt), by keyword name.

@@ -44,7 +44,11 @@ from hf_kvplus.kernels.rotated_format import (
 
 __all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "supports"]
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp")]
+#: One library: the rotated formats' operators and the KIVI and paged decode of `kivi_cpu` (built, or not, together).
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp", "kivi_attention_cpu.cpp")
+]
 #: OpenMP on Linux: `at::parallel_for` is inline OpenMP code in torch's headers (sequential without it), and the
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
@@ -134,14 +138,17 @@ def _load() -> bool:
                     extra_ldflags=_OPENMP, is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the twin runs
         warnings.warn(
-            f"hf_kvplus: the CPU kernels of rotated formats could not be built ({type(exc).__name__}: {exc}); "
-            "their decode attention and coding on the CPU run the plain-torch twins",
+            f"hf_kvplus: the CPU kernels could not be built ({type(exc).__name__}: {exc}); the decode attention of "
+            "quantized and paged caches and the rotated formats' coding on the CPU run the plain-torch twins",
             RuntimeWarning,
             stacklevel=3,
         )
         return False
     torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
     torch.library.register_fake("hf_kvplus_cpu::rotated_encode")(_fake_encode)
+    from hf_kvplus.kernels import kivi_cpu  # (it imports this module)
+
+    kivi_cpu.register_fakes()
     return True
 
 

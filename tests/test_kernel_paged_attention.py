@@ -31,6 +31,7 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.dispatch import paged_decode_attention, paged_store
 from hf_kvplus.kernels.paged_attention import (
     paged_decode_attention_torch,
@@ -260,6 +261,7 @@ def test_torch_twin_small_chunks(seed, monkeypatch, dtype):
 
 @pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
+    monkeypatch.setattr(rotated_cpu, "_LOADED", False)  # as where the CPU operators cannot be built: the twin
     lay = Layout(2, 2, 64, 64, 16, 3, 50, torch.float32, share=1)
     q = torch.randn(2, 8, 64)
     mask = left_padding(2, 50, (0, 7))
@@ -279,6 +281,63 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     out = paged_decode_attention(*args, **lay.kwargs(), scale=0.125, mask=mask, num_splits=3)
     assert calls == [1]
     assert torch.equal(out, expected)
+
+
+@pytest.fixture
+def cpu_op(monkeypatch):
+    """CPU tensors, the C++ operator (kernels/kivi_cpu.py) built, and the twin made to fail."""
+    if not rotated_cpu.available():
+        pytest.skip("no C++ toolchain here: the CPU operators cannot be built (the twin's tests cover this path)")
+
+    def boom(*a, **kw):
+        raise AssertionError("the twin ran where the CPU operator should have")
+
+    monkeypatch.setattr(dispatch, "paged_decode_attention_torch", boom)
+    with torch.device("cpu"):
+        yield
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B, G, D, Dv, bs, start, length, pads",
+    [
+        (3, 1, 64, 64, 16, 7, 333, (0, 111, 333)),  # row 2 fully masked
+        (2, 3, 80, 80, 8, 21, 250, (0, 7)),
+        (3, 4, 64, 48, 64, 100, 300, None),  # Dv != D
+        (3, 3, 64, 64, 16, 1030, 2100, (0, 700, 2099)),  # start far into the table, spans over threads
+    ],
+)
+def test_cpu_op_matches_reference(seed, dtype, B, G, D, Dv, bs, start, length, pads):
+    Hkv = 2
+    lay = Layout(B, Hkv, D, Dv, bs, start, length, dtype, share=2)
+    q = torch.randn(B, Hkv * G, D).to(dtype)
+    mask = None if pads is None else left_padding(B, length, pads)
+    k_before, v_before = bits(lay.k_pool).clone(), bits(lay.v_pool).clone()
+    out = paged_decode_attention(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1, mask=mask)
+    check(out, q, Dv, paged_reference(q, lay, 0.1, mask), seed, f"G={G}, bs={bs}")
+    if pads is not None and max(pads) == length:
+        assert torch.equal(out[pads.index(length)], torch.zeros_like(out[0]))
+    assert torch.equal(bits(lay.k_pool), k_before) and torch.equal(bits(lay.v_pool), v_before)
+
+
+@pytest.mark.usefixtures("cpu_op")
+def test_cpu_op_reads_the_table_in_place(seed):
+    # Pools that are views, then a table changed in place between calls, then a bad block id (check=True refuses
+    # it with the twin's error: the operator reads ids unchecked).
+    B, Hkv, G, D, bs, start, length = 2, 2, 2, 64, 8, 3, 40
+    lay = Layout(B, Hkv, D, D, bs, start, length, torch.float32, share=0)
+    q = torch.randn(B, Hkv * G, D)
+    kbuf, vbuf = (torch.randn(lay.k_pool.shape[0], Hkv + 1, bs, D) for _ in range(2))
+    kbuf[:, 1:], vbuf[:, 1:] = lay.k_pool, lay.v_pool
+    out = paged_decode_attention(q, kbuf[:, 1:], vbuf[:, 1:], lay.table, **lay.kwargs(), scale=0.1)
+    check(out, q, D, paged_reference(q, lay, 0.1), seed, "pool views")
+    lay.table[[0, 1]] = lay.table[[1, 0]].clone()
+    out = paged_decode_attention(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1)
+    check(out, q, D, paged_reference(q, lay, 0.1), seed, "after the rows swapped blocks in place")
+    lay.table[1, 1] = 10**6
+    with pytest.raises(ShapeError, match="1000000"):
+        paged_decode_attention(q, lay.k_pool, lay.v_pool, lay.table, **lay.kwargs(), scale=0.1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
+from hf_kvplus.kernels import kivi_cpu, rotated_cpu
 from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_attention import (
     quantized_decode_attention_torch,
@@ -420,6 +421,7 @@ def test_with_mass_twin_chunks_agree(seed, monkeypatch):
 
 @pytest.mark.usefixtures("on_cpu")
 def test_with_mass_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
+    monkeypatch.setattr(rotated_cpu, "_LOADED", False)  # as where the CPU operators cannot be built: the twin
     fmt, lay, q, rk, rv, mask = _per_token_inputs(4, 16, F32, 2, 2, 2, 32, 32, 50, 0, 50, None, (0, 7), False)
     expected = run(quantized_decode_attention_with_mass_torch, q, fmt, lay, 0.2, mask=mask, keys_per_token=True)
 
@@ -490,6 +492,7 @@ def test_twin_memory_is_per_chunk(monkeypatch):
 
 @pytest.mark.usefixtures("on_cpu")
 def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
+    monkeypatch.setattr(rotated_cpu, "_LOADED", False)  # as where the CPU operators cannot be built: the twin
     fmt = QuantFormat(4, 16)
     lay = Dense(fmt, 2, 2, 32, 32, 64, 3, 50)
     q = torch.randn(2, 4, 32)
@@ -690,3 +693,118 @@ def test_twin_checks_block_ids_it_reads(request, fn, bad, numbers):
         fn(q, packed, fmt, **args)
     for n in numbers + ["0..1"]:
         assert n in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The C++ operator on the CPU (kernels/kivi_cpu.py): every case above, through the dispatcher
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu_op(monkeypatch):
+    """CPU tensors, the operator built, and the twin made to fail: what runs is the operator."""
+    if not rotated_cpu.available():
+        pytest.skip("no C++ toolchain here: the CPU operators cannot be built (the twin's tests cover this path)")
+
+    def boom(*a, **kw):
+        raise AssertionError("the twin ran where the CPU operator should have")
+
+    monkeypatch.setattr(dispatch, "_twin", boom)
+    with torch.device("cpu"):
+        yield
+
+
+def _op(q, packed, fmt, **kw):
+    kw.pop("num_splits", None)
+    return quantized_decode_attention(q, packed, fmt, **kw)
+
+
+def _op_with_mass(q, packed, fmt, **kw):
+    kw.pop("num_splits", None)
+    return quantized_decode_attention(q, packed, fmt, with_mass=True, **kw)
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[f"{c[0]}-g{c[1]}-{str(c[2])[6:]}" for c in DENSE_CASES])
+def test_dense_cpu_op(seed, case):
+    fmt, lay, q, rk, rv, mask = _dense_inputs(*case[:-1])
+    _check_case(_op, q, fmt, lay, rk, rv, mask, seed, f"{fmt} CPU operator")
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[f"{c[0]}-g{c[1]}-{str(c[2])[6:]}" for c in PAGED_CASES])
+def test_paged_cpu_op(seed, case):
+    *args, _, share = case
+    fmt, lay, q, rk, rv, mask = _paged_inputs(*args, share)
+    _check_case(_op, q, fmt, lay, rk, rv, mask, seed, f"{fmt} paged CPU operator")
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("case", PER_TOKEN_CASES, ids=[f"{c[0]}-{'paged' if c[-1] else 'dense'}-{c[8]}" for c in PER_TOKEN_CASES])
+def test_keys_per_token_cpu_op(seed, case):
+    fmt, lay, q, rk, rv, mask = _per_token_inputs(*case)
+    _check_case(_op, q, fmt, lay, rk, rv, mask, seed, f"{fmt} keys per token, CPU operator", keys_per_token=True)
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize(
+    ("kind", "case", "num_splits"), MASS_CASES, ids=[f"{k}-{c[0]}-g{c[1]}-{str(c[2])[6:]}" for k, c, _ in MASS_CASES]
+)
+def test_with_mass_cpu_op(seed, kind, case, num_splits):
+    fmt, lay, q, rk, rv, mask = _MASS_INPUTS[kind](*case)
+    kw = {"keys_per_token": True} if kind == "per-token" else {}
+    _check_mass_case(_op_with_mass, q, fmt, lay, rk, rv, mask, seed, f"{kind} {fmt} with mass, CPU operator", **kw)
+
+
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("bits", [4, "fp8"])
+def test_cpu_op_spans_over_threads(seed, bits, threads):
+    # Long contexts are split into spans of keys per (row, KV head), merged at the end: with 1, 2 and 4 threads
+    # (1, 2 and 4 spans of a row of 3000 keys), rows of different lengths (left padding, one row all but the
+    # residual masked) give the float64 reference, output and mass.
+    fmt, lay, q, rk, rv, mask = _dense_inputs(bits, 32, F32, 3, 1, 3, 64, 64, 3008, 5, 3000, 7, (0, 1100, 3000))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_mass_case(_op_with_mass, q, fmt, lay, rk, rv, mask, seed, f"{threads} threads")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("cpu_op")
+def test_cpu_op_checks_what_the_twin_checks():
+    # check=True: the twin's typed errors, the table's block ids among them (the operator reads them unchecked).
+    fmt = QuantFormat(8, 8)
+    lay = Paged(fmt, 2, 1, 32, 32, 8, 4, 30, share=0)
+    q = torch.randn(2, 2, 32)
+    with pytest.raises(ShapeError, match="mask"):
+        run(_op, q, fmt, lay, 0.2, mask=torch.ones(2, 29, dtype=torch.bool))
+    lay.block_table[1, 1] = 10**6
+    with pytest.raises(ShapeError, match="1000000"):
+        run(_op, q, fmt, lay, 0.2)
+
+
+def test_cpu_op_traced_is_one_call(seed):
+    # Compiled on the CPU (check=False, as the storages call it), the dispatcher's call is the operator, one node,
+    # with the eager result.
+    if not rotated_cpu.available():
+        pytest.skip("no C++ toolchain here: the CPU operators cannot be built")
+    with torch.device("cpu"):
+        fmt, lay, q, rk, rv, mask = _dense_inputs(4, 16, F32, 2, 2, 2, 32, 32, 128, 5, 100, 6, (0, 30))
+
+        def step(q, rk, rv, mask):
+            return run(quantized_decode_attention, q, fmt, lay, 0.2, rk, rv, mask, check=False)
+
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        eager = step(q, rk, rv, mask)
+        compiled = torch.compile(step, fullgraph=True, backend=backend)(q, rk, rv, mask)
+    assert torch.allclose(compiled, eager, atol=1e-6)
+    ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum("hf_kvplus_cpu.kivi_decode" in op for op in ops) == 1, ops
+    assert kivi_cpu.supports(q)

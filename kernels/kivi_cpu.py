@@ -1,0 +1,80 @@
+"""Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``) and over a paged pool's
+float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``), read in place.
+
+Why: the plain-torch twins dequantize every code (or gather every block) of the cache into float32 tensors at each
+step, then multiply: on a CPU that copy costs more than the attention, and more the longer the context, where the
+codes were meant to make a step read fewer bytes than DynamicCache's. The operators (``kivi_attention_cpu.cpp``) turn
+one token's codes into a row of floats in a small buffer that every query of its KV head reads at once (a key's
+score over per-channel groups is ``(q * scale) . codes + q . zero``, the first made once per group), read a block
+table in place, take the full-precision ring and the mask, and split long contexts over the threads. One call per
+layer and step, which a compiled graph calls as one external kernel.
+
+They are built with the rotated formats' operators, as one library (``rotated_cpu``: on first use, optional; where
+it cannot be built, or with ``HF_KVPLUS_CPU_KERNELS=0``, the twins run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvplus.kernels import rotated_cpu
+
+__all__ = ["kivi_decode_cpu", "paged_decode_cpu", "supports"]
+
+
+def supports(q) -> bool:
+    """Whether a call with query `q` can take an operator here: a CPU tensor, and the operators built."""
+    return isinstance(q, torch.Tensor) and q.device.type == "cpu" and rotated_cpu.available()
+
+
+def kivi_decode_cpu(
+    q: torch.Tensor, packed, fmt, start: int, length: int, scale: float, residual_k, residual_v, mask, block_table,
+    keys_per_token: bool, with_mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
+    from the same arguments."""
+    if residual_k is not None:
+        residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
+    p = packed
+    if block_table is not None and block_table.dtype != torch.int32:
+        block_table = block_table.int()
+    out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
+        q.float().contiguous(), _rows(p.k), _rows(p.k_scale), _rows(p.k_zero), _rows(p.v), _rows(p.v_scale),
+        _rows(p.v_zero), 0 if fmt.is_float else fmt.bits, fmt.group_size, keys_per_token, start, length, block_table,
+        residual_k, residual_v, mask, float(scale), with_mass,
+    )  # fmt: skip
+    return out, (mass if with_mass else None)
+
+
+def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, scale: float, mask) -> torch.Tensor:
+    """Output [B, Hq, Dv] float32 of `paged_attention`'s decode over the pools' blocks through `block_table`."""
+    if block_table.dtype != torch.int32:
+        block_table = block_table.int()
+    return torch.ops.hf_kvplus_cpu.paged_decode(
+        q.float().contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask, float(scale)
+    )
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` with unit stride along its last dim (what the operators read), a copy only where it is not."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def register_fakes() -> None:
+    """The operators' shapes for tracing (``torch.compile``), registered when the library is loaded."""
+    torch.library.register_fake("hf_kvplus_cpu::kivi_decode")(_fake_kivi)
+    torch.library.register_fake("hf_kvplus_cpu::paged_decode")(_fake_paged)
+
+
+def _fake_kivi(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group, keys_per_token, start, length,
+               block_table, ring_k, ring_v, mask, scale, with_mass):  # fmt: skip
+    B, Hq, _ = q.shape
+    Hkv = k_codes.shape[1]
+    Dv = v_codes.shape[-1] * (1 if bits == 0 else 8 // bits)
+    L = length + (0 if ring_k is None else ring_k.shape[2])
+    return q.new_empty(B, Hq, Dv), q.new_empty(B if with_mass else 0, Hkv, L)
+
+
+def _fake_paged(q, k_pool, v_pool, block_table, start, length, mask, scale):
+    B, Hq, _ = q.shape
+    return q.new_empty(B, Hq, v_pool.shape[-1])
