@@ -17,6 +17,7 @@ from .errors import (
     DiskTierError,
     DTypeError,
     FetchError,
+    FileFormatError,
     GradientError,
     KernelUnavailableError,
     KVPlusError,
@@ -36,6 +37,7 @@ from .model_spec import LayerSpec, ModelSpec
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
 from .paging import BlockPool, PagedPool, PrefixStore
+from .persist import load_cache, save_cache
 from .placement import Offloaded, OnDevice, Placement, TierBytes
 from .plugin import install, uninstall
 from .precision import PrecisionRegions
@@ -64,6 +66,7 @@ __all__ = [
     "EvictingCache",
     "EvictionPolicy",
     "FetchError",
+    "FileFormatError",
     "GradientError",
     "H2OCache",
     "KVCache",
@@ -105,7 +108,9 @@ __all__ = [
     "cache_kwargs",
     "install",
     "kvplus_attention",
+    "load_cache",
     "model_retention",
     "quantized_storage",
+    "save_cache",
     "uninstall",
 ]

@@ -15,6 +15,7 @@ from .errors import CacheMismatchError, ConfigError, GradientError, UnsupportedM
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
+from .persist import fingerprint, save_cache
 from .placement.base import Placement, TierBytes
 from .placement.device import OnDevice
 from .retention.base import Retention
@@ -77,6 +78,7 @@ class KVCache(Cache):
         compileable: bool = False,
     ):
         self.model_spec = ModelSpec.from_config(config)
+        self.model_fingerprint = fingerprint(config)  # what `save` records and a load checks the config against
         placement = placement or OnDevice()
         if compileable:
             check_compileable(self.model_spec, placement)
@@ -130,6 +132,10 @@ class KVCache(Cache):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+    def save(self, path, spec: str | None = None):
+        """Writes the cache to `path` (safetensors and a JSON header; `hf_kvplus.load_cache` reads it back)."""
+        return save_cache(self, path, spec=spec)
 
     def _transformers_layer(self, spec: LayerSpec):
         """Transformers' own layer for a layer without per-token KV: a recurrent state (`LinearAttentionLayer`) or
