@@ -10,7 +10,7 @@ VENV="${KVPLUS_VENV:-.venv}"
 "$VENV/bin/ruff" check .
 bash scripts/lint_imports.sh
 "$VENV/bin/python" eval/report.py --check
-"$VENV/bin/pytest" "$@"
+"$VENV/bin/pytest" -n "${KVPLUS_TEST_WORKERS:-auto}" "$@"
 [ $# -eq 0 ] || exit 0
 
 # The lowest supported Transformers (pyproject's `transformers>=X.Y`, as X.Y.*), installed apart in $LOWEST and put
@@ -27,6 +27,7 @@ echo "conformance on transformers $LOWEST_VERSION.*"
 start=$(date +%s)
 status=0
 PYTHONPATH="$LOWEST" KVPLUS_EXPECT_TRANSFORMERS="$LOWEST_VERSION" "$VENV/bin/pytest" -p no:cacheprovider \
+    -n "${KVPLUS_TEST_WORKERS:-auto}" \
     tests/test_conformance.py tests/test_transformers_compat.py || status=$?
 echo "conformance on transformers $LOWEST_VERSION.*: $(( $(date +%s) - start )) s"
 exit "$status"

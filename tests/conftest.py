@@ -11,6 +11,7 @@ present, else the CPU. ``TRITON_INTERPRET`` set in the environment is left as it
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -35,7 +36,16 @@ def pytest_configure(config):
         torch.set_default_device("cuda")
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        _share_cores_between_workers()
     config.kvplus_device = torch.device(device)
+
+
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist (`scripts/test.sh` runs one worker a core), each worker's torch gets its share of the
+    cores: torch's default of one thread a core in every worker oversubscribes them and slows both."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config):
@@ -62,12 +72,34 @@ def on_cpu():
         yield
 
 
+SEED_ENV = "KVPLUS_TEST_SEED"
+
+
 @pytest.fixture
-def seed():
-    """A fresh random seed per test, returned so failures can name it."""
-    s = int.from_bytes(os.urandom(4), "little")
+def seed(request) -> int:
+    """The test's random seed, seeded into torch and returned: derived from the test's id, so a test draws the same
+    numbers every run and on every worker, and each test different ones. `$KVPLUS_TEST_SEED` overrides it: a number,
+    or `random` for a fresh seed each run. A failing test's report names its seed and how to rerun with it."""
+    chosen = os.environ.get(SEED_ENV, "")
+    if chosen == "random":
+        s = int.from_bytes(os.urandom(4), "little")
+    elif chosen:
+        s = int(chosen)
+    else:
+        s = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(s)
+    request.node.user_properties.append(("seed", s))
     return s
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        for name, value in item.user_properties:
+            if name == "seed":
+                report.sections.append(("seed", f"this test drew seed {value}: rerun it with {SEED_ENV}={value}"))
+    return report
 
 
 @pytest.fixture
