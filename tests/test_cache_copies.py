@@ -21,7 +21,8 @@ from hf_kvplus.errors import UnsupportedOperationError
 from hf_kvplus.specs import CACHE_KINDS, parse_cache_spec
 
 PROMPT, STEPS = 72, 3
-#: The surrogate the kvzap spec names, written for the tiny Llama before the tests (`kvzap_weights`).
+#: The surrogate the kvzap spec names, written for the tiny Llama before the tests (`kvzap_weights`): one file a
+#: process, named apart from the test ids (which must be the same in every pytest-xdist worker).
 KVZAP_WEIGHTS = Path(tempfile.gettempdir()) / f"hf_kvplus_test_kvzap_{os.getpid()}.safetensors"
 
 SPECS = [
@@ -82,7 +83,7 @@ def assert_same_logits(runs: dict, spec: str, when: str):
             )
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.replace(str(KVZAP_WEIGHTS), "WEIGHTS"))
 @torch.no_grad()
 def test_copy_after_prompt_and_after_decode_continues_the_same(spec):
     model = get_model("llama")
