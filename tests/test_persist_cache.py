@@ -76,7 +76,7 @@ def assert_same_after_load(spec, forward, cache, loaded):
             assert torch.equal(got, want), f"{spec}: step {i} after load differs by {(got - want).abs().max():.3g}"
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.replace(str(KVZAP_WEIGHTS), "WEIGHTS"))
 def test_a_loaded_cache_continues_with_the_same_logits(spec, tmp_path):
     model, cache = filled(spec)
     cache.save(tmp_path / "cache.safetensors")
