@@ -72,6 +72,26 @@ inline void axpy(float w, const float* x, float* acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * x[i];
 }
 
+// Tokens whose value rows are summed at once.
+constexpr int64_t kBlock = 16;
+
+// acc [channels] += sum_i w[i] * x[i, :] over n rows, `Width` channels at a time held in registers over the rows.
+template <int Width>
+inline void accumulate_span(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {
+  float a[Width];
+  for (int j = 0; j < Width; ++j) a[j] = acc[j];
+  for (int64_t i = 0; i < n; ++i)
+    for (int j = 0; j < Width; ++j) a[j] += w[i] * x[i * channels + j];
+  for (int j = 0; j < Width; ++j) acc[j] = a[j];
+}
+
+inline void accumulate(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {
+  int64_t c = 0;
+  for (; c + 32 <= channels; c += 32) accumulate_span<32>(w, x + c, n, acc + c, channels);
+  for (; c + 8 <= channels; c += 8) accumulate_span<8>(w, x + c, n, acc + c, channels);
+  for (; c < channels; ++c) accumulate_span<1>(w, x + c, n, acc + c, channels);
+}
+
 // exp(x[i] - m) in place: 2**y as 2**round(y) times a degree-6 polynomial of 2**f on [-0.5, 0.5] (relative error
 // under 2e-7), which the compiler vectorizes; 0 below 2**-126 (a masked key's -inf among them).
 inline void exp_shifted(float* x, int64_t n, float m) {
@@ -215,13 +235,13 @@ struct KiviSource {
     for (int64_t g = 0; g < G; ++g) out[g * stride] = dot(qs.data() + g * D, lv.data(), D) + qz[g];
   }
 
-  inline const float* value(int64_t x, int64_t h, int64_t i) {
+  // The value at (x, i) of head h into out [Dv].
+  inline void value(int64_t x, int64_t h, int64_t i, float* out) {
     levels<Bits>(vc.at(x, h, i), Pv, lv.data());
     const int64_t n = Dv / group;
     halves(vs.at(x, h, i), sf.data(), n);
     if (vz.p != nullptr) halves(vz.at(x, h, i), zf.data(), n);
-    dequantize(lv.data(), sf.data(), vz.p != nullptr ? zf.data() : nullptr, group, Dv, row.data());
-    return row.data();
+    dequantize(lv.data(), sf.data(), vz.p != nullptr ? zf.data() : nullptr, group, Dv, out);
   }
 };
 
@@ -252,7 +272,10 @@ struct PoolSource {
     for (int64_t g = 0; g < G; ++g) out[g * stride] = dot(q + g * D, k, D);
   }
 
-  inline const float* value(int64_t x, int64_t h, int64_t i) { return as_floats(vp.at(x, h, i), Dv); }
+  inline void value(int64_t x, int64_t h, int64_t i, float* out) {
+    const float* v = as_floats(vp.at(x, h, i), Dv);
+    std::memcpy(out, v, Dv * sizeof(float));
+  }
 };
 
 struct Call {
@@ -284,10 +307,13 @@ std::tuple<at::Tensor, at::Tensor> attend(const Call& c, const Src& proto, bool 
   at::parallel_for(0, c.B * c.Hkv * S, 1, [&](int64_t begin, int64_t end) {
     Src src = proto;
     src.prepare(G);
+    std::vector<float> vbuf(kBlock * c.Dv), qscaled(G * c.D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / S, s = task % S, b = bh / c.Hkv, h = bh % c.Hkv;
       const int64_t t0 = s * span, t1 = std::min(L, t0 + span);
-      const float* q = c.q + (b * c.Hq + h * G) * c.D;
+      const float* q_in = c.q + (b * c.Hq + h * G) * c.D;
+      for (int64_t e = 0; e < G * c.D; ++e) qscaled[e] = q_in[e] * c.scale;  // scores come scaled
+      const float* q = qscaled.data();
       float* sc = sp + bh * G * L;
       float* out = pp + (bh * S + s) * G * (2 + c.Dv);
       for (int64_t g = 0; g < G; ++g) {
@@ -310,7 +336,6 @@ std::tuple<at::Tensor, at::Tensor> attend(const Call& c, const Src& proto, bool 
           const float* k = c.rk.at(b, h, t - c.N);
           for (int64_t g = 0; g < G; ++g) sc[g * L + t] = dot(q + g * c.D, k, c.D);
         }
-        for (int64_t g = 0; g < G; ++g) sc[g * L + t] *= c.scale;
       }
       bool any = false;
       for (int64_t g = 0; g < G; ++g) {
@@ -329,21 +354,32 @@ std::tuple<at::Tensor, at::Tensor> attend(const Call& c, const Src& proto, bool 
         out[g * (2 + c.Dv) + 1] = l;
       }
       if (!any) continue;
-      for (int64_t t = t0; t < t1; ++t) {
-        bool live = false;
-        for (int64_t g = 0; g < G; ++g) live |= sc[g * L + t] != 0.f;
-        if (!live) continue;  // (an unattended token's codes may hold anything)
-        const float* v;
-        if (t < c.N) {
-          int64_t x, i;
-          c.where.at(b, t, x, i);
-          v = src.value(x, h, i);
-        } else {
-          v = c.rv.at(b, h, t - c.N);
+      // The values, kBlock tokens at a time: their rows into a buffer, then each query's weighted sum with its
+      // running sums held in registers over the block (tokens no query attends are skipped: their codes may hold
+      // anything).
+      for (int64_t a = t0; a < t1; a += kBlock) {
+        const int64_t n = std::min(kBlock, t1 - a);
+        int64_t kept = 0;
+        int64_t at_[kBlock];
+        for (int64_t t = a; t < a + n; ++t) {
+          bool live = false;
+          for (int64_t g = 0; g < G; ++g) live |= sc[g * L + t] != 0.f;
+          if (!live) continue;
+          float* v = vbuf.data() + kept * c.Dv;
+          if (t < c.N) {
+            int64_t x, i;
+            c.where.at(b, t, x, i);
+            src.value(x, h, i, v);
+          } else {
+            std::memcpy(v, c.rv.at(b, h, t - c.N), c.Dv * sizeof(float));
+          }
+          at_[kept++] = t;
         }
+        if (kept == 0) continue;
         for (int64_t g = 0; g < G; ++g) {
-          const float p = sc[g * L + t];
-          if (p != 0.f) axpy(p, v, out + g * (2 + c.Dv) + 2, c.Dv);
+          float w[kBlock];
+          for (int64_t k = 0; k < kept; ++k) w[k] = sc[g * L + at_[k]];
+          accumulate(w, vbuf.data(), kept, out + g * (2 + c.Dv) + 2, c.Dv);
         }
       }
     }
