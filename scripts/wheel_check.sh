@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# CI: hf_kvplus as a pip user gets it. Builds the wheel, installs it into a fresh venv with no extras (torch 2.13.0
+# CPU first, as scripts/setup.sh does), and from a folder outside the clone runs `import hf_kvplus`, `kvplus --help`,
+# `kvplus --version`, a short `kvplus demo` (a cache whose extra is missing is skipped with a line naming the extra)
+# and every README snippet (scripts/snippets.py; tests/test_snippets.py runs them and docs/*.md's in the venv with
+# every extra, where the test suite runs). Kept short: pip's cache and the local wheels serve the install, the demo
+# runs four caches at 512 tokens.
+#
+# The demo and the snippets use the embedded model converted into the user cache folder ($KVPLUS_CACHE): the test
+# suite converts it first (converting needs `gguf`, from the eval extra), so .ci/run calls this after the suite.
+# Usage: bash scripts/wheel_check.sh [REPO] (default: this clone; REPO may be any checkout of the project).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "${1:-$HERE}" && pwd)"
+VENV="${KVPLUS_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$HERE/$VENV" ;; esac
+BUILD_PY="$VENV/bin/python"  # the project's venv has setuptools and wheel: no isolated build env to download
+WORK="$(mktemp -d /tmp/kvplus-wheel.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+start=$(date +%s)
+step() { echo "wheel check [$(( $(date +%s) - start )) s]: $*"; }
+
+step "building the wheel of $REPO"
+"$BUILD_PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation "$REPO" -w "$WORK/dist" \
+    >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; exit 1; }
+WHEEL=$(ls "$WORK"/dist/hf_kvplus-*.whl)
+
+step "a fresh venv: torch 2.13.0 (CPU), then $(basename "$WHEEL") without extras"
+python3 -m venv "$WORK/venv"
+PY="$WORK/venv/bin/python"
+"$PY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
+"$PY" -m pip install --quiet --disable-pip-version-check "$WHEEL"
+
+# Outside the clone, with nothing of it on the path: what runs is the installed wheel. Every check runs; the step
+# fails at the end if any did, naming them.
+mkdir "$WORK/user"
+cd "$WORK/user"
+unset PYTHONPATH
+export PATH="$WORK/venv/bin:$PATH"
+failed=()
+check() {
+    local name="$1"; shift
+    step "$name"
+    "$@" || { echo "wheel check: FAILED: $name"; failed+=("$name"); }
+}
+check "import hf_kvplus (from the venv, not the clone)" \
+    "$PY" -c "import hf_kvplus, sys; p = hf_kvplus.__file__; print(p); sys.exit(p.startswith('$REPO/'))"
+check "kvplus --help" kvplus --help
+check "kvplus --version" kvplus --version
+check "kvplus demo, four caches at 512 tokens (quanto's extra is missing: skipped)" \
+    kvplus demo --context 512 --rounds 2 --new-tokens 4 --threads 2 --out "$WORK/user/demo" \
+    --cache dynamic --cache quantized:k4v2 --cache hf-quantized:quanto:4 --cache sink:4:124
+# The checker is this clone's; the snippets are REPO's.
+check "README snippets" "$PY" "$HERE/scripts/snippets.py" --root "$REPO" "$REPO/README.md"
+if [ ${#failed[@]} -gt 0 ]; then
+    step "${#failed[@]} check(s) failed: ${failed[*]}"
+    exit 1
+fi
+step "passed"
