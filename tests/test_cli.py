@@ -154,3 +154,60 @@ def test_version_names_the_installed_package(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"hf_kvplus {hf_kvplus.__version__}"
+
+
+@pytest.mark.parametrize("slowest", [1.2, 2.0])
+def test_demo_marks_its_speed_column_unreliable_past_the_baselines_spread(local_model, tmp_path, monkeypatch, capsys,
+                                                                         slowest):
+    """The baseline's blocks timed 1.0 s and `slowest` s: a spread of 1.2x is kept, 2.0x marks the column."""
+    import hf_kvplus.cli.demo as demo
+
+    real = demo._timed_rounds
+
+    def timed(*args, **kwargs):
+        own, theirs = real(*args, **kwargs)
+        return [1.0] * len(own), [1.0, slowest][: len(theirs)]
+
+    monkeypatch.setattr(demo, "_timed_rounds", timed)
+    folder, text = local_model
+    assert main(["demo", "--model", folder, "--text", text, "--chunk", "32", "--context", "80", "--depths", "0.2", "0.8",
+                 "--rounds", "2", "--new-tokens", "2", "--cache", "dynamic", "--cache", "dense",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    timing = json.loads((tmp_path / "demo.json").read_text())["timing"]
+    assert timing["baseline_spread"] == pytest.approx(slowest)
+    assert timing["reliable"] is (slowest <= demo.UNRELIABLE_SPREAD)
+    assert ("x speed (UNRELIABLE)" in out) is (slowest > demo.UNRELIABLE_SPREAD)
+    assert (f"spread {slowest:.2f}x" in out) is (slowest > demo.UNRELIABLE_SPREAD)
+    assert "needles right of 2" in out and "x bytes (fp32 dynamic)" in out
+    assert f"model {folder}: loaded by transformers' from_pretrained" in out
+
+
+def test_demo_skips_a_cache_whose_extra_is_missing_naming_the_extra(local_model, tmp_path, monkeypatch, capsys):
+    import hf_kvplus.specs as specs
+
+    real = specs._installed
+    monkeypatch.setattr(specs, "_installed", lambda module: module != "optimum.quanto" and real(module))
+    folder, text = local_model
+    assert main(["demo", "--model", folder, "--text", text, "--chunk", "32", "--context", "80", "--new-tokens", "2",
+                 "--rounds", "1", "--cache", "dynamic", "--cache", "hf-quantized:quanto:4", "--cache", "dense",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped hf-quantized:quanto:4: needs optimum.quanto (pip install 'hf-kvplus[quanto]')" in out
+    rows = json.loads((tmp_path / "demo.json").read_text())["rows"]
+    assert [r["cache"] for r in rows] == ["dynamic", "dense"]
+
+
+def test_demo_says_where_a_builtin_model_is_kept(tmp_path, monkeypatch):
+    from hf_kvplus.cli.demo import _model_place
+
+    monkeypatch.setenv("KVPLUS_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / "smollm2-135m"
+    assert _model_place("smollm2-135m") == (
+        f"model smollm2-135m: not converted yet; fetched from PyPI and converted into {folder} (about 520 MB in "
+        "float32; set KVPLUS_CACHE to keep it elsewhere)"
+    )
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 3_000_000)
+    assert _model_place("smollm2-135m") == f"model smollm2-135m: {folder} (3 MB)"
