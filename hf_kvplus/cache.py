@@ -12,10 +12,11 @@ from transformers.cache_utils import Cache
 
 from .attention.dispatch import takes_fused_path
 from .errors import CacheMismatchError, ConfigError, GradientError, UnsupportedModelError
+from .fingerprint import fingerprint
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
-from .persist import fingerprint, save_cache
+from .persist import save_cache
 from .placement.base import Placement, TierBytes
 from .placement.device import OnDevice
 from .retention.base import Retention

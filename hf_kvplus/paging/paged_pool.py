@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import PreTrainedConfig
 
 from ..errors import CacheMismatchError, ConfigError
+from ..fingerprint import digest, fingerprint
 from ..formats import resolve_format
 from ..kernels.paged_attention import DEFAULT_BLOCK_SIZE
 from ..kernels.quant_format import QuantFormat
 from ..model_spec import LayerSpec, ModelSpec
 from .block_pool import BlockPool
+from .folder_blocks import FolderBlocks
 from .layer_pool import LayerPool
+from .persistent_tier import PersistentTier
 from .prefix_store import PrefixStore
 from .quant_layer_pool import QuantLayerPool, check_block_size
 
@@ -43,6 +48,10 @@ class PagedPool:
     `layer_bits` ({layer index: bits}) holds those layers in other formats than `bits` (None: full-precision blocks, in
     the same block groups), in groups of `group_size` too (a block holds whole groups): a quantized cache's boundary
     layers (`PrecisionRegions`). `layer_formats` gives each layer's format.
+
+    `prefix_backend` keeps the prefix store's blocks beyond the process (`persistent_tier`): a folder (a path, or
+    `FolderBlocks(path, max_bytes=...)` to bound it) or `RedisBlocks(url)`. Every pool opened on it with the same
+    model, block size, formats and `dtype` (default the config's, else float32) reads the blocks the others stored.
     """
 
     def __init__(
@@ -56,6 +65,7 @@ class PagedPool:
         bits: int | str | None = None,
         group_size: int | None = None,
         layer_bits: dict[int, int | str | None] | None = None,
+        prefix_backend=None,
     ):
         self.model_spec = ModelSpec.from_config(config)
         self.format = resolve_format(self.model_spec, bits, group_size)
@@ -101,12 +111,28 @@ class PagedPool:
                     self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, fmt.for_layer(spec.index)
                 )
         only_full = set(self.blocks) == {"full"}
-        self.prefix_store = PrefixStore(self.blocks["full"], block_size) if only_full else None
+        if prefix_backend is not None and not only_full:
+            raise ConfigError(
+                f"prefix_backend needs a model whose layers are all full attention; this one has layer groups "
+                f"{sorted(self.blocks)}"
+            )
+        tier = self._tier(config, prefix_backend, dtype) if prefix_backend is not None else None
+        self.prefix_store = PrefixStore(self.blocks["full"], block_size, tier=tier) if only_full else None
+
+    def _tier(self, config, backend, dtype) -> PersistentTier:
+        """The prefix store's persistent tier on `backend`, scoped to what this pool's blocks hold."""
+        if isinstance(backend, (str, os.PathLike)):
+            backend = FolderBlocks(backend)
+        dtype = _dtype(dtype or getattr(config, "dtype", None) or torch.float32)
+        scope = digest({
+            "model": fingerprint(config), "block_size": self.block_size, "dtype": str(dtype),
+            "formats": {str(i): None if fmt is None else str(fmt) for i, fmt in self.layer_formats.items()},
+        })  # fmt: skip
+        layers = {i: self.layers[i] for i in sorted(self.layers)}
+        return PersistentTier(backend, scope, self.blocks["full"], layers, dtype)
 
     def _blocks_for_budget(self, config, block_size: int, max_bytes: int, dtype) -> dict[str, int]:
-        dtype = dtype or getattr(config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dtype = _dtype(dtype or getattr(config, "dtype", None) or torch.float32)
         layers: dict[str, list[LayerSpec]] = {}
         for spec in self.model_spec.layers:
             if spec.holds_kv:
@@ -158,3 +184,7 @@ class PagedPool:
                 f"this PagedPool was built for a {self.model_spec.model_type} with {self.model_spec.num_layers} layers; "
                 f"the cache is for a {spec.model_type} with {spec.num_layers} layers"
             )
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype

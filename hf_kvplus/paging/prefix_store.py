@@ -63,6 +63,7 @@ class PrefixStoreStats:
     inserted_blocks: int = 0  #: blocks newly stored by `insert`
     evicted_blocks: int = 0  #: blocks let go by `evict`, by `max_blocks` and by the pool's reclaim
     reclaimed_blocks: int = 0  #: of those, blocks given back because the pool ran short
+    tier_hit_blocks: int = 0  #: of the hits, blocks read back from the persistent tier (another process's, or evicted)
 
     @property
     def miss_blocks(self) -> int:
@@ -97,9 +98,13 @@ class PrefixStore:
 
     Thread-safe: every operation holds the pool's lock (`BlockPool.hold`), the one lock of the pool and its store,
     so a lookup, an insert and the pool's reclaim are atomic together.
+
+    `tier` (a `PersistentTier`, which `PagedPool(prefix_backend=...)` attaches) keeps the blocks beyond the process:
+    `insert` writes each newly stored block to it, and `lookup` continues a chain that memory does not hold from it,
+    block by block, reading each into a new pool block that the store then holds as if inserted here.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, max_blocks: int | None = None):
+    def __init__(self, pool: BlockPool, block_size: int, max_blocks: int | None = None, tier=None):
         if not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size!r}")
         if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 0):
@@ -110,6 +115,7 @@ class PrefixStore:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._by_block: dict[int, bytes] = {}
         self._stats = PrefixStoreStats()
+        self.tier = tier
         pool.set_reclaimer(self._reclaim)
 
     def __len__(self) -> int:
@@ -133,12 +139,16 @@ class PrefixStore:
             for start in range(0, len(tokens) - bs + 1, bs):
                 parent = block_hash(parent, namespace, tokens[start : start + bs])
                 entry = self._entries.get(parent)
+                if entry is None and self.tier is not None:
+                    entry = self._read_from_tier(parent, hashes[-1] if hashes else None)
                 if entry is None:
                     break
+                self.pool.incref([entry.block_id])  # (now: a pool short of blocks may reclaim idle ones below)
                 blocks.append(entry.block_id)
                 hashes.append(parent)
-            self.pool.incref(blocks)
             self._touch(hashes)
+            if self.tier is not None and blocks:
+                self.tier.touch(hashes[::-1])  # a parent ends more recent than its children there too
             self._stats.lookups += 1
             self._stats.query_blocks += len(tokens) // bs
             self._stats.hit_blocks += len(blocks)
@@ -180,6 +190,8 @@ class PrefixStore:
                     self._entries[parent].children += 1
             self._touch([h for h, _ in chain[: known + len(new)]])
             self._stats.inserted_blocks += len(new)
+            if self.tier is not None and new:
+                self.tier.write(new)
             return len(new)
 
     def evict(self, n: int) -> int:
@@ -215,6 +227,20 @@ class PrefixStore:
                 raise AssertionError(f"{len(self)} blocks stored, max_blocks is {self.max_blocks}")
 
     # ---------------------------------------------------------- internals
+    def _read_from_tier(self, block: bytes, parent: bytes | None) -> _Entry | None:
+        """The block read back from the tier and stored here (the store's reference), or None."""
+        if self.max_blocks is not None and len(self) >= self.max_blocks and not self._evict(1, {parent}):
+            return None
+        block_id = self.tier.read(block)
+        if block_id is None:
+            return None
+        entry = self._entries[block] = _Entry(block_id, parent)
+        self._by_block[block_id] = block
+        if parent is not None:
+            self._entries[parent].children += 1
+        self._stats.tier_hit_blocks += 1
+        return entry
+
     def _touch(self, hashes: list[bytes]) -> None:
         for h in reversed(hashes):  # tail first: a parent ends more recent than its children
             self._entries.move_to_end(h)

@@ -10,16 +10,11 @@ from __future__ import annotations
 import importlib.metadata
 
 from ..errors import CacheMismatchError, FileFormatError
-from ..model_spec import ModelSpec
+from ..fingerprint import fingerprint
 
 FORMAT = "hf_kvplus.cache"
 #: Bumped when a file written now could not be read by the code that reads version-1 files.
 FORMAT_VERSION = 1
-#: Config fields that change the K/V a model writes at a position, beside the attention geometry.
-_CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings", "rope_theta",
-    "rope_parameters", "rope_scaling", "partial_rotary_factor", "query_pre_attn_scalar", "sliding_window",
-)  # fmt: skip
 
 
 def package_version() -> str:
@@ -27,27 +22,6 @@ def package_version() -> str:
         return importlib.metadata.version("hf-kvplus")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree without its metadata
         return "unknown"
-
-
-def fingerprint(config) -> dict:
-    """The model a cache belongs to, as JSON values read from its config."""
-    spec = ModelSpec.from_config(config)
-    text = config.get_text_config(decoder=True)
-    found = {"model_type": spec.model_type, "num_attention_heads": spec.num_attention_heads}
-    found["layers"] = [[s.kind, s.window, s.num_kv_heads, s.head_dim] for s in spec.layers]
-    for name in _CONFIG_FIELDS:
-        value = getattr(text, name, None)
-        if value is not None:
-            found[name] = _jsonable(value)
-    return found
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
 
 
 def layout(cache) -> list[dict]:
