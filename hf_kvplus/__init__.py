@@ -9,6 +9,7 @@ from .attention import ATTN_IMPLEMENTATION, kvplus_attention
 from .cache import DenseCache, KVCache, model_retention
 from .calibration import Calibration
 from .errors import (
+    ArtifactNotFoundError,
     CacheMismatchError,
     CapacityError,
     ConfigError,
@@ -53,6 +54,7 @@ install()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "ArtifactNotFoundError",
     "CacheMismatchError",
     "CapacityError",
     "ConfigError",
