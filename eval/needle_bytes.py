@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from hf_kvplus.evaluation.needle import NeedleResult, plot_accuracy_bytes
+from hf_kvplus.evaluation.report import stamp
 
 
 def table(result: NeedleResult) -> str:
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
         result = NeedleResult.from_json(*paths)
         md = table(result)
         (args.out / f"accuracy_bytes_{mode}.md").write_text(md + "\n")
-        result.to_json(args.out / f"accuracy_bytes_{mode}.json", {"mode": mode, "runs": [str(p) for p in paths]})
+        result.to_json(args.out / f"accuracy_bytes_{mode}.json", {**stamp(), "mode": mode, "runs": [str(p) for p in paths]})
         plot_accuracy_bytes(result, args.out / f"accuracy_bytes_{mode}.png",
                             title=f"SmolLM2-135M pass key, {mode} mode: accuracy against bytes at rest")  # fmt: skip
         print(f"{mode} ({len(paths)} runs)\n{md}\n")

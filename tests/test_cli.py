@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 from word_model import save_word_model
 
+import hf_kvplus
 from hf_kvplus.cli import main
 
 TEXT = " ".join(
@@ -37,6 +38,9 @@ def test_ppl_compares_caches_and_the_cache_free_forward(local_model, tmp_path, c
     assert ppl["cache-free forward"] == pytest.approx(ppl["dynamic"], rel=1e-4)
     assert summary["command"] and summary["machine"] and summary["date"]
     assert {p.name for p in tmp_path.iterdir()} >= {"ppl.png", "ppl_dynamic.csv", "ppl_dense.json"}
+    for path in tmp_path.glob("*.json"):  # every result names the versions that produced it
+        versions = json.loads(path.read_text())["versions"]
+        assert versions["hf_kvplus"] == hf_kvplus.__version__ and {"torch", "transformers"} <= set(versions), path
     assert "per segment" in capsys.readouterr().out
 
 
@@ -177,6 +181,7 @@ def test_demo_marks_its_speed_column_unreliable_past_the_baselines_spread(local_
     timing = json.loads((tmp_path / "demo.json").read_text())["timing"]
     assert timing["baseline_spread"] == pytest.approx(slowest)
     assert timing["reliable"] is (slowest <= demo.UNRELIABLE_SPREAD)
+    assert json.loads((tmp_path / "demo.json").read_text())["versions"]["hf_kvplus"] == hf_kvplus.__version__
     assert ("x speed (UNRELIABLE)" in out) is (slowest > demo.UNRELIABLE_SPREAD)
     assert (f"spread {slowest:.2f}x" in out) is (slowest > demo.UNRELIABLE_SPREAD)
     assert "needles right of 2" in out and "x bytes (fp32 dynamic)" in out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..evaluation.perplexity import MODES, cache_free_nll, perplexity, plot_perplexity
-from ..evaluation.report import format_table
+from ..evaluation.report import format_table, stamp
 from . import common
 
 
@@ -63,7 +63,7 @@ def run(args) -> int:
     folder = common.out_dir(args, "ppl")
     for result in results:
         name = result.cache.replace(":", "_").replace("=", "-").replace("/", "_")  # (a spec may name a file)
-        result.to_json(folder / f"ppl_{name}.json")
+        result.to_json(folder / f"ppl_{name}.json", stamp())
         result.to_csv(folder / f"ppl_{name}.csv")
     plot_perplexity(results, folder / "ppl.png", title=f"{args.model} on {args.text} ({args.mode})")
     common.write_json(folder / "ppl_summary.json", {"model": args.model, "text": args.text, "rows": rows})

@@ -82,9 +82,9 @@ class PerplexityResult:
             row["continuation_perplexity"] = self.continuation_perplexity
         return row
 
-    def to_json(self, path: str | Path) -> None:
-        """Summary, segments and every token's NLL."""
-        data = {**self.summary(), "segment_size": self.segment_size, "segments": self.segments(),
+    def to_json(self, path: str | Path, meta: dict | None = None) -> None:
+        """`meta` (a run's stamp), summary, segments and every token's NLL."""
+        data = {**(meta or {}), **self.summary(), "segment_size": self.segment_size, "segments": self.segments(),
                 "nll": self.nll.tolist()}
         Path(path).write_text(json.dumps(data, indent=1))
 
