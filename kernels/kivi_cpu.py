@@ -1,5 +1,6 @@
 """Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``) and over a paged pool's
-float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``), read in place.
+float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``), read in place; and KIVI's quantize-and-pack
+(``torch.ops.hf_kvplus_cpu.kivi_encode``).
 
 Why: the plain-torch twins dequantize every code (or gather every block) of the cache into float32 tensors at each
 step, then multiply: on a CPU that copy costs more than the attention, and more the longer the context, where the
@@ -7,7 +8,9 @@ codes were meant to make a step read fewer bytes than DynamicCache's. The operat
 one token's codes into a row of floats in a small buffer that every query of its KV head reads at once (a key's
 score over per-channel groups is ``(q * scale) . codes + q . zero``, the first made once per group), read a block
 table in place, take the full-precision ring and the mask, and split long contexts over the threads. One call per
-layer and step, which a compiled graph calls as one external kernel.
+layer and step, which a compiled graph calls as one external kernel. The encode operator (``kivi_pack_cpu.cpp``)
+codes a group in one pass, bit for bit as ``quant_format``'s twins, where the twin runs about fifteen tensor
+operations per call: an evicting cache codes its new token at every step and layer.
 
 They are built with the rotated formats' operators, as one library (``rotated_cpu``: on first use, optional; where
 it cannot be built, or with ``HF_KVPLUS_CPU_KERNELS=0``, the twins run).
@@ -18,13 +21,35 @@ from __future__ import annotations
 import torch
 
 from hf_kvplus.kernels import rotated_cpu
+from hf_kvplus.kernels.errors import ShapeError
 
-__all__ = ["kivi_decode_cpu", "paged_decode_cpu", "supports"]
+__all__ = ["encodes", "kivi_decode_cpu", "kivi_encode_cpu", "paged_decode_cpu", "supports"]
+
+#: What the encode operator takes (the twin refuses other dtypes with its typed error).
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def supports(q) -> bool:
     """Whether a call with query `q` can take an operator here: a CPU tensor, and the operators built."""
     return isinstance(q, torch.Tensor) and q.device.type == "cpu" and rotated_cpu.available()
+
+
+def encodes(x) -> bool:
+    """Whether `x` can be coded by the encode operator: floats [B, H, T, D] on the CPU, and the operator built."""
+    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 4 and x.dtype in _FLOATS
+            and rotated_cpu.available())  # fmt: skip
+
+
+def kivi_encode_cpu(x: torch.Tensor, fmt, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, scale, zero or None) of x [B, H, T, D], as ``quant_format.quantize_keys`` (`side` "keys") or
+    ``quantize_values`` make them, with their errors for a head dim or a token count the format cannot take."""
+    D, keys = x.shape[-1], side == "keys"
+    fmt.check_head_dim(D)
+    if keys and x.shape[-2] % fmt.group_size:
+        raise ShapeError(f"keys hold {x.shape[-2]} tokens, not a multiple of the group size {fmt.group_size}")
+    codes, scale, zero = torch.ops.hf_kvplus_cpu.kivi_encode(x.float(), 0 if fmt.is_float else fmt.bits,
+                                                             fmt.group_size, keys)  # fmt: skip
+    return codes, scale, None if fmt.is_float else zero
 
 
 def kivi_decode_cpu(
@@ -64,6 +89,7 @@ def register_fakes() -> None:
     """The operators' shapes for tracing (``torch.compile``), registered when the library is loaded."""
     torch.library.register_fake("hf_kvplus_cpu::kivi_decode")(_fake_kivi)
     torch.library.register_fake("hf_kvplus_cpu::paged_decode")(_fake_paged)
+    torch.library.register_fake("hf_kvplus_cpu::kivi_encode")(_fake_encode)
 
 
 def _fake_kivi(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group, keys_per_token, start, length,
@@ -78,3 +104,11 @@ def _fake_kivi(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, grou
 def _fake_paged(q, k_pool, v_pool, block_table, start, length, mask, scale):
     B, Hq, _ = q.shape
     return q.new_empty(B, Hq, v_pool.shape[-1])
+
+
+def _fake_encode(x, bits, group, per_channel):
+    B, H, T, D = x.shape
+    params = (B, H, T // group, D) if per_channel else (B, H, T, D // group)
+    codes = x.new_empty(B, H, T, D if bits == 0 else D * bits // 8, dtype=torch.uint8)
+    scale = x.new_empty(params, dtype=torch.float16)
+    return codes, scale, x.new_empty((0,) if bits == 0 else params, dtype=torch.float16)

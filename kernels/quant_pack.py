@@ -64,13 +64,14 @@ custom operator, ``torch.ops.kvplus.quantize_keys`` / ``quantize_values`` (``ker
 writing into ``out`` (or into tensors allocated first), with the same Triton kernel; off CUDA the twin is
 traced inline instead, except for a rotated format's [B, H, T, D] CPU tensors, which eager and compiled calls alike
 code with the C++ operator ``torch.ops.hf_kvplus_cpu.rotated_encode`` (``kernels/rotated_cpu.py``) where it is built.
+Off CUDA the KIVI formats code with ``torch.ops.hf_kvplus_cpu.kivi_encode`` (``kernels/kivi_cpu.py``), bit for bit the twins.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_kvplus.kernels import rotated_cpu
+from hf_kvplus.kernels import kivi_cpu, rotated_cpu
 from hf_kvplus.kernels.decode_attention import _is_interpreted
 from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
 from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, QuantFormat
@@ -201,9 +202,13 @@ def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None):
 
 
 def _off_cuda(x, fmt, side: str, twin, positions=None):
-    """(codes, scale, zero) off CUDA: a rotated format's CPU operator where it takes x, else the twin."""
-    if isinstance(fmt, RotatedFormat) and rotated_cpu.encodes(x):
-        return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions), None)
+    """(codes, scale, zero) off CUDA: the CPU operator of the format where it takes x (`rotated_cpu`, `kivi_cpu`),
+    else the twin."""
+    if isinstance(fmt, RotatedFormat):
+        if rotated_cpu.encodes(x):
+            return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions), None)
+    elif kivi_cpu.encodes(x):
+        return kivi_cpu.kivi_encode_cpu(x, fmt, side)
     return twin(x, fmt) if positions is None else twin(x, fmt, positions=positions)
 
 

@@ -32,6 +32,7 @@ from hf_kvplus.errors import (
     ShapeError,
 )
 from hf_kvplus.kernels import quant_format as qf
+from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.dispatch import quantize_keys, quantize_values, quantize_values_at
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.kernels.quant_pack import (
@@ -507,3 +508,57 @@ def test_quantize_values_at_validates_its_inputs():
     bad = (out[0][..., :-1], out[1], out[2])
     with pytest.raises(ShapeError, match="out codes"):
         quantize_values_at(x, fmt, bad, torch.zeros(1, 2, 1, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The C++ encode operator on the CPU (kernels/kivi_cpu.py): bit for bit the twins
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def encode_op(monkeypatch):
+    """CPU tensors, the operator built, and the twins made to fail inside the dispatcher: what runs is the operator."""
+    if not rotated_cpu.available():
+        pytest.skip("no C++ toolchain here: the CPU operators cannot be built (the twins' tests cover this path)")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the twin ran where the CPU operator should have")
+
+    monkeypatch.setattr(mod, "quantize_keys_torch", boom)
+    monkeypatch.setattr(mod, "quantize_values_torch", boom)
+    with torch.device("cpu"):
+        yield
+
+
+@pytest.mark.usefixtures("encode_op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4, 2, "fp8"])
+@pytest.mark.parametrize(("G", "D", "T"), [(8, 32, 16), (32, 64, 64), (16, 48, 32)])
+def test_encode_op_equals_twin(seed, bits, dtype, G, D, T):
+    # Codes, scales and zeros equal the twins' bits: wide and tiny ranges, constant and zero groups, strided input.
+    fmt = QuantFormat(bits, G)
+    x = torch.randn(2, 3, T, D + 2)[..., 1 : 1 + D] * torch.tensor([1.0, 1e-4, 300.0]).view(1, 3, 1, 1)
+    x[0, 0, :G] = 0.0
+    x[1, 0, :, :G] = 2.5
+    x = x.to(dtype)
+    for kind, fn, twin in (("keys", quantize_keys, qf.quantize_keys), ("values", quantize_values, qf.quantize_values)):
+        got, want = fn(x, fmt), twin(x, fmt)
+        for g, w, name in zip(got, want, ("codes", "scale", "zero"), strict=True):
+            assert (g is None) == (w is None), name
+            assert g is None or torch.equal(g.view(torch.uint8), w.view(torch.uint8)), f"{fmt} {kind} {name} (seed {seed})"
+
+
+@pytest.mark.usefixtures("encode_op")
+def test_encode_op_writes_slots_and_refuses_what_the_twin_refuses(seed):
+    fmt = QuantFormat(4, 16)
+    B, H, T, N, D = 2, 3, 2, 9, 48
+    x = torch.randn(B, H, T, D)
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    out = _slot_buffers(fmt, B, H, N, D)
+    quantize_values_at(x, fmt, out, slots)
+    for got, ref in zip(out, qf.quantize_values(x, fmt), strict=True):
+        assert torch.equal(got.gather(2, slots[..., None].expand(*ref.shape)).view(torch.uint8), ref.view(torch.uint8))
+    with pytest.raises(ShapeError, match="20 tokens, not a multiple of the group size 16"):
+        quantize_keys(torch.randn(1, 2, 20, 64), fmt)
+    with pytest.raises(ConfigError, match="group_size 16 does not divide head_dim 40"):
+        quantize_values(torch.randn(1, 2, 20, 40), fmt)

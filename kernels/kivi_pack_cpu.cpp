@@ -1,0 +1,172 @@
+// Quantize-and-pack of the KIVI formats on the CPU: quant_format.quantize_keys / quantize_values in one pass per
+// group, bit for bit (the same float32 operations in the same order, none fused: see kFloatOrder). The twin runs
+// about fifteen tensor operations per call, each a dispatch and a pass over memory, where an evicting cache codes
+// one token per step and layer (kivi_cpu.py says where this runs).
+//
+// kivi_encode: x [B, H, T, D] float32 (any strides); `bits` 8, 4, 2 or 0 (fp8); `per_channel`: keys, a scale and
+// zero per channel over each group of `group` tokens (T a multiple of it), else values, per token over groups of
+// `group` channels. Returns (codes uint8 [B, H, T, D * bits / 8] (fp8: D), scales float16 [B, H, T / group, D] or
+// [B, H, T, D / group], zeros likewise (fp8: an empty tensor)).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+// kFloatOrder: every product and sum rounds on its own, as the twin's tensor operations do (no multiply-add fused).
+#if defined(__clang__)
+#define KVPLUS_FLOAT_ORDER _Pragma("clang fp contract(off)")
+#define KVPLUS_NO_CONTRACT
+#elif defined(__GNUC__)
+#define KVPLUS_FLOAT_ORDER
+#define KVPLUS_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define KVPLUS_FLOAT_ORDER
+#define KVPLUS_NO_CONTRACT
+#endif
+
+namespace kvplus_kivi_pack {
+
+constexpr float kMargin = 1.0f / 1024.0f;  // quant_format._MARGIN
+constexpr float kTiny = 5.9604644775390625e-08f;  // 2**-24
+constexpr float kHalfTiny = 2.98023223876953125e-08f;  // 2**-25
+constexpr float kFp8Max = 448.0f;
+
+inline float round_half(float x) { return float(at::Half(x)); }
+
+// One group's parameters from its range (quant_format._params_int / _scale_fp8) and a value's code.
+struct Coder {
+  int bits;
+  float qmax;
+
+  KVPLUS_NO_CONTRACT inline void params(float lo, float hi, float amax, at::Half& scale, at::Half& zero) const {
+    KVPLUS_FLOAT_ORDER
+    if (bits == 0) {
+      float s = amax / kFp8Max;
+      s = s * (1.0f + kMargin);
+      s = s + kHalfTiny;
+      scale = at::Half(std::max(s, kTiny));
+      return;
+    }
+    float z = std::fabs(lo) * kMargin;
+    z = lo - z;
+    z = z - kTiny;
+    zero = at::Half(z);
+    float s = hi - float(zero);
+    s = s / qmax;
+    s = s * (1.0f + kMargin);
+    s = s + kHalfTiny;
+    scale = at::Half(std::max(s, kTiny));
+  }
+
+  KVPLUS_NO_CONTRACT inline uint8_t code(float x, float scale, float zero) const {
+    KVPLUS_FLOAT_ORDER
+    if (bits == 0) {
+      float y = x / scale;
+      y = std::min(std::max(y, -kFp8Max), kFp8Max);
+      return c10::Float8_e4m3fn(y).x;
+    }
+    float y = x - zero;
+    y = y / scale;
+    y = y + 0.5f;
+    y = std::floor(y);
+    y = std::min(std::max(y, 0.0f), qmax);
+    return uint8_t(y);
+  }
+};
+
+// Codes of one token [D] (channel order) packed: byte j holds channels i * P + j in bits i * bits ...
+inline void pack(const uint8_t* codes, int64_t D, int bits, uint8_t* out) {
+  if (bits == 0 || bits == 8) {
+    std::copy(codes, codes + D, out);
+    return;
+  }
+  const int per = 8 / bits;
+  const int64_t P = D / per;
+  for (int64_t j = 0; j < P; ++j) {
+    unsigned byte = 0;
+    for (int i = 0; i < per; ++i) byte |= unsigned(codes[i * P + j]) << (i * bits);
+    out[j] = uint8_t(byte);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kivi_encode_cpu(const at::Tensor& x, int64_t bits, int64_t group,
+                                                               bool per_channel) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat, "kivi_encode_cpu: x must be float32 [B, H, T, D]");
+  TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "kivi_encode_cpu: bits must be 8, 4, 2 or 0 (fp8)");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  const int per = bits == 0 ? 1 : 8 / int(bits);
+  TORCH_CHECK(group > 0 && D % per == 0 && (per_channel ? T % group == 0 : D % group == 0), "kivi_encode_cpu: group ",
+              group, " must divide ", per_channel ? "the tokens " : "the channels ", per_channel ? T : D);
+  const at::Tensor xs = x.contiguous();
+  auto half = x.options().dtype(at::kHalf);
+  at::Tensor codes = at::empty({B, H, T, D / per}, x.options().dtype(at::kByte));
+  const std::vector<int64_t> pshape =
+      per_channel ? std::vector<int64_t>{B, H, T / group, D} : std::vector<int64_t>{B, H, T, D / group};
+  at::Tensor scale = at::empty(pshape, half);
+  at::Tensor zero = bits == 0 ? at::empty({0}, half) : at::empty(pshape, half);
+  const float* xp = xs.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::Half* sp = scale.data_ptr<at::Half>();
+  at::Half* zp = bits == 0 ? nullptr : zero.data_ptr<at::Half>();
+  const Coder coder{int(bits), float((1 << (bits == 0 ? 8 : bits)) - 1)};
+  const int64_t P = D / per;
+  // Work unit: a key group of `group` tokens (per channel), or one token (per token) of one (row, head).
+  const int64_t span = per_channel ? group : 1, units = B * H * (T / span);
+  at::parallel_for(0, units, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> q(span * D);
+    std::vector<float> lo(D), hi(D), amax(D);
+    for (int64_t u = begin; u < end; ++u) {
+      const float* xu = xp + u * span * D;  // (rows, heads and tokens contiguous: units in order)
+      if (per_channel) {
+        for (int64_t c = 0; c < D; ++c) {
+          float l = xu[c], h = xu[c], a = std::fabs(xu[c]);
+          for (int64_t t = 1; t < span; ++t) {
+            const float v = xu[t * D + c];
+            l = std::min(l, v);
+            h = std::max(h, v);
+            a = std::max(a, std::fabs(v));
+          }
+          at::Half s, z;
+          coder.params(l, h, a, s, z);
+          sp[u * D + c] = s;
+          if (zp != nullptr) zp[u * D + c] = z;
+          const float sf = float(s), zf = zp != nullptr ? float(z) : 0.f;
+          for (int64_t t = 0; t < span; ++t) q[t * D + c] = coder.code(xu[t * D + c], sf, zf);
+        }
+      } else {
+        const int64_t groups = D / group;
+        for (int64_t k = 0; k < groups; ++k) {
+          const float* xg = xu + k * group;
+          float l = xg[0], h = xg[0], a = std::fabs(xg[0]);
+          for (int64_t c = 1; c < group; ++c) {
+            l = std::min(l, xg[c]);
+            h = std::max(h, xg[c]);
+            a = std::max(a, std::fabs(xg[c]));
+          }
+          at::Half s, z;
+          coder.params(l, h, a, s, z);
+          sp[u * groups + k] = s;
+          if (zp != nullptr) zp[u * groups + k] = z;
+          const float sf = float(s), zf = zp != nullptr ? float(z) : 0.f;
+          for (int64_t c = 0; c < group; ++c) q[k * group + c] = coder.code(xg[c], sf, zf);
+        }
+      }
+      for (int64_t t = 0; t < span; ++t) pack(q.data() + t * D, D, int(bits), cp + (u * span + t) * P);
+    }
+  });
+  return {codes, scale, zero};
+}
+
+}  // namespace kvplus_kivi_pack
+
+TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
+  m.def("kivi_encode(Tensor x, int bits, int group, bool per_channel) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) { m.impl("kivi_encode", &kvplus_kivi_pack::kivi_encode_cpu); }
