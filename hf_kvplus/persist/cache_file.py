@@ -153,7 +153,9 @@ def _tensors(records: list[dict], blobs: dict, target, path) -> list[torch.Tenso
         place = _place(record["device"], target)
         key = (record["storage"], place)
         if key not in storages:
-            storages[key] = blobs[f"s{record['storage']}"].to(place).untyped_storage()
+            # (a fresh allocation: aligned as the kernels' vector loads expect, which a file's offsets are not)
+            blob = blobs[f"s{record['storage']}"]
+            storages[key] = torch.empty(blob.shape, dtype=torch.uint8, device=place).copy_(blob).untyped_storage()
         dtype = _dtype(record["dtype"])
         storage = storages[key]
         end = record["offset"] + sum((n - 1) * s for n, s in zip(record["shape"], record["stride"], strict=True)) + 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import importlib
 import math
 import pathlib
@@ -128,6 +129,9 @@ class _Encoder:
             number = self._number(obj)  # dicts may be shared (a placement's by-storage table)
             pairs = [[self.value(k, path), self.value(v, f"{path}[{k!r}]")] for k, v in obj.items()]
             return {"$dict": pairs, "kind": type(obj).__name__, "id": number}
+        if type(obj) is functools.partial:  # (a policy factory bound to a cache's settings)
+            return {"$partial": self.value(obj.func, path), "args": self.value(list(obj.args), path),
+                    "keywords": self.value(dict(obj.keywords), path)}  # fmt: skip
         if isinstance(obj, types.MethodType):
             return {"$method": [self.value(obj.__self__, path), obj.__func__.__name__]}
         if isinstance(obj, (types.FunctionType, type)):
@@ -256,6 +260,12 @@ class _Decoder:
         if name.startswith("__") or not callable(getattr(type(owner), name, None)):
             raise FileFormatError(f"the file names method {name!r}, which {type(owner).__name__} does not have")
         return getattr(owner, name)
+
+    def _partial(self, o):
+        func = self.value(o["$partial"])
+        if not callable(func):
+            raise FileFormatError(f"the file binds arguments to {func!r}, which is not a function")
+        return functools.partial(func, *self.value(o["args"]), **self.value(o["keywords"]))
 
     def _name(self, o):
         return _resolve(o["$name"])
