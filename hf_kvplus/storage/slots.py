@@ -272,6 +272,11 @@ class SlotStore(KVStorage):
 
     seen = counted("Tokens appended (the next token's logical position), less those dropped from the back.")
 
+    def __getstate__(self) -> dict:
+        """The memos of views travel empty (made again on use): a stale one holds the buffers it cut, e.g. a prompt's
+        from before eviction, which a pickle or a saved cache would otherwise carry."""
+        return {**self.__dict__, "_used": None, "_read": None, "_lead": None}
+
     def seen_now(self) -> int | torch.Tensor:
         """`seen` as a step computes with it: a compileable store's device count (once placed: a compiled step reads
         no Python int, and its eager steps take the same path), else the int."""
