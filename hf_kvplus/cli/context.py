@@ -32,7 +32,8 @@ NEEDLE = "\nThe special number of {city} is {key}. Remember: {city}, {key}.\n"
 QUESTION = "What is the special number of {city}?"
 ANSWER_START = "The special number of {city} is"
 CITIES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tromso", "Hanoi", "Dakar", "Perth", "Bergen", "Cusco"]
-DEFAULT_CACHE = "kvzip:0.15"
+#: KVzip keeping this share of the context, when no --cache is given.
+DEFAULT_KEEP = 0.15
 
 
 def register(subparsers) -> None:
@@ -41,8 +42,8 @@ def register(subparsers) -> None:
     save = actions.add_parser("save", help="prefill and compress a context with hidden facts, then save the cache")
     save.add_argument("file", type=Path, help="the cache file to write (FILE.json gets the context and questions)")
     common.add_model_args(save)
-    save.add_argument("--cache", default=DEFAULT_CACHE,
-                      help=f"cache spec; a float budget is a share of the context (default {DEFAULT_CACHE})")  # fmt: skip
+    save.add_argument("--cache", default=None,
+                      help=f"cache spec (default kvzip:N, N = {DEFAULT_KEEP:.0%} of --tokens)")  # fmt: skip
     save.add_argument("--tokens", type=int, default=2048, help="context length in tokens (default 2048)")
     save.add_argument("--needles", type=int, default=4, help=f"facts hidden in the context (at most {len(CITIES)})")
     save.add_argument("--seed", type=int, default=0, help="seed of the hidden numbers")
@@ -78,6 +79,7 @@ def run_save(args) -> int:
     haystack = common.tokenize(tokenizer, text, args.tokens * 2).tolist()
     context, facts = build_context(tokenizer, haystack, args.tokens, args.needles, args.seed)
     ids = torch.tensor([context], device=model.device)
+    args.cache = args.cache or f"kvzip:{int(DEFAULT_KEEP * len(context))}"
     spec = parse_cache_spec(args.cache)
     cache = spec.build(model.config, max_length=len(context) + 64)
     start = time.perf_counter()
