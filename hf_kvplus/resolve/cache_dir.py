@@ -25,21 +25,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import FetchError
-
-ENV_VAR = "KVPLUS_CACHE"
+from ..user_cache import cache_root
 
 
 def cache_dir(*, create: bool = True) -> Path:
-    """The user cache folder (created unless ``create=False``)."""
-    if os.environ.get(ENV_VAR):
-        root = Path(os.environ[ENV_VAR]).expanduser()
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "hf_kvplus"
-    else:
-        root = Path.home() / ".cache" / "hf_kvplus"
-    if create:
-        root.mkdir(parents=True, exist_ok=True)
-    return root
+    """The user cache folder (created unless ``create=False``); `user_cache.cache_root`."""
+    return cache_root(create=create)
 
 
 def downloads_dir(*, create: bool = True) -> Path:
