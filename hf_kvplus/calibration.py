@@ -52,9 +52,11 @@ class Calibration:
         spec = ModelSpec.from_config(config)
         model_type = getattr(config, "model_type", "")
         if spec.num_layers != self.num_layers or model_type != self.model_type:
+            name = getattr(config, "_name_or_path", "") or "this model"
             raise CacheMismatchError(
-                f"the calibration is for {self.model} ({self.model_type}, {self.num_layers} layers); this model is "
-                f"{model_type or 'unknown'} with {spec.num_layers} layers"
+                f"the calibration is for {self.model} ({self.model_type}, {self.num_layers} layers); {name} is "
+                f"{model_type or 'unknown'} with {spec.num_layers} layers: calibrate it with `kvplus calibrate --model "
+                "MODEL`"
             )
         if bits is not None:
             self.check_bits(bits)
@@ -77,7 +79,9 @@ class Calibration:
         try:
             record = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"no calibration file at {path}: write one with `kvplus calibrate --out {path}`") from None
+            raise ConfigError(f"no calibration file at {path}: `kvplus calibrate --model MODEL --bits BITS --out "
+                              f"{path.parent}` writes {path.parent / 'calibration.json'} (--out is a folder); without "
+                              "--out it writes where calibration='auto' finds it") from None  # fmt: skip
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path} is not a calibration (not JSON: {error})") from None
         version = record.pop("version", None)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from functools import partial
 
 from transformers import PreTrainedConfig
 
 from .attention.dispatch import FUSED_ATTENTION
 from .cache import KVCache, model_retention
 from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
+from .eviction.budget import check_budget, prompt_share
 from .eviction.heavy_hitters import HeavyHitterPolicy
 from .eviction.peak import PeakAttentionPolicy
 from .eviction.policy import EvictionPolicy
@@ -29,9 +31,21 @@ from .precision import PrecisionRegions, precision_report
 from .storage.dense import DenseStorage
 from .storage.slots import DenseCodec, SlotStore, TokenQuantCodec
 
+#: The budget the layers of a cache with a fractional budget are built with until its prompt gives the count: larger
+#: than any prompt, so that building them checks every size but the budget's own.
+PROVISIONAL = 1 << 30
+
 
 class EvictingCache(KVCache):
-    """A cache whose full-attention layers hold `SlotStore`s under a scored retention built by `policy(spec)`.
+    """A cache whose full-attention layers hold `SlotStore`s under a scored retention built by `policy(spec)`, or
+    `policy(spec, tokens)` when `budget` is given.
+
+    `budget` (`eviction.budget`): an int is the tokens each policy keeps; a float in (0, 1] the share of the prompt,
+    which the cache's first forward turns into tokens (int(budget x its tokens per row, padding included), at least 1,
+    the same for every row: kvpress's count), before any layer changes; the policies are then built with that count
+    (`budget_tokens`), and a count they refuse (fewer tokens than the sinks, the recent window or the observation
+    window need) raises `ConfigError` naming the share, the prompt and the count, leaving the cache unchanged.
+    `reset()` makes it a share again.
 
     `bits` (8, 4, 2 or "fp8") holds the kept tokens of the evicting layers quantized per token over
     groups of `group_size` channels (the quantized caches' defaults); None keeps them at full
@@ -64,8 +78,9 @@ class EvictingCache(KVCache):
     def __init__(
         self,
         config: PreTrainedConfig,
-        policy: Callable[[LayerSpec], EvictionPolicy],
+        policy: Callable[..., EvictionPolicy],
         *,
+        budget: int | float | None = None,
         bits: int | str | None = None,
         group_size: int | None = None,
         placement: Placement | None = None,
@@ -105,10 +120,62 @@ class EvictingCache(KVCache):
             return SlotStore(codec, scores=self.keeps_scores, device_count=compileable, first=first_tokens,
                              count_hidden=self.counts_hidden)  # fmt: skip
 
+        #: The budget as given: tokens, a share of the prompt, or None (`policy(spec)` sizes itself).
+        self.budget = None if budget is None else check_budget(budget)
+        #: The budget in tokens: `budget`, or what a share came to at the prompt (None until then).
+        self.budget_tokens = budget if isinstance(budget, int) else None
+        self._policy = policy if isinstance(budget, float) else None  # (what `size_budget` builds with)
+        initial = PROVISIONAL if isinstance(budget, float) else budget
+
         def retention(spec: LayerSpec) -> EvictionPolicy:
-            return policy(spec) if spec.kind == "full" else model_retention(spec)
+            if spec.kind != "full":
+                return model_retention(spec)
+            return policy(spec) if budget is None else policy(spec, initial)
 
         super().__init__(config, storage=storage, retention=retention, placement=placement, compileable=compileable)
+        if isinstance(budget, float):
+            self.update = self._sizing_update  # (an instance attribute until the prompt: no cost after it)
+
+    def _sizing_update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """The first forward's first `update`: turns the share into tokens, then updates as always."""
+        self.size_budget(key_states.shape[-2])
+        return KVCache.update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    def size_budget(self, prompt: int) -> int:
+        """Builds the policies for `prompt_share(budget, prompt)` tokens (a fractional budget; the first forward calls
+        it with its tokens per row) and returns the count. Raises `ConfigError` before changing anything when a policy
+        refuses the count."""
+        if not isinstance(self.budget, float):
+            raise UnsupportedOperationError(f"size_budget sizes a share of the prompt; this cache's budget is "
+                                            f"{self.budget!r}")  # fmt: skip
+        tokens = prompt_share(self.budget, prompt)
+        layers = [layer for layer in self.layers if isinstance(getattr(layer, "retention", None), EvictionPolicy)]
+        try:
+            policies = [self._policy(layer.spec, tokens) for layer in layers]
+        except ConfigError as error:
+            raise ConfigError(f"budget={self.budget} of a {prompt}-token prompt is int({self.budget} x {prompt}) = "
+                              f"{tokens} tokens, too few: {error}") from None  # fmt: skip
+        for layer, policy in zip(layers, policies, strict=True):
+            layer.retention = policy
+        self.budget_tokens = tokens
+        self.__dict__.pop("update", None)
+        return tokens
+
+    def reset(self) -> None:
+        super().reset()
+        if isinstance(self.budget, float):  # sized again by the next prompt
+            self.budget_tokens = None
+            self.update = self._sizing_update
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("update", None)  # (a bound method: put back by `__setstate__`)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if isinstance(self.budget, float) and self.budget_tokens is None:
+            self.update = self._sizing_update
 
     def quantized_report(self) -> dict:
         """As `QuantizedCache.quantized_report`: bytes at rest of the coded tokens (codes, scales and zero points), per
@@ -159,6 +226,40 @@ def _check_first_fits(first_tokens, room: int, what: str, ranked: str) -> None:
         )
 
 
+# The named caches' policies for a budget of `tokens`, as module functions (a cache sized at its prompt keeps its
+# factory, and pickles it).
+
+
+def _sink_policy(spec, tokens: int, *, num_sinks: int, rotary, compress: str) -> SinkPolicy:
+    if tokens <= num_sinks:
+        raise ConfigError(f"a budget of {tokens} tokens leaves no window after num_sinks={num_sinks} (the recent window "
+                          f"must hold at least 1 token, got window={tokens - num_sinks}): give a budget >= num_sinks + 1 "
+                          f"= {num_sinks + 1}")  # fmt: skip
+    return SinkPolicy(num_sinks, tokens - num_sinks, rotary, compress)
+
+
+def _h2o_policy(spec, tokens: int, *, recent: int | None, compress: str, first_tokens) -> HeavyHitterPolicy:
+    kept = tokens // 2 if recent is None else recent
+    made = HeavyHitterPolicy(tokens, kept, compress)
+    _check_first_fits(first_tokens, tokens - kept, f"budget - recent = {tokens} - {kept}", "heavy hitters")
+    return made
+
+
+def _snapkv_policy(spec, tokens: int, *, observation: int, kernel_size: int, pooling: str, first_tokens) -> SnapKVPolicy:
+    made = SnapKVPolicy(tokens, observation, kernel_size, pooling)
+    _check_first_fits(first_tokens, tokens - observation, f"budget - observation = {tokens} - {observation}",
+                      "selected tokens")  # fmt: skip
+    return made
+
+
+def _peak_policy(spec, tokens: int, *, recent: int | None, kernel_size: int, compress: str,
+                 first_tokens) -> PeakAttentionPolicy:  # fmt: skip
+    kept = tokens // 8 if recent is None else recent
+    made = PeakAttentionPolicy(tokens, kept, kernel_size, compress)
+    _check_first_fits(first_tokens, tokens - kept, f"budget - recent = {tokens} - {kept}", "ranked tokens")
+    return made
+
+
 def _check_compileable(compress: str, compileable: bool) -> None:
     if compileable and compress != "always":
         raise ConfigError(
@@ -176,6 +277,10 @@ class SinkCache(EvictingCache):
 
     >>> cache = SinkCache(model.config, num_sinks=4, window=1020)  # bits=4: the kept tokens in int4
     >>> model.generate(**inputs, cache=cache, max_new_tokens=100_000)
+    >>> cache = SinkCache(model.config, budget=0.2)  # the sinks + a window: a fifth of the prompt (kvpress's 0.8)
+
+    `budget` (tokens, or a share of the prompt: `EvictingCache`) sizes the sinks and the window together (window =
+    budget - num_sinks), in place of `window`.
 
     `compress="prefill"` compresses only after multi-token forwards (each prompt), as kvpress's presses do,
     and lets decode steps append: the budget then bounds what a prompt leaves, not the cache.
@@ -189,7 +294,8 @@ class SinkCache(EvictingCache):
         config: PreTrainedConfig,
         *,
         num_sinks: int = 4,
-        window: int = 1020,
+        window: int | None = None,
+        budget: int | float | None = None,
         positions: str = "cache",
         bits: int | str | None = None,
         group_size: int | None = None,
@@ -203,8 +309,14 @@ class SinkCache(EvictingCache):
     ):
         if positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if window is not None and budget is not None:
+            raise ConfigError(f"give window={window} or budget={budget} (the sinks and the window together), not both")
+        budget = num_sinks + (1020 if window is None else window) if budget is None else check_budget(budget)
         rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
-        SinkPolicy(num_sinks, window, rotary, compress)  # refuse bad sizes before building layers
+
+        policy = partial(_sink_policy, num_sinks=num_sinks, rotary=rotary, compress=compress)
+        if isinstance(budget, int):
+            policy(None, budget)  # refuse bad sizes before building layers
         if isinstance(first_tokens, int) and first_tokens > num_sinks:
             raise ConfigError(
                 f"first_tokens={first_tokens} exceeds num_sinks={num_sinks}: a SinkCache keeps the first {num_sinks} "
@@ -212,16 +324,17 @@ class SinkCache(EvictingCache):
             )
         _check_compileable(compress, compileable)
         super().__init__(
-            config, lambda spec: SinkPolicy(num_sinks, window, rotary, compress), bits=bits, group_size=group_size,
-            placement=placement, compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
+            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
+            compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
             boundary_bits=boundary_bits, layer_bits=layer_bits,
-        )
+        )  # fmt: skip
 
 
 class H2OCache(EvictingCache):
     """H2O: per KV head, `budget - recent` heavy hitters (largest accumulated attention) + `recent` newest.
 
-    `recent` defaults to half the budget, as in the paper. Keys keep their original positions.
+    `recent` defaults to half the budget, as in the paper. Keys keep their original positions. `budget` is tokens, or
+    a share of the prompt (`budget=0.2`: a fifth of it, sized at the prompt; `EvictingCache`).
     Supports greedy, sampling and beam search; assisted decoding is refused (a rolled-back query
     would already have added its attention to the scores). `compress="prefill"` as for SinkCache.
     """
@@ -232,7 +345,7 @@ class H2OCache(EvictingCache):
         self,
         config: PreTrainedConfig,
         *,
-        budget: int = 1024,
+        budget: int | float = 1024,
         recent: int | None = None,
         bits: int | str | None = None,
         group_size: int | None = None,
@@ -244,15 +357,14 @@ class H2OCache(EvictingCache):
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
     ):
-        recent = budget // 2 if recent is None else recent
-        HeavyHitterPolicy(budget, recent, compress)
+        policy = partial(_h2o_policy, recent=recent, compress=compress, first_tokens=first_tokens)
+        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
         _check_compileable(compress, compileable)
-        _check_first_fits(first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "heavy hitters")
         super().__init__(
-            config, lambda spec: HeavyHitterPolicy(budget, recent, compress), bits=bits, group_size=group_size,
-            placement=placement, compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
+            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
+            compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
             boundary_bits=boundary_bits, layer_bits=layer_bits,
-        )
+        )  # fmt: skip
 
 
 class SnapKVCache(EvictingCache):
@@ -260,7 +372,8 @@ class SnapKVCache(EvictingCache):
 
     The last `observation` prompt tokens are kept; the rest are ranked by the attention those tokens
     give them, pooled over `kernel_size` neighbours. Decode steps append. Supports greedy, sampling
-    and beam search; assisted decoding is refused (its verification forwards would compress).
+    and beam search; assisted decoding is refused (its verification forwards would compress). `budget` is tokens, or a
+    share of the prompt (`budget=0.2`, sized at the prompt; `EvictingCache`).
     """
 
     rollback = False
@@ -269,7 +382,7 @@ class SnapKVCache(EvictingCache):
         self,
         config: PreTrainedConfig,
         *,
-        budget: int = 1024,
+        budget: int | float = 1024,
         observation: int = 32,
         kernel_size: int = 7,
         pooling: str = "avg",
@@ -281,14 +394,14 @@ class SnapKVCache(EvictingCache):
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
     ):
-        SnapKVPolicy(budget, observation, kernel_size, pooling)
-        _check_first_fits(first_tokens, budget - observation, f"budget - observation = {budget} - {observation}",
-                          "selected tokens")  # fmt: skip
-        policy = lambda spec: SnapKVPolicy(budget, observation, kernel_size, pooling)  # noqa: E731
+        policy = partial(_snapkv_policy, observation=observation, kernel_size=kernel_size, pooling=pooling,
+                         first_tokens=first_tokens)  # fmt: skip
+        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
         super().__init__(
-            config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
-            boundary_layers=boundary_layers, boundary_bits=boundary_bits, layer_bits=layer_bits,
-        )
+            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
+            first_tokens=first_tokens, boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+            layer_bits=layer_bits,
+        )  # fmt: skip
 
 
 class PeakCache(EvictingCache):
@@ -298,6 +411,7 @@ class PeakCache(EvictingCache):
     `recent` defaults to an eighth of the budget; `kernel_size` max-pools a prompt's scores over neighbouring tokens.
     `compress="prefill"` as for SinkCache: compress prompts only, so that a context compressed before its question
     (kvpress's pipeline, `appending()`) keeps what its own tokens read. Assisted decoding is refused, as for H2O.
+    `budget` is tokens, or a share of the prompt (`budget=0.2`, sized at the prompt; `EvictingCache`).
     """
 
     rollback = False
@@ -306,7 +420,7 @@ class PeakCache(EvictingCache):
         self,
         config: PreTrainedConfig,
         *,
-        budget: int = 1024,
+        budget: int | float = 1024,
         recent: int | None = None,
         kernel_size: int = 1,
         bits: int | str | None = None,
@@ -318,11 +432,11 @@ class PeakCache(EvictingCache):
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
     ):
-        recent = budget // 8 if recent is None else recent
-        PeakAttentionPolicy(budget, recent, kernel_size, compress)
-        _check_first_fits(first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "ranked tokens")
+        policy = partial(_peak_policy, recent=recent, kernel_size=kernel_size, compress=compress,
+                         first_tokens=first_tokens)  # fmt: skip
+        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
         super().__init__(
-            config, lambda spec: PeakAttentionPolicy(budget, recent, kernel_size, compress), bits=bits,
-            group_size=group_size, placement=placement, first_tokens=first_tokens, boundary_layers=boundary_layers,
-            boundary_bits=boundary_bits, layer_bits=layer_bits,
-        )
+            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
+            first_tokens=first_tokens, boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+            layer_bits=layer_bits,
+        )  # fmt: skip

@@ -9,6 +9,7 @@ positions stay bounded, drops the repeat's tokens and evicts the cache down to i
 >>> cache = KVzipCache(model.config, budget=820)
 >>> model(context_ids, cache=cache)                       # the context, held whole
 >>> cache.compress(model, context_ids, tokenizer)          # the repeat: scored, dropped, evicted to 820 per head
+>>> KVzipCache(model.config, budget=0.2)                  # or a fifth of the context, whatever its length
 >>> model.generate(torch.cat([context_ids, question_ids], -1), cache=cache, max_new_tokens=20)
 """
 
@@ -16,16 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PreTrainedConfig
 
 from .errors import CacheMismatchError, ConfigError, UnsupportedModelError, UnsupportedOperationError
-from .evicting_cache import EvictingCache, _check_first_fits
+from .evicting_cache import PROVISIONAL, EvictingCache, _check_first_fits
+from .eviction.budget import check_budget
 from .eviction.reconstruction import ReconstructionPolicy
 from .layer import KVLayer
 from .model_spec import ModelSpec
 from .placement.base import Placement
+from .retention.window import SlidingWindow
 from .transformers_compat import cache_kwargs
 
 #: KVzip's instructions (as kvpress words them): before the first chunk, and before a later one, which then goes on
@@ -67,7 +71,8 @@ class KVzipCache(EvictingCache):
     """KVzip: a context prefilled whole, then compressed by `compress(model, context_ids, tokenizer)` to `budget`
     tokens per KV head, ranked by the attention a reconstruction of the context gives them
     (`ReconstructionPolicy`); the first `sinks` positions and the `recent` newest tokens are kept first. The
-    reconstruction repeats the context in chunks of `chunk_size` tokens. `budgets="global"` (default) shares
+    reconstruction repeats the context in chunks of `chunk_size` tokens. `budget` is tokens, or a share of the context
+    (`budget=0.2`: a fifth of it, sized at the context's prefill, the cache's first forward; `EvictingCache`). `budgets="global"` (default) shares
     `budget x kv_heads x layers` slots among the layers by the scores of all of them together (KVzip's one top-k; each
     layer keeps the mean over its heads of what it won, and that is its budget from then on); `"uniform"` gives each
     layer `budget`.
@@ -75,7 +80,8 @@ class KVzipCache(EvictingCache):
     Until `compress` runs, every forward appends. After it, `compress="prefill"` (default) lets the question and the
     answer append (the budget bounds the compressed context, not the cache); `compress="always"` evicts back to the
     budget after every forward, tokens that came after the compression leaving as they leave the `recent` window (they
-    have no reconstruction score). Serves models whose every layer is full attention. Assisted decoding is refused.
+    have no reconstruction score). On a hybrid model (Gemma 3) the full-attention layers are scored and compressed; the
+    sliding-window layers keep their window, unchanged by the reconstruction. Assisted decoding is refused.
     """
 
     rollback = False
@@ -84,7 +90,7 @@ class KVzipCache(EvictingCache):
         self,
         config: PreTrainedConfig,
         *,
-        budget: int = 1024,
+        budget: int | float = 1024,
         sinks: int = 4,
         recent: int = 0,
         kernel_size: int = 1,
@@ -100,10 +106,9 @@ class KVzipCache(EvictingCache):
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
     ):
-        def policy(spec=None) -> ReconstructionPolicy:
-            return ReconstructionPolicy(budget, sinks, recent, kernel_size, compress, reduce)
-
-        policy()  # refuse bad sizes before building layers
+        policy = partial(_policy, sinks=sinks, recent=recent, kernel_size=kernel_size, compress=compress,
+                         reduce=reduce, first_tokens=first_tokens)  # fmt: skip
+        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
         if chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
         if budgets not in BUDGETS:
@@ -111,17 +116,15 @@ class KVzipCache(EvictingCache):
         #: `compress`'s chunks of the context, in tokens, and how it shares the budget among layers.
         self.chunk_size, self.budgets = chunk_size, budgets
         kinds = {layer.kind for layer in ModelSpec.from_config(config).layers}
-        if kinds - {"full"}:
+        if kinds - {"full", "sliding", "chunked"}:
             raise UnsupportedModelError(
-                f"KVzipCache serves models whose every layer is full attention; this one has {sorted(kinds)} layers (a "
-                "sliding window would drop context tokens to make room for the reconstruction)"
+                f"KVzipCache serves models of full-attention layers, sliding-window ones beside them; this one has "
+                f"{sorted(kinds)} layers"
             )
-        _check_first_fits(
-            first_tokens, budget - recent, f"budget - recent = {budget} - {recent}", "ranked tokens"
-        )
         super().__init__(
-            config, policy, bits=bits, group_size=group_size, placement=placement, first_tokens=first_tokens,
-            boundary_layers=boundary_layers, boundary_bits=boundary_bits, layer_bits=layer_bits,
+            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
+            first_tokens=first_tokens, boundary_layers=boundary_layers, boundary_bits=boundary_bits,
+            layer_bits=layer_bits,
         )  # fmt: skip
 
     def compress(self, model, context_ids: torch.Tensor, tokenizer=None, **options) -> None:
@@ -131,24 +134,34 @@ class KVzipCache(EvictingCache):
         reconstruct(model, self, context_ids, tokenizer, **options)
 
 
-def _scored_layers(cache) -> list[KVLayer]:
+def _policy(spec, tokens: int, *, sinks: int, recent: int, kernel_size: int, compress: str, reduce: str,
+            first_tokens) -> ReconstructionPolicy:  # fmt: skip
+    """A KVzipCache layer's policy for a budget of `tokens` (a module function: a cache keeps it, and pickles it)."""
+    made = ReconstructionPolicy(tokens, sinks, recent, kernel_size, compress, reduce)
+    _check_first_fits(first_tokens, tokens - recent, f"budget - recent = {tokens} - {recent}", "ranked tokens")
+    return made
+
+
+def _scored_layers(cache) -> tuple[list[KVLayer], list[KVLayer]]:
+    """(the layers a ReconstructionPolicy scores, the sliding-window layers beside them)."""
     layers = list(getattr(cache, "layers", ()))
     scored = [
         layer for layer in layers if isinstance(getattr(layer, "retention", None), ReconstructionPolicy)
     ]
-    if not scored or len(scored) != len(layers):
+    windowed = [layer for layer in layers if isinstance(getattr(layer, "retention", None), SlidingWindow)]
+    if not scored or len(scored) + len(windowed) != len(layers):
         raise ConfigError(
-            f"reconstruct needs a cache whose every layer is scored by a ReconstructionPolicy (a KVzipCache); "
-            f"{type(cache).__name__} has {len(scored)} of {len(layers)}"
+            f"reconstruct needs a cache whose full-attention layers are scored by a ReconstructionPolicy (a "
+            f"KVzipCache); {type(cache).__name__} has {len(scored)} of {len(layers) - len(windowed)}"
         )
-    return scored
+    return scored, windowed
 
 
 def _check_model(model, layers: list[KVLayer]) -> None:
     """The cache was built for this model: as many layers, with the same KV heads and head size."""
     spec = ModelSpec.from_config(model.config)
     want = [(layer.num_kv_heads, layer.head_dim) for layer in spec.layers]
-    have = [(layer.spec.num_kv_heads, layer.spec.head_dim) for layer in layers]
+    have = [(layer.spec.num_kv_heads, layer.spec.head_dim) for layer in sorted(layers, key=lambda la: la.spec.index)]
     if want != have:
         raise CacheMismatchError(
             f"the cache was built for {len(have)} layers of (kv_heads, head_dim) {sorted(set(have))}, the model has "
@@ -185,8 +198,8 @@ def reconstruct(
     `budgets` (`BUDGETS`): the layers share the sum of their policies' budgets by the scores (`global_budgets`, KVzip's
     default), or each keeps its own ("uniform").
     """
-    layers = _scored_layers(cache)
-    _check_model(model, layers)
+    layers, windowed = _scored_layers(cache)
+    _check_model(model, layers + windowed)
     if prompt is None:
         if tokenizer is None:
             raise ConfigError(
@@ -225,6 +238,8 @@ def reconstruct(
     ids = context_ids.to(model.device)
     for policy in policies:
         policy.scoring = True
+    for layer in windowed:  # the window evicts nothing while the repeat passes: its tokens are dropped after each
+        layer.record_past = True
     try:
         with torch.no_grad():
             for start in range(0, n, chunk_size):
@@ -234,10 +249,12 @@ def reconstruct(
                 suffix = torch.tensor([*prompt.suffix], dtype=ids.dtype, device=ids.device).expand(batch, -1)
                 forward = torch.cat([lead, tail, suffix, ids[:, start : start + chunk_size]], dim=1)
                 model(input_ids=forward, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-                _drop_newest(layers, forward.shape[1])
+                _drop_newest(layers + windowed, forward.shape[1])
     finally:
         for policy in policies:
             policy.scoring = False
+        for layer in windowed:
+            layer.record_past = False
     shares = global_budgets(layers) if budgets == "global" else [None] * len(layers)
     for layer, share in zip(layers, shares, strict=True):
         with layer.placement.using(layer.storage):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from transformers import PreTrainedConfig
 
 from .cache import KVCache
+from .calibration import Calibration
 from .errors import ConfigError, UnsupportedModelError
 from .eviction.rope import RotaryShift
+from .fitted import calibrated_layer_bits
 from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
 from .kernels.turning_center import RotaryBasis
 from .model_spec import LayerSpec, ModelSpec
@@ -147,7 +150,10 @@ class QuantizedCache(KVCache):
     it off;
     `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`;
     `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a format of its own: what `kvplus
-    calibrate` chooses (`Calibration.load(path).layer_bits`; spec `calibration=PATH`).
+    calibrate` chooses; `calibration` gives them from a calibration instead: "auto" (this model's, found from the config
+    in the user cache folder or the package data, which holds SmolLM2-135M's k4v2, k3v2 and k2v2 and Gemma 3 270M's
+    k4v2: `fitted.calibration_for`; spec `calibration=auto`), a `Calibration` or the path of its file (spec
+    `calibration=PATH`), checked against the model and the format (`CacheMismatchError`, `ConfigError`).
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     `turning_keys`: a rotated format's keys are coded relative to a centre per KV head; by default (None) on
     full-attention layers (growing or `max_tokens`'s static storage) that centre turns with RoPE, the keys' pre-RoPE
@@ -171,6 +177,7 @@ class QuantizedCache(KVCache):
     >>> cache = QuantizedCache(config=model.config, bits=4)
     >>> cache = QuantizedCache(config=model.config, key_bits=4, value_bits=2)  # rotated, 3.25 bits per coordinate
     >>> cache = QuantizedCache(config=model.config, bits="k3v2", first_tokens=4, boundary_layers=1)
+    >>> cache = QuantizedCache(config=model.config, bits="k4v2", calibration="auto")  # this model's layer formats
     >>> model.generate(**inputs, cache=cache)  # past_key_values=cache before Transformers 5.24
     """
 
@@ -193,6 +200,7 @@ class QuantizedCache(KVCache):
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
         turning_keys: bool | None = None,
+        calibration: Calibration | str | Path | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -200,6 +208,7 @@ class QuantizedCache(KVCache):
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
         bits = rotated_bits(bits, key_bits, value_bits)
         first_tokens = preset_first_tokens(bits, first_tokens)
+        layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits)
         self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,

@@ -24,16 +24,21 @@
                             `center=turning|fixed`: a rotated format's key centre turns with RoPE (the
                             default where the model and storage allow: not in a paged pool) or not;
                             `calibration=PATH` holds some layers at other bits, as `kvplus calibrate` chose
-                            for this model and format (also for `paged-quantized` and `offloaded-quantized`)
+                            for this model and format (also for `paged-quantized` and `offloaded-quantized`);
+                            `calibration=auto`: the model's own, found from its config (`fitted`: SmolLM2-135M's
+                            k4v2, k3v2, k2v2 and Gemma 3 270M's k4v2 ship)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` and the precision regions of `quantized`
                             (`first=N`, `boundary=N`: full-precision blocks, `boundary_bits=...`) may follow
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
+                            `sink:4:20%` (or `sink:4:0.2`): the sinks and the window together a fifth of the prompt;
                             every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage, and
                             with it the precision regions of `quantized`: `first=N` (positions 0..N-1 exact and
                             never evicted: N <= the sinks, budget - recent, budget - observation), `boundary=N`,
                             `boundary_bits=...`, `calibration=PATH` (e.g. `sink:4:1020:bits=k4v2:first=4:boundary=1`)
-- `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget);
+- `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget); every
+                            evicting cache's budget may be a share of the prompt instead, `h2o:20%` or `h2o:0.2`
+                            (a fifth kept: kvpress's compression_ratio 0.8; sized at the prompt, `EvictingCache`);
                             sink and h2o take `compile=on`: generate() may compile them (`compileable=True`),
                             and `compress=prefill`: compress after prompts only, decode steps append (kvpress)
 - `snapkv:1024`             hf_kvplus SnapKVCache: prompts compressed to 1024 (`observation=N`, `kernel=N`,
@@ -46,8 +51,10 @@
                             (default 4), `recent=N` (default 0), `kernel=N`, `chunk=N` (default 2048 tokens per
                             repeat forward), `reduce=max_head|max`, `budgets=global|uniform` (default: one budget
                             shared by the layers by their scores, as KVzip), `compress=always`
-- `kvzap:1024:weights=PATH` hf_kvplus KVzapCache: KVzap (KVzip's scores predicted from each token's key and value
-                            by the surrogate at PATH, from `kvplus train-surrogate`; no second forward): `sinks=N`
+- `kvzap:20%`               hf_kvplus KVzapCache: KVzap (KVzip's scores predicted from each token's key and value
+                            by the model's surrogate, found from its config (`fitted`: SmolLM2-135M's and Gemma 3
+                            270M's ship), or the one at `weights=PATH`, from `kvplus train-surrogate`; no second
+                            forward): `sinks=N`
                             (default 4), `recent=N` (default 0), `compress=always` (default prefill),
                             `budgets=global|uniform` (default: layers sized by KVzip's shares, as the surrogate
                             recorded them)
@@ -74,7 +81,9 @@ from .cache import DenseCache
 from .calibration import Calibration
 from .errors import ConfigError
 from .evicting_cache import H2OCache, PeakCache, SinkCache, SnapKVCache
+from .eviction.budget import check_budget
 from .eviction.policy import COMPRESS
+from .fitted import calibrated_layer_bits
 from .formats import is_rotated, parse_bits
 from .kvzap_cache import KVzapCache
 from .kvzip_cache import KVzipCache
@@ -179,7 +188,7 @@ def available_cache_specs() -> list[str]:
         "snapkv": ["snapkv:256"],
         "peak": ["peak:256"],
         "kvzip": ["kvzip:256"],
-        "kvzap": [],  # (needs a surrogate fitted on the model: `kvplus train-surrogate`)
+        "kvzap": [],  # (needs a surrogate fitted on the model: shipped for two models only, `fitted`)
         "offloaded": ["offloaded", "offloaded:disk=tmp"],
         "offloaded-quantized": ["offloaded-quantized:int4"],
     }
@@ -234,18 +243,30 @@ CALIBRATION_OPTION = {"calibration"}
 
 
 def _check_calibration(spec: CacheSpec, bits: str | None = None) -> None:
-    """`calibration=PATH`: a calibration file, for the spec's bits (its first argument, or `bits`)."""
-    if "calibration" in spec.kwargs:
+    """`calibration=PATH`: a calibration file, for the spec's bits (its first argument, or `bits`); `calibration=auto`
+    is found when the cache is built, from the model's config."""
+    if spec.kwargs.get("calibration", "auto") != "auto":
         Calibration.load(spec.kwargs["calibration"]).check_bits(spec.args[0] if bits is None else bits)
 
 
 def _calibrated(config, bits, kwargs) -> dict:
-    """`layer_bits` from a spec's `calibration=PATH`, checked against the model and the bits."""
+    """`layer_bits` from a spec's `calibration=PATH|auto`, checked against the model and the bits."""
     if "calibration" not in kwargs:
         return {}
-    calibration = Calibration.load(kwargs["calibration"])
-    calibration.check(config, bits)
-    return {"layer_bits": calibration.layer_bits}
+    return {"layer_bits": calibrated_layer_bits(config, bits, kwargs["calibration"])}
+
+
+def _budget(spec_text: str, what: str, value: str) -> int | float:
+    """A budget: tokens ("1024") or a share of the prompt ("20%", "0.2"; `eviction.budget`)."""
+    try:
+        budget = float(value[:-1]) / 100 if value.endswith("%") else float(value) if "." in value else int(value)
+    except ValueError:
+        raise ConfigError(f"{what} in cache spec {spec_text!r} is tokens (1024) or a share of the prompt (20% or 0.2), "
+                          f"got {value!r}") from None  # fmt: skip
+    try:
+        return check_budget(budget, what)
+    except ConfigError as error:
+        raise ConfigError(f"cache spec {spec_text!r}: {error}") from None
 
 
 def _check_seed(spec: CacheSpec) -> None:
@@ -368,14 +389,15 @@ def _validate_evicting(spec: CacheSpec) -> None:
     paths = {"weights"} if spec.kind.name == "kvzap" else set()
     _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS
                  | CALIBRATION_OPTION | paths)
-    if paths and not spec.kwargs.get("weights"):
-        raise ConfigError(f"cache spec {spec.text!r}: kvzap needs its surrogate, weights=PATH (`kvplus train-surrogate`)")
     if len(spec.args) != len(positional):
         example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024",
-                   "kvzip": "kvzip:1024", "kvzap": "kvzap:1024:weights=PATH"}[spec.kind.name]  # fmt: skip
+                   "kvzip": "kvzip:1024", "kvzap": "kvzap:20%"}[spec.kind.name]  # fmt: skip
         raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
     for what, value in zip(positional, spec.args, strict=True):
-        _int(spec.text, what, value, minimum=0)
+        if what in ("budget", "window"):  # (a sink spec's share sizes its sinks and window together)
+            _budget(spec.text, what, value)
+        else:
+            _int(spec.text, what, value, minimum=0)
     for key in (integers | {"group"}) & set(spec.kwargs):
         _int(spec.text, key, spec.kwargs[key], minimum=0)
     if "bits" in spec.kwargs:
@@ -423,40 +445,43 @@ def _storage(config, kwargs) -> dict:
 
 
 def _sink(config, args, kwargs, max_length):
-    return SinkCache(config, num_sinks=int(args[0]), window=int(args[1]), positions=kwargs.get("positions", "cache"),
+    size = _budget("sink", "window", args[1])
+    size = {"budget": size} if isinstance(size, float) else {"window": size}
+    return SinkCache(config, num_sinks=int(args[0]), **size, positions=kwargs.get("positions", "cache"),
                      compileable=kwargs.get("compile") == "on", compress=kwargs.get("compress", "always"),
                      **_storage(config, kwargs))
 
 
 def _h2o(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
-    return H2OCache(config, budget=int(args[0]), recent=recent, compileable=kwargs.get("compile") == "on",
+    return H2OCache(config, budget=_budget("h2o", "budget", args[0]), recent=recent, compileable=kwargs.get("compile") == "on",
                     compress=kwargs.get("compress", "always"), **_storage(config, kwargs))
 
 
 def _snapkv(config, args, kwargs, max_length):
     options = {"observation": int(kwargs.get("observation", 32)), "kernel_size": int(kwargs.get("kernel", 7)),
                "pooling": kwargs.get("pooling", "avg")}
-    return SnapKVCache(config, budget=int(args[0]), **options, **_storage(config, kwargs))
+    return SnapKVCache(config, budget=_budget("snapkv", "budget", args[0]), **options, **_storage(config, kwargs))
 
 
 def _peak(config, args, kwargs, max_length):
     recent = int(kwargs["recent"]) if "recent" in kwargs else None
-    return PeakCache(config, budget=int(args[0]), recent=recent, kernel_size=int(kwargs.get("kernel", 1)),
+    return PeakCache(config, budget=_budget("peak", "budget", args[0]), recent=recent, kernel_size=int(kwargs.get("kernel", 1)),
                      compress=kwargs.get("compress", "always"), **_storage(config, kwargs))
 
 
 def _kvzip(config, args, kwargs, max_length):
     integers = {"sinks": "sinks", "recent": "recent", "kernel": "kernel_size", "chunk": "chunk_size"}
     options = {name: int(kwargs[key]) for key, name in integers.items() if key in kwargs}
-    return KVzipCache(config, budget=int(args[0]), reduce=kwargs.get("reduce", "max_head"),
+    return KVzipCache(config, budget=_budget("kvzip", "budget", args[0]), reduce=kwargs.get("reduce", "max_head"),
                       compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "global"), **options,
                       **_storage(config, kwargs))  # fmt: skip
 
 
 def _kvzap(config, args, kwargs, max_length):
     options = {key: int(kwargs[key]) for key in ("sinks", "recent") if key in kwargs}
-    return KVzapCache(config, kwargs["weights"], budget=int(args[0]), compress=kwargs.get("compress", "prefill"),
+    return KVzapCache(config, kwargs.get("weights"), budget=_budget("kvzap", "budget", args[0]),
+                      compress=kwargs.get("compress", "prefill"),
                       budgets=kwargs.get("budgets", "global"), **options, **_storage(config, kwargs))  # fmt: skip
 
 

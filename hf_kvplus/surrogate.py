@@ -44,7 +44,8 @@ class Surrogate:
     """`weights` `[layers, kv_heads, features + 1]` float32 (the last column the intercept) predict a token's log
     KVzip score from `features` (`FEATURES`) of its key and value, for the model `model` (`model_type`, `num_layers`
     layers of `kv_heads` KV heads of `head_dim`); `shares` `[len(KEEP_GRID), layers]` are the layers' shares of one
-    budget (see the module's docstring; each row's mean is 1); `measured` records how it was fitted and how well it
+    budget (see the module's docstring; each row's mean over the full-attention layers is 1, a sliding-window
+    layer's share 0); `measured` records how it was fitted and how well it
     ranks."""
 
     model: str
@@ -79,10 +80,11 @@ class Surrogate:
         geometry = {(layer.num_kv_heads, layer.head_dim) for layer in spec.layers}
         if (model_type, spec.num_layers, geometry) != (self.model_type, self.num_layers,
                                                        {(self.kv_heads, self.head_dim)}):  # fmt: skip
+            name = getattr(config, "_name_or_path", "") or "this model"
             raise CacheMismatchError(
                 f"the surrogate is for {self.model} ({self.model_type}, {self.num_layers} layers of {self.kv_heads} KV "
-                f"heads x {self.head_dim}); this model is {model_type or 'unknown'} with {spec.num_layers} layers of "
-                f"(kv_heads, head_dim) {sorted(geometry)}"
+                f"heads x {self.head_dim}); {name} is {model_type or 'unknown'} with {spec.num_layers} layers of "
+                f"(kv_heads, head_dim) {sorted(geometry)}: fit one for it with `kvplus train-surrogate --model MODEL`"
             )
 
     def save(self, path: str | Path) -> Path:
@@ -98,7 +100,9 @@ class Surrogate:
     def load(cls, path: str | Path) -> Surrogate:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"no surrogate file at {path}: write one with `kvplus train-surrogate --out {path}`")
+            raise ConfigError(f"no surrogate file at {path}: `kvplus train-surrogate --model MODEL --out {path.parent}` "
+                              f"writes {path.parent / 'surrogate.safetensors'} (--out is a folder); without --out it "
+                              "writes where KVzapCache(config) finds it")  # fmt: skip
         try:
             with safe_open(str(path), "pt") as f:
                 meta = json.loads((f.metadata() or {})["kvzap"])

@@ -13,7 +13,15 @@ from transformers import DynamicCache
 
 from conformance.models import PAD_TOKEN_ID, get_model
 from conformance.modes import make_prompt
-from hf_kvplus import CacheMismatchError, ConfigError, KVzapCache, ShapeError, Surrogate, cache_kwargs
+from hf_kvplus import (
+    ArtifactNotFoundError,
+    CacheMismatchError,
+    ConfigError,
+    KVzapCache,
+    ShapeError,
+    Surrogate,
+    cache_kwargs,
+)
 from hf_kvplus.evaluation.surrogate_fit import fit_surrogate, layer_shares, ranking_quality, with_numbers
 from hf_kvplus.eviction.kvzap import KVzapPolicy
 from hf_kvplus.eviction.rope import RotaryShift
@@ -169,8 +177,8 @@ def test_specs_name_it(tmp_path):
     cache = parse_cache_spec(f"kvzap:8:weights={path}:sinks=2:recent=1:compress=always:bits=int4").build(config())
     assert isinstance(cache, KVzapCache) and cache.format is not None
     assert repr(cache.layers[0].retention) == "KVzapPolicy(budget=8, sinks=2, recent=1, compress='always')"
-    with pytest.raises(ConfigError, match="kvzap needs its surrogate, weights=PATH"):
-        parse_cache_spec("kvzap:8")
+    with pytest.raises(ArtifactNotFoundError, match="no KVzap surrogate for .*`kvplus train-surrogate"):
+        parse_cache_spec("kvzap:8").build(config())  # no path: this model's, and none ships for it
 
 
 def zipf_chunks(count: int, n: int, vocab: int, seed: int) -> list[torch.Tensor]:

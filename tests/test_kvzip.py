@@ -243,3 +243,26 @@ def test_global_budgets_share_the_layers_slots_by_their_scores(seed):
     for layer, budget in zip(layers, [3, 9], strict=True):
         layer.retention.evict_scored(layer.storage, budget)
         assert layer.storage.held == budget and layer.retention.budget == budget
+
+
+def test_on_a_hybrid_model_the_full_layers_compress_and_the_sliding_ones_keep_their_window():
+    """Gemma 3 (sliding, sliding, full, sliding): the reconstruction scores and evicts the full layer; each sliding
+    layer holds the same keys and values after it as before (the repeat neither pushes context out of the window nor
+    stays), and generation goes on over both."""
+    model = get_model("gemma3")
+    prompt = make_prompt(30)
+    cache = KVzipCache(model.config, budget=8, sinks=2, budgets="uniform")
+    with torch.no_grad():
+        model(prompt, **cache_kwargs(cache))
+        sliding = [layer for layer in cache.layers if layer.is_sliding]
+        before = [(layer.keys.clone(), layer.values.clone(), layer.seen) for layer in sliding]
+        cache.compress(model, prompt, prompt=PROMPT, chunk_size=16)
+    assert sliding and cache.get_seq_length() == 30
+    for layer, (keys, values, seen) in zip(sliding, before, strict=True):
+        assert layer.seen == seen and torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert not layer.record_past
+    full = [layer for layer in cache.layers if not layer.is_sliding]
+    assert [layer.storage.held for layer in full] == [8] * len(full)
+    out = model.generate(torch.cat([prompt, make_prompt(4, seed=3)], -1), **cache_kwargs(cache), max_new_tokens=3,
+                         do_sample=False)  # fmt: skip
+    assert out.shape[1] == 37

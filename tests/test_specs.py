@@ -94,7 +94,7 @@ def test_evicting_specs_build_their_cache(text, cls, policy):
 
 @pytest.mark.parametrize(
     "text, match",
-    [("sink:4", "expected sink:<num_sinks>:<window>"), ("h2o:-1", "must be >= 0, got -1"),
+    [("sink:4", "expected sink:<num_sinks>:<window>"), ("h2o:-1", "must hold at least 1 token, got budget=-1"),
      ("snapkv:64:pooling=median", "pooling must be one of"), ("sink:4:8:bits=int3", "got 'int3'"),
      ("h2o:8:window=4", "unknown options")],
 )

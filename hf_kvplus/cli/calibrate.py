@@ -1,11 +1,18 @@
 """`kvplus calibrate`: choose, for one model and format, the layers held at other bits within a bits budget, and save
-the choice for `QuantizedCache(layer_bits=...)` and the `calibration=PATH` spec option."""
+the choice where `QuantizedCache(calibration="auto")` and the `calibration=auto` spec option find it
+(`fitted.user_dir(config, "calibration/<bits>")`, in the user cache folder), or into `--out` (`calibration=PATH`)."""
 
 from __future__ import annotations
+
+import time
+
+import torch
 
 from ..calibration import Calibration
 from ..evaluation.calibrate import calibrate
 from ..evaluation.report import format_table
+from ..fitted import user_dir
+from ..formats import parse_bits
 from . import common
 
 
@@ -32,6 +39,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     common.setup(args)
     model, tokenizer, text = common.load(args)
+    start = time.perf_counter()
     ids = common.scored_tokens(tokenizer, text, args.tokens)
     calibration, options = calibrate(
         model, ids, model_name=args.model, bits=args.bits, candidates=[*args.up, *args.down],
@@ -53,10 +61,13 @@ def run(args) -> int:
           f"{measured['calibrated_delta_pct']:+.3f}%, KL {1e3 * measured['calibrated_kl']:.3f} at "
           f"{calibration.bits_per_coordinate:.3f} bits (budget {args.max_bits}; bits at "
           f"{measured['budget_tokens']} tokens)")  # fmt: skip
-    folder = common.out_dir(args, "calibrate")
-    path = calibration.save(folder / "calibration.json")
+    calibration.measured.update({"threads": torch.get_num_threads(), "seconds": round(time.perf_counter() - start, 1)})
+    folder = args.out or user_dir(model.config, f"calibration/{parse_bits(args.bits)}")
+    folder.mkdir(parents=True, exist_ok=True)
     _plot(options, calibration, folder / "calibration.png", f"{args.model}, {args.bits}, on {args.text}")
-    print(f"wrote {path} (use it: --cache quantized:{args.bits}:calibration={path}) and calibration.png")
+    path = calibration.save(folder / ".calibration.json.tmp").replace(folder / "calibration.json")
+    use = "auto" if args.out is None else path
+    print(f"wrote {path} (use it: --cache quantized:{args.bits}:calibration={use}) and calibration.png")
     return 0
 
 

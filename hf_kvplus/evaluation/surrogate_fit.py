@@ -32,10 +32,11 @@ FLOOR = 1e-8
 
 
 def kvzip_targets(model, tokenizer, ids: torch.Tensor, prompt: RepeatPrompt | None = None
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Per layer, (features `[kv_heads, n, f]`, log KVzip scores `[kv_heads, n]`) of the tokens of `ids` `[1, n]`
-    past the first `SKIPPED`: one prefill and one reconstruction (`KVzipCache.compress`, its instruction `prompt` or
-    the tokenizer's) that evicts nothing."""
+                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per full-attention layer (by index; a hybrid model's sliding-window layers are not scored), (features
+    `[kv_heads, n, f]`, log KVzip scores `[kv_heads, n]`) of the tokens of `ids` `[1, n]` past the first `SKIPPED`:
+    one prefill and one reconstruction (`KVzipCache.compress`, its instruction `prompt` or the tokenizer's) that
+    evicts nothing."""
     if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] <= SKIPPED + 1:
         raise ConfigError(f"a scored chunk is [1, n] token ids with n > {SKIPPED + 1}, got shape {tuple(ids.shape)}")
     cache = KVzipCache(model.config, budget=ids.shape[1], budgets="uniform")
@@ -44,12 +45,14 @@ def kvzip_targets(model, tokenizer, ids: torch.Tensor, prompt: RepeatPrompt | No
         model(ids, **cache_kwargs(cache), logits_to_keep=1)
         cache.compress(model, ids, tokenizer, prompt=prompt)
     rotary = RotaryShift.from_config(model.config)
-    out = []
+    out = {}
     for layer in cache.layers:
+        if layer.spec.kind != "full":
+            continue
         store = layer.storage
         keys, values = store.slots()
         features = kvzap_features(keys, values, store.positions, rotary)[0, :, SKIPPED:]
-        out.append((features, store.scores[0, :, SKIPPED:].clamp_min(FLOOR).log()))
+        out[layer.spec.index] = (features, store.scores[0, :, SKIPPED:].clamp_min(FLOOR).log())
     return out
 
 
@@ -74,7 +77,8 @@ def fit_surrogate(model, tokenizer, chunks: list[torch.Tensor], *, name: str, ri
     """A `Surrogate` for `model` (called `name`) fitted on the KVzip scores of `chunks` (each `[1, n]` token ids):
     per (layer, KV head), least squares with an intercept and a ridge of `ridge` x the mean of the normal matrix's
     diagonal (the intercept unpenalized), accumulated over the chunks in float64; the shares are `layer_shares` of
-    the true scores, averaged over the chunks weighted by their tokens."""
+    the true scores, averaged over the chunks weighted by their tokens. On a hybrid model only the full-attention
+    layers are fitted (the sliding-window ones keep their window: their weights and shares are 0)."""
     spec = ModelSpec.from_config(model.config)
     geometry = {(layer.num_kv_heads, layer.head_dim) for layer in spec.layers}
     if len(geometry) != 1:
@@ -87,17 +91,18 @@ def fit_surrogate(model, tokenizer, chunks: list[torch.Tensor], *, name: str, ri
     moment = torch.zeros(spec.num_layers, heads, size, dtype=torch.float64)
     shares = torch.zeros(len(KEEP_GRID), spec.num_layers, dtype=torch.float64)
     tokens = 0
+    full = [layer.index for layer in spec.layers if layer.kind == "full"]
     for ids in tqdm(chunks, desc="kvzip scores", unit="chunk"):
-        targets = []
-        for index, (features, target) in enumerate(kvzip_targets(model, tokenizer, ids, prompt)):
+        targets = kvzip_targets(model, tokenizer, ids, prompt)
+        for index, (features, target) in targets.items():
             x = torch.cat((features, features.new_ones(*features.shape[:2], 1)), dim=-1).double().cpu()
             gram[index] += x.transpose(1, 2) @ x
             moment[index] += (x.transpose(1, 2) @ target.double().cpu()[..., None])[..., 0]
-            targets.append(target.cpu())
-        shares += ids.shape[1] * layer_shares(torch.stack(targets))
+        shares[:, full] += ids.shape[1] * layer_shares(torch.stack([targets[i][1].cpu() for i in full]))
         tokens += ids.shape[1]
-    weights = ridge_solve(gram, moment, ridge)
-    record = {"chunks": len(chunks), "tokens": tokens, "ridge": ridge, **(measured or {})}
+    weights = torch.zeros(spec.num_layers, heads, size)
+    weights[full] = ridge_solve(gram[full], moment[full], ridge)
+    record = {"chunks": len(chunks), "tokens": tokens, "ridge": ridge, "fitted_layers": full, **(measured or {})}
     return Surrogate(name, getattr(model.config, "model_type", ""), spec.num_layers, heads, head_dim, "rope_kv",
                      weights, (shares / tokens).float(), record)  # fmt: skip
 
@@ -133,11 +138,11 @@ def ranking_quality(surrogate: Surrogate, model, tokenizer, chunks: list[torch.T
     surrogate.check(model.config)
     spearman, recall = [], []
     for ids in chunks:
-        for index, (features, target) in enumerate(kvzip_targets(model, tokenizer, ids, prompt)):
+        for index, (features, target) in kvzip_targets(model, tokenizer, ids, prompt).items():
             guess = predict(features[None], surrogate.weights[index].to(features.device))[0]
             spearman.append(_spearman(guess, target))
             recall.append(_recall(guess, target, keep))
-    layers = surrogate.num_layers
+    layers = len(spearman) // len(chunks)  # (the scored ones)
     spearman, recall = torch.stack(spearman).view(-1, layers, surrogate.kv_heads), torch.stack(recall).view(
         -1, layers, surrogate.kv_heads)  # fmt: skip
     return {"spearman": spearman.mean().item(), "recall": recall.mean().item(), "keep": keep,
