@@ -129,13 +129,15 @@ def _load() -> bool:
     if os.environ.get("HF_KVPLUS_CPU_KERNELS", "1") == "0":
         return False
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
 
         _ninja_on_path()
         sources = [path.read_text() for path in _SOURCES]
         digest = hashlib.sha256("\n".join([*sources, *_FLAGS, _cpu_flags(), torch.__version__]).encode()).hexdigest()
-        load_inline(f"hf_kvplus_cpu_{digest[:16]}", cpp_sources=sources, extra_cflags=_FLAGS,
-                    extra_ldflags=_OPENMP, is_python_module=False)
+        name = f"hf_kvplus_cpu_{digest[:16]}"
+        if not os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")):
+            print("hf_kvplus: building the C++ CPU operators, once for this torch (about 20 s)", file=sys.stderr)
+        load_inline(name, cpp_sources=sources, extra_cflags=_FLAGS, extra_ldflags=_OPENMP, is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the twin runs
         warnings.warn(
             f"hf_kvplus: the CPU kernels could not be built ({type(exc).__name__}: {exc}); the decode attention of "
