@@ -4,7 +4,7 @@
 # `kvplus --version`, a short `kvplus demo` (a cache whose extra is missing is skipped with a line naming the extra)
 # and every README snippet (scripts/snippets.py; tests/test_snippets.py runs them and docs/*.md's in the venv with
 # every extra, where the test suite runs). Kept short: pip's cache and the local wheels serve the install, the demo
-# runs four caches at 512 tokens.
+# runs three caches at 256 tokens.
 #
 # The demo and the snippets use the embedded model converted into the user cache folder ($KVPLUS_CACHE): the test
 # suite converts it first (converting needs `gguf`, from the eval extra), so .ci/run calls this after the suite.
@@ -47,9 +47,9 @@ check "import hf_kvplus (from the venv, not the clone)" \
     "$PY" -c "import hf_kvplus, sys; p = hf_kvplus.__file__; print(p); sys.exit(p.startswith('$REPO/'))"
 check "kvplus --help" kvplus --help
 check "kvplus --version" kvplus --version
-check "kvplus demo, four caches at 512 tokens (quanto's extra is missing: skipped)" \
-    kvplus demo --context 512 --rounds 2 --new-tokens 4 --threads 2 --out "$WORK/user/demo" \
-    --cache dynamic --cache quantized:k4v2 --cache hf-quantized:quanto:4 --cache sink:4:124
+check "kvplus demo, three caches at 256 tokens (quanto's extra is missing: skipped)" \
+    kvplus demo --context 256 --rounds 2 --new-tokens 4 --threads 2 --out "$WORK/user/demo" \
+    --cache dynamic --cache quantized:k4v2 --cache hf-quantized:quanto:4 --cache sink:4:60
 # The checker is this clone's; the snippets are REPO's.
 check "README snippets" "$PY" "$HERE/scripts/snippets.py" --root "$REPO" "$REPO/README.md"
 if [ ${#failed[@]} -gt 0 ]; then
