@@ -6,10 +6,10 @@ the context's tokens are fed again, and each cached token scores the largest att
 cache, context_ids, tokenizer)` (or `KVzipCache.compress`) runs it, in chunks of the context so that its memory and
 positions stay bounded, drops the repeat's tokens and evicts the cache down to its budget per KV head.
 
->>> cache = KVzipCache(model.config, budget=820)
->>> model(context_ids, cache=cache)                       # the context, held whole
->>> cache.compress(model, context_ids, tokenizer)          # the repeat: scored, dropped, evicted to 820 per head
->>> KVzipCache(model.config, budget=0.2)                  # or a fifth of the context, whatever its length
+>>> cache = KVzipCache(model.config, budget=820)           # or budget=0.2: a fifth of the context, whatever its length
+>>> with torch.no_grad():                                  # (an evicting cache refuses gradients)
+...     model(context_ids, cache=cache)                    # the context, held whole
+...     cache.compress(model, context_ids, tokenizer)      # the repeat: scored, dropped, evicted to 820 per head
 >>> model.generate(torch.cat([context_ids, question_ids], -1), cache=cache, max_new_tokens=20)
 """
 
