@@ -153,9 +153,7 @@ def _tensors(records: list[dict], blobs: dict, target, path) -> list[torch.Tenso
         place = _place(record["device"], target)
         key = (record["storage"], place)
         if key not in storages:
-            # (a fresh allocation: aligned as the kernels' vector loads expect, which a file's offsets are not)
-            blob = blobs[f"s{record['storage']}"]
-            storages[key] = torch.empty(blob.shape, dtype=torch.uint8, device=place).copy_(blob).untyped_storage()
+            storages[key] = _aligned(blobs[f"s{record['storage']}"]).to(place).untyped_storage()
         dtype = _dtype(record["dtype"])
         storage = storages[key]
         end = record["offset"] + sum((n - 1) * s for n, s in zip(record["shape"], record["stride"], strict=True)) + 1
@@ -164,6 +162,15 @@ def _tensors(records: list[dict], blobs: dict, target, path) -> list[torch.Tenso
         tensor = torch.empty(0, dtype=dtype, device=place)
         made.append(tensor.set_(storage, record["offset"], record["shape"], record["stride"]))
     return made
+
+
+def _aligned(blob: torch.Tensor) -> torch.Tensor:
+    """A copy of `blob` in a fresh allocation, aligned as the kernels' vector loads expect (a file's offsets are not:
+    a KVzip cache's logits differed by 4e-6 read from them). Copied by numpy, one memcpy: torch's `copy_` wakes its
+    thread pool, slow on a busy machine."""
+    fresh = torch.empty(blob.shape, dtype=torch.uint8)
+    fresh.numpy()[:] = blob.numpy()
+    return fresh
 
 
 def _moved(node, target: torch.device):
