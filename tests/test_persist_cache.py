@@ -189,11 +189,16 @@ def test_another_format_and_a_newer_version_are_refused(saved, tmp_path):
         load_cache(newer, model.config)
 
 
-def test_a_graph_naming_code_outside_hf_kvplus_is_refused(saved, tmp_path):
+@pytest.mark.parametrize("entry", [
+    {"$object": "os:system", "attrs": {}, "id": 0}, {"$call": "os:system", "args": {"$list": ["true"]}, "id": 0},
+    {"$partial": {"$name": "builtins:eval"}, "args": {"$list": []}, "keywords": {"$dict": [], "kind": "dict", "id": 1}},
+    {"$name": "subprocess:run"},
+])  # fmt: skip
+def test_a_graph_naming_code_outside_hf_kvplus_is_refused(saved, tmp_path, entry):
     model, path = saved
     evil = copy_of(path, tmp_path)
-    rewritten(evil, lambda h: h["graph"].update({"$object": "os:system"}))
-    with pytest.raises(FileFormatError, match=r"'os:system', which is not an hf_kvplus class"):
+    rewritten(evil, lambda h: h.update(graph=entry))
+    with pytest.raises(FileFormatError, match=r"which is not an hf_kvplus class or function"):
         load_cache(evil, model.config)
 
 
