@@ -94,7 +94,8 @@ def run_save(args) -> int:
                          for c, k in facts]}  # fmt: skip
     Path(f"{args.file}.json").write_text(json.dumps(sidecar))
     report = cache.memory_report()
-    print(f"prefilled and compressed {len(context)} tokens in {prefill:.1f} s; kept {report.tokens_held} of "
+    done = "prefilled and compressed" if report.tokens_held < report.tokens_seen else "prefilled"
+    print(f"{done} {len(context)} tokens in {prefill:.1f} s; kept {report.tokens_held} of "
           f"{report.tokens_seen} per layer and row; {cache.nbytes:,} bytes at rest, "
           f"{args.file.stat().st_size:,} bytes on disk: {args.file}")  # fmt: skip
     return 0
