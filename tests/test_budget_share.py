@@ -33,6 +33,7 @@ from hf_kvplus.specs import parse_cache_spec
 CACHES = {
     "sink": lambda c, b: SinkCache(c, num_sinks=2, budget=b),
     "h2o": lambda c, b: H2OCache(c, budget=b),
+    "h2o compileable": lambda c, b: H2OCache(c, budget=b, compileable=True),  # (budget + 1 slots, sized at the prompt)
     "snapkv": lambda c, b: SnapKVCache(c, budget=b, observation=4, kernel_size=3),
     "peak": lambda c, b: PeakCache(c, budget=b),
     "kvzap": lambda c, b: KVzapCache(c, random_surrogate(c), budget=b, sinks=2),
