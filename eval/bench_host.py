@@ -26,6 +26,10 @@ nothing, so a decode step's time is the host's. Per cache spec:
   counted by `hf_kvplus.evaluation.host_cost`;
 - graph breaks of one decode step under `torch._dynamo.explain`, with the first reasons.
 
+With `--cpu-time` every time above is this thread's CPU time (`time.thread_time`, the kernels' included: one
+thread), not wall time: on a machine other jobs keep busy, wall time counts the time the process waits for a core,
+which swamps the differences measured; CPU time does not (cache and memory contention still add to it).
+
 Writes `host.json`, `host.md` (the table) and `host.png` (time and syncs per cache) into `--out`.
 
 Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run only; eval/README.md), then
@@ -35,9 +39,11 @@ Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -45,6 +51,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_kvplus import cache_kwargs
+from hf_kvplus.evaluation import host_cost
 from hf_kvplus.evaluation.host_cost import count_cache_calls, count_syncs, stubbing_kernels, timing_kernels
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -89,15 +96,31 @@ def decode(model, cache, token):
     return model(input_ids=token, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
 
 
+#: The clock every time is read from (`--cpu-time`: this thread's CPU time).
+CLOCK = time.perf_counter
+
+
+@contextlib.contextmanager
+def cpu_time():
+    """Times steps and kernels by this thread's CPU time (`host_cost` reads `time.perf_counter` for the kernels')."""
+    global CLOCK
+    real = host_cost.time
+    CLOCK, host_cost.time = time.thread_time, types.SimpleNamespace(perf_counter=time.thread_time)
+    try:
+        yield
+    finally:
+        CLOCK, host_cost.time = time.perf_counter, real
+
+
 def time_steps(model, spec, prompt, steps, stub: bool = False) -> tuple[float, float, float]:
     """Mean seconds per decode step, the part of it spent in kernels (or their twins; with `stub`, in the stubs
     that stand for them), and kernel calls per step."""
     cache, token = prefilled(model, spec, prompt, steps)
     with (stubbing_kernels if stub else timing_kernels)() as kernels:
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(steps):
             token = decode(model, cache, token)
-        total = time.perf_counter() - start
+        total = CLOCK() - start
     return total / steps, kernels.seconds / steps, kernels.calls / steps
 
 
@@ -123,7 +146,8 @@ def markdown(result: dict) -> str:
         "",
         f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['threads']} "
         f"thread(s), prompt {a['prompt']}, {a['steps']} decode steps, the fastest of {a['repeats']} alternating runs "
-        f"(interference only adds time); {result['machine']}, {result['date']}; \"outside\": the step time less "
+        f"(interference only adds time); {'CPU time of the thread' if a.get('cpu_time') else 'wall time'}; "
+        f"{result['machine']}, {result['date']}; \"outside\": the step time less "
         "the time inside kernels (attention and quantize: torch twins off CUDA; SDPA for Transformers' caches); "
         "\"stubbed\": the step with every kernel replaced by a stub that returns zeros of its output's shape "
         "(`stubbing_kernels`), its time less the stubs'",
@@ -177,7 +201,11 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-explain", action="store_true", help="skip the graph-break count (the slow part)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by this thread's CPU time, not wall time (a busy machine; needs --threads 1)")
     args = parser.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time counts one thread's time: it needs --threads 1")
     torch.set_num_threads(args.threads)
     from hf_kvplus.evaluation.report import stamp
     from hf_kvplus.specs import parse_cache_spec
@@ -192,10 +220,11 @@ def main(argv=None) -> None:
         time_steps(model, spec, prompt[:, :32], 2, stub=True)
     times = {spec.text: [] for spec in specs}  # (step, in kernels, kernel calls) per repeat
     stubbed = {spec.text: [] for spec in specs}
-    for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
-        for spec in specs:
-            times[spec.text].append(time_steps(model, spec, prompt, args.steps))
-            stubbed[spec.text].append(time_steps(model, spec, prompt, args.steps, stub=True))
+    with cpu_time() if args.cpu_time else contextlib.nullcontext():
+        for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
+            for spec in specs:
+                times[spec.text].append(time_steps(model, spec, prompt, args.steps))
+                stubbed[spec.text].append(time_steps(model, spec, prompt, args.steps, stub=True))
     rows = []
     for spec in tqdm(specs, desc="calls, syncs, graph breaks", file=sys.stderr):
         cache, token = prefilled(model, spec, prompt, args.steps)
@@ -219,7 +248,8 @@ def main(argv=None) -> None:
         row["outside_vs_dynamic"] = row["outside_ms"] / base["outside_ms"]
         row["stubbed_vs_dynamic"] = row["stubbed_ms"] / base["stubbed_ms"]
     result = {**stamp(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    result["args"].update(threads=args.threads, prompt=args.prompt, steps=args.steps, repeats=args.repeats)
+    result["args"].update(threads=args.threads, prompt=args.prompt, steps=args.steps, repeats=args.repeats,
+                          cpu_time=args.cpu_time)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)
