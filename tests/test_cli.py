@@ -216,3 +216,23 @@ def test_demo_says_where_a_builtin_model_is_kept(tmp_path, monkeypatch):
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"\0" * 3_000_000)
     assert _model_place("smollm2-135m") == f"model smollm2-135m: {folder} (3 MB)"
+
+
+def test_demo_marks_its_speed_column_when_a_caches_rounds_spread(local_model, tmp_path, monkeypatch, capsys):
+    """The baseline's blocks all 1.0 s, dense's rounds 1.0 and 1.6 s: dense's ratios spread 1.6x, which marks it."""
+    import hf_kvplus.cli.demo as demo
+
+    real = demo._timed_rounds
+
+    def timed(*args, timed_self, **kwargs):
+        own, theirs = real(*args, timed_self=timed_self, **kwargs)
+        return ([1.0] * len(own) if timed_self else [1.0, 1.6][: len(own)]), [1.0] * len(theirs)
+
+    monkeypatch.setattr(demo, "_timed_rounds", timed)
+    folder, text = local_model
+    assert main(["demo", "--model", folder, "--text", text, "--chunk", "32", "--context", "80", "--rounds", "2",
+                 "--new-tokens", "2", "--cache", "dynamic", "--cache", "dense", "--out", str(tmp_path)]) == 0
+    timing = json.loads((tmp_path / "demo.json").read_text())["timing"]
+    assert timing["baseline_spread"] == 1.0 and timing["widest_cache"] == "dense" and not timing["reliable"]
+    assert timing["widest_spread"] == pytest.approx(1.6)
+    assert "UNRELIABLE: dense's ratios over its rounds spread 1.60x" in capsys.readouterr().out
