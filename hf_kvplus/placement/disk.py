@@ -42,23 +42,36 @@ class DiskTier:
     SIGBUS) and its checksum before the bytes are used (an altered file is one too, never NaN): XXH3-64. A write into the
     mapping is preceded by `check_size`, which leaves a window of a few instructions in which another process
     truncating the file would still raise SIGBUS. `remove` deletes one file (a layer that was reset or rewritten);
-    the private folder goes when the tier is closed or garbage-collected.
+    the private folder goes when the tier is closed or garbage-collected. Nothing is created on disk until the first
+    file is written (a cache that never spills leaves no folder behind); a folder that could not be created is
+    refused at construction.
     """
 
     def __init__(self, folder: str | Path):
-        folder = Path(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            self.root = Path(tempfile.mkdtemp(prefix="kvplus-", dir=folder))
-        except OSError as e:
-            raise DiskTierError(f"the disk tier folder {folder} is not usable: {e.strerror or e}") from e
+        self.folder = Path(folder)
+        existing = next(p for p in (self.folder, *self.folder.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise DiskTierError(f"the disk tier folder {self.folder} is not usable: {existing} is not a writable folder")
+        self._root: Path | None = None
         self._names = itertools.count()
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def root(self) -> Path:
+        """The private folder `kvplus-*` inside `folder`, both made on first use."""
+        if self._root is None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._root = Path(tempfile.mkdtemp(prefix="kvplus-", dir=self.folder))
+            except OSError as e:
+                raise DiskTierError(f"the disk tier folder {self.folder} is not usable: {e.strerror or e}") from e
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._root, True)
+        return self._root
 
     def __reduce__(self):
         """A copy gets a private folder of its own beside this one (its files are not copied: `Offloaded` refuses to
         copy a tier that holds any)."""
-        return DiskTier, (self.root.parent,)
+        return DiskTier, (self.folder,)
 
     def write(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, SpillFile | None]:
         """Writes `tensor` to a new file; returns it memory-mapped (same shape and dtype) and the file's record.
@@ -150,8 +163,9 @@ class DiskTier:
 
     def files(self) -> list[Path]:
         """The files the tier holds now."""
-        return sorted(self.root.glob("*.kv")) if self.root.exists() else []
+        return sorted(self._root.glob("*.kv")) if self._root is not None and self._root.exists() else []
 
     def close(self) -> None:
         """Removes the folder and every file in it."""
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()

@@ -87,7 +87,7 @@ class Offloaded(Placement):
         self._broken: str | None = None  # why the cache lost data (a corrupt file): every later use raises it
 
     def __repr__(self) -> str:
-        disk = f", host_budget={self.host_budget}, folder={str(self.disk.root.parent)!r}" if self.disk else ""
+        disk = f", host_budget={self.host_budget}, folder={str(self.disk.folder)!r}" if self.disk else ""
         return f"Offloaded(lookahead={self.lookahead}{disk})"
 
     @property
@@ -383,7 +383,7 @@ class Offloaded(Placement):
             raise DiskTierError(
                 f"{e}. Layers the disk tier could not write stay whole in host memory, {over} bytes past "
                 f"host_budget={self.host_budget}, and this forward pass has not changed any layer: free space in "
-                f"{self.disk.root.parent} and run it again"
+                f"{self.disk.folder} and run it again"
             ) from failure
 
     def _break(self, why: str) -> None:
