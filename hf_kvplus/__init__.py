@@ -37,7 +37,7 @@ from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
 from .offloaded_cache import OffloadedCache
 from .paged_cache import PagedCache
-from .paging import BlockPool, PagedPool, PrefixStore
+from .paging import BlockPool, FolderBlocks, PagedPool, PrefixStore, RedisBlocks
 from .persist import load_cache, save_cache
 from .placement import Offloaded, OnDevice, Placement, TierBytes
 from .plugin import install, uninstall
@@ -69,6 +69,7 @@ __all__ = [
     "EvictionPolicy",
     "FetchError",
     "FileFormatError",
+    "FolderBlocks",
     "GradientError",
     "H2OCache",
     "KVCache",
@@ -96,6 +97,7 @@ __all__ = [
     "QuantizedStorage",
     "StaticQuantizedStorage",
     "RDataError",
+    "RedisBlocks",
     "Retention",
     "ShapeError",
     "SinkCache",
