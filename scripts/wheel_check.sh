@@ -47,6 +47,8 @@ check "import hf_kvplus (from the venv, not the clone)" \
     "$PY" -c "import hf_kvplus, sys; p = hf_kvplus.__file__; print(p); sys.exit(p.startswith('$REPO/'))"
 check "kvplus --help" kvplus --help
 check "kvplus --version" kvplus --version
+check "the C++ CPU operators build from the wheel's sources" \
+    "$PY" -W error::RuntimeWarning -c "import sys; from hf_kvplus.kernels import rotated_cpu; sys.exit(not rotated_cpu.available())"
 check "kvplus demo, three caches at 256 tokens (quanto's extra is missing: skipped)" \
     kvplus demo --context 256 --rounds 2 --new-tokens 4 --threads 2 --out "$WORK/user/demo" \
     --cache dynamic --cache quantized:k4v2 --cache hf-quantized:quanto:4 --cache sink:4:60
