@@ -69,7 +69,9 @@ Later caches register themselves with `register_cache_spec`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,7 +129,9 @@ class CacheSpec:
     def build(self, config: PreTrainedConfig, max_length: int | None = None) -> Cache:
         missing = self.kind.missing()
         if missing:
-            raise ConfigError(f"cache spec {self.text!r} needs the Python modules {missing}, not installed")
+            raise ConfigError(
+                f"cache spec {self.text!r} needs the Python modules {missing}, not installed: {install_hint(missing)}"
+            )
         return self.kind.build(config, self.args, self.kwargs, max_length)
 
     @property
@@ -147,6 +151,25 @@ def _installed(module: str) -> bool:
 
 
 CACHE_KINDS: dict[str, CacheKind] = {}
+
+
+def install_hint(modules: list[str]) -> str:
+    """`pip install 'hf-kvplus[extra]'` for the extras of the installed distribution that provide `modules`
+    (a requirement `optimum-quanto` provides the module `optimum.quanto`), else `pip install` of the modules."""
+    try:
+        requirements = importlib.metadata.requires("hf-kvplus") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    wanted, extras = {m.lower() for m in modules}, []
+    for requirement in requirements:
+        name, _, marker = requirement.partition(";")
+        extra = re.search(r"extra == ['\"]([\w-]+)['\"]", marker)
+        module = re.split(r"[<>=!~ \[]", name.strip(), maxsplit=1)[0].replace("-", ".").lower()
+        if extra and module in wanted and extra.group(1) not in extras:
+            extras.append(extra.group(1))
+    if extras:
+        return " or ".join(f"pip install 'hf-kvplus[{extra}]'" for extra in extras[:2])
+    return f"pip install {' '.join(modules)}"
 
 
 def register_cache_spec(kind: CacheKind) -> None:

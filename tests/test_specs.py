@@ -146,7 +146,8 @@ def test_bad_seeds_are_refused(text, message):
 
 def test_a_spec_whose_extra_is_missing_is_skipped_and_refused_with_a_typed_error(monkeypatch):
     """Without optimum installed at all (not only optimum.quanto), the quanto spec is not offered and building it
-    raises ConfigError naming the module, rather than ModuleNotFoundError from the availability check."""
+    raises ConfigError naming the module and the extra that installs it, rather than ModuleNotFoundError from the
+    availability check."""
     import sys
 
     monkeypatch.setitem(sys.modules, "optimum", None)  # what an environment without the package looks like
@@ -154,5 +155,5 @@ def test_a_spec_whose_extra_is_missing_is_skipped_and_refused_with_a_typed_error
     spec = parse_cache_spec("hf-quantized:quanto:4")
     assert not spec.kind.available()
     assert "hf-quantized:quanto:4" not in available_cache_specs()
-    with pytest.raises(ConfigError, match=r"optimum\.quanto"):
+    with pytest.raises(ConfigError, match=r"optimum\.quanto.*pip install 'hf-kvplus\[quanto\]'"):
         spec.build(make_config("llama"))

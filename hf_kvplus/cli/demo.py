@@ -27,9 +27,7 @@ A table, a plot grouped by family with the baseline marked, and JSON of numbers.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-import re
 import statistics
 import time
 
@@ -40,7 +38,7 @@ from ..errors import ConfigError
 from ..evaluation.needle import is_correct, needle_ids, passkey_prompt, prompt_frame
 from ..evaluation.report import format_table
 from ..memory import cache_bytes
-from ..specs import parse_cache_spec
+from ..specs import install_hint, parse_cache_spec
 from ..transformers_compat import cache_kwargs
 from . import common
 
@@ -112,7 +110,7 @@ def run(args) -> int:
     for spec in map(parse_cache_spec, texts):
         missing = spec.kind.missing()
         if missing:  # one line naming what to install; the rest of the demo runs
-            print(f"skipped {spec.text}: needs {', '.join(missing)} ({_install_hint(missing)})")
+            print(f"skipped {spec.text}: needs {', '.join(missing)} ({install_hint(missing)})")
         else:
             specs.append(spec)
     print(_model_place(args.model))
@@ -184,30 +182,13 @@ def run(args) -> int:
                                              "timing": timing, "rows": rows})  # fmt: skip
     print(f"wrote {folder}/demo.json")
     if importlib.util.find_spec("matplotlib") is None:
-        print(f"no plot: it needs matplotlib ({_install_hint(['matplotlib'])})")
+        print(f"no plot: it needs matplotlib ({install_hint(['matplotlib'])})")
     else:
         _plot(rows, folder / "demo.png", title, timing["reliable"])
         print(f"wrote {folder}/demo.png")
     return 0
 
 
-def _install_hint(modules: list[str]) -> str:
-    """`pip install 'hf-kvplus[extra]'` for the extras of the installed distribution that provide `modules`
-    (a requirement `optimum-quanto` provides the module `optimum.quanto`), else `pip install` of the modules."""
-    try:
-        requirements = importlib.metadata.requires("hf-kvplus") or []
-    except importlib.metadata.PackageNotFoundError:
-        requirements = []
-    wanted, extras = {m.lower() for m in modules}, []
-    for requirement in requirements:
-        name, _, marker = requirement.partition(";")
-        extra = re.search(r"extra == ['\"]([\w-]+)['\"]", marker)
-        module = re.split(r"[<>=!~ \[]", name.strip(), maxsplit=1)[0].replace("-", ".").lower()
-        if extra and module in wanted and extra.group(1) not in extras:
-            extras.append(extra.group(1))
-    if extras:
-        return " or ".join(f"pip install 'hf-kvplus[{extra}]'" for extra in extras[:2])
-    return f"pip install {' '.join(modules)}"
 
 
 def _model_place(name: str) -> str:
