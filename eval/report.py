@@ -694,6 +694,14 @@ def cpu_speed() -> list[str]:
     out += table(["cache", "step x Dynamic (run 1, run 2)", "stubbed x Dynamic (run 1, run 2)", "syncs per step"],
                  body, "lllr")
 
+    out += para(
+        "**Compiled decode on the CPU**, x StaticCache compiled the same way: [docs/benchmarks-cpu.md](docs/benchmarks-cpu.md).",
+    )
+    return out + eager_decode()
+
+
+def compiled_cpu() -> list[str]:
+    out = []
     sets = [("compile_cpu_paired_1k", "1K"), ("compile_cpu_8k", "8K"), ("compile_cpu_hd128", "1K, head dim 128")]
     data = [(load(f"{f}/compile.json"), label) for f, label in sets]
     cmds = "; ".join(f"{label}: `{command(d).removeprefix('python eval/bench_compile.py ')}`, {machine(d)}, {day(d)}"
@@ -707,8 +715,11 @@ def cpu_speed() -> list[str]:
     body = [["StaticCache, ms/token"] + [f"{cell[('static', label)]['decode_ms']:.2f}" for _, label in sets]]
     body += [[f"`{c}`"] + [x2(cell[(c, label)]["vs_static"]) if (c, label) in cell else "" for _, label in sets]
              for c in caches]  # fmt: skip
-    out += table(["cache"] + [label for _, label in sets], body, "l" + "r" * len(sets))
+    return out + table(["cache"] + [label for _, label in sets], body, "l" + "r" * len(sets))
 
+
+def eager_decode() -> list[str]:
+    out = []
     parts = []
     for f in ("bench_sink_cpu_1k", "bench_sink_cpu_4k", "bench_sink_cpu_8k", "bench_quant_cpu_1k", "bench_quant_cpu_4k"):
         b = load(f"{f}/bench.json")
@@ -722,7 +733,48 @@ def cpu_speed() -> list[str]:
         "`bench_quant_cpu_*`):",
         "; ".join(parts) + ".",
     )
-    return out
+    return out + cpu_operators()
+
+
+def cpu_operators() -> list[str]:
+    """Eager decode once the KIVI codes and paged blocks are read by the C++ CPU operators (the runs above read them
+    through the plain-torch twins, which dequantize or gather the whole cache every step)."""
+    runs = [(load(f"cpu_decode_kivi_{k}/bench.json"), k.upper()) for k in ("1k", "4k")]
+    caches = list(dict.fromkeys(r["cache"] for b, _ in runs for r in b["results"] if r["cache"] != "dynamic"))
+    cell = {(r["cache"], label): r for b, label in runs for r in b["results"]}
+    body = [["DynamicCache, tokens/s"] + [f"{cell[('dynamic', label)]['decode_tok_s']:.1f}" for _, label in runs]]
+    body += [[f"`{c}`"] + [x2(cell[(c, label)]["decode_vs_baseline"]) if (c, label) in cell else "not measured"
+                           for _, label in runs] for c in caches]  # fmt: skip
+    first = runs[0][0]
+    out = para(
+        "**Eager decode with the C++ CPU operators for KIVI codes and paged blocks**, x DynamicCache's tokens/s, higher",
+        "is faster (`kvplus bench --cache dynamic --cache ... --prompt-tokens N --new-tokens 32 --repeats 2`; SmolLM2-135M,",
+        f"{machine(first)}, {day(first)}; `cpu_decode_kivi_*`; the machine near idle, load average under 3):",
+    )
+    return out + table(["cache"] + [label for _, label in runs], body, "l" + "r" * len(runs))
+
+
+def persistence() -> list[str]:
+    out = ["## Saved caches and shared prefixes", ""]
+    d = load("cache_load_cpu_4k/cache_load.json")
+    body = [[f"`{r['cache']}`", f"{r['prefill_seconds']:.1f}", f"{r['load_seconds']:.3f}", f"{r['prefill_over_load']:.0f}",
+             f"{r['bytes_at_rest'] / 2**20:.1f}", f"{r['bytes_on_disk'] / 2**20:.1f}",
+             f"{r['disk_less_header_over_rest']:.3f}", "yes" if r["same_next_logits"] else "no"] for r in d["rows"]]  # fmt: skip
+    out += para(
+        f"**`load_cache` against the prefill it replaces** (`{command(d)}`; {machine(d)}, {day(d)}; KVzip's prefill",
+        "includes its compression; bytes at rest count a dense buffer's headroom, which the file does not hold):",
+    )
+    out += table(["cache", "prefill s", "load s", "prefill / load", "MiB at rest", "MiB on disk",
+                  "(disk - header) / rest", "same logits after load"], body, "lrrrrrrc")  # fmt: skip
+    f = load("prefix_folder_cpu_2k/prefix_folder.json")
+    rows = f["rows"]
+    return out + para(
+        f"**Processes sharing one document through a prefix folder** (`{command(f)}`; {machine(f)}, {day(f)}): each",
+        "process in turn, then each prefilling alone; first-token time shared against alone:",
+        "; ".join(f"process {r['process']} reused {r['reused_tokens']:,} of {r['prompt_tokens']:,} tokens, "
+                  f"{r['ttft_shared_seconds']:.2f} s against {r['ttft_alone_seconds']:.2f} s "
+                  f"({r['alone_over_shared']:.1f}x)" for r in rows) + ".",
+    )
 
 
 def gpu_speed() -> list[str]:
@@ -850,10 +902,21 @@ def lowbit_header() -> list[str]:
     )  # fmt: skip
 
 
+def cpu_header() -> list[str]:
+    return ["# Benchmarks: compiled decode on the CPU", "",
+            "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
+            ] + para(
+        "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s CPU speed section: `generate()` compiling the decode",
+        "step ([docs/compile.md](compile.md)), each cache against StaticCache compiled the same way; lower is faster.",
+    )  # fmt: skip
+
+
 #: Every page this writes (path under the repository) and its sections.
 PAGES = {
-    "BENCHMARKS.md": lambda: header() + demo() + quality() + retrieval() + memory() + cpu_speed() + gpu_speed(),
+    "BENCHMARKS.md": lambda: header() + demo() + quality() + retrieval() + memory() + persistence() + cpu_speed()
+    + gpu_speed(),
     "docs/benchmarks-lowbit.md": lambda: lowbit_header() + exact_regions(),
+    "docs/benchmarks-cpu.md": lambda: cpu_header() + compiled_cpu(),
 }
 
 
