@@ -652,10 +652,10 @@ at::Tensor paged_decode_cpu(const at::Tensor& q, const at::Tensor& k_pool, const
 TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
   m.def(
       "kivi_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, "
-      "Tensor? v_zero, int bits, int group, bool keys_per_token, int start, int length, Tensor? block_table, "
+      "Tensor? v_zero, int bits, int group, bool keys_per_token, SymInt start, SymInt length, Tensor? block_table, "
       "Tensor? ring_k, Tensor? ring_v, Tensor? mask, float scale, bool with_mass) -> (Tensor, Tensor)");
   m.def(
-      "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, int start, int length, Tensor? mask, "
+      "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, SymInt start, SymInt length, Tensor? mask, "
       "float scale) -> Tensor");
 }
 

@@ -92,6 +92,9 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode")(_fake_encode)
 
 
+rotated_cpu.when_loaded(register_fakes)
+
+
 def _fake_kivi(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group, keys_per_token, start, length,
                block_table, ring_k, ring_v, mask, scale, with_mass):  # fmt: skip
     B, Hq, _ = q.shape

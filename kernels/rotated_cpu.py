@@ -55,6 +55,16 @@ _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _FLAGS = ["-O3", "-march=native", "-std=c++17", *_OPENMP]
 #: None: not tried yet; then whether the operators are registered.
 _LOADED: bool | None = None
+#: What registers the fakes of the other operators built into the library (`kivi_cpu`'s): called once it loads.
+_ON_LOAD: list = []
+
+
+def when_loaded(register) -> None:
+    """Calls `register` (the fakes of operators another module wraps) once the library is loaded: now, if it is."""
+    if _LOADED:
+        register()
+    else:
+        _ON_LOAD.append(register)
 
 
 def available() -> bool:
@@ -148,9 +158,8 @@ def _load() -> bool:
         return False
     torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
     torch.library.register_fake("hf_kvplus_cpu::rotated_encode")(_fake_encode)
-    from hf_kvplus.kernels import kivi_cpu  # (it imports this module)
-
-    kivi_cpu.register_fakes()
+    for register in _ON_LOAD:
+        register()
     return True
 
 
