@@ -134,6 +134,13 @@ class KVCache(Cache):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
+    def put_at_rest(self) -> None:
+        """Puts the layer in use since the last forward back where the placement rests it (a save then holds each
+        layer's bytes once); the next forward fetches it again."""
+        if self.placement.moves and self._active is not None:
+            self.placement.release(self.layers[self._active].storage)
+            self._active = None
+
     def save(self, path, spec: str | None = None):
         """Writes the cache to `path` (safetensors and a JSON header; `hf_kvplus.load_cache` reads it back)."""
         return save_cache(self, path, spec=spec)

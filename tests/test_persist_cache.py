@@ -3,7 +3,8 @@
 One spec per family (dense, paged, quantized with a rotated format, evicting with quantized slots, KVzip- and
 KVzap-compressed, offloaded in host memory and beyond a disk tier), filled by a 72-token prompt on the tiny Llama:
 the loaded copy and the original then decode the same tokens, and their logits must be equal bit for bit, eagerly,
-through a compiled decode step for the families that compile, and in a new process. What a load refuses: another
+through a compiled decode step for the families that compile, and in a new process (a quantized cache, and an
+offloaded one whose layers rest in its disk tier's files: more of those in `test_persist_offloaded.py`). What a load refuses: another
 model, another format, a newer format version, another layout, a file cut short or with one byte changed, and a
 graph that names anything outside hf_kvplus.
 """
@@ -119,8 +120,9 @@ torch.save(logits, {out!r})
 """
 
 
-def test_a_cache_loaded_in_a_new_process_continues_with_the_same_logits(tmp_path):
-    model, cache = filled("quantized:int4:window=16")
+@pytest.mark.parametrize("spec", ["quantized:int4:window=16", "offloaded:disk=tmp:host=0"])
+def test_a_cache_loaded_in_a_new_process_continues_with_the_same_logits(spec, tmp_path):
+    model, cache = filled(spec)
     path, out = tmp_path / "cache.safetensors", tmp_path / "logits.pt"
     cache.save(path)
     code = CHILD.format(tests=str(Path(__file__).parent), path=str(path), steps=STEPS, out=str(out))

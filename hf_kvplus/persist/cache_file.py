@@ -30,16 +30,22 @@ def save_cache(cache, path: str | os.PathLike, config=None, spec: str | None = N
     read from `config`, by default the one the cache was built from (`KVCache.model_fingerprint`); `spec`, the cache
     spec it was built from if any, is recorded in the header.
 
-    What cannot be saved is refused before anything is written (`UnsupportedOperationError`: a pool shared with
-    other caches, a disk tier's files, optimum-quanto's tensors)."""
+    An offloaded cache's disk tier is saved from its files, each read back checked first (`CorruptFileError` if one
+    was cut short or altered: nothing is written). What cannot be saved is refused before anything is written
+    (`UnsupportedOperationError`: a pool shared with other caches, optimum-quanto's tensors)."""
     path = Path(path)
     model = h.fingerprint(config) if config is not None else getattr(cache, "model_fingerprint", None)
     if model is None:
         raise ConfigError(f"{type(cache).__name__} does not know its model's config: pass config= to save it")
+    settle = getattr(cache, "put_at_rest", None)
+    if callable(settle):
+        settle()  # (the layer in use back at rest: the file then holds each layer's bytes once)
     encoded = encode(cache)
     blobs, records = {}, {}
     for i, storage in enumerate(encoded.storages):
-        data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).cpu().contiguous()
+        data = encoded.replaced.get(i)
+        if data is None:
+            data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).cpu().contiguous()
         blobs[f"s{i}"] = data
         records[f"s{i}"] = {"nbytes": data.numel(), "xxh3": xxh3_64_hexdigest(data.numpy())}
     dtypes = sorted({str(getattr(layer, "dtype", "")).removeprefix("torch.") for layer in cache.layers} - {""})

@@ -6,7 +6,10 @@ in step. A decoded object may only be of a class defined in hf_kvplus (or one of
 with `__new__` and given its state; a function or method is looked up by name on such a class or module. Nothing
 named by the file is called except those classes' own `__setstate__` and the constructors `__reduce__` names.
 
-Tensors are saved by storage: two views of one buffer (a storage's memoized windows) stay views of one buffer.
+Tensors are saved by storage: two views of one buffer (a storage's memoized windows) stay views of one buffer. An
+object whose class defines `__persist_state__` is saved from what that gives instead of `__getstate__`: its state, and
+(tensor, bytes) pairs whose bytes the file holds for the tensor's storage (a disk tier's files, read back checked,
+instead of what their memory mapping shows).
 """
 
 from __future__ import annotations
@@ -36,12 +39,22 @@ class Encoded:
     root: object
     storages: list[torch.UntypedStorage] = field(default_factory=list)
     tensors: list[dict] = field(default_factory=list)
+    #: Storage index -> the uint8 host tensor to write for it (bytes read back checked) instead of the storage.
+    replaced: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def encode(obj: object) -> Encoded:
     out = Encoded(root=None)
-    out.root = _Encoder(out).value(obj, "cache")
+    encoder = _Encoder(out)
+    out.root = encoder.value(obj, "cache")
+    for key, data in encoder.replacements.items():
+        if key in encoder.storage_index:
+            out.replaced[encoder.storage_index[key]] = data
     return out
+
+
+def _storage_key(storage: torch.UntypedStorage) -> tuple:
+    return (storage.device.type, storage.device.index, storage.data_ptr(), storage.nbytes())
 
 
 def decode(root: object, tensors: list[torch.Tensor]) -> object:
@@ -92,6 +105,7 @@ class _Encoder:
         self.memo: dict[int, int] = {}  # id(obj) -> object number
         self.keep: list = []  # the objects numbered, alive until the end (ids stay unique)
         self.storage_index: dict[tuple, int] = {}
+        self.replacements: dict[tuple, torch.Tensor] = {}  # storage key -> the bytes to write for it
 
     def value(self, obj, path: str):
         if obj is None or isinstance(obj, (bool, str)):
@@ -164,6 +178,16 @@ class _Encoder:
             made, args = obj.__reduce__()[:2]
             self._check_name(made, path)
             return {"$call": _name_of(made), "args": self.value(list(args), path), "id": number}
+        if callable(getattr(cls, "__persist_state__", None)):
+            state, replacements = obj.__persist_state__()
+            for tensor, data in replacements:
+                storage = tensor.untyped_storage()
+                if data.dtype != torch.uint8 or data.numel() != storage.nbytes():
+                    raise UnsupportedOperationError(
+                        f"{path}: {data.numel()} {data.dtype} values given for a storage of {storage.nbytes()} bytes"
+                    )
+                self.replacements[_storage_key(storage)] = data
+            return {"$object": _name_of(cls), "state": self.value(state, path), "setstate": True, "id": number}
         if cls.__getstate__ is not object.__getstate__:
             state = obj.__getstate__()
             return {"$object": _name_of(cls), "state": self.value(state, path), "setstate": True, "id": number}
@@ -176,7 +200,7 @@ class _Encoder:
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             raise UnsupportedOperationError(f"{path} is a {type(t).__name__}, a tensor subclass a saved cache cannot hold")
         storage = t.untyped_storage()
-        key = (storage.device.type, storage.device.index, storage.data_ptr(), storage.nbytes())
+        key = _storage_key(storage)
         if storage.nbytes() == 0 or key not in self.storage_index:
             self.storage_index[key] = len(self.out.storages)
             self.out.storages.append(storage)

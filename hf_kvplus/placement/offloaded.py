@@ -401,19 +401,59 @@ class Offloaded(Placement):
         if self.disk is not None:
             self.disk.remove(rest.files.pop(name, None))
 
-    # ------------------------------------------------------------------ pickling and copies
+    # ------------------------------------------------------------------ pickling, copies and saved files
     def __getstate__(self) -> dict:
         """What travels: the tensors at rest and in use, per storage. A prefetch in flight is dropped (the copy
         fetches again), write-backs are waited for, and the streams and the disk reader are made anew. A layer in
-        the disk tier's files cannot travel (`UnsupportedOperationError`); a disk tier without files travels as a
-        new private folder beside the original's."""
+        the disk tier's files cannot be pickled or copied (`UnsupportedOperationError`; `save_cache` saves it,
+        `__persist_state__`); a disk tier without files travels as a new private folder beside the original's."""
         on_disk = [name for rest in self._rests.values() if rest.on_disk for name in rest.files]
         if on_disk:
             raise UnsupportedOperationError(
                 f"this offloaded cache keeps {len(on_disk)} tensors in its disk tier's files in {self.disk.root}, "
-                f"which cannot be pickled or copied (host_budget={self.host_budget} bytes); build the copy with "
-                "host_budget large enough to keep the layers in host memory, or without a disk tier"
+                f"which cannot be pickled or copied (host_budget={self.host_budget} bytes); save it with "
+                "cache.save(path) and hf_kvplus.load_cache, or build the copy with host_budget large enough to keep "
+                "the layers in host memory, or without a disk tier"
             )
+        return self._state()
+
+    def __persist_state__(self) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """What `save_cache` writes: the state, a disk layer's files included, and the bytes of each file read back
+        checked (length, then checksum: `CorruptFileError` for a file cut short or altered, and the cache refuses
+        every later use, as when a fetch finds it), which the saved file holds for the file's mapped tensor. A
+        loaded copy writes those layers to files of its own tier (`__setstate__`)."""
+        if self._broken is not None:
+            raise CorruptFileError(self._broken)
+        checked = []
+        for rest in self._rests.values():
+            if not rest.on_disk:
+                continue
+            if rest.written is not None:
+                rest.written.synchronize()
+            for name, spill in rest.files.items():
+                if spill is None:
+                    continue
+                mapped = rest.rest[name]
+                # (after the reader thread's queued writes into this file, on the reader itself)
+                into = self._reader.submit(self._read_file, mapped, spill).result()
+                checked.append((mapped, into.view(-1).view(torch.uint8)))
+        state = self._state()
+        state["_failure"] = None  # (layers a full disk left in host memory are saved there; spilled when released)
+        return state, checked
+
+    def _read_file(self, mapped: torch.Tensor, spill: SpillFile) -> torch.Tensor:
+        """A disk file's bytes in host memory, checked (its mapped tensor written in place since its checksum was
+        taken, as a paged layer's blocks by other layers: the checksum is taken from the file, as a fetch does)."""
+        into = torch.empty(mapped.shape, dtype=mapped.dtype)
+        trust, spill.version = mapped._version != spill.version, mapped._version
+        try:
+            self.disk.read(spill, into, trust)
+        except CorruptFileError as e:
+            self._break(str(e))
+            raise CorruptFileError(self._broken) from e
+        return into
+
+    def _state(self) -> dict:
         for rest in self._rests.values():
             if rest.written is not None:
                 rest.written.synchronize()
@@ -423,6 +463,9 @@ class Offloaded(Placement):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        """Takes a state that `__getstate__` or `__persist_state__` gave. A layer that was in the disk tier's files
+        (a loaded file) is written to files of this placement's own tier (`DiskTierError` if it cannot be), and a
+        layer in use writes itself back whole when released (its version counters restarted)."""
         rests = state.pop("_rests")
         self.__dict__.update(state)
         self._rests = WeakKeyDictionary(rests)
@@ -430,6 +473,27 @@ class Offloaded(Placement):
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplus-disk")
         if self._cuda:
             self._copy_in, self._copy_out = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        for storage, rest in rests:
+            if rest.installed is not None:
+                rest.versions = dict.fromkeys(rest.versions)
+            if rest.on_disk:
+                self._spill_loaded(storage, rest)
+
+    def _spill_loaded(self, storage, rest: _Rest) -> None:
+        """Writes a loaded disk layer's tensors (in host memory, read from a saved file) to this tier's own files; the
+        saved records name another tier's files, never touched."""
+        rest.files = {}
+        mapped, files = {}, {}
+        try:
+            for name, t in rest.rest.items():
+                mapped[name], files[name] = self.disk.write(name, t)
+        except DiskTierError:
+            for spill in files.values():
+                self.disk.remove(spill)
+            raise
+        rest.rest, rest.files = mapped, files
+        if rest.installed is None:
+            storage.load_tensors(mapped)
 
     # ------------------------------------------------------------------ bookkeeping
     def forget(self, storage) -> None:
