@@ -8,8 +8,10 @@ Per cache spec, in one run: the prefill of the first `--tokens` tokens of the te
 pass, for caches that have one: all of it is what a load replaces), once; `cache.save` and `load_cache`, `--repeats`
 times each (the median is reported; the file is read back from the page cache, as a second question would); the next
 token's logits of the loaded cache against the saved one's (they must be equal); the file's bytes against
-`cache.nbytes`, the safetensors header (JSON: the cache's layout and graph) apart. Writes `cache_load.json` and
-`cache_load.md` in `--out`.
+`cache.nbytes`, the safetensors header (JSON: the cache's layout and graph) apart, and against the bytes at rest less
+the growth headroom (`reserved_bytes`: allocated, never filled, not saved). Writes `cache_load.json` and
+`cache_load.md` in `--out` after each cache spec (a run cut short keeps what it measured); `--append` adds the rows
+to those already there (a spec measured again replaces its row), so that one spec can be measured in a later run.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ def measure(model, tokenizer, ids, spec: str, repeats: int, folder: Path) -> dic
         header = 8 + int.from_bytes(f.read(8), "little")
     disk = path.stat().st_size
     load = statistics.median(loads)
+    report = cache.memory_report()
+    filled = report.total_bytes - report.reserved_bytes
     return {
         "cache": spec, "tokens": ids.shape[1], "prefill_seconds": prefill, "save_seconds": statistics.median(saves),
         "load_seconds": load, "prefill_over_load": prefill / load, "bytes_at_rest": cache.nbytes,
         "bytes_on_disk": disk, "header_bytes": header, "disk_less_header_over_rest": (disk - header) / cache.nbytes,
-        "same_next_logits": same, "tokens_held": cache.memory_report().tokens_held,
+        "headroom_bytes": report.reserved_bytes, "disk_less_header_over_filled": (disk - header) / filled,
+        "same_next_logits": same, "tokens_held": report.tokens_held,
     }  # fmt: skip
 
 
@@ -71,29 +76,43 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("eval/results/cache_load_cpu_4k"))
+    parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     ids = tokenizer(load_text(args.text), return_tensors="pt", add_special_tokens=False)["input_ids"][:, : args.tokens]
-    with tempfile.TemporaryDirectory() as folder:
-        rows = [measure(model, tokenizer, ids, spec, args.repeats, Path(folder)) for spec in args.cache]
-    columns = [
-        ("cache", "cache", ""), ("prefill_seconds", "prefill s", ".2f"), ("load_seconds", "load s", ".3f"),
-        ("prefill_over_load", "prefill / load", ".1f"), ("save_seconds", "save s", ".3f"),
-        ("bytes_at_rest", "bytes at rest", ",d"), ("bytes_on_disk", "bytes on disk", ",d"),
-        ("header_bytes", "header", ",d"), ("disk_less_header_over_rest", "(disk - header) / rest", ".4f"),
-        ("same_next_logits", "same logits", ""),
-    ]  # fmt: skip
-    table = format_table(rows, columns)
+    rows = []
+    if args.append and (args.out / "cache_load.json").exists():
+        rows = json.loads((args.out / "cache_load.json").read_text())["rows"]
     title = (f"{args.model}, first {ids.shape[1]} tokens of {args.text}, {torch.get_num_threads()} thread(s): "
              f"load_cache against the prefill it replaces (KVzip: prefill and compress), median of {args.repeats} "
              "loads")  # fmt: skip
-    print(f"\n{title}\n\n{table}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cache_load.json").write_text(json.dumps({**stamp(), "title": title, "rows": rows}, indent=2))
-    (args.out / "cache_load.md").write_text(f"{title}\n\n{table}\n")
-    print(f"\nwrote {args.out}/cache_load.json, cache_load.md")
+    with tempfile.TemporaryDirectory() as folder:
+        for spec in args.cache:
+            row = measure(model, tokenizer, ids, spec, args.repeats, Path(folder))
+            rows = [r for r in rows if r["cache"] != spec] + [row]
+            write(args.out, title, rows)
+
+
+COLUMNS = [
+    ("cache", "cache", ""), ("prefill_seconds", "prefill s", ".2f"), ("load_seconds", "load s", ".3f"),
+    ("prefill_over_load", "prefill / load", ".1f"), ("save_seconds", "save s", ".3f"),
+    ("bytes_at_rest", "bytes at rest", ",d"), ("headroom_bytes", "of it headroom", ",d"),
+    ("bytes_on_disk", "bytes on disk", ",d"), ("header_bytes", "header", ",d"),
+    ("disk_less_header_over_rest", "(disk - header) / rest", ".4f"),
+    ("disk_less_header_over_filled", "(disk - header) / (rest - headroom)", ".4f"),
+    ("same_next_logits", "same logits", ""),
+]  # fmt: skip
+
+
+def write(out: Path, title: str, rows: list[dict]) -> None:
+    table = format_table(rows, [c for c in COLUMNS if all(c[0] in r for r in rows)])
+    print(f"\n{title}\n\n{table}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cache_load.json").write_text(json.dumps({**stamp(), "title": title, "rows": rows}, indent=2))
+    (out / "cache_load.md").write_text(f"{title}\n\n{table}\n")
+    print(f"\nwrote {out}/cache_load.json, cache_load.md", flush=True)
 
 
 if __name__ == "__main__":
