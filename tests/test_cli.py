@@ -3,8 +3,8 @@
 import json
 
 import pytest
+import word_model
 from transformers import AutoTokenizer
-from word_model import save_word_model
 
 import hf_kvplus
 from hf_kvplus.cli import main
@@ -19,11 +19,7 @@ TEXT = " ".join(
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
     """A tiny Llama and a word-level tokenizer trained on the text, saved as a local folder."""
-    folder = tmp_path_factory.mktemp("model")
-    save_word_model(folder, TEXT)
-    text = tmp_path_factory.mktemp("text") / "book.txt"
-    text.write_text(TEXT)
-    return str(folder), str(text)
+    return word_model.local_model(tmp_path_factory, TEXT)
 
 
 def test_ppl_compares_caches_and_the_cache_free_forward(local_model, tmp_path, capsys):
@@ -124,7 +120,7 @@ def test_ppl_streams_a_pg19_book_longer_than_the_models_positions(tmp_path, monk
                       "text": [TEXT, "Emma Woodhouse"]})  # fmt: skip
     pq.write_table(table, books / "test-00000-of-00001.parquet")
     folder = tmp_path / "model"
-    save_word_model(folder, TEXT, max_position_embeddings=64, initializer_range=0.02)
+    word_model.save_word_model(folder, TEXT, max_position_embeddings=64, initializer_range=0.02)
     out = tmp_path / "out"
     assert main(["ppl", "--model", str(folder), "--text", f"hf:{tmp_path / 'pg19'}::test#1", "--tokens", "300",
                  "--mode", "streaming", "--chunk", "4", "--cache", "dynamic", "--cache", "sink:4:28",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from word_model import save_word_model
+import word_model
 
 from hf_kvplus import cache_kwargs
 from hf_kvplus.cli import context as context_module
@@ -22,11 +22,8 @@ TEXT = " ".join(("It is a truth universally acknowledged that a single man in po
 
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    save_word_model(folder, TEXT)
-    text = tmp_path_factory.mktemp("text") / "book.txt"
-    text.write_text(TEXT)
-    return str(folder), str(text)
+    """A tiny Llama and a word-level tokenizer trained on the text, saved as a local folder."""
+    return word_model.local_model(tmp_path_factory, TEXT)
 
 
 @pytest.mark.parametrize("spec", ["dense", "sink:4:60"])

@@ -1,5 +1,5 @@
 """A tiny Llama with a word-level tokenizer trained on a given text, saved as a local model folder: what the
-`kvplus` commands load with `--model <folder>` in tests."""
+`kvplus` commands load with `--model <folder>` (and `--text <file>`) in tests."""
 
 from pathlib import Path
 
@@ -21,3 +21,13 @@ def save_word_model(folder: Path, vocabulary: str, **config) -> PreTrainedTokeni
                    num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)  # fmt: skip
     LlamaForCausalLM(LlamaConfig(**{**options, **config})).save_pretrained(folder)
     return fast
+
+
+def local_model(tmp_path_factory, text: str) -> tuple[str, str]:
+    """The word model of `text` in a folder and `text` in a file, for a module-scoped fixture: (model folder, text
+    file), as `--model` and `--text` take them."""
+    folder = tmp_path_factory.mktemp("model")
+    save_word_model(folder, text)
+    path = tmp_path_factory.mktemp("text") / "book.txt"
+    path.write_text(text)
+    return str(folder), str(path)
