@@ -26,6 +26,7 @@ from xxhash import xxh3_64_hexdigest
 from conformance.models import get_model
 from hf_kvplus import PagedCache, PagedPool, QuantizedCache, cache_kwargs, load_cache
 from hf_kvplus.errors import CacheMismatchError, CorruptFileError, FileFormatError, UnsupportedOperationError
+from hf_kvplus.kvzip_cache import KVzipCache, RepeatPrompt
 from hf_kvplus.specs import parse_cache_spec
 
 PROMPT, STEPS = 72, 3
@@ -37,7 +38,12 @@ SPECS = [
     "kvzip:32", f"kvzap:32:weights={KVZAP_WEIGHTS}:bits=int4:compress=always", "offloaded",
     "offloaded-quantized:int4:window=16", "offloaded:disk=tmp:host=1G",
 ]  # fmt: skip
-COMPILED = ["dense:max_tokens=96:compile=on", "quantized:k4v2:window=16:max_tokens=96:compile=on", "h2o:32:compile=on"]
+COMPILED = [
+    "dense:max_tokens=96:compile=on", "paged:block=8:max_tokens=96:compile=on",
+    "quantized:k4v2:window=16:max_tokens=96:compile=on", "h2o:32:compile=on", "sink:4:28:bits=int4:compile=on",
+]  # fmt: skip (offloaded caches do not compile: `check_compileable` refuses a placement that moves bytes)
+#: KVzip's repeat prompt around the context (`KVzipCache.compress`), in the tiny Llama's token ids.
+REPEAT = RepeatPrompt(first=(1, 2, 3), later=(4, 5), suffix=(6,))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,10 +68,13 @@ def step(forward, cache, tokens):
 
 
 def filled(spec: str):
+    """The cache of `spec` after the prompt; a KVzip cache then compressed (its second pass over the context)."""
     model = get_model("llama")
     cache = parse_cache_spec(spec).build(model.config, max_length=96)
     with torch.no_grad():
         step(model, cache, prompt_ids())
+        if isinstance(cache, KVzipCache):
+            cache.compress(model, prompt_ids(), prompt=REPEAT)
     return model, cache
 
 
@@ -84,6 +93,8 @@ def test_a_loaded_cache_continues_with_the_same_logits(spec, tmp_path):
     loaded = load_cache(tmp_path / "cache.safetensors", model.config)
     assert type(loaded) is type(cache) and loaded is not cache
     assert loaded.get_seq_length() == cache.get_seq_length() == PROMPT
+    if spec.startswith(("kvzip", "kvzap")):  # compressed: the slots, positions and scores of what it kept travel
+        assert loaded.memory_report().tokens_held == cache.memory_report().tokens_held < PROMPT
     assert_same_after_load(spec, model, cache, loaded)
 
 
