@@ -9,6 +9,8 @@ reading one prefix at once never read a torn block. The Redis tests start `redis
 
 from __future__ import annotations
 
+import builtins
+import errno
 import os
 import shutil
 import socket
@@ -21,8 +23,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import hf_kvplus.paging.folder_blocks as folder_blocks
 from conformance.models import get_model
-from hf_kvplus import PagedCache, PagedPool, cache_kwargs
+from hf_kvplus import DiskTierError, PagedCache, PagedPool, cache_kwargs
 from hf_kvplus.paging import FolderBlocks, RedisBlocks, chain_hashes
 from hf_kvplus.paging.block_record import decode_record, encode_record
 
@@ -140,6 +143,30 @@ def test_the_folder_stays_within_its_bytes_least_recently_used_first(tmp_path):
     assert [k for k in keys if folder.get(k) is not None] == [keys[0], keys[3], keys[4]]
 
 
+def test_a_full_folder_is_a_disk_tier_error_and_keeps_whole_blocks(tmp_path, monkeypatch):
+    model, ids = get_model("llama"), prompt(30, seed=8)
+    writes = []
+
+    def full(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            writes.append(file)
+            if len(writes) >= 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(folder_blocks, "open", full, raising=False)
+    with pytest.raises(DiskTierError, match=r"could not write the \d+ bytes of block \w+/\w+ to .*No space left on "
+                                            r"device.*; \d+ bytes are free there"):  # fmt: skip
+        store_prompt(model, tmp_path, ids)
+    monkeypatch.undo()
+    assert len(list(tmp_path.glob("*/*/*.kvb"))) == 1 and not list(tmp_path.glob("*/*/.tmp-*"))
+    reused, out, pool = reuse_and_generate(model, tmp_path, ids)  # the block written whole is read back
+    assert reused == BLOCK and pool.prefix_store.tier.stats.refused_blocks == 0
+    with torch.no_grad():
+        fresh = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, fresh)
+
+
 WRITER = """
 import sys, torch
 sys.path.insert(0, {src!r})
@@ -147,7 +174,7 @@ from hf_kvplus.paging import FolderBlocks
 from hf_kvplus.paging.block_record import encode_record, decode_record
 folder, me = FolderBlocks({root!r}, max_bytes={max_bytes}), {me}
 keys = [f"scope/{{i:032x}}" for i in range(6)]
-reads = torn = 0
+reads = torn = foreign = 0
 for step in range({steps}):
     key = keys[step % len(keys)]
     folder.put([(key, encode_record(key, [(0, "k", torch.full((64, 64), float(me * 1000 + step)))]))])
@@ -157,11 +184,15 @@ for step in range({steps}):
             t = decode_record(data, other)[0][2]
             reads += 1
             torn += int(not bool((t == t.flatten()[0]).all()))
-print(reads, torn)
+            foreign += int(int(t.flatten()[0]) % 1000 % len(keys) != keys.index(other))  # written under another key
+print(reads, torn, foreign)
 """
 
 
 def test_processes_writing_and_reading_one_folder_never_read_a_torn_block(tmp_path):
+    """Three processes write the same six keys and read all of them after every write, under a bound that removes
+    files as they go: every block read passes its checksum and key check (`decode_record`), holds one writer's one
+    write whole, and is one that was written under the key read."""
     src = str(Path(__file__).parent.parent)
     procs = [
         subprocess.Popen(
@@ -173,8 +204,8 @@ def test_processes_writing_and_reading_one_folder_never_read_a_torn_block(tmp_pa
     results = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err  # decode_record raises CorruptFileError on any torn or damaged read
-        reads, torn = map(int, out.split())
-        assert reads > 60 and torn == 0
+        reads, torn, foreign = map(int, out.split())
+        assert reads > 60 and torn == 0 and foreign == 0
 
 
 SHARER = """

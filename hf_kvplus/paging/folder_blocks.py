@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskTierError
 
 SUFFIX = ".kvb"
 
@@ -54,17 +55,25 @@ class FolderBlocks:
                 pass
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
-        """Writes each (key, record) atomically, then trims the folder to `max_bytes`."""
+        """Writes each (key, record) atomically, then trims the folder to `max_bytes`. A write that fails (a full disk)
+        raises `DiskTierError` naming the bytes and the bytes free; the records written before it stay, whole."""
         for key, data in items:
             path = self._path(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+            tmp = None
             try:
-                with os.fdopen(fd, "wb") as f:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+                with open(fd, "wb") as f:
                     f.write(data)
                 os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
+            except BaseException as e:
+                if tmp is not None:
+                    Path(tmp).unlink(missing_ok=True)
+                if isinstance(e, OSError):
+                    raise DiskTierError(
+                        f"could not write the {len(data)} bytes of block {key} to {path.parent} ({e.strerror or e}); "
+                        f"{_free_bytes(self.root)} bytes are free there"
+                    ) from e
                 raise
         if self.max_bytes is not None and items:
             self.trim(self.max_bytes)
@@ -95,3 +104,10 @@ class FolderBlocks:
     def nbytes(self) -> int:
         """Bytes of the stored blocks now."""
         return sum(p.stat().st_size for p in self.root.glob(f"*/*/*{SUFFIX}") if p.exists())
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0

@@ -38,7 +38,8 @@ class PersistentTier:
         return f"{self.scope}/{block_hash.hex()}"
 
     def write(self, stored: list[tuple[bytes, int]]) -> None:
-        """Writes blocks (hash, block id) of the pool, then marks them used from the last back to the first."""
+        """Writes blocks (hash, block id) of the pool, then marks them used from the last back to the first. What the
+        back end raises (`DiskTierError` for a full folder) reaches the caller once the blocks are stored in memory."""
         items = [(self.key(h), encode_record(self.key(h), self._block(b))) for h, b in stored]
         self.backend.put(items)
         self.backend.touch([k for k, _ in reversed(items)])
