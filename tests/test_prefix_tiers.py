@@ -28,6 +28,7 @@ from conformance.models import get_model
 from hf_kvplus import DiskTierError, PagedCache, PagedPool, cache_kwargs
 from hf_kvplus.paging import FolderBlocks, RedisBlocks, chain_hashes
 from hf_kvplus.paging.block_record import decode_record, encode_record
+from hf_kvplus.paging.redis_blocks import BlockServerError
 
 BLOCK = 8
 
@@ -252,6 +253,49 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Failing:
+    """A back end whose reads fail from the `k`-th on (counted from 1)."""
+
+    def __init__(self, inner, k):
+        self.inner, self.k, self.reads = inner, k, 0
+
+    def get(self, key):
+        self.reads += 1
+        if self.reads >= self.k:
+            raise BlockServerError(f"could not read block {key}")
+        return self.inner.get(key)
+
+    def put(self, items):
+        self.inner.put(items)
+
+    def touch(self, keys):
+        self.inner.touch(keys)
+
+    def discard(self, key):
+        self.inner.discard(key)
+
+
+def test_a_back_end_that_fails_mid_lookup_leaves_no_reference_behind(tmp_path):
+    model, ids = get_model("llama"), prompt(30, seed=9)
+    store_prompt(model, tmp_path, ids)
+    pool = PagedPool(model.config, block_size=BLOCK, prefix_backend=Failing(FolderBlocks(tmp_path), k=3))
+    with pytest.raises(BlockServerError, match="could not read block"):
+        pool.prefix_store.lookup(ids[0].tolist(), "tenant-a")
+    pool.prefix_store.check()  # the two blocks read are stored, each with the store's reference only
+    assert len(pool.prefix_store) == 2
+    assert all(pool.blocks["full"].refcount(e.block_id) == 1 for e in pool.prefix_store._entries.values())
+
+
+def test_a_server_that_cannot_be_reached_is_a_typed_error_naming_it():
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install 'hf-kvplus[redis]')")
+    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
+    blocks = RedisBlocks(url, prefix="gone:")
+    with pytest.raises(BlockServerError, match=rf"could not read block gone:scope/ab from {url}"):
+        blocks.get("scope/ab")
+    with pytest.raises(BlockServerError, match=rf"could not write 2 blocks \(7 bytes, the first gone:scope/ab\) to {url}"):
+        blocks.put([("scope/ab", b"abc"), ("scope/cd", b"defg")])
 
 
 @pytest.fixture(scope="module")

@@ -136,16 +136,21 @@ class PrefixStore:
         with self.pool.hold():
             tokens, namespace = _token_list(token_ids), _check_namespace(namespace)
             bs, blocks, hashes, parent = self.block_size, [], [], ROOT
-            for start in range(0, len(tokens) - bs + 1, bs):
-                parent = block_hash(parent, namespace, tokens[start : start + bs])
-                entry = self._entries.get(parent)
-                if entry is None and self.tier is not None:
-                    entry = self._read_from_tier(parent, hashes[-1] if hashes else None)
-                if entry is None:
-                    break
-                self.pool.incref([entry.block_id])  # (now: a pool short of blocks may reclaim idle ones below)
-                blocks.append(entry.block_id)
-                hashes.append(parent)
+            try:
+                for start in range(0, len(tokens) - bs + 1, bs):
+                    parent = block_hash(parent, namespace, tokens[start : start + bs])
+                    entry = self._entries.get(parent)
+                    if entry is None and self.tier is not None:
+                        entry = self._read_from_tier(parent, hashes[-1] if hashes else None)
+                    if entry is None:
+                        break
+                    self.pool.incref([entry.block_id])  # (now: a pool short of blocks may reclaim idle ones below)
+                    blocks.append(entry.block_id)
+                    hashes.append(parent)
+            except BaseException:  # (a back end that cannot be read: the caller gets no references to drop)
+                self._touch(hashes)  # (the blocks read so far stay stored, each parent more recent than its child)
+                self.pool.decref(blocks)
+                raise
             self._touch(hashes)
             if self.tier is not None and blocks:
                 self.tier.touch(hashes[::-1])  # a parent ends more recent than its children there too

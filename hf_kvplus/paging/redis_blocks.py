@@ -2,12 +2,18 @@
 
 One value per block under `<prefix><key>`; a SET replaces a value whole, so a reader gets a whole record or none,
 and records are checked when read (`block_record`). The server bounds the bytes: run it with `maxmemory` and
-`maxmemory-policy allkeys-lru` (a GET refreshes a key's recency), as the tests do.
+`maxmemory-policy allkeys-lru` (a GET refreshes a key's recency), as the tests do. A server that cannot be reached or
+refuses a command is a `BlockServerError` naming it, the key and the bytes.
 """
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KVPlusError
+
+
+class BlockServerError(KVPlusError, ConnectionError):
+    """The Redis or Valkey server of a prefix store could not be reached, or refused a command (out of memory with
+    `maxmemory-policy noeviction`, a read-only replica). The message names the server, the key and the bytes."""
 
 
 class RedisBlocks:
@@ -20,6 +26,7 @@ class RedisBlocks:
             raise ConfigError("RedisBlocks needs the redis client: pip install 'hf-kvplus[redis]'") from e
         self.url, self.prefix = url, prefix
         self.client = redis.Redis.from_url(url)
+        self._errors = redis.RedisError
 
     def __repr__(self) -> str:
         return f"RedisBlocks({self.url!r}, prefix={self.prefix!r})"
@@ -31,7 +38,10 @@ class RedisBlocks:
         self.__init__(state["url"], state["prefix"])
 
     def get(self, key: str) -> bytes | None:
-        return self.client.get(self.prefix + key)
+        try:
+            return self.client.get(self.prefix + key)
+        except self._errors as e:
+            raise BlockServerError(f"could not read block {self.prefix + key} from {self.url}: {e}") from e
 
     def touch(self, keys: list[str]) -> None:
         """(A GET already refreshed each key's recency.)"""
@@ -41,7 +51,16 @@ class RedisBlocks:
             pipe = self.client.pipeline(transaction=False)
             for key, data in items:
                 pipe.set(self.prefix + key, data)
-            pipe.execute()
+            try:
+                pipe.execute()
+            except self._errors as e:
+                raise BlockServerError(
+                    f"could not write {len(items)} blocks ({sum(len(d) for _, d in items)} bytes, the first "
+                    f"{self.prefix + items[0][0]}) to {self.url}: {e}"
+                ) from e
 
     def discard(self, key: str) -> None:
-        self.client.delete(self.prefix + key)
+        try:
+            self.client.delete(self.prefix + key)
+        except self._errors as e:
+            raise BlockServerError(f"could not remove block {self.prefix + key} from {self.url}: {e}") from e
