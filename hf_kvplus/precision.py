@@ -4,7 +4,9 @@ description for every quantized storage.
 - `window`: the newest tokens of each row (each query's window: see `QuantizedStorage`);
 - `first`: the first tokens of each row (attention sinks: most attention mass falls there), in full-attention layers;
 - `boundary`: the first and last `boundary` layers at full precision, or at `boundary_bits`;
-- `layer_bits`: any layer's own format (`{index: bits}`, None: full precision), e.g. what `kvplus calibrate` chose.
+- `layer_bits`: any layer's own format (`{index: bits}`, None: full precision), e.g. what `kvplus calibrate` chose;
+- family defaults (`FAMILY_DEFAULTS`, `family_regions`): the `layer_bits` a rotated preset takes on a model family
+  where measurements showed the preset's one format for every layer costs far more than elsewhere (Gemma 3).
 
 Bits per coordinate (`QuantizedCache.quantized_report`) count every token outside the window, these regions included.
 """
@@ -12,9 +14,13 @@ Bits per coordinate (`QuantizedCache.quantized_report`) count every token outsid
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+from transformers import PreTrainedConfig
 
 from .errors import ConfigError
+from .formats import parse_bits
+from .model_spec import ModelSpec
 from .storage.quantized import DEFAULT_WINDOW
 from .storage.value_range import raise_pending
 
@@ -67,6 +73,62 @@ class PrecisionRegions:
     def overrides(self) -> bool:
         """Whether some layer may hold a format other than the cache's."""
         return bool(self.boundary or self.layer_bits)
+
+
+@dataclass(frozen=True)
+class FamilyDefaults:
+    """What a rotated preset holds on one model family, by layer kind: `kind_bits[preset][kind]` is the format of
+    that kind of layer ("full", "sliding"; a kind not named keeps the preset's format). Found from the config's
+    `model_type` (or its text config's), applied only where no layer formats were asked for (`family_regions`)."""
+
+    family: str
+    model_types: tuple[str, ...]
+    kind_bits: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: Why, in one line: what was measured (docs/benchmarks-lowbit.md has the tables).
+    why: str = ""
+
+    def layer_bits(self, spec: ModelSpec, bits: int | str) -> dict[int, str]:
+        """`layer_bits` of preset `bits` on a model of this family: the layers whose kind has a format of its own."""
+        bits = parse_bits(bits)
+        kinds = self.kind_bits.get(bits, {})
+        return {layer.index: kinds[layer.kind] for layer in spec.layers
+                if layer.holds_kv and kinds.get(layer.kind, bits) != bits}  # fmt: skip
+
+
+#: Per-family defaults of the rotated presets. Gemma 3 (1 KV head of 256, QK-norm, 5 sliding-window layers of 512
+#: per full-attention layer): its full-attention layers' keys are long (mean norm 105-132 in layers 5 and 11 of the
+#: 270M model, against 23-64 in its sliding layers, queries about 20) and those layers attend far, so 2-bit keys there
+#: move the attention logits by about 2.0 (standard deviation, after the 1/16 scaling) and their attention output by
+#: 19-23% (each sliding layer: under 3.3%); and at 4K tokens they hold two thirds of the coded tokens (a sliding layer
+#: holds at most its window). k2v2 on Gemma 3 270M, 1,024 tokens of Pride and Prejudice: +32.5% as the preset, +6.2%
+#: with the full layers at k4v1, +1.6% with the sliding layers' keys at 3 bits and values at 1 too (the same bits per
+#: coordinate as k2v2 there); k3v2 +5.4% -> +1.3% (full layers at k4v2); k4v2 +0.65% -> +0.42% (full layers at
+#: k4v3). The tables: docs/benchmarks-lowbit.md ("Two model families"), from eval/lowbit_families.py.
+FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
+    FamilyDefaults(
+        "Gemma 3", ("gemma3_text", "gemma3"),
+        {"k2v2": {"full": "k4v1", "sliding": "k3v1"}, "k3v2": {"full": "k4v2"}, "k4v2": {"full": "k4v3"}},
+        "full-attention layers' keys long and attended far: 2-bit keys there cost 19-23% of their attention output",
+    ),
+)  # fmt: skip
+
+
+def family_of(config: PreTrainedConfig) -> FamilyDefaults | None:
+    """The `FAMILY_DEFAULTS` entry of a model's config (by `model_type`, or its text config's), or None."""
+    types = {getattr(config, "model_type", None)}
+    text = getattr(config, "get_text_config", None)
+    if text is not None:
+        types.add(getattr(text(), "model_type", None))
+    return next((family for family in FAMILY_DEFAULTS if types & set(family.model_types)), None)
+
+
+def family_regions(config: PreTrainedConfig, bits: int | str | None, regions: PrecisionRegions) -> PrecisionRegions:
+    """`regions` with its model family's layer formats for preset `bits` (`FAMILY_DEFAULTS`), where the regions ask
+    for no layer formats of their own (no `layer_bits`, boundary layers or calibration); else `regions` as given."""
+    family = family_of(config)
+    if family is None or bits is None or regions.overrides() or parse_bits(bits) not in family.kind_bits:
+        return regions
+    return replace(regions, layer_bits=family.layer_bits(ModelSpec.from_config(config), bits))
 
 
 def precision_report(cache, format_name: str, window: int) -> dict:

@@ -16,7 +16,7 @@ from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
 from .kernels.turning_center import RotaryBasis
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
-from .precision import PrecisionRegions, precision_report
+from .precision import PrecisionRegions, family_of, family_regions, precision_report
 from .storage.base import KVStorage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW, QuantizedSegment, QuantizedStorage
@@ -48,6 +48,7 @@ def quantized_storage(
     rotation_seed: int = 0,
     regions: PrecisionRegions | None = None,
     turning_keys: bool | None = None,
+    family_defaults: bool = True,
 ) -> Callable[[LayerSpec], KVStorage]:
     """A `KVCache` storage factory holding K/V quantized: combine it with any retention.
 
@@ -56,9 +57,11 @@ def quantized_storage(
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
     `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
     boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives `layer_bits`'s layers
-    their own format. `turning_keys`: see `QuantizedCache`.
+    their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`.
     """
     regions = regions or PrecisionRegions(window=window)
+    if family_defaults:
+        regions = family_regions(config, bits, regions)
     window = regions.window
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -155,6 +158,10 @@ class QuantizedCache(KVCache):
     k4v2: `fitted.calibration_for`; spec `calibration=auto`), a `Calibration` or the path of its file (spec
     `calibration=PATH`), checked against the model and the format (`CacheMismatchError`, `ConfigError`).
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
+    `family_defaults` (True): where no layer formats are asked for (`layer_bits`, `boundary_layers`, `calibration`),
+    a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
+    full-attention layers at k4v1, measured in docs/benchmarks-lowbit.md); `quantized_report()["family_defaults"]`
+    names the family; False: the preset's format on every layer.
     `turning_keys`: a rotated format's keys are coded relative to a centre per KV head; by default (None) on
     full-attention layers (growing or `max_tokens`'s static storage) that centre turns with RoPE, the keys' pre-RoPE
     mean at each key's position (`kernels/turning_center.py`; spec `center=turning`), which codes a model's keys with
@@ -201,6 +208,7 @@ class QuantizedCache(KVCache):
         layer_bits: Mapping[int, int | str | None] | None = None,
         turning_keys: bool | None = None,
         calibration: Calibration | str | Path | None = None,
+        family_defaults: bool = True,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -209,10 +217,14 @@ class QuantizedCache(KVCache):
         bits = rotated_bits(bits, key_bits, value_bits)
         first_tokens = preset_first_tokens(bits, first_tokens)
         layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits)
-        self.regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
+        asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
+        self.regions = family_regions(config, bits, asked) if family_defaults else asked
+        #: The model family whose defaults gave the layer formats (`precision.FAMILY_DEFAULTS`), or None.
+        self.family = family_of(config) if self.regions != asked else None
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,
             max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions, turning_keys=turning_keys,
+            family_defaults=False,
         )  # fmt: skip
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         self.format = resolve_format(self.model_spec, 4 if bits is None else bits, group_size, rotation_seed)
@@ -223,4 +235,5 @@ class QuantizedCache(KVCache):
         window excluded), per token and as a fraction of float16 K/V for the same tokens; and `bits_per_coordinate`
         over every token outside the window, the full-precision regions (first tokens, boundary layers) included at
         their dtype's bits."""
-        return precision_report(self, str(self.format), self.window) | {"backend": self.backend}
+        family = None if self.family is None else self.family.family
+        return precision_report(self, str(self.format), self.window) | {"backend": self.backend, "family_defaults": family}

@@ -1,6 +1,8 @@
 """`kvplus calibrate`: choose, for one model and format, the layers held at other bits within a bits budget, and save
 the choice where `QuantizedCache(calibration="auto")` and the `calibration=auto` spec option find it
-(`fitted.user_dir(config, "calibration/<bits>")`, in the user cache folder), or into `--out` (`calibration=PATH`)."""
+(`fitted.user_dir(config, "calibration/<bits>")`, in the user cache folder), or into `--out` (`calibration=PATH`).
+`--check PCT` calibrates nothing: it measures the format as it ships on the model and text given, against
+DynamicCache (`evaluation.perplexity.check_format`), and exits 1 where its perplexity change is over PCT."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from ..calibration import Calibration
 from ..evaluation.calibrate import calibrate
+from ..evaluation.perplexity import check_format
 from ..evaluation.report import format_table
 from ..fitted import user_dir
 from ..formats import parse_bits
@@ -33,6 +36,9 @@ def register(subparsers) -> None:
     parser.add_argument("--first", type=int, default=None, help="exact first tokens (default: the format's preset)")
     parser.add_argument("--seed", type=int, nargs="+", default=[0],
                         help="rotation seeds: each option measured at each, divergences averaged (default 0)")
+    parser.add_argument("--check", type=float, default=None, metavar="PCT",
+                        help="calibrate nothing: measure --bits as it ships (seed --seed's first, chunks of --chunk) "
+                             "against DynamicCache on --tokens of --text; exit 1 if its perplexity change is over PCT")
     parser.set_defaults(func=run)
 
 
@@ -41,6 +47,11 @@ def run(args) -> int:
     model, tokenizer, text = common.load(args)
     start = time.perf_counter()
     ids = common.scored_tokens(tokenizer, text, args.tokens)
+    if args.check is not None:
+        checked = check_format(model, ids, args.bits, threshold_pct=args.check, chunk_size=args.chunk,
+                               window=args.window, first_tokens=args.first, rotation_seed=args.seed[0], progress=True)
+        print(checked.message())
+        return 1 if checked.over else 0
     calibration, options = calibrate(
         model, ids, model_name=args.model, bits=args.bits, candidates=[*args.up, *args.down],
         max_bits=args.max_bits, chunk_size=args.chunk, window=args.window, first_tokens=args.first,

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..formats import parse_bits
 from ..kernels.rotated_format import turning_key_center
 from ..model_spec import ModelSpec
-from ..precision import layer_region_bits
+from ..precision import PrecisionRegions, family_regions, layer_region_bits
 from ..quantized_cache import QuantizedCache
 from ..storage.quantized import DEFAULT_WINDOW
 from ..transformers_compat import cache_kwargs
@@ -137,13 +137,17 @@ def calibrate(
     reuse: Sequence[Calibration] = (),
     text: str = "",
     progress: bool = True,
+    family_defaults: bool = True,
 ) -> tuple[Calibration, list[LayerOption]]:
     """Measures every layer at every candidate on `input_ids` and returns the calibration within `max_bits` at
     `budget_tokens` (default: the length of `input_ids`), and every option measured. Several `rotation_seed`s: each
     option is measured at each and their divergences averaged (a gain of one seed's rounding is not one of the
     format's). `reuse`: earlier calibrations measured the same way (model, text length, chunk, window, first tokens,
     bits), whose options at these candidates and seeds are taken rather than measured again. Runs
-    `seeds x (1 + layers x candidates + 1) + 1` perplexity passes, fewer the reused ones."""
+    `seeds x (1 + layers x candidates + 1) + 1` perplexity passes, fewer the reused ones. The base is the cache as
+    `QuantizedCache(bits=bits)` builds it, its model family's layer formats included (`precision.FAMILY_DEFAULTS`;
+    `family_defaults=False`: every layer at `bits`): each option changes one layer from there, and the calibration's
+    `layer_bits` hold the family's formats with the chosen ones."""
     for candidate in (bits, *candidates):
         parse_bits(candidate)
     seeds = (rotation_seed,) if isinstance(rotation_seed, int) else tuple(dict.fromkeys(rotation_seed))
@@ -155,9 +159,11 @@ def calibrate(
     if budget_tokens < 1:
         raise ConfigError(f"budget_tokens must be >= 1, got {budget_tokens}")
 
+    family = dict(family_regions(model.config, bits, PrecisionRegions(window)).layer_bits) if family_defaults else {}
+
     def cache(layer_bits=None, seed: int = seeds[0]) -> QuantizedCache:
-        return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens,
-                              rotation_seed=seed, layer_bits=layer_bits)  # fmt: skip
+        return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens, rotation_seed=seed,
+                              layer_bits=family | (layer_bits or {}), family_defaults=False)  # fmt: skip
 
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
                 "first_tokens": first_tokens, "key_center": key_center(cache())}  # fmt: skip
@@ -177,8 +183,9 @@ def calibrate(
 
     layers = [layer for layer in spec.layers if layer.holds_kv]
     dtype = next(model.parameters()).dtype
-    table = layer_bits_table(cache, (bits, *candidates), spec.num_layers, budget_tokens, chunk_size, layers, dtype)
-    base_bits = bits_per_coordinate(table, bits, {})
+    table = layer_bits_table(lambda layer_bits: cache(layer_bits), (bits, *candidates, *family.values()),
+                             spec.num_layers, budget_tokens, chunk_size, layers, dtype)  # fmt: skip
+    base_bits = bits_per_coordinate(table, bits, family)
     if base_bits > max_bits:
         raise ConfigError(f"bits={bits!r} alone holds {base_bits:.3f} bits per coordinate at {budget_tokens} tokens, "
                           f"over max_bits={max_bits}")  # fmt: skip
@@ -199,7 +206,8 @@ def calibrate(
                               f"{base[seed][1]}")  # fmt: skip
     base_delta, base_kl = (statistics.fmean(b[k] for b in base.values()) for k in (0, 1))
     options, by_seed = [], {}
-    grid = [(layer.index, candidate) for layer in layers for candidate in candidates if candidate != bits]
+    grid = [(layer.index, candidate) for layer in layers for candidate in candidates
+            if candidate != family.get(layer.index, bits)]  # fmt: skip
     for layer, candidate in tqdm(grid, desc="layers", unit="run", disable=not progress):
         for seed in seeds:
             if (seed, layer, candidate) not in known:
@@ -207,9 +215,9 @@ def calibrate(
                 known[seed, layer, candidate] = (kl, delta)
         by_seed[layer, candidate] = {str(seed): known[seed, layer, candidate] for seed in seeds}
         kl, delta = (statistics.fmean(m[k] for m in by_seed[layer, candidate].values()) for k in (0, 1))
-        added = bits_per_coordinate(table, bits, {layer: candidate}) - base_bits
+        added = bits_per_coordinate(table, bits, family | {layer: candidate}) - base_bits
         options.append(LayerOption(layer, candidate, delta, kl, base_kl - kl, added))
-    chosen = choose(options, base_bits, max_bits)
+    chosen = family | choose(options, base_bits, max_bits)
     final_bits = bits_per_coordinate(table, bits, chosen)
     final = [measure(cache(chosen, seed)) for seed in seeds]
     final_delta, final_kl = (statistics.fmean(f[k] for f in final) for k in (0, 1))
@@ -218,7 +226,7 @@ def calibrate(
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-            "first_tokens": first_tokens, "key_center": protocol["key_center"],
+            "first_tokens": first_tokens, "key_center": protocol["key_center"], "family_layer_bits": family,
             "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
             "candidates": list(candidates), "budget_tokens": budget_tokens,
             "allocation": "exact multiple-choice knapsack over the layers",

@@ -1,0 +1,206 @@
+"""The low-bit presets on two model families, before and after the per-family defaults: one table from one command.
+
+    python eval/lowbit_families.py --out eval/results/lowbit_families_4k
+    python eval/lowbit_families.py --out eval/results/lowbit_families_4k --report-only   # the table from runs.jsonl
+    python eval/lowbit_families.py --dry-run --out /tmp/lowbit_families_dry          # every row, tiny
+
+Protocol: each `--models` on the first `--tokens` tokens of each `--texts`, fed in chunks of `--chunk`, a
+`--window`-token full-precision window; perplexity change against DynamicCache on the same ids and chunks (measured
+once per model and text). Each row is `QuantizedCache(bits=<spec>, window, rotation_seed=<seed>)` as it ships
+("after": with its model family's layer formats, `precision.FAMILY_DEFAULTS`) and with `family_defaults=False`
+("before": the preset's format on every layer, what the presets were before the family defaults). Where a model has
+no family defaults for a spec, both are the same cache: it runs once, as "same". Bits per coordinate:
+`quantized_report()["bits_per_coordinate"]` after the run (every token outside the window, exact regions counted at
+their dtype's bits: float32 here).
+
+Texts: `austen:prideprejudice` (the project's) and, held out, a technical text that neither model's artifacts were
+fitted on and the project does not hold: Vim's reference manual on patterns (`/usr/share/vim/vim90/doc/pattern.txt`,
+Debian's `vim-runtime`), a text of commands, syntax and prose unlike the novels.
+
+Runs are appended to `runs.jsonl` in `--out` as they finish and a rerun skips those there. DynamicCache's per-token
+log-likelihoods (for each row's paired standard error) go to `--scratch`, not to `--out`. Writes `results.json` (the
+runs, small) and `table.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_kvplus import QuantizedCache
+from hf_kvplus.cli.common import tokenize
+from hf_kvplus.evaluation.perplexity import perplexity
+from hf_kvplus.evaluation.report import stamp
+from hf_kvplus.precision import family_of
+from hf_kvplus.resolve import load_model, load_text
+
+VIM_PATTERNS = "/usr/share/vim/vim90/doc/pattern.txt"
+TEXT_NAMES = {"austen:prideprejudice": "P&P", VIM_PATTERNS: "Vim patterns"}
+MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+
+
+def has_defaults(config, spec: str) -> bool:
+    """Whether `spec` takes layer formats of its own on this model (`precision.FAMILY_DEFAULTS`)."""
+    family = family_of(config)
+    return family is not None and spec in family.kind_bits
+
+
+def plan(args, model_name: str, config) -> list[dict]:
+    rows = []
+    for text in args.texts:
+        for spec in args.specs:
+            kinds = ["before", "after"] if has_defaults(config, spec) else ["same"]
+            for seed in args.seeds:
+                rows += [{"model": model_name, "text": text, "spec": spec, "defaults": kind, "seed": seed,
+                          "tokens": args.tokens, "chunk": args.chunk, "window": args.window} for kind in kinds]  # fmt: skip
+    return rows
+
+
+def key(row: dict) -> tuple:
+    return tuple(row[k] for k in ("model", "text", "spec", "defaults", "seed", "tokens", "chunk", "window"))
+
+
+def read_runs(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def cell(runs: list[dict]) -> str:
+    """`+x.xx% (b.bb)`: seed 0's change and bits; with more seeds, their mean too."""
+    if not runs:
+        return ""
+    first = next((r for r in runs if r["seed"] == 0), runs[0])
+    text = f"{first['delta_pct']:+.2f}% ({first['bits']:.2f})"
+    if len(runs) > 1:
+        text += f", mean {statistics.fmean(r['delta_pct'] for r in runs):+.2f}% ({len(runs)} seeds)"
+    return text
+
+
+def table(runs: list[dict]) -> str:
+    """One table per text: a row per spec, before and after for each model."""
+    quantized = [r for r in runs if r["spec"] != "dynamic"]
+    models = list(dict.fromkeys(r["model"] for r in quantized))
+    texts = list(dict.fromkeys(r["text"] for r in quantized))
+    specs = list(dict.fromkeys(r["spec"] for r in quantized))
+    out = []
+    for text in texts:
+        bases = {r["model"]: r for r in runs if r["spec"] == "dynamic" and r["text"] == text}
+        base = "; ".join(f"{MODEL_NAMES.get(m, m)} {bases[m]['perplexity']:.3f}" for m in models if m in bases)
+        some = next(r for r in quantized if r["text"] == text)
+        out.append(f"**{TEXT_NAMES.get(text, text)}** ({some['tokens']} tokens, chunks of {some['chunk']}, window "
+                   f"{some['window']}; DynamicCache perplexity {base}). Cells: perplexity change (bits per coordinate)."
+                   "\n")  # fmt: skip
+        header = ["spec"] + [f"{MODEL_NAMES.get(m, m)} {when}" for m in models for when in ("before", "after")]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("| --- |" + " ---: |" * (len(header) - 1))
+        for spec in specs:
+            cells = [f"`quantized:{spec}`"]
+            for model in models:
+                mine = [r for r in quantized if (r["text"], r["spec"], r["model"]) == (text, spec, model)]
+                same = [r for r in mine if r["defaults"] == "same"]
+                before = same or [r for r in mine if r["defaults"] == "before"]
+                after = same or [r for r in mine if r["defaults"] == "after"]
+                cells += [cell(before), cell(after) + (" (same)" if same else "")]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def report(runs: list[dict], meta: dict, out: Path) -> str:
+    md = (f"Rotated presets before and after the per-family defaults; {meta['machine']}, {meta['date']}.\n\n"
+          f"`{meta['command']}`\n\n{table(runs)}\n"
+          "before: the preset's format on every layer (`family_defaults=False`); after: as it ships (Gemma 3: "
+          "the family's layer formats, `precision.FAMILY_DEFAULTS`); (same): no family defaults for that model and "
+          "spec, one run. Bits: `quantized_report()['bits_per_coordinate']`.\n")  # fmt: skip
+    (out / "table.md").write_text(md)
+    small = [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()} for r in runs]
+    (out / "results.json").write_text(json.dumps({**meta, "runs": small}, separators=(",", ":")) + "\n")
+    return md
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="output folder (runs.jsonl is extended there)")
+    parser.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2-135m"])
+    parser.add_argument("--texts", nargs="+", default=["austen:prideprejudice", VIM_PATTERNS])
+    parser.add_argument("--specs", nargs="+", default=["k2v2", "k3v2", "k4v2", "int4"])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--chunk", type=int, default=32)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/lowbit_families"),
+                        help="where DynamicCache's per-token log-likelihoods are kept between runs")
+    parser.add_argument("--report-only", action="store_true", help="write the tables from runs.jsonl, measure nothing")
+    parser.add_argument("--dry-run", action="store_true", help="every row tiny: 300 tokens, window 64, seed 0")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.tokens, args.window, args.seeds = 300, 64, args.seeds[:1]
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    log = args.out / "runs.jsonl"
+    runs = read_runs(log)
+    given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
+    command = "python eval/lowbit_families.py " + " ".join(given)
+    meta = {**stamp(), "command": command, "args": {k: str(v) for k, v in vars(args).items()}}
+    if not args.report_only:
+        done = {key(r) for r in runs}
+
+        def record(row: dict) -> None:
+            runs.append(row)
+            with log.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+        for model_name in args.models:
+            model, tokenizer = load_model(model_name)
+            todo = [r for r in plan(args, model_name, model.config) if key(r) not in done]
+            # what ships first, on every text; then the presets before the family defaults; a KIVI format last
+            todo.sort(key=lambda r: (r["seed"] != args.seeds[0], r["defaults"] == "before", r["spec"] == "int4",
+                                     args.texts.index(r["text"])))  # fmt: skip
+            for row in tqdm(todo, desc=f"{model_name} runs", unit="run"):
+                text = row["text"]
+                name = f"{model_name} {Path(text).name} t{args.tokens} c{args.chunk}"
+                ids = tokenize(tokenizer, load_text(text), args.tokens)
+                nll_file = args.scratch / (name.replace(" ", "_").replace(":", "_") + ".pt")
+                base = {(r["model"], r["text"], r["tokens"], r["chunk"]): r for r in runs if r["spec"] == "dynamic"}
+                where = (model_name, text, args.tokens, args.chunk)
+                if where not in base or not nll_file.exists():
+                    result = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=args.chunk,
+                                        label=f"dynamic {name}")  # fmt: skip
+                    torch.save(result.nll, nll_file)
+                    if where not in base:
+                        record({"model": model_name, "text": text, "spec": "dynamic", "defaults": "same", "seed": None,
+                                "tokens": args.tokens, "chunk": args.chunk, "window": None,
+                                "perplexity": result.perplexity, "seconds": result.seconds})  # fmt: skip
+                        base[where] = runs[-1]
+                base_nll = torch.load(nll_file).double()
+                cache = QuantizedCache(model.config, bits=row["spec"], window=args.window, rotation_seed=row["seed"],
+                                       family_defaults=row["defaults"] != "before")  # fmt: skip
+                result = perplexity(model, ids, cache, chunk_size=args.chunk, label=f"{row['spec']} {row['defaults']}")
+                ratio = result.perplexity / base[where]["perplexity"]
+                difference = result.nll.double() - base_nll
+                report_ = cache.quantized_report()
+                row |= {"perplexity": result.perplexity, "delta_pct": 100 * (ratio - 1),
+                        "se_pct": 100 * ratio * float(difference.std() / difference.numel() ** 0.5),
+                        "bits": report_["bits_per_coordinate"], "family_defaults": report_.get("family_defaults"),
+                        "layer_bits": {str(i): b for i, b in cache.regions.layer_bits},
+                        "seconds": result.seconds}  # fmt: skip
+                record(row)
+                tqdm.write(f"{model_name} {Path(text).name} {row['spec']} {row['defaults']} seed {row['seed']}: "
+                           f"{row['delta_pct']:+.3f}% +- {row['se_pct']:.3f} at {row['bits']:.3f} bits, "
+                           f"{row['seconds']:.0f} s")  # fmt: skip
+            del model
+    print(report(runs, meta, args.out))
+
+
+if __name__ == "__main__":
+    main()
