@@ -1,9 +1,9 @@
 """The one quantized-format resolver: what `bits` and `group_size` mean for a model, for every quantized storage
 (the dense and paged quantized caches, the evicting caches' slots, offloaded quantized layers).
 
-`bits` names a KIVI format (8, 4, 2 or "fp8": uniform codes with a scale per group) or a rotated one ("k4v2":
+`bits` names a KIVI format (8, 4, 2 or "fp8": uniform codes with a scale per group), a rotated one ("k4v2":
 4-bit keys and 2-bit values, Lloyd-Max codes after a rotation, one norm per vector; see
-`kernels/rotated_format.py`).
+`kernels/rotated_format.py`), or any format registered by name (`kernels.kv_format.register_format`; docs/formats.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import re
 
 from .errors import ConfigError
+from .kernels.kv_format import KVFormat, registered_format, registered_formats
 from .kernels.quant_format import BIT_WIDTHS, DEFAULT_GROUP, QuantFormat
 from .kernels.rotated_format import ROTATED_BITS, RotatedFormat
 from .model_spec import ModelSpec
@@ -21,11 +22,13 @@ _WIDTHS = "8, 4, 2 or 'fp8' (int8/int4/int2/fp8), or a rotated format 'k<key bit
 
 
 def parse_bits(bits) -> int | str:
-    """8, 4, 2, "fp8" or a rotated name "k<key bits>v<value bits>" (each of 1, 2, 3, 4, 8); also accepts
-    "int8"/"int4"/"int2" and "8"/"4"/"2"."""
+    """8, 4, 2, "fp8", a rotated name "k<key bits>v<value bits>" (each of 1, 2, 3, 4, 8) or a registered format's
+    name (as registered, lower case); also accepts "int8"/"int4"/"int2" and "8"/"4"/"2"."""
     given = bits
     if isinstance(bits, str):
-        text = bits.strip().lower().removeprefix("int")
+        if registered_format(text := bits.strip().lower()) is not None:
+            return text
+        text = text.removeprefix("int")
         if (rotated := _ROTATED.fullmatch(text)) is not None:
             key_bits, value_bits = (int(b) for b in rotated.groups())
             if key_bits in ROTATED_BITS and value_bits in ROTATED_BITS:
@@ -33,7 +36,8 @@ def parse_bits(bits) -> int | str:
             raise ConfigError(f"bits {given!r}: a rotated format takes key and value bits in {ROTATED_BITS}")
         bits = int(text) if text.isdigit() else text
     if isinstance(bits, bool) or bits not in BIT_WIDTHS:
-        raise ConfigError(f"bits must be {_WIDTHS}, got {given!r}")
+        named = f", or a registered format ({', '.join(registered_formats())})" if registered_formats() else ""
+        raise ConfigError(f"bits must be {_WIDTHS}{named}, got {given!r}")
     return bits
 
 
@@ -54,22 +58,27 @@ def rotated_bits(bits, key_bits: int | None, value_bits: int | None):
 def is_rotated(bits: int | str) -> bool:
     """Whether `bits` names a rotated format (`k<key bits>v<value bits>`), which has no groups."""
     bits = parse_bits(bits)
-    return isinstance(bits, str) and bits != "fp8"
+    return isinstance(bits, str) and _ROTATED.fullmatch(bits) is not None
 
 
 def resolve_format(
     spec: ModelSpec, bits: int | str | None, group_size: int | None, seed: int = 0
-) -> QuantFormat | RotatedFormat | None:
+) -> KVFormat | None:
     """The format of `bits`/`group_size` for every layer of a model (None when `bits` is None), checked against
     every head_dim; a KIVI format's default group is `DEFAULT_GROUP`'s, reduced to divide every head_dim. `seed`: a
-rotated format's rotation seed (layer i rotates with seed + i)."""
+    rotated format's rotation seed (layer i rotates with seed + i). A registered format is made by its maker, from
+    `group_size` (None: its default) and the head dims."""
     if bits is None:
         if group_size is not None:
             raise ConfigError(f"group_size={group_size!r} needs bits (8, 4, 2 or 'fp8'): full precision has no groups")
         return None
     bits = parse_bits(bits)
     head_dims = sorted({layer.head_dim for layer in spec.layers if layer.holds_kv})
-    if is_rotated(bits):
+    if (make := registered_format(bits) if isinstance(bits, str) else None) is not None:
+        fmt = make(group_size, tuple(head_dims))
+        if not isinstance(fmt, KVFormat):
+            raise ConfigError(f"format {bits!r}: its maker returned {type(fmt).__name__}, not a KVFormat")
+    elif is_rotated(bits):
         if group_size is not None:
             raise ConfigError(f"rotated format {bits} has no groups (one norm per vector), got group_size={group_size}")
         key_bits, value_bits = (int(b) for b in _ROTATED.fullmatch(bits).groups())

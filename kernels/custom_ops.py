@@ -160,103 +160,63 @@ def _(k_pool, v_pool, keys, values, slot_mapping):
 # ---------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kvplus::quantized_decode_attention", mutates_args=())
-def quantized_decode_attention(
-    q: Tensor,
-    k: Tensor,
-    k_scale: Tensor,
-    k_zero: Tensor | None,
-    v: Tensor,
-    v_scale: Tensor,
-    v_zero: Tensor | None,
-    bits: str,
-    group_size: int,
-    start: int,
-    length: int,
-    scale: float,
-    residual_k: Tensor | None,
-    residual_v: Tensor | None,
-    mask: Tensor | None,
-    block_table: Tensor | None,
-    num_splits: int | None,
-    keys_per_token: bool,
-) -> Tensor:
-    return quant.quantized_decode_attention_torch(
-        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
-        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
+#: The quantized attention ops' arguments: a `PackedKV`'s six tensors, a `QuantFormat` as (bits, group_size), then
+#: the entry point's keywords (written once for the two ops: each is defined from this schema).
+_QUANTIZED_ARGS = (
+    "Tensor q, Tensor k, Tensor k_scale, Tensor? k_zero, Tensor v, Tensor v_scale, Tensor? v_zero, str bits, "
+    "SymInt group_size, SymInt start, SymInt length, float scale, Tensor? residual_k, Tensor? residual_v, "
+    "Tensor? mask, Tensor? block_table, SymInt? num_splits, bool keys_per_token"
+)
+
+
+def _quantized_call(q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k,
+                    residual_v, mask, block_table, num_splits, keys_per_token):  # fmt: skip
+    """(q, PackedKV, QuantFormat, keywords of the twins and, with `num_splits`, of the Triton kernels)."""
+    kw = dict(
+        start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, keys_per_token=keys_per_token, check=False,
     )  # fmt: skip
+    return q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), kw, num_splits
 
 
-@quantized_decode_attention.register_kernel("cuda")
-def quantized_decode_attention_cuda(
-    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
-    mask, block_table, num_splits, keys_per_token,
-):  # fmt: skip
-    return quant.quantized_decode_attention_triton(
-        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
-        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=False,
-    )  # fmt: skip
+def _quantized_op(name: str, twin, triton, with_mass: bool):
+    """A quantized attention op of `_QUANTIZED_ARGS` (the twin on every device, Triton on CUDA, a fake of the shapes)
+    and its CUDA implementation."""
+
+    def run(*args):
+        q, packed, fmt, kw, _ = _quantized_call(*args)
+        return twin(q, packed, fmt, **kw)
+
+    op = torch.library.custom_op(f"kvplus::{name}", run, mutates_args=(),
+                                 schema=f"({_QUANTIZED_ARGS}) -> {'(Tensor, Tensor)' if with_mass else 'Tensor'}")  # fmt: skip
+
+    @op.register_kernel("cuda")
+    def cuda(*args):
+        q, packed, fmt, kw, num_splits = _quantized_call(*args)
+        return triton(q, packed, fmt, num_splits=num_splits, **kw)
+
+    @op.register_fake
+    def _(q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, *rest):
+        # Codes per byte depend on the bit width alone (the group size may be symbolic here: no format is made).
+        out = _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte)
+        return (out, _mass_out(q, k, length, residual_k)) if with_mass else out
+
+    return op, cuda
 
 
-@quantized_decode_attention.register_fake
-def _(
-    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
-    mask, block_table, num_splits, keys_per_token,
-):  # fmt: skip
-    # Codes per byte depend on the bit width alone (the group size may be symbolic here).
-    return _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte)
-
-
-@torch.library.custom_op("kvplus::quantized_decode_attention_with_mass", mutates_args=())
-def quantized_decode_attention_with_mass(
-    q: Tensor,
-    k: Tensor,
-    k_scale: Tensor,
-    k_zero: Tensor | None,
-    v: Tensor,
-    v_scale: Tensor,
-    v_zero: Tensor | None,
-    bits: str,
-    group_size: int,
-    start: int,
-    length: int,
-    scale: float,
-    residual_k: Tensor | None,
-    residual_v: Tensor | None,
-    mask: Tensor | None,
-    block_table: Tensor | None,
-    num_splits: int | None,
-    keys_per_token: bool,
-) -> tuple[Tensor, Tensor]:
-    return quant.quantized_decode_attention_with_mass_torch(
-        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
-        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, keys_per_token=keys_per_token, check=False,
-    )  # fmt: skip
-
-
-@quantized_decode_attention_with_mass.register_kernel("cuda")
-def quantized_decode_attention_with_mass_cuda(
-    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
-    mask, block_table, num_splits, keys_per_token,
-):  # fmt: skip
-    return quant.quantized_decode_attention_with_mass_triton(
-        q, PackedKV(k, k_scale, k_zero, v, v_scale, v_zero), _format(bits, group_size), start=start,
-        length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=False,
-    )  # fmt: skip
-
-
-@quantized_decode_attention_with_mass.register_fake
-def _(
-    q, k, k_scale, k_zero, v, v_scale, v_zero, bits, group_size, start, length, scale, residual_k, residual_v,
-    mask, block_table, num_splits, keys_per_token,
-):  # fmt: skip
+def _mass_out(q: Tensor, k: Tensor, length, residual_k: Tensor | None) -> Tensor:
+    """The attention mass of every quantized kernel: float32 [B, Hkv, length + R]."""
     keys = length + (0 if residual_k is None else residual_k.shape[2])
-    mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)
-    return _attention_out(q, v.shape[-1] * _format(bits, 1).per_byte), mass
+    return q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)
+
+
+quantized_decode_attention, quantized_decode_attention_cuda = _quantized_op(
+    "quantized_decode_attention", quant.quantized_decode_attention_torch, quant.quantized_decode_attention_triton, False
+)
+quantized_decode_attention_with_mass, quantized_decode_attention_with_mass_cuda = _quantized_op(
+    "quantized_decode_attention_with_mass", quant.quantized_decode_attention_with_mass_torch,
+    quant.quantized_decode_attention_with_mass_triton, True,
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -328,120 +288,65 @@ def _(x, bits, group_size, codes, scale, zero, slots):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
-                    mask, block_table, key_center):  # fmt: skip
-    """(PackedKV, RotatedFormat, keywords) of the rotated attention ops' arguments (a turning centre's two tensors,
-    ``key_turn_q`` and ``key_turn_basis`` [D, positions], go to the Triton kernel as its ``turn``)."""
+#: The rotated attention ops' arguments: codes and norms of both sides, a `RotatedFormat` as (key_bits, value_bits,
+#: seed), the entry point's keywords, the keys' centre in the rotated space (``KeyCenter.rotated``) and a turning
+#: centre's query weights and basis (CUDA only).
+_ROTATED_ARGS = (
+    "Tensor q, Tensor k, Tensor k_norm, Tensor v, Tensor v_norm, SymInt key_bits, SymInt value_bits, SymInt seed, "
+    "SymInt start, SymInt length, float scale, Tensor? residual_k, Tensor? residual_v, Tensor? mask, "
+    "Tensor? block_table, SymInt? num_splits, Tensor? key_center, Tensor? key_turn_q=None, Tensor? key_turn_basis=None"
+)
+
+
+def _rotated_call(q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
+                  mask, block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None):  # fmt: skip
+    """(q, PackedKV, RotatedFormat, keywords, num_splits, the Triton kernel's ``turn`` or None)."""
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, check=False,
     )  # fmt: skip
     fmt = RotatedFormat(key_bits, value_bits, seed, KeyCenter.given(key_center, seed, rotated=True))
-    return PackedKV(k, k_norm, None, v, v_norm, None), fmt, kw
-
-
-def _no_turn_off_cuda(key_turn_q: Tensor | None) -> None:
-    if key_turn_q is not None:
-        raise ConfigError("the rotated attention operators read a turning key centre on CUDA only (Triton); off CUDA "
-                          "the dispatcher runs the C++ operator or the twin")  # fmt: skip
-
-
-@torch.library.custom_op("kvplus::rotated_decode_attention", mutates_args=())
-def rotated_decode_attention(
-    q: Tensor,
-    k: Tensor,
-    k_norm: Tensor,
-    v: Tensor,
-    v_norm: Tensor,
-    key_bits: int,
-    value_bits: int,
-    seed: int,
-    start: int,
-    length: int,
-    scale: float,
-    residual_k: Tensor | None,
-    residual_v: Tensor | None,
-    mask: Tensor | None,
-    block_table: Tensor | None,
-    num_splits: int | None,
-    key_center: Tensor | None,
-    key_turn_q: Tensor | None = None,
-    key_turn_basis: Tensor | None = None,
-) -> Tensor:
-    _no_turn_off_cuda(key_turn_q)
-    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
-    return quant.quantized_decode_attention_torch(q, packed, fmt, **kw)
-
-
-@rotated_decode_attention.register_kernel("cuda")
-def rotated_decode_attention_cuda(
-    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
-):  # fmt: skip
-    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
     turn = None if key_turn_q is None else (key_turn_q, key_turn_basis)
-    return rotated_attention.rotated_decode_attention_triton(q, packed, fmt, num_splits=num_splits, turn=turn, **kw)[0]
+    return q, PackedKV(k, k_norm, None, v, v_norm, None), fmt, kw, num_splits, turn
 
 
-@rotated_decode_attention.register_fake
-def _(
-    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
-):  # fmt: skip
-    return _attention_out(q, v.shape[-1] * 8 // value_bits)
+def _rotated_op(name: str, twin, with_mass: bool):
+    """A rotated attention op of `_ROTATED_ARGS`, in the rotated space (the twin off CUDA, where no turning centre goes:
+    the dispatcher runs the C++ operator or the twin; `rotated_attention`'s kernel on CUDA; a fake of the shapes), and
+    its CUDA implementation."""
+
+    def run(*args):
+        q, packed, fmt, kw, _, turn = _rotated_call(*args)
+        if turn is not None:
+            raise ConfigError("the rotated attention operators read a turning key centre on CUDA only (Triton); off "
+                              "CUDA the dispatcher runs the C++ operator or the twin")  # fmt: skip
+        return twin(q, packed, fmt, **kw)
+
+    op = torch.library.custom_op(f"kvplus::{name}", run, mutates_args=(),
+                                 schema=f"({_ROTATED_ARGS}) -> {'(Tensor, Tensor)' if with_mass else 'Tensor'}")  # fmt: skip
+
+    @op.register_kernel("cuda")
+    def cuda(*args):
+        q, packed, fmt, kw, num_splits, turn = _rotated_call(*args)
+        result = rotated_attention.rotated_decode_attention_triton(
+            q, packed, fmt, num_splits=num_splits, with_mass=with_mass, turn=turn, **kw
+        )
+        return result if with_mass else result[0]
+
+    @op.register_fake
+    def _(q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, *rest):
+        out = _attention_out(q, v.shape[-1] * 8 // value_bits)  # (no format made: its tables are real tensors)
+        return (out, _mass_out(q, k, length, residual_k)) if with_mass else out
+
+    return op, cuda
 
 
-@torch.library.custom_op("kvplus::rotated_decode_attention_with_mass", mutates_args=())
-def rotated_decode_attention_with_mass(
-    q: Tensor,
-    k: Tensor,
-    k_norm: Tensor,
-    v: Tensor,
-    v_norm: Tensor,
-    key_bits: int,
-    value_bits: int,
-    seed: int,
-    start: int,
-    length: int,
-    scale: float,
-    residual_k: Tensor | None,
-    residual_v: Tensor | None,
-    mask: Tensor | None,
-    block_table: Tensor | None,
-    num_splits: int | None,
-    key_center: Tensor | None,
-    key_turn_q: Tensor | None = None,
-    key_turn_basis: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    _no_turn_off_cuda(key_turn_q)
-    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
-    return quant.quantized_decode_attention_with_mass_torch(q, packed, fmt, **kw)
-
-
-@rotated_decode_attention_with_mass.register_kernel("cuda")
-def rotated_decode_attention_with_mass_cuda(
-    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
-):  # fmt: skip
-    packed, fmt, kw = _rotated_kwargs(k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale,
-                                      residual_k, residual_v, mask, block_table, key_center)  # fmt: skip
-    turn = None if key_turn_q is None else (key_turn_q, key_turn_basis)
-    return rotated_attention.rotated_decode_attention_triton(
-        q, packed, fmt, num_splits=num_splits, with_mass=True, turn=turn, **kw
-    )
-
-
-@rotated_decode_attention_with_mass.register_fake
-def _(
-    q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v, mask,
-    block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None,
-):  # fmt: skip
-    keys = length + (0 if residual_k is None else residual_k.shape[2])
-    mass = q.new_empty((q.shape[0], k.shape[1], keys), dtype=torch.float32)
-    return _attention_out(q, v.shape[-1] * 8 // value_bits), mass
+rotated_decode_attention, rotated_decode_attention_cuda = _rotated_op(
+    "rotated_decode_attention", quant.quantized_decode_attention_torch, False
+)
+rotated_decode_attention_with_mass, rotated_decode_attention_with_mass_cuda = _rotated_op(
+    "rotated_decode_attention_with_mass", quant.quantized_decode_attention_with_mass_torch, True
+)
 
 
 @torch.library.custom_op("kvplus::quantize_rotated", mutates_args=("codes", "norms"))

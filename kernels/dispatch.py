@@ -28,33 +28,15 @@ from hf_kvplus.kernels.decode_attention import (
     decode_attention_with_mass_torch,
     decode_attention_with_mass_triton,
 )
-from hf_kvplus.kernels.errors import ShapeError
+from hf_kvplus.kernels.format_kernels import check_used_blocks, path_of
+from hf_kvplus.kernels.kv_format import kernels_for
 from hf_kvplus.kernels.paged_attention import (
     _check_attention_inputs,
-    _check_block_ids,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
     paged_store_torch,
     paged_store_triton,
 )
-from hf_kvplus.kernels.quant_attention import (
-    _check_inputs,
-    _twin,
-    quantized_decode_attention_triton,
-    quantized_decode_attention_with_mass_triton,
-)
-from hf_kvplus.kernels.quant_pack import (
-    _check_at,
-    _new_out,
-    quantize_keys_triton,
-    quantize_off_cuda,
-    quantize_values_at_torch,
-    quantize_values_at_triton,
-    quantize_values_triton,
-)
-from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
-from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation, turning_key_center
-from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 __all__ = [
     "decode_attention",
@@ -68,28 +50,12 @@ __all__ = [
 ]
 
 
-def _path(x, check: bool, op_off_cuda: bool = False) -> str:
-    """Where a call on `x` runs, the one place kernels/ asks whether the compiler is tracing: "op" (the custom
-    operator: an unchecked call being traced, on CUDA unless `op_off_cuda`), "triton" (CUDA tensors), "traced" (the
-    twin, traced off CUDA: it takes the forms inductor fuses) or "twin" (everything else, a checked call's non-tensor
-    included, which the twin's checks refuse)."""
-    cuda = (not check or isinstance(x, torch.Tensor)) and x.is_cuda
-    if not torch.compiler.is_compiling():
-        return "triton" if cuda else "twin"
-    if not check and (cuda or op_off_cuda):
-        return "op"
-    return "triton" if cuda else "traced"
-
-
-#: The paths that run the torch twin.
-_TWINS = ("twin", "traced")
-
-
 def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
     """Everything a layer's format needs on `device`, made where shapes become fixed (a layer's first call): its
     tables (``fmt.prepare``) and, on the CPU, the C++ operators (built on first use), so that neither
     a decode step nor a graph compiled later makes them."""
     fmt.prepare(key_dim, value_dim, device)
+    kernels_for(fmt)  # found now: a compiled step finds it cached
     if torch.device(device).type == "cpu":
         rotated_cpu.available()
 
@@ -108,7 +74,7 @@ def decode_attention(
     ``num_splits`` only affects the Triton path (None = automatic, see ``decode_attention.pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see ``decode_attention``'s module docstring).
     """
-    path = _path(q, check)
+    path = path_of(q, check)
     if path == "op":
         op = custom_ops.decode_attention_with_mass if with_mass else custom_ops.decode_attention
         return op(q, k, v, scale, mask, num_splits)
@@ -137,10 +103,10 @@ def paged_decode_attention(
     if kivi_cpu.supports(q):
         if check:
             _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits)
-            _check_used_blocks(block_table, k_pool.shape[0], k_pool.shape[2], start, length)
+            check_used_blocks(block_table, k_pool.shape[0], k_pool.shape[2], start, length)
         out = kivi_cpu.paged_decode_cpu(q, k_pool, v_pool, block_table, start, length, scale, mask)
         return out.to(q.dtype)
-    path = _path(q, check)
+    path = path_of(q, check)
     if path == "op":
         return custom_ops.paged_decode_attention(
             q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits
@@ -164,7 +130,7 @@ def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = Tru
     ``check=False``: the caller guarantees the contract, every slot in 0..num_blocks*block_size-1
     (no -1; see ``paged_attention``'s module docstring).
     """
-    path = _path(k_pool, check, True)
+    path = path_of(k_pool, check, True)
     if path == "op":
         custom_ops.paged_store(k_pool, v_pool, keys, values, slot_mapping)
     elif path == "triton":
@@ -209,112 +175,8 @@ def quantized_decode_attention(
 
 
 def _quantized(q, packed, fmt, kw: dict, with_mass: bool):
-    """A rotated format through :func:`_rotated`, else the path of :func:`_path`."""
-    if isinstance(fmt, RotatedFormat):
-        return _rotated(q, packed, fmt, kw, with_mass)
-    if kivi_cpu.supports(q):
-        return _kivi_cpu(q, packed, fmt, kw, with_mass)
-    path = _path(q, kw["check"])
-    if path == "op":
-        p, args = packed, [kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask")]
-        op = custom_ops.quantized_decode_attention_with_mass if with_mass else custom_ops.quantized_decode_attention
-        return op(
-            q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, *custom_ops.format_args(fmt), *args,
-            kw["block_table"], kw["num_splits"], kw["keys_per_token"],
-        )  # fmt: skip
-    if path == "triton":
-        fn = quantized_decode_attention_with_mass_triton if with_mass else quantized_decode_attention_triton
-        return fn(q, packed, fmt, **kw)
-    result = _twin(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=path == "traced")
-    return result if with_mass else result[0]
-
-
-def _rotated(q, packed, fmt, kw: dict, with_mass: bool):
-    """A rotated format's attention, computed in the rotated space: q and the residual rotated in (float32; q . k
-    and the softmax are unchanged by an orthogonal rotation; a residual of a format with `inputs_rotated` comes
-    rotated), the codes read as they are, the output (a weighted sum of rotated values) rotated back once."""
-    D, kw = q.shape[-1], dict(kw)
-    if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
-        raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
-    Dv = fmt.channels(packed.v.shape[-1], "values")
-    if rotated_cpu.supports(q, fmt, kw["block_table"]):
-        return _rotated_cpu(q, packed, fmt, kw, with_mass)
-    # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
-    # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
-    # output unchanged, so the rotations' columns are permuted to match.
-    path = _path(q, kw["check"])
-    planes = path == "traced"
-    # A ring held rotated stays in channel order: the twin folds it in after the codes, with q and the running output
-    # turned to channel order (a few floats), where putting the ring in plane order copied all of it every step.
-    ring_in_channels = planes and kw["residual_k"] is not None and fmt.inputs_rotated
-    r_k = rotation(D, fmt.seed, q.device, plane_bits=fmt.key_bits if planes else None)
-    r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes and not ring_in_channels else None)
-    if kw["residual_k"] is not None and fmt.inputs_rotated:
-        kw["residual_k"], kw["residual_v"] = kw["residual_k"].float(), kw["residual_v"].float()
-    elif kw["residual_k"] is not None:
-        kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
-    q_rot = q.float() @ r_k
-    if path == "op":
-        p = packed
-        op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
-        center, turning = fmt.key_center, turning_key_center(fmt)
-        turn = (None, None)
-        if turning is not None and turning.mu is not None:  # the query's weights and the basis rows of the codes
-            turn = turning.query_weights(q_rot, rotated=True), turning.basis(kw["start"] + kw["length"], q.device)
-        result = op(
-            q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
-            *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
-            None if center is None or turning is not None else center.rotated, *turn,
-        )  # fmt: skip
-        result = result if with_mass else (result, None)
-    elif path == "triton":
-        result = rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
-    else:
-        result = _twin(q_rot, packed, fmt, *(kw[k] for k in _TWIN_ARGS), with_mass=with_mass, planes=planes,
-                       ring_in_channels=ring_in_channels)  # fmt: skip
-    out = (result[0] @ r_v.T).to(q.dtype)
-    return (out, result[1]) if with_mass else out
-
-
-def _rotated_cpu(q, packed, fmt, kw: dict, with_mass: bool):
-    """:func:`_rotated` through the CPU operator (`rotated_cpu`), which rotates q and the output itself."""
-    if kw["check"]:
-        _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
-    out, mass = rotated_cpu.rotated_decode_cpu(
-        q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
-        with_mass,
-    )  # fmt: skip
-    out = out.to(q.dtype)
-    return (out, mass) if with_mass else out
-
-
-def _kivi_cpu(q, packed, fmt, kw: dict, with_mass: bool):
-    """:func:`_quantized` of a KIVI format through the CPU operator (`kivi_cpu`)."""
-    if kw["check"]:
-        info = _check_inputs(q, packed, fmt, *(kw[k] for k in _TWIN_ARGS[:-1]))
-        if info.paged and kw["length"] > 0:
-            _check_used_blocks(kw["block_table"], info.num_blocks, info.T, kw["start"], kw["length"])
-    out, mass = kivi_cpu.kivi_decode_cpu(
-        q, packed, fmt, *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask",
-                                          "block_table", "keys_per_token")), with_mass,
-    )  # fmt: skip
-    out = out.to(q.dtype)
-    return (out, mass) if with_mass else out
-
-
-def _check_used_blocks(block_table, num_blocks: int, block_size: int, start: int, length: int) -> None:
-    """The block ids of the table columns tokens `start .. start + length - 1` use are in the pool (a host read, as
-    the twins' check makes): the operators read them unchecked."""
-    if length > 0:
-        first, end = start // block_size, (start + length - 1) // block_size + 1
-        _check_block_ids(block_table[:, first:end], num_blocks, first, end, start, length)
-
-
-#: The twin's positional arguments after (q, packed, fmt), by keyword name.
-_TWIN_ARGS = (
-    "start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits", "keys_per_token",
-    "check",
-)  # fmt: skip
+    """The format's registered kernels (`kv_format.kernels_for`)."""
+    return kernels_for(fmt).attend(q, packed, fmt, kw, with_mass)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -328,12 +190,12 @@ def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int | torch.Te
     The Triton path needs 4-d keys [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
     results are written into it (see ``quant_pack``'s module doc) and ``out``'s tensors are returned.
     ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc). `index`: the buffer index
-    of x's first token (an int, or a 0-d tensor on x's device: no sync), where a turning key centre
-    (``kernels/turning_center.py``) codes it.
+    of x's first token (an int, or a 0-d tensor on x's device: no sync), for a format whose key codes depend on it (a
+    turning key centre, ``kernels/turning_center.py``).
     """
-    turning = turning_key_center(fmt) is not None
-    positions = index + torch.arange(x.shape[-2], device=x.device) if turning else None
-    return _quantize(x, fmt, out, "keys", check, positions)
+    kernels = kernels_for(fmt)  # (a non-format refused here; what is not a tensor, by the kernels' checks)
+    positions = fmt.key_positions(index, x.shape[-2], x.device) if fmt.indexed_keys else None
+    return kernels.quantize(x, fmt, out, "keys", check, positions)
 
 
 def quantize_values(x, fmt, out=None, *, check: bool = True):
@@ -343,23 +205,7 @@ def quantize_values(x, fmt, out=None, *, check: bool = True):
     results are written into it (see ``quant_pack``'s module doc) and ``out``'s tensors are returned.
     ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc).
     """
-    return _quantize(x, fmt, out, "values", check)
-
-
-def _quantize(x, fmt, out, kind: str, check: bool, positions=None):
-    """Both quantize entry points: off CUDA ``quant_pack.quantize_off_cuda``; a rotated format on CUDA through
-    :func:`_rotated_cuda`; else the custom operator (writing into `out`, or into tensors allocated first) or Triton."""
-    path = _path(x, check)
-    if path in _TWINS:
-        return quantize_off_cuda(x, fmt, out, kind, check, positions)
-    if isinstance(fmt, RotatedFormat):
-        return _rotated_cuda(x, fmt, out, kind, None, path, check, positions)
-    if path == "op":
-        codes, scale, zero = _new_out(kind, tuple(x.shape), fmt, x.device) if out is None else out
-        op = custom_ops.quantize_keys if kind == "keys" else custom_ops.quantize_values
-        op(x, *custom_ops.format_args(fmt), codes, scale, zero)
-        return codes, scale, zero
-    return (quantize_keys_triton if kind == "keys" else quantize_values_triton)(x, fmt, out=out, check=check)
+    return kernels_for(fmt).quantize(x, fmt, out, "values", check)
 
 
 def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
@@ -370,31 +216,4 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
     quantizing then scattering each of the three tensors would be four. Slots must be distinct per (b, h) and
     in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
     CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
-    path = _path(x, check)
-    if path in _TWINS:
-        if check:
-            _check_at(x, fmt, out, slots)
-        return quantize_values_at_torch(x, fmt, out, slots)
-    if isinstance(fmt, RotatedFormat):
-        return _rotated_cuda(x, fmt, out, "values", slots, path, check)
-    if path == "op":
-        custom_ops.quantize_values_at(x, *custom_ops.format_args(fmt), *out, slots)
-        return out
-    return quantize_values_at_triton(x, fmt, out, slots, check=check)
-
-
-def _rotated_cuda(x, fmt: RotatedFormat, out, side: str, slots, path: str, check: bool, positions=None):
-    """A rotated format on CUDA: the custom operator while compiling (``check=False``; a turning centre goes to it as the
-    centre of each token), else the Triton kernel."""
-    if path == "op":
-        codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
-        center = fmt.center_of(side)
-        if center is not None and not fmt.inputs_rotated:
-            center.observe(x, fmt.seed, positions)  # the layer's first keys set its centre (once; see rotated_format)
-        turning = turning_key_center(fmt) is not None and side == "keys"
-        mu = None if center is None else center.at(positions, rotated=False) if turning else center.mu  # [H, (T,) D]
-        custom_ops.quantize_rotated(
-            x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
-        )
-        return codes, norms, None
-    return quantize_rotated_triton(x, fmt, side, out, slots, check=check, positions=positions)
+    return kernels_for(fmt).quantize_at(x, fmt, out, slots, check)

@@ -92,14 +92,10 @@ from hf_kvplus.kernels.decode_attention import (
     grouped_sdpa,
 )
 from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels.kv_format import KVFormat
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
-from hf_kvplus.kernels.quant_format import PackedKV, QuantFormat, dequantize_keys, dequantize_values
-from hf_kvplus.kernels.rotated_format import (
-    RotatedFormat,
-    from_plane_order,
-    planes_of,
-    turning_key_center,
-)
+from hf_kvplus.kernels.quant_format import PackedKV
+from hf_kvplus.kernels.rotated_format import from_plane_order
 
 try:
     import triton
@@ -152,8 +148,8 @@ def _check_inputs(
     q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token=False
 ) -> _Info:
     """Validate the whole contract (shapes, dtypes, devices, ranges); see the module docstring."""
-    if not isinstance(fmt, (QuantFormat, RotatedFormat)):
-        raise ConfigError(f"fmt must be a QuantFormat or a RotatedFormat, got {type(fmt).__name__}")
+    if not isinstance(fmt, KVFormat):
+        raise ConfigError(f"fmt must be a KVFormat (a QuantFormat, a RotatedFormat, ...), got {type(fmt).__name__}")
     if not isinstance(packed, PackedKV):
         raise DTypeError(f"packed must be a PackedKV, got {type(packed).__name__}")
     if not isinstance(q, torch.Tensor):
@@ -862,12 +858,11 @@ def _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes=False):
     (a rotated format's left in the rotated space: its per-token keys are coded with the key bits)."""
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
-    space = {"rotated_space": True, "planes": planes} if fmt.rotated else {}
-    at = {"positions": torch.arange(t0, t1, device=kc.device)} if turning_key_center(fmt) is not None else {}
-    k = (dequantize_values if keys_per_token and not fmt.rotated else dequantize_keys)(kc, ks, kz, fmt, **space, **at)
+    positions = fmt.key_positions(t0, t1 - t0, kc.device)
+    k = fmt.attended(kc, ks, kz, "keys", per_token=keys_per_token, planes=planes, positions=positions)
     if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
         k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]
-    return t0 + lo - start, k, dequantize_values(vc, vs, vz, fmt, **space)
+    return t0 + lo - start, k, fmt.attended(vc, vs, vz, "values", planes=planes)
 
 
 def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per_token, planes=False):
@@ -888,12 +883,9 @@ def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per
 
 
 def _plane_count(fmt, side: str, planes: bool, head_dim: int) -> int:
-    """The planes a side's dequantized channels come in, with `planes` (a twin traced off CUDA): KIVI's codes per
-    byte (plane i holds channels `i * P ..`), a rotated format's in plane order (`rotated_format.planes_of`); else 1,
-    none to keep (eager, the planes' views would only add host work)."""
-    if not planes:
-        return 1
-    return planes_of(head_dim, fmt.bits_of(side)) if fmt.rotated else fmt.per_byte
+    """The planes a side's dequantized channels come in, with `planes` (a twin traced off CUDA: the format's
+    `KVFormat.planes`); else 1, none to keep (eager, the planes' views would only add host work)."""
+    return fmt.planes(side, head_dim) if planes else 1
 
 
 def _cat_tokens(per: int, parts: list[torch.Tensor]) -> torch.Tensor:

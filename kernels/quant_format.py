@@ -34,12 +34,14 @@ import torch
 
 from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, DTypeError, ShapeError
-from hf_kvplus.kernels.rotated_format import dequantize_rotated, quantize_rotated, turning_key_center
+from hf_kvplus.kernels.kv_format import KVFormat
 
 __all__ = [
     "BIT_WIDTHS",
     "DEFAULT_GROUP",
+    "FP8_LIMIT",
     "FP8_MAX",
+    "INT_LIMIT",
     "PackedKV",
     "QuantFormat",
     "dequantize_keys",
@@ -52,6 +54,10 @@ __all__ = [
 
 #: Largest finite float8 e4m3fn value.
 FP8_MAX = 448.0
+#: The largest magnitude integer codes hold (float16 zero points, less the margin of their directed rounding).
+INT_LIMIT = 65000.0
+#: fp8's: its float16 scale is at least amax / 448.
+FP8_LIMIT = 2.9e7
 #: Relative margin for the directed float16 rounding of zero points and scales (2 float16 ulps).
 _MARGIN = 2.0**-10
 #: Smallest positive float16 (subnormal): the floor of a scale, so a constant group divides by > 0.
@@ -65,8 +71,9 @@ DEFAULT_GROUP = {8: 64, 4: 32, 2: 32, "fp8": 32}
 
 
 @dataclass(frozen=True)
-class QuantFormat:
-    """A bit width (8, 4, 2 or "fp8") and a group size (tokens per key group, channels per value group)."""
+class QuantFormat(KVFormat):
+    """A KIVI format: a bit width (8, 4, 2 or "fp8") and a group size (tokens per key group, channels per value
+    group)."""
 
     bits: int | str
     group_size: int
@@ -75,7 +82,6 @@ class QuantFormat:
     code_bits: int = field(init=False, repr=False, compare=False)
     per_byte: int = field(init=False, repr=False, compare=False)  # codes per byte
     qmax: int = field(init=False, repr=False, compare=False)  # the largest integer code
-    rotated: bool = field(default=False, init=False, repr=False, compare=False)  # see rotated_format.RotatedFormat
     has_zero: bool = field(init=False, repr=False, compare=False)  # integer codes: a zero point per group
 
     def __post_init__(self):
@@ -88,9 +94,6 @@ class QuantFormat:
         for name, value in (("is_float", is_float), ("code_bits", code_bits), ("per_byte", 8 // code_bits),
                             ("qmax", 2**code_bits - 1), ("has_zero", not is_float)):  # fmt: skip
             object.__setattr__(self, name, value)
-
-    def prepare(self, key_dim: int, value_dim: int, device: torch.device) -> None:
-        """Nothing to make: integer and fp8 codes need no tables (a rotated format's `prepare` makes its own)."""
 
     def packed_dim(self, head_dim: int) -> int:
         return head_dim // self.per_byte
@@ -109,13 +112,18 @@ class QuantFormat:
             return tokens // self.group_size, head_dim
         return tokens, head_dim // self.group_size
 
-    def for_layer(self, index: int) -> QuantFormat:
-        """The format of layer `index`: the same for every layer."""
-        return self
+    def code_limit(self) -> tuple[float, bool]:
+        return (FP8_LIMIT if self.is_float else INT_LIMIT), False
 
-    def side_formats(self) -> tuple[QuantFormat, QuantFormat]:
-        """(keys, values) as formats whose values-side functions code them per token: this one twice."""
-        return self, self
+    def quantize(self, x, side, positions=None):
+        return (_quantize_keys if side == "keys" else _quantize_values)(x, self)
+
+    def dequantize(self, codes, scale, zero, side, dtype=torch.float32, *, positions=None):
+        return (_dequantize_keys if side == "keys" else _dequantize_values)(codes, scale, zero, self, dtype)
+
+    def planes(self, side: str, head_dim: int) -> int:
+        """Codes per byte: plane i holds channels ``i * P ..`` (what `unpack_planes` decodes into)."""
+        return self.per_byte
 
     def check_head_dim(self, head_dim: int) -> None:
         """A value group must tile the head dim, and a byte must hold whole channels."""
@@ -200,12 +208,11 @@ class PackedKV:
         return codes, key_params + value_params
 
     def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V (a turning key
-        centre's indices counted from `index` at the buffers' first token)."""
-        turning = turning_key_center(fmt) is not None
-        positions = index + torch.arange(self.k.shape[2], device=self.k.device) if turning else None
-        k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt, dtype, positions=positions)
-        v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt, dtype)
+        """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V (indices counted
+        from `index` at the buffers' first token, for a format whose codes depend on them)."""
+        positions = fmt.key_positions(index, self.k.shape[2], self.k.device)
+        k = fmt.dequantize(self.k, self.k_scale, self.k_zero, "keys", dtype, positions=positions)
+        v = fmt.dequantize(self.v, self.v_scale, self.v_zero, "values", dtype)
         return k[:, :, lo:hi], v[:, :, lo:hi]
 
 
@@ -292,13 +299,33 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 
 def quantize_keys(
-    x: torch.Tensor, fmt: QuantFormat, *, positions: torch.Tensor | None = None
+    x: torch.Tensor, fmt: KVFormat, *, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Keys ``[..., T, D]`` (T a multiple of the group size) to (codes, scale, zero), per channel per group of tokens
-    (a rotated format: (codes, norms, None), per token; `positions`: the tokens' indices, for a turning centre)."""
+    """Keys ``[..., T, D]`` to (codes, scale, zero) of any format (KIVI: per channel per group of tokens, T a multiple
+    of the group size; `positions`: the tokens' indices, for a format whose codes depend on them)."""
     _check_float(x, "keys")
-    if fmt.rotated:
-        return (*quantize_rotated(x, fmt, "keys", positions), None)
+    return fmt.quantize(x, "keys", positions)
+
+
+def quantize_values(
+    x: torch.Tensor, fmt: KVFormat, *, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Values ``[..., T, D]`` to (codes, scale, zero) of any format (KIVI: per token per group of channels)."""
+    _check_float(x, "values")
+    return fmt.quantize(x, "values", positions)
+
+
+def dequantize_keys(codes, scale, zero, fmt: KVFormat, dtype=torch.float32, *, positions=None) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype``."""
+    return fmt.dequantize(codes, scale, zero, "keys", dtype, positions=positions)
+
+
+def dequantize_values(codes, scale, zero, fmt: KVFormat, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype``."""
+    return fmt.dequantize(codes, scale, zero, "values", dtype)
+
+
+def _quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     T, D = x.shape[-2:]
     if T % fmt.group_size:
         raise ShapeError(f"keys hold {T} tokens, not a multiple of the group size {fmt.group_size}")
@@ -313,14 +340,7 @@ def quantize_keys(
     return pack_codes(codes, fmt), scale, zero
 
 
-def quantize_values(
-    x: torch.Tensor, fmt: QuantFormat, *, positions: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Values ``[..., T, D]`` to (codes, scale, zero), per token per group of channels (a rotated format:
-    (codes, norms, None))."""
-    _check_float(x, "values")
-    if fmt.rotated:
-        return (*quantize_rotated(x, fmt, "values", positions), None)
+def _quantize_values(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     D = x.shape[-1]
     fmt.check_head_dim(D)
     xf = x.float().unflatten(-1, (D // fmt.group_size, fmt.group_size))  # [..., T, groups, G]
@@ -333,26 +353,13 @@ def quantize_values(
     return pack_codes(codes, fmt), scale, zero
 
 
-def dequantize_keys(
-    codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False, planes=False, positions=None
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
-    rotated; `positions`: the tokens' indices, for a turning centre)."""
-    if fmt.rotated:
-        return dequantize_rotated(codes, scale, fmt, "keys", dtype, rotated_space=rotated_space, planes=planes,
-                                  positions=positions)  # fmt: skip
+def _dequantize_keys(codes, scale, zero, fmt: QuantFormat, dtype) -> torch.Tensor:
     q = unpack_planes(codes, fmt).unflatten(-3, (scale.shape[-2], fmt.group_size))  # [..., groups, G, per, P]
     s, z = (None if t is None else t.unflatten(-1, q.shape[-2:]).unsqueeze(-3) for t in (scale, zero))
     return _decode(q, s, z, fmt).flatten(-2).flatten(-3, -2).to(dtype)
 
 
-def dequantize_values(
-    codes, scale, zero, fmt: QuantFormat, dtype=torch.float32, *, rotated_space=False, planes=False
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype`` (a rotated format's `rotated_space`: left
-    rotated)."""
-    if fmt.rotated:
-        return dequantize_rotated(codes, scale, fmt, "values", dtype, rotated_space=rotated_space, planes=planes)
+def _dequantize_values(codes, scale, zero, fmt: QuantFormat, dtype) -> torch.Tensor:
     q, G = unpack_planes(codes, fmt), fmt.group_size
     per, P = q.shape[-2:]
     if P % G == 0:  # whole groups in each plane: codes [..., T, per, P / G, G], params [..., T, per, P / G, 1]

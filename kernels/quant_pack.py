@@ -71,13 +71,10 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.kernels import kivi_cpu, rotated_cpu
 from hf_kvplus.kernels.decode_attention import _is_interpreted
 from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
+from hf_kvplus.kernels.kv_format import KVFormat, kernels_for
 from hf_kvplus.kernels.quant_format import _HALF_TINY, _MARGIN, _TINY, FP8_MAX, QuantFormat
-from hf_kvplus.kernels.quant_format import quantize_keys as quantize_keys_torch
-from hf_kvplus.kernels.quant_format import quantize_values as quantize_values_torch
-from hf_kvplus.kernels.rotated_format import RotatedFormat
 
 try:
     import triton
@@ -109,8 +106,8 @@ NUM_WARPS = 4
 
 
 def _check_fmt(fmt) -> None:
-    if not isinstance(fmt, (QuantFormat, RotatedFormat)):
-        raise ConfigError(f"fmt must be a QuantFormat or a RotatedFormat, got {type(fmt).__name__}")
+    if not isinstance(fmt, KVFormat):
+        raise ConfigError(f"fmt must be a KVFormat (a QuantFormat, a RotatedFormat, ...), got {type(fmt).__name__}")
 
 
 def _check_x(x, what: str) -> tuple[int, int, int, int]:
@@ -190,7 +187,7 @@ def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None):
     the tokens' indices, for a turning key centre)."""
     if check:
         _check_fmt(fmt)
-    result = _off_cuda(x, fmt, kind, quantize_keys_torch if kind == "keys" else quantize_values_torch, positions)
+    result = kernels_for(fmt).encode(x, fmt, kind, positions)
     if out is None:
         return result
     codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device) if check else out
@@ -201,21 +198,10 @@ def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None):
     return codes, scale, zero
 
 
-def _off_cuda(x, fmt, side: str, twin, positions=None):
-    """(codes, scale, zero) off CUDA: the CPU operator of the format where it takes x (`rotated_cpu`, `kivi_cpu`),
-    else the twin."""
-    if isinstance(fmt, RotatedFormat):
-        if rotated_cpu.encodes(x):
-            return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions), None)
-    elif kivi_cpu.encodes(x):
-        return kivi_cpu.kivi_encode_cpu(x, fmt, side)
-    return twin(x, fmt) if positions is None else twin(x, fmt, positions=positions)
-
-
 def quantize_values_at_torch(x, fmt: QuantFormat, out, slots):
-    """The twin of ``quantize_values_at`` (``kernels/dispatch.py``): ``quant_format.quantize_values`` (a rotated format's CPU operator where
-    it takes x), then one ``scatter_`` per tensor."""
-    for dst, part in zip(out, _off_cuda(x, fmt, "values", quantize_values_torch), strict=True):
+    """The twin of ``quantize_values_at`` (``kernels/dispatch.py``): the format's codes off CUDA (its CPU operator
+    where it has one), then one ``scatter_`` per tensor."""
+    for dst, part in zip(out, kernels_for(fmt).encode(x, fmt, "values"), strict=True):
         if dst is not None:
             dst.scatter_(2, slots[..., None].expand(*part.shape), part)
     return out

@@ -43,11 +43,13 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, ShapeError
+from hf_kvplus.kernels.kv_format import KVFormat
 from hf_kvplus.kernels.turning_center import RotaryBasis
 
 __all__ = [
@@ -77,6 +79,11 @@ RENORMALIZE = True
 #: Whether `RotatedFormat.for_layer` gives the layer's keys a centre (see the module doc). An ablation switch read
 #: when a cache builds its layers (eval/rotated_ablations.py); formats made directly have no centre.
 CENTER_KEYS = True
+#: Tokens a rotated format's full-precision window hands over at a time (fewer for a window under 32: as many as it
+#: holds). Its tokens are coded one by one, but a hand-over every step would cost each decode step two quantize calls
+#: and the window's bookkeeping: 32 at a time costs what KIVI int4's groups do (the window holds `window` to
+#: `window + 31` exact tokens). The codes do not change.
+FLUSH_TOKENS = 32
 #: Half-width of the uniform 8-bit grid, in standard deviations of a coordinate (1 / sqrt(D)).
 UNIFORM_SIGMAS = 6.5
 _TABLES = Path(__file__).with_name("rotated_codebooks.json")
@@ -112,6 +119,12 @@ class KeyCenter:
         self._basis: torch.Tensor | None = None  # e(origin + i) of indices 0 .. len - 1 as columns, grown by doubling
         self._block: tuple | None = None  # (start, size, device, block_basis's first columns) of the last call
         self._steps: tuple | None = None  # (size, block_basis's angles), grown by doubling
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the centre keeps (what a memory report counts as the layer's state)."""
+        kept = (self.mu, self.rotated, *self.in_planes.values(), self.weights, self.rotated_weights, self._basis,
+                None if self._block is None else self._block[3], None if self._steps is None else self._steps[1])
+        return tuple(t for t in kept if t is not None)
 
     def observe(self, x: torch.Tensor, seed: int, positions: torch.Tensor | None = None) -> None:
         """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens; a
@@ -218,7 +231,7 @@ def turning_key_center(fmt) -> KeyCenter | None:
 
 
 @dataclass(frozen=True)
-class RotatedFormat:
+class RotatedFormat(KVFormat):
     """Key and value bit widths (1, 2, 3, 4 or 8 each) of a rotated format, and the rotation's seed.
 
     Shares the interface the storages use with `QuantFormat`: one "group" is one token (a norm per vector), so
@@ -233,11 +246,8 @@ class RotatedFormat:
     seed: int = 0
     key_center: KeyCenter | None = field(default=None, repr=False, compare=False)
     value_center: KeyCenter | None = field(default=None, repr=False, compare=False)
-    group_size: int = field(default=1, init=False)
-    is_float: bool = field(default=False, init=False, repr=False, compare=False)
-    rotated: bool = field(default=True, init=False, repr=False, compare=False)
-    has_zero: bool = field(default=False, init=False, repr=False, compare=False)
     inputs_rotated: bool = field(default=False, repr=False, compare=False)
+    turns_keys: ClassVar[bool] = True
 
     def __post_init__(self):
         for side, bits in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
@@ -288,6 +298,60 @@ class RotatedFormat:
     def bytes_per_token(self, head_dim: int) -> float:
         """Bytes at rest of one token's key and value of one head: codes plus two float16 norms."""
         return self.code_dim(head_dim, "keys") + self.code_dim(head_dim, "values") + 4
+
+    def code_limit(self) -> tuple[float, bool]:
+        """One float16 norm per vector: the limit bounds each vector's norm."""
+        return super().code_limit()[0], True
+
+    def quantize(self, x, side, positions=None):
+        return (*quantize_rotated(x, self, side, positions), None)
+
+    def dequantize(self, codes, scale, zero, side, dtype=torch.float32, *, positions=None):
+        return dequantize_rotated(codes, scale, self, side, dtype, positions=positions)
+
+    def attended(self, codes, scale, zero, side, *, per_token=False, planes=False, positions=None):
+        """Left in the rotated space (attention rotates q in and the output back once); keys coded one token at a
+        time are coded as keys (with the key bits) already."""
+        return dequantize_rotated(codes, scale, self, side, rotated_space=True, planes=planes, positions=positions)
+
+    def planes(self, side: str, head_dim: int) -> int:
+        return planes_of(head_dim, self.bits_of(side))
+
+    @property
+    def indexed_keys(self) -> bool:
+        return turning_key_center(self) is not None
+
+    def flush_tokens(self, window: int, unit: int) -> int:
+        return min(FLUSH_TOKENS, window)
+
+    def ring_format(self) -> RotatedFormat:
+        return self.with_rotated_inputs()
+
+    def to_ring(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (``x @ R`` in the model's dtype: one rounding), so that a decode step rotates only the query and
+        the output; the key centre, if not set yet, set from these keys as they were (at their indices)."""
+        center = self.key_center
+        if center is not None and center.mu is None:
+            center.observe(keys, self.seed, torch.arange(first, first + keys.shape[2], device=keys.device))
+        r_k, r_v = (rotation(x.shape[-1], self.seed, x.device) for x in (keys, values))
+        return rotated(keys, r_k).to(keys.dtype), rotated(values, r_v).to(values.dtype)
+
+    def from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r_k, r_v = (rotation(x.shape[-1], self.seed, x.device) for x in (keys, values))
+        return (keys.float() @ r_k.T).to(keys.dtype), (values.float() @ r_v.T).to(values.dtype)
+
+    def prepare_indices(self, count: int, device) -> None:
+        center = turning_key_center(self)
+        if center is not None:
+            center.prepare(count, device)
+
+    @property
+    def holds_state(self) -> bool:
+        return self.key_center is not None or self.value_center is not None
+
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The key centre's tensors (the centre, its rotated copies, a turning centre's W, W R and basis tables)."""
+        return () if self.key_center is None else self.key_center.tensors()
 
     def for_layer(self, index: int, *, turns: RotaryBasis | None = None, origin: int = 0) -> RotatedFormat:
         """This format with the rotation seed of layer `index` (each layer rotates differently) and, with

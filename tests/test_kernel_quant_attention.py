@@ -21,7 +21,6 @@ import pytest
 import torch
 from kernel_checks import MASS_BOUND, check, check_mass, left_padding, reference, rel_err
 
-import hf_kvplus.kernels.dispatch as dispatch
 import hf_kvplus.kernels.quant_attention as mod
 from hf_kvplus.errors import (
     ConfigError,
@@ -31,7 +30,7 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
-from hf_kvplus.kernels import kivi_cpu, rotated_cpu
+from hf_kvplus.kernels import format_kernels, kivi_cpu, kivi_kernels, rotated_cpu
 from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_attention import (
     quantized_decode_attention_torch,
@@ -428,7 +427,7 @@ def test_with_mass_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(dispatch, "quantized_decode_attention_with_mass_triton", boom)
+    monkeypatch.setattr(kivi_kernels, "quantized_decode_attention_with_mass_triton", boom)
     out, mass = run(quantized_decode_attention, q, fmt, lay, 0.2, mask=mask, keys_per_token=True, with_mass=True)
     assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
     with pytest.raises(ShapeError, match="mask"):
@@ -471,18 +470,13 @@ def test_twin_memory_is_per_chunk(monkeypatch):
     fmt = QuantFormat(2, 16)
     lay = Dense(fmt, 1, 1, 32, 32, 512, 5, 500)
     seen = []
-    real_keys, real_values = mod.dequantize_keys, mod.dequantize_values
+    real = QuantFormat.dequantize
 
-    def keys(codes, *a, **kw):
+    def dequantize(self, codes, *a, **kw):
         seen.append(codes.shape[-2])
-        return real_keys(codes, *a, **kw)
+        return real(self, codes, *a, **kw)
 
-    def values(codes, *a, **kw):
-        seen.append(codes.shape[-2])
-        return real_values(codes, *a, **kw)
-
-    monkeypatch.setattr(mod, "dequantize_keys", keys)
-    monkeypatch.setattr(mod, "dequantize_values", values)
+    monkeypatch.setattr(QuantFormat, "dequantize", dequantize)
     monkeypatch.setattr(mod, "TWIN_CHUNK_TOKENS", 64)
     q = torch.randn(1, 1, 32)
     out = run(quantized_decode_attention_torch, q, fmt, lay, 0.3)
@@ -500,7 +494,7 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     expected = run(quantized_decode_attention_torch, q, fmt, lay, 0.2, rk, rv)
     calls = []
 
-    the_twin = dispatch._twin
+    the_twin = format_kernels._twin
 
     def twin(*a, **kw):
         calls.append(kw["planes"])
@@ -509,8 +503,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(dispatch, "quantized_decode_attention_triton", boom)
-    monkeypatch.setattr(dispatch, "_twin", twin)
+    monkeypatch.setattr(kivi_kernels, "quantized_decode_attention_triton", boom)
+    monkeypatch.setattr(format_kernels, "_twin", twin)
     out = run(quantized_decode_attention, q, fmt, lay, 0.2, rk, rv, num_splits=3)
     assert calls == [False]  # eager: the codes' planes are not kept
     assert torch.equal(out, expected)
@@ -709,7 +703,7 @@ def cpu_op(monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the twin ran where the CPU operator should have")
 
-    monkeypatch.setattr(dispatch, "_twin", boom)
+    monkeypatch.setattr(format_kernels, "_twin", boom)
     with torch.device("cpu"):
         yield
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_kvplus.kernels.dispatch as dispatch
 import hf_kvplus.kernels.quant_pack as mod
 from hf_kvplus.errors import (
     ConfigError,
@@ -31,8 +30,8 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
+from hf_kvplus.kernels import format_kernels, kivi_kernels, rotated_cpu
 from hf_kvplus.kernels import quant_format as qf
-from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.dispatch import quantize_keys, quantize_values, quantize_values_at
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.kernels.quant_pack import (
@@ -423,8 +422,8 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    monkeypatch.setattr(dispatch, "quantize_keys_triton", boom)
-    monkeypatch.setattr(dispatch, "quantize_values_triton", boom)
+    monkeypatch.setattr(kivi_kernels, "quantize_keys_triton", boom)
+    monkeypatch.setattr(kivi_kernels, "quantize_values_triton", boom)
     for bits in (2, "fp8"):
         fmt = QuantFormat(bits, 8)
         x = torch.randn(3, 16, 32)  # the twin takes any leading dims
@@ -524,8 +523,8 @@ def encode_op(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the twin ran where the CPU operator should have")
 
-    monkeypatch.setattr(mod, "quantize_keys_torch", boom)
-    monkeypatch.setattr(mod, "quantize_values_torch", boom)
+    monkeypatch.setattr(format_kernels, "quantize_keys", boom)
+    monkeypatch.setattr(format_kernels, "quantize_values", boom)
     with torch.device("cpu"):
         yield
 

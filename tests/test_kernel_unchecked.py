@@ -34,6 +34,7 @@ import hf_kvplus.kernels.paged_attention as paged_mod
 import hf_kvplus.kernels.quant_attention as quant_mod
 import hf_kvplus.kernels.quant_pack as pack_mod
 from hf_kvplus.evaluation.host_cost import count_syncs
+from hf_kvplus.kernels import format_kernels, kivi_kernels, rotated_kernels
 from hf_kvplus.kernels.decode_attention import (
     decode_attention_torch,
     decode_attention_triton,
@@ -456,7 +457,10 @@ VALIDATORS = {
         "_is_interpreted", "_is_int",
     ],
     pack_mod: ["_check_fmt", "_check_x", "_check_out", "_check_inputs", "_is_interpreted"],
-    dispatch_mod: ["_check_num_splits", "_check_inputs", "_check_at"],
+    dispatch_mod: ["_check_num_splits"],
+    kivi_kernels: ["_check_inputs"],
+    rotated_kernels: ["_check_inputs"],
+    format_kernels: ["_check_at"],
 }  # fmt: skip
 
 

@@ -32,7 +32,7 @@ Layouts, per layer, per batch row, per KV head, for a head of `D = head_dim` cha
   recent tokens (it quantizes whole groups); the planner counts exactly ``min(held, residual)``, so at
   most ``G - 1`` tokens per layer that the cache still holds at full precision are counted at the
   quantized rate. A rotated format codes every token on its own, but its window hands tokens over 32 at a
-  time (``storage.packed_segment.ROTATED_FLUSH``; a window under 32 tokens, as many as it holds): the cache
+  time (``kernels.rotated_format.FLUSH_TOKENS``; a window under 32 tokens, as many as it holds): the cache
   holds between ``window`` and ``window + 31``, counted the same way.
 
 Bytes per token over fp16, scales and zero points included, the fp16 window excluded, are therefore

@@ -7,17 +7,10 @@ import torch
 from ..errors import CacheMismatchError, ConfigError
 from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat
-from ..kernels.rotated_format import turning_key_center
 from ..memory import MemoryReport, tensor_bytes
 from .base import widened
 from .quantized import QuantizedSegment
 from .reads import Read, quantized_read
-
-#: Tokens a rotated format's window hands over at a time (fewer for a window under 32: as many as it holds). Its
-#: tokens are coded one by one, but a hand-over every step would cost each decode step two quantize calls and the
-#: window's bookkeeping: 32 at a time costs what KIVI int4's groups do (the window holds `window` to
-#: `window + 31` exact tokens). The codes do not change.
-ROTATED_FLUSH = 32
 
 
 class PackedSegment(QuantizedSegment):
@@ -32,9 +25,9 @@ class PackedSegment(QuantizedSegment):
 
     def __init__(self, fmt: QuantFormat):
         self.fmt = fmt
-        #: Keys coded relative to a turning centre (`kernels/turning_center.py`), at their buffer index: the buffers
-        #: are read from index 0 and never compacted (a full-attention layer drops no token from the front).
-        self.turning = turning_key_center(fmt) is not None
+        #: Keys coded at their buffer index (`KVFormat.indexed_keys`: a turning key centre): the buffers are read from
+        #: index 0 and never compacted (a full-attention layer drops no token from the front).
+        self.turning = fmt.indexed_keys
         self.buffers: PackedKV | None = None
         self.start = self.end = 0
         self.granule = fmt.group_size * -(-64 // fmt.group_size)
@@ -46,7 +39,7 @@ class PackedSegment(QuantizedSegment):
         return self.end - self.start
 
     def flush_tokens(self, window: int) -> int:
-        return min(ROTATED_FLUSH, window) if self.fmt.rotated else self.unit
+        return self.fmt.flush_tokens(window, self.unit)
 
     @property
     def front_offset(self) -> int:
@@ -151,19 +144,26 @@ class PackedSegment(QuantizedSegment):
         self._written = widened(self._written, lo, hi)
 
     def memory(self) -> MemoryReport:
+        """The codes' bytes and the layer's state the format holds (a key centre), as metadata."""
         if self.buffers is None:
             return MemoryReport()
+        return self.quantized_part()[0] + MemoryReport(metadata_bytes=tensor_bytes(list(self.fmt.state_tensors())))
+
+    def quantized_part(self) -> tuple[MemoryReport, int]:
+        """The codes' bytes alone (payload, scales and zeros, headroom), and the tokens they hold per row."""
+        if self.buffers is None:
+            return MemoryReport(), 0
         b, g = self.buffers, self.fmt.group_size
         allocated = tensor_bytes([getattr(b, n) for n in PACKED_NAMES])
         if self.length == 0:
-            return MemoryReport(reserved_bytes=allocated, batch_size=self.batch_size)
+            return MemoryReport(reserved_bytes=allocated, batch_size=self.batch_size), 0
         payload, metadata = b.span_bytes(g, self.start // g * g, self.end)
         return MemoryReport(
             payload_bytes=payload,
             metadata_bytes=metadata,
             reserved_bytes=allocated - payload - metadata,
             batch_size=self.batch_size,
-        )
+        ), self.length
 
     def _grown(self, tokens: int) -> int:
         n = tokens + max(tokens // 8, self.granule)

@@ -10,7 +10,6 @@ import torch
 from ..errors import CacheMismatchError, ConfigError, UnsupportedOperationError
 from ..kernels.dispatch import quantize_keys, quantize_values
 from ..kernels.quant_format import PackedKV, QuantFormat
-from ..kernels.rotated_format import rotated, rotation, turning_key_center
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
 from .base import KVStorage
@@ -35,7 +34,8 @@ class StaticQuantizedStorage(KVStorage):
     A rotated format's key centre may turn with RoPE (`kernels/turning_center.py`): token p is coded and read at code
     position p, so its centre is the one at position p, set from the first keys at their positions.
 
-    A rotated format's ring holds its tokens rotated (``x @ R`` in the model's dtype: one rounding), so that a step
+    The ring holds tokens as the format's `to_ring` makes them (a rotated format's rotated, ``x @ R`` in the model's
+    dtype: one rounding), so that a step
     rotates only its new token: the tokens leaving the window are coded as the ring holds them, and attention reads
     the ring as it is (it attends in the rotated space); `view` rotates them back.
 
@@ -66,7 +66,7 @@ class StaticQuantizedStorage(KVStorage):
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < max_tokens:
             raise ConfigError(f"the full-precision first tokens must be an int in 0..max_tokens-1, got {first!r}")
         self.fmt, self.window, self.max_tokens, self.first = fmt, window, max_tokens, first
-        self.code_fmt = fmt.with_rotated_inputs() if fmt.rotated else fmt  # what codes the ring's tokens
+        self.code_fmt = fmt.ring_format()  # what codes the ring's tokens
         self.positions = max(g, -(-(max_tokens - window) // g) * g)  # code positions: whole groups
         self.ring = window + 2 * g
         self.static_length = self.positions + first + self.ring
@@ -104,7 +104,7 @@ class StaticQuantizedStorage(KVStorage):
         elif keys.shape[0] != self.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
         self.count.check_room(new, self.max_tokens)
-        ring_k, ring_v = self._to_ring(keys, values)
+        ring_k, ring_v = self.fmt.to_ring(keys, values, self.end)
         if new == 1:
             self._fresh = None
             self._decode_write(ring_k, ring_v)
@@ -120,29 +120,8 @@ class StaticQuantizedStorage(KVStorage):
         if past == 0:
             return keys, values
         slots = self._slots(torch.arange(self.end - past, self.end, device=keys.device))
-        k, v = self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+        k, v = self.fmt.from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
         return torch.cat([k, keys], dim=2), torch.cat([v, values], dim=2)
-
-    def _to_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens as the ring holds them: rotated for a rotated format (whose key centre the first keys set, as
-        they were), else as they are."""
-        fmt = self.fmt
-        if not fmt.rotated:
-            return keys, values
-        center = fmt.key_center
-        if center is not None and center.mu is None:  # set once, from the first keys (at their positions: a turning
-            # centre's are its code positions, token p at p)
-            center.observe(keys, fmt.seed, torch.arange(self.end, self.end + keys.shape[2], device=keys.device))
-        r_k, r_v = (rotation(x.shape[-1], fmt.seed, x.device) for x in (keys, values))
-        return rotated(keys, r_k).to(keys.dtype), rotated(values, r_v).to(values.dtype)
-
-    def _from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inverse of :meth:`_to_ring`."""
-        fmt = self.fmt
-        if not fmt.rotated:
-            return keys, values
-        r_k, r_v = (rotation(x.shape[-1], fmt.seed, x.device) for x in (keys, values))
-        return (keys.float() @ r_k.T).to(keys.dtype), (values.float() @ r_v.T).to(values.dtype)
 
     def _decode_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token: into the ring; then, from the ring, the newest key group out of the window quantized and the
@@ -280,7 +259,7 @@ class StaticQuantizedStorage(KVStorage):
     def _exact(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `lo .. hi - 1` from their exact slots (head or ring), in the model's space."""
         slots = self._slots(torch.arange(lo, hi, device=self.ring_k.device))
-        return self._from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+        return self.fmt.from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
 
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.fmt.group_size
@@ -300,7 +279,7 @@ class StaticQuantizedStorage(KVStorage):
         g = self.fmt.group_size
         lo, hi = max(self.first, self.frontier(end) - g), max(0, self.frontier(self.end) - g)  # (the head stays)
         if hi > lo:
-            k, v = self._to_ring(*self._dequantized(lo, hi))
+            k, v = self.fmt.to_ring(*self._dequantized(lo, hi), lo)
             slots = self._slots(torch.arange(lo, hi, device=k.device))
             self.ring_k.index_copy_(2, slots, k)
             self.ring_v.index_copy_(2, slots, v)
@@ -332,7 +311,7 @@ class StaticQuantizedStorage(KVStorage):
         payload = coded.payload_bytes + ring * self.ring_k.element_size()
         allocated = tensor_bytes(list(self.tensors().values()))
         return MemoryReport(
-            payload_bytes=payload, metadata_bytes=coded.metadata_bytes,
+            payload_bytes=payload, metadata_bytes=coded.metadata_bytes + tensor_bytes(list(self.fmt.state_tensors())),
             reserved_bytes=allocated - payload - coded.metadata_bytes, batch_size=self.batch_size,
         )  # fmt: skip
 
@@ -365,7 +344,5 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
         self.count.place(device)
         self.range_guard.place(device)
-        center = turning_key_center(self.fmt)
-        if center is not None:  # every step reads all code positions with the turning centre's basis
-            center.prepare(n, device)
+        self.fmt.prepare_indices(n, device)  # every step reads all code positions (a turning centre's basis)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)

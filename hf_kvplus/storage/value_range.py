@@ -23,20 +23,11 @@ import torch
 from ..errors import OutOfRangeError
 from ..static_address import mark_static
 
-#: The largest magnitude integer codes hold (float16 zero points, less the margin of their directed rounding).
-INT_LIMIT = 65000.0
-#: fp8's: its float16 scale is at least amax / 448.
-FP8_LIMIT = 2.9e7
-
 
 def code_limit(fmt, float32_scales: bool = False) -> tuple[float, bool]:
-    """The largest magnitude `fmt` codes hold, and whether it bounds each vector's norm (rotated formats) rather than
-    each element."""
-    if float32_scales:
-        return math.inf, False
-    if getattr(fmt, "bits", None) is None:  # a rotated format: one float16 norm per vector
-        return INT_LIMIT, True
-    return (FP8_LIMIT if fmt.bits == "fp8" else INT_LIMIT), False
+    """The largest magnitude `fmt` codes hold, and whether it bounds each vector's norm rather than each element
+    (`KVFormat.code_limit`; float32 scales hold any finite value)."""
+    return (math.inf, False) if float32_scales else fmt.code_limit()
 
 
 def _sizes(x: torch.Tensor, by_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,124 @@
+"""The rotated formats' kernels (`rotated_format.RotatedFormat`): attention in the rotated space (q and the residual
+rotated in once, the codes read as they are, the output rotated back once) by the C++ operator on the CPU
+(`rotated_cpu`), the Triton kernel on CUDA (`rotated_attention`, `rotated_pack`), their custom operators while a graph
+is traced there, the twins elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvplus.kernels import custom_ops, rotated_cpu
+from hf_kvplus.kernels.errors import ShapeError
+from hf_kvplus.kernels.format_kernels import TWIN_ARGS, TWINS, FormatKernels, path_of
+from hf_kvplus.kernels.kv_format import register_kernels
+from hf_kvplus.kernels.quant_attention import _check_inputs, _twin
+from hf_kvplus.kernels.quant_pack import _new_out
+from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
+from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation, turning_key_center
+from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
+
+__all__ = ["RotatedKernels"]
+
+
+class RotatedKernels(FormatKernels):
+    """Rotated codes read in the rotated space; coded by the C++ encoder (CPU) or the Triton kernel (CUDA)."""
+
+    def attend(self, q, packed, fmt, kw, with_mass):
+        """q . k and the softmax are unchanged by an orthogonal rotation: q and the residual rotated in (float32; a
+        residual of a format with `inputs_rotated` comes rotated), the output (a weighted sum of rotated values)
+        rotated back once."""
+        D, kw = q.shape[-1], dict(kw)
+        if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
+            raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
+        Dv = fmt.channels(packed.v.shape[-1], "values")
+        if rotated_cpu.supports(q, fmt, kw["block_table"]):
+            return self._cpu(q, packed, fmt, kw, with_mass)
+        # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
+        # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
+        # output unchanged, so the rotations' columns are permuted to match.
+        path = path_of(q, kw["check"])
+        planes = path == "traced"
+        # A ring held rotated stays in channel order: the twin folds it in after the codes, with q and the running
+        # output turned to channel order (a few floats), where putting the ring in plane order copied all of it every
+        # step.
+        ring_in_channels = planes and kw["residual_k"] is not None and fmt.inputs_rotated
+        r_k = rotation(D, fmt.seed, q.device, plane_bits=fmt.key_bits if planes else None)
+        r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes and not ring_in_channels else None)
+        if kw["residual_k"] is not None and fmt.inputs_rotated:
+            kw["residual_k"], kw["residual_v"] = kw["residual_k"].float(), kw["residual_v"].float()
+        elif kw["residual_k"] is not None:
+            kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
+        q_rot = q.float() @ r_k
+        if path == "op":
+            result = self._op(q_rot, packed, fmt, kw, with_mass)
+        elif path == "triton":
+            result = rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
+        else:
+            result = _twin(q_rot, packed, fmt, *(kw[k] for k in TWIN_ARGS), with_mass=with_mass, planes=planes,
+                           ring_in_channels=ring_in_channels)  # fmt: skip
+        out = (result[0] @ r_v.T).to(q.dtype)
+        return (out, result[1]) if with_mass else out
+
+    @staticmethod
+    def _op(q_rot, p, fmt, kw: dict, with_mass: bool):
+        """The custom operator (a graph traced on CUDA), the centre and a turning centre's tensors as arguments."""
+        op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
+        center, turning = fmt.key_center, turning_key_center(fmt)
+        turn = (None, None)
+        if turning is not None and turning.mu is not None:  # the query's weights and the basis rows of the codes
+            turn = turning.query_weights(q_rot, rotated=True), turning.basis(kw["start"] + kw["length"], q_rot.device)
+        result = op(
+            q_rot, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed,
+            *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask", "block_table", "num_splits")),
+            None if center is None or turning is not None else center.rotated, *turn,
+        )  # fmt: skip
+        return result if with_mass else (result, None)
+
+    @staticmethod
+    def _cpu(q, packed, fmt, kw: dict, with_mass: bool):
+        """Through the CPU operator (`rotated_cpu`), which rotates q and the output itself."""
+        if kw["check"]:
+            _check_inputs(q, packed, fmt, *(kw[k] for k in TWIN_ARGS[:-1]))
+        out, mass = rotated_cpu.rotated_decode_cpu(
+            q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
+            with_mass,
+        )  # fmt: skip
+        out = out.to(q.dtype)
+        return (out, mass) if with_mass else out
+
+    def encode(self, x, fmt, side, positions=None):
+        if rotated_cpu.encodes(x):
+            return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions), None)
+        return super().encode(x, fmt, side, positions)
+
+    def quantize(self, x, fmt, out, side, check, positions=None):
+        path = path_of(x, check)
+        if path in TWINS:
+            return super().quantize(x, fmt, out, side, check, positions)
+        return self._cuda(x, fmt, out, side, None, path, check, positions)
+
+    def quantize_at(self, x, fmt, out, slots, check):
+        path = path_of(x, check)
+        if path in TWINS:
+            return super().quantize_at(x, fmt, out, slots, check)
+        return self._cuda(x, fmt, out, "values", slots, path, check)
+
+    @staticmethod
+    def _cuda(x, fmt, out, side: str, slots, path: str, check: bool, positions=None):
+        """The custom operator while compiling (``check=False``; a turning centre goes to it as the centre of each
+        token), else the Triton kernel."""
+        if path == "op":
+            codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
+            center = fmt.center_of(side)
+            if center is not None and not fmt.inputs_rotated:
+                center.observe(x, fmt.seed, positions)  # the layer's first keys set its centre (once)
+            turning = turning_key_center(fmt) is not None and side == "keys"
+            mu = None if center is None else center.at(positions, rotated=False) if turning else center.mu
+            custom_ops.quantize_rotated(
+                x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
+            )
+            return codes, norms, None
+        return quantize_rotated_triton(x, fmt, side, out, slots, check=check, positions=positions)
+
+
+register_kernels(RotatedFormat, RotatedKernels())

@@ -1,0 +1,40 @@
+"""A layer's format state (a rotated format's key centre: the centre, its rotated copies, a turning centre's W and W R
+and basis tables) is bytes at rest: the memory report counts it, so that the report equals every tensor a quantized
+layer holds (what a saved cache writes)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_kvplus import QuantizedCache
+from hf_kvplus.memory import tensor_bytes
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2, head_dim=64,
+        vocab_size=64, intermediate_size=64,
+    )  # fmt: skip
+
+
+def held_bytes(cache) -> tuple[int, int]:
+    """(bytes of every tensor the layers' storages hold, bytes of their formats' state)."""
+    storage = sum(tensor_bytes(list(layer.storage.tensors().values())) for layer in cache.layers)
+    state = sum(tensor_bytes(list(f.state_tensors())) for layer in cache.layers for f in layer.storage.formats())
+    return storage, state
+
+
+@pytest.mark.parametrize("max_tokens", [None, 512], ids=["growing", "static"])
+@pytest.mark.parametrize("bits", ["k4v2", "int4"])
+def test_memory_report_counts_the_format_state(bits, max_tokens, on_cpu):
+    cache = QuantizedCache(config(), bits=bits, max_tokens=max_tokens)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        keys = torch.randn(1, 3, 300, 64, generator=g) + torch.linspace(-2, 2, 64)
+        cache.update(keys.half(), torch.randn(1, 3, 300, 64, generator=g).half(), layer)
+    storage, state = held_bytes(cache)
+    if bits == "k4v2":  # a key centre per layer: [3, 64] float32 and its copies, W and W R [3, 64, 64] float32
+        assert state >= 2 * 2 * 3 * 64 * 64 * 4
+    else:
+        assert state == 0
+    assert cache.memory_report().total_bytes == storage + state
