@@ -5,9 +5,9 @@
 `--processes` processes in turn each load the model, build a `PagedCache` on a `PagedPool(prefix_backend=folder)`,
 `reuse_prefix` the document (the first 2,048 tokens of the text plus a question that differs per process), generate
 one token and `store_prefix`: the first finds nothing and stores the document's blocks, the later ones read them.
-Then the same processes run without the folder, each prefilling alone. Per process: time to the first token (from
-`reuse_prefix` to the generated token, the model already loaded), blocks asked for and read back (hit rate), and the
-ratio of its time alone to its time with the folder. Writes `prefix_folder.json` and `prefix_folder.md` in `--out`.
+Each is followed at once by the same process without the folder, prefilling alone (a pair sees the same load on a
+shared machine). Per process: time to the first token (from `reuse_prefix` to the generated token, the model already
+loaded), blocks asked for and read back (hit rate), and the ratio of its time alone to its time with the folder. Writes `prefix_folder.json` and `prefix_folder.md` in `--out`.
 """
 
 from __future__ import annotations
@@ -61,9 +61,11 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("eval/results/prefix_folder_cpu_2k"))
     args = parser.parse_args(argv)
+    shared, alone = [], []
     with tempfile.TemporaryDirectory() as folder:
-        shared = [run(args, i, folder) for i in range(args.processes)]
-    alone = [run(args, i, None) for i in range(args.processes)]
+        for i in range(args.processes):  # each pair back to back, so both see the same load on a shared machine
+            shared.append(run(args, i, folder))
+            alone.append(run(args, i, None))
     rows = []
     for i, (s, a) in enumerate(zip(shared, alone, strict=True)):
         rows.append({
