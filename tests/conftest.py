@@ -42,10 +42,14 @@ def pytest_configure(config):
 
 def _share_cores_between_workers() -> None:
     """Under pytest-xdist (`scripts/test.sh` runs one worker a core), each worker's torch gets its share of the
-    cores: torch's default of one thread a core in every worker oversubscribes them and slows both."""
+    cores: torch's default of one thread a core in every worker oversubscribes them and slows both. The share goes
+    into the environment too, so that the processes a test starts (notebook kernels, the snippets, the CLI, the GPU
+    pass's dry run) take it rather than every core."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_report_header(config):
