@@ -7,6 +7,7 @@ Run: ``.venv/bin/python -m pytest examples/formats -q -n 0``.
 import fp4_e2m1
 import pytest
 import torch
+from test_compile_fullgraph import greedy  # (tests/ is on pytest's path: eight greedy steps, any forward)
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_kvplus import QuantizedCache, cache_kwargs
@@ -89,16 +90,6 @@ def test_decode_attention_reads_the_codes_as_dequantized_attention():
     values = fmt.dequantize(packed.v, packed.v_scale, None, "values").repeat_interleave(2, dim=1)
     ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, scale=0.25)[:, :, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def greedy(m, cache, ids, forward, steps=8) -> list[list[int]]:
-    with torch.no_grad():
-        token = m(input_ids=ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        tokens = [token]
-        for _ in range(steps - 1):
-            token = forward(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-            tokens.append(token)
-    return torch.cat(tokens, dim=1).tolist()
 
 
 def step_error(m, spec: str, ids) -> float:
