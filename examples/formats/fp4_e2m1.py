@@ -7,7 +7,9 @@ clips); each element is coded as the nearest e2m1 value of ``x / s`` (sign and 3
 3, 4, 6; a tie goes to the smaller magnitude), two codes a byte (channel 2i in the low nibble, 2i + 1 in the high).
 
 Error bound, per element: ``|x - x^| <= max(s / 4, |x| / 4)`` (half the grid's gap at ``|x| / s``: 0.25 up to 2, then
-0.5 up to 4, then 1 up to 6). At rest: ``D + 4 D / group_size`` bytes per token of one head (keys and values).
+0.5 up to 4, then 1 up to 6). At rest: ``D + 4 D / group_size`` bytes per token of one head (keys and values). On
+SmolLM2-135M (2048 tokens of Pride and Prejudice, chunks of 32, `perplexity_fp4.py`): perplexity 17.717 where full
+precision gives 17.588 (+0.7%; int4 17.584, int2 19.948).
 
 Decode attention runs hf_kvplus's plain-torch twin on every device (dequantize a chunk, then attend), eager and
 compiled: no kernel of its own is registered.
