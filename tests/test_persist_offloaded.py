@@ -13,14 +13,13 @@ import errno
 
 import pytest
 import torch
+from test_persist_cache import PROMPT, decode_tokens, prompt_ids, step
 
 import hf_kvplus.placement.disk as disk_module
 from conformance.models import get_model
 from hf_kvplus import DiskTierError, H2OCache, OffloadedCache, PagedCache, cache_kwargs, load_cache
 from hf_kvplus.errors import CorruptFileError
 from hf_kvplus.placement.offloaded import Offloaded
-
-PROMPT, STEPS = 72, 3
 
 
 def layer_bytes(config) -> int:
@@ -47,18 +46,6 @@ BUILDERS = {
         config, budget=32, placement=Offloaded(host_budget=0, folder=folder)
     ),
 }
-
-
-def prompt_ids(n=PROMPT, seed=0):
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def decode_tokens(seed=1):
-    return torch.randint(3, 128, (STEPS, 1, 1), generator=torch.Generator().manual_seed(seed))
-
-
-def step(model, cache, tokens):
-    return model(tokens, **cache_kwargs(cache)).logits[:, -1]
 
 
 def filled(name, folder):

@@ -353,7 +353,8 @@ class Offloaded(Placement):
             self._failure = e  # the layer stays in host memory; spilled again before the next forward changes any
 
     def _spill(self, storage, rest: _Rest) -> None:
-        """Moves a layer at rest in host memory to files (`DiskTierError` if it cannot: it then stays)."""
+        """Moves a layer at rest in host memory to files (`DiskTierError` if it cannot: it then stays); a layer in use
+        keeps its working copies (a loaded one, `__setstate__`)."""
         if rest.written is not None:
             rest.written.synchronize()
         mapped, files = {}, {}
@@ -365,7 +366,8 @@ class Offloaded(Placement):
                 self.disk.remove(spill)
             raise
         rest.rest, rest.files, rest.on_disk = mapped, files, True
-        storage.load_tensors(mapped)
+        if rest.installed is None:
+            storage.load_tensors(mapped)
 
     def _spill_left_behind(self) -> None:
         """Spills the layers at rest in host memory past the budget (the last layers first, needed latest), which a
@@ -476,24 +478,9 @@ class Offloaded(Placement):
         for storage, rest in rests:
             if rest.installed is not None:
                 rest.versions = dict.fromkeys(rest.versions)
-            if rest.on_disk:
-                self._spill_loaded(storage, rest)
-
-    def _spill_loaded(self, storage, rest: _Rest) -> None:
-        """Writes a loaded disk layer's tensors (in host memory, read from a saved file) to this tier's own files; the
-        saved records name another tier's files, never touched."""
-        rest.files = {}
-        mapped, files = {}, {}
-        try:
-            for name, t in rest.rest.items():
-                mapped[name], files[name] = self.disk.write(name, t)
-        except DiskTierError:
-            for spill in files.values():
-                self.disk.remove(spill)
-            raise
-        rest.rest, rest.files = mapped, files
-        if rest.installed is None:
-            storage.load_tensors(mapped)
+            if rest.on_disk:  # (its records name another tier's files, never touched: written anew here)
+                rest.files, rest.on_disk = {}, False
+                self._spill(storage, rest)
 
     # ------------------------------------------------------------------ bookkeeping
     def forget(self, storage) -> None:
