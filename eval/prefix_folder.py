@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from hf_kvplus.evaluation.report import format_table, stamp
 
 WORKER = """
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("eval/results/prefix_folder_cpu_2k"))
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)  # (the workers' count, which `stamp` records from this process)
     shared, alone = [], []
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.processes):  # each pair back to back, so both see the same load on a shared machine
