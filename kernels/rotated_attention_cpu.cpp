@@ -29,6 +29,11 @@
 
 namespace {
 
+using kvplus_cpu::accumulate;
+using kvplus_cpu::dot;
+using kvplus_cpu::exp_shifted;
+using kvplus_cpu::half_to_float;
+
 // One token's codes (nbytes bytes) to floats: each byte (wide: each 12-bit half of 3 bytes) is a table row of
 // `Per` floats.
 template <int Per, bool Wide>
@@ -103,23 +108,6 @@ DecodeFn decoder(const at::Tensor& table, const char* side) {
   return nullptr;
 }
 
-// A float16 norm as a float: one instruction with F16C (c10::Half converts in software).
-inline float half_to_float(const at::Half& h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return float(h);
-#endif
-}
-
-// n a multiple of 8 (a rotated format's head dim): eight running sums, which the compiler turns into one vector.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t i = 0; i < n; i += 8)
-    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-}
-
 // The max and the sum of n floats, in eight running lanes (any n).
 inline float max_of(const float* x, int64_t n) {
   const float lowest = -std::numeric_limits<float>::infinity();
@@ -141,44 +129,9 @@ inline float sum_of(const float* x, int64_t n) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-// exp(x[i] - m) in place: 2**y as 2**round(y) times a degree-6 Taylor polynomial of 2**f on [-0.5, 0.5]
-// (relative error under 2e-7), which the compiler vectorizes (libm's expf is a call per element); 0 below 2**-126
-// (a masked key's -inf among them).
-inline void exp_shifted(float* x, int64_t n, float m) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float y = std::max((x[i] - m) * kLog2e, -127.f);
-    const float e = std::nearbyint(y), f = y - e;
-    const float p = 1.f + f * (0.6931471806f + f * (0.2402265070f + f * (0.0555041087f + f * (0.0096181291f +
-                    f * (0.0013333558f + f * 0.0001540353f)))));
-    const int32_t bits = (int32_t(e) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = y > -126.f ? p * scale : 0.f;
-  }
-}
-
 // Channels of P bytes of codes read through a chunk table (4096 rows: 3 bytes hold two 12-bit chunks).
 int64_t channels(int64_t P, const at::Tensor& table) {
   return table.size(0) == 4096 ? P / 3 * 2 * table.size(1) : P * table.size(1);
-}
-
-// acc [channels] += sum_i w[i] * x[i, :] over n rows, `Width` channels at a time held in registers over the rows
-// (several vectors: independent chains of multiply-adds).
-template <int Width>
-inline void accumulate_span(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {
-  float a[Width];
-  for (int j = 0; j < Width; ++j) a[j] = acc[j];
-  for (int64_t i = 0; i < n; ++i)
-    for (int j = 0; j < Width; ++j) a[j] += w[i] * x[i * channels + j];
-  for (int j = 0; j < Width; ++j) acc[j] = a[j];
-}
-
-// channels a multiple of 8.
-inline void accumulate(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {
-  int64_t c = 0;
-  for (; c + 32 <= channels; c += 32) accumulate_span<32>(w, x + c, n, acc + c, channels);
-  for (; c < channels; c += 8) accumulate_span<8>(w, x + c, n, acc + c, channels);
 }
 
 // Fewest code positions whose key scores go through per-query tables (`scores_by_table`: its build amortized).

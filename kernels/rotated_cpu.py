@@ -47,7 +47,8 @@ __all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "
 #: One library: the rotated formats' operators and the KIVI and paged decode of `kivi_cpu` (built, or not, together).
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp", "kivi_attention_cpu.cpp", "kivi_pack_cpu.cpp")
+    for name in ("cpu_common.cpp", "rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp", "kivi_attention_cpu.cpp",
+                 "kivi_pack_cpu.cpp")  # fmt: skip
 ]
 #: OpenMP on Linux: `at::parallel_for` is inline OpenMP code in torch's headers (sequential without it), and the
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
