@@ -28,8 +28,8 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
-from .evicting_cache import EvictingCache, H2OCache, SinkCache, SnapKVCache
-from .eviction import EvictionPolicy
+from .evicting_cache import EvictingCache, H2OCache, PeakCache, SinkCache, SnapKVCache
+from .eviction import EvictionPolicy, Mass, Needs, ScoredPolicy, Setting, SlotView
 from .kvzap_cache import KVzapCache
 from .kvzip_cache import KVzipCache
 from .layer import KVLayer
@@ -72,6 +72,12 @@ __all__ = [
     "FolderBlocks",
     "GradientError",
     "H2OCache",
+    "Mass",
+    "Needs",
+    "PeakCache",
+    "ScoredPolicy",
+    "Setting",
+    "SlotView",
     "KVCache",
     "KVzapCache",
     "KVzipCache",

@@ -1,16 +1,20 @@
 """Evicting caches: memory bounded by a token budget per layer, whatever the sequence length.
 
-Full-attention layers keep `budget` tokens per KV head, chosen by a policy (StreamingLLM sinks +
-window, H2O heavy hitters, SnapKV prompt selection); sliding-window layers keep their own window as
-in every other cache. Evicting layers attend through hf_kvplus's attention path, which masks their
-slots and reports attention mass, so the model must run "sdpa" (the default) or "kvplus" attention.
+Full-attention layers keep `budget` tokens per KV head, chosen by an eviction policy (`eviction`: any class that
+declares its settings and `score()`, registered under a spec name); sliding-window layers keep their own window as
+in every other cache. Evicting layers attend through hf_kvplus's attention path, which masks their slots and reports
+attention mass, so the model must run "sdpa" (the default) or "kvplus" attention. The named caches (`SinkCache`,
+`H2OCache`, ...) are `EvictingCache` with their policy fixed.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from functools import partial
+from typing import ClassVar
 
 from transformers import PreTrainedConfig
 
@@ -18,11 +22,11 @@ from .attention.dispatch import FUSED_ATTENTION
 from .cache import KVCache, model_retention
 from .errors import ConfigError, UnsupportedModelError, UnsupportedOperationError
 from .eviction.budget import check_budget, prompt_share
+from .eviction.declare import Setting, policy_class
 from .eviction.heavy_hitters import HeavyHitterPolicy
 from .eviction.peak import PeakAttentionPolicy
 from .eviction.policy import EvictionPolicy
-from .eviction.rope import RotaryShift
-from .eviction.sinks import POSITIONS, SinkPolicy
+from .eviction.sinks import SinkPolicy
 from .eviction.snapkv import SnapKVPolicy
 from .formats import is_rotated, resolve_format
 from .model_spec import LayerSpec, ModelSpec
@@ -34,11 +38,18 @@ from .storage.slots import DenseCodec, SlotStore, TokenQuantCodec
 #: The budget the layers of a cache with a fractional budget are built with until its prompt gives the count: larger
 #: than any prompt, so that building them checks every size but the budget's own.
 PROVISIONAL = 1 << 30
+#: The budget of a cache given a policy class and no budget.
+DEFAULT_BUDGET = 1024
 
 
 class EvictingCache(KVCache):
-    """A cache whose full-attention layers hold `SlotStore`s under a scored retention built by `policy(spec)`, or
-    `policy(spec, tokens)` when `budget` is given.
+    """A cache whose full-attention layers hold `SlotStore`s, each ranked by its own instance of an eviction `policy`:
+    a policy class (`EvictionPolicy` subclass) or its registered spec name, built per layer with the keyword
+    `settings` it declares (checked against their bounds; `ConfigError` names the option, the value and the bounds);
+    an instance (copied per layer; no settings); or a function `policy(spec, tokens)` (`policy(spec)` without a
+    budget) that builds one.
+
+    >>> EvictingCache(config, policy="h2o", budget=256, recent=32, bits="int4")
 
     `budget` (`eviction.budget`): an int is the tokens each policy keeps; a float in (0, 1] the share of the prompt,
     which the cache's first forward turns into tokens (int(budget x its tokens per row, padding included), at least 1,
@@ -59,26 +70,33 @@ class EvictingCache(KVCache):
     precision, or at `boundary_bits`; `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a
     format of its own (what `kvplus calibrate` chose; spec `calibration=PATH`). `quantized_report()` counts them.
 
-    `compileable=True` (SinkCache, H2OCache: their budget holds every decode step's shape once full)
+    `compileable=True` (a policy that declares `compileable`, with compress='always': sinks, H2O; its budget holds
+    every decode step's shape once full)
     declares `is_compileable`, so `generate()` compiles the decode forward as it does StaticCache's:
     on CUDA by default, on CPU with `CompileConfig._compile_all_devices`. It is opt-in because
     Transformers then builds a full decode mask every step, even where no row is padded, which sends
     an eager step down the padded path: about a quarter more ops per layer.
     """
 
-    #: Whether assisted decoding may roll tokens back; refused for the whole cache when not, even on a
-    #: model whose layers are all sliding (the same cache must behave the same on every model).
+    #: The policy of a named cache (set by `policy=` in its class statement).
+    policy: ClassVar[type[EvictionPolicy] | None] = None
+    #: Settings of the cache itself beyond its policy's (set as attributes).
+    settings: ClassVar[tuple[Setting, ...]] = ()
+    #: Whether assisted decoding may roll tokens back (the policy's `is_croppable`); refused for the whole cache when
+    #: not, even on a model whose layers are all sliding (the same cache must behave the same on every model).
     rollback: bool = True
-    #: Whether its policy ranks by accumulated attention, so slots keep a `score` each (StreamingLLM's does not).
-    keeps_scores: bool = True
-    #: Whether its slots count the tokens a mask hid (`SlotStore.hidden`: StreamingLLM's sinks move by the evicted
-    #: tokens only).
-    counts_hidden: bool = False
+
+    def __init_subclass__(cls, policy: type[EvictionPolicy] | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if policy is not None:
+            cls.policy = policy
+        if cls.policy is not None:  # what `help()` and editors show: every keyword, the policy's settings included
+            cls.__signature__ = _signature(cls)
 
     def __init__(
         self,
         config: PreTrainedConfig,
-        policy: Callable[..., EvictionPolicy],
+        policy: type[EvictionPolicy] | EvictionPolicy | str | Callable[..., EvictionPolicy] | None = None,
         *,
         budget: int | float | None = None,
         bits: int | str | None = None,
@@ -89,6 +107,7 @@ class EvictingCache(KVCache):
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
+        **settings,
     ):
         implementation = getattr(config, "_attn_implementation", None)
         if implementation is not None and implementation not in FUSED_ATTENTION:
@@ -96,6 +115,13 @@ class EvictingCache(KVCache):
                 f"{type(self).__name__} attends through hf_kvplus's attention, but the model uses "
                 f"attn_implementation={implementation!r}; load it with 'sdpa' (the default) or 'kvplus'"
             )
+        for setting in type(self).settings:
+            setattr(self, setting.name, setting.check(settings.pop(setting.name, setting.default), type(self).__name__))
+        policy, kind, budget = _policy_factory(config, type(self).policy if policy is None else policy, settings,
+                                               budget, first_tokens, compileable)  # fmt: skip
+        keeps_scores = counts_hidden = None
+        if kind is not None:
+            self.rollback, keeps_scores, counts_hidden = kind.is_croppable, kind.keeps_scores, kind.counts_hidden
         model = ModelSpec.from_config(config)
         fmt = resolve_format(model, bits, group_size)
         #: The exact regions (no window: every kept token past the first ones is coded).
@@ -117,8 +143,8 @@ class EvictingCache(KVCache):
                 return DenseStorage()
             layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
             codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index))
-            return SlotStore(codec, scores=self.keeps_scores, device_count=compileable, first=first_tokens,
-                             count_hidden=self.counts_hidden)  # fmt: skip
+            return SlotStore(codec, scores=keeps_scores is not False, device_count=compileable, first=first_tokens,
+                             count_hidden=bool(counts_hidden))  # fmt: skip
 
         #: The budget as given: tokens, a share of the prompt, or None (`policy(spec)` sizes itself).
         self.budget = None if budget is None else check_budget(budget)
@@ -126,6 +152,8 @@ class EvictingCache(KVCache):
         self.budget_tokens = budget if isinstance(budget, int) else None
         self._policy = policy if isinstance(budget, float) else None  # (what `size_budget` builds with)
         initial = PROVISIONAL if isinstance(budget, float) else budget
+        if initial is not None:
+            policy(None, initial)  # refuse bad sizes before building layers
 
         def retention(spec: LayerSpec) -> EvictionPolicy:
             if spec.kind != "full":
@@ -217,58 +245,71 @@ class EvictingCache(KVCache):
         super().activate_past_recording()
 
 
-def _check_first_fits(first_tokens, room: int, what: str, ranked: str) -> None:
-    """The first-tokens region is never evicted, so it takes room that the policy's ranked tokens would have."""
-    if isinstance(first_tokens, int) and not isinstance(first_tokens, bool) and first_tokens > room:
+def _signature(cls: type[EvictingCache]) -> inspect.Signature:
+    """A named cache's keywords: its own, `EvictingCache`'s, then its policy's and its own declared settings."""
+    own = [p for p in inspect.signature(cls.__init__).parameters.values()
+           if p.name not in ("self", "policy") and p.kind is not p.VAR_KEYWORD]  # fmt: skip
+    names = {p.name for p in own} | {"policy"}
+    base = [p for p in inspect.signature(EvictingCache.__init__).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name not in names]  # fmt: skip
+    declared = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default)
+                for s in (*cls.policy.settings, *cls.settings) if s.name not in names]  # fmt: skip
+    return inspect.Signature(own + base + declared)
+
+
+def _policy_factory(config, policy, settings: dict, budget, first_tokens, compileable: bool):
+    """(a function `policy(spec, tokens)` that builds a layer's policy, the policy's class or None when a function was
+    given, the budget: `DEFAULT_BUDGET` for a class given none, an instance's own)."""
+    if isinstance(policy, str):
+        policy = policy_class(policy)
+    if isinstance(policy, EvictionPolicy) or not isinstance(policy, type) and callable(policy):
+        if settings:
+            raise ConfigError(f"settings {sorted(settings)} are a policy class's; {policy!r} is built already: give "
+                              "its class (or spec name) with them")  # fmt: skip
+        if compileable and not (isinstance(policy, EvictionPolicy) and policy.compileable):
+            raise ConfigError(f"compileable=True needs a policy whose shapes are fixed once full; {policy!r} is not")
+        if not isinstance(policy, EvictionPolicy):
+            return policy, None, budget
+        if isinstance(budget, float) or budget not in (None, policy.budget):
+            raise ConfigError(f"{policy!r} keeps budget={policy.budget}, got budget={budget}: give a policy class to "
+                              "size it")  # fmt: skip
+        policy.check_first(first_tokens)
+        return partial(_copied, policy), type(policy), None
+    if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
+        raise ConfigError(f"policy is an EvictionPolicy class, instance or registered name, or a function "
+                          f"(spec, tokens) -> policy; got {policy!r}")  # fmt: skip
+    declared = {setting.name: setting for setting in policy.settings}
+    unknown = set(settings) - set(declared)
+    if unknown:
+        raise ConfigError(f"{policy.__name__} takes no setting {sorted(unknown)}; it accepts {sorted(declared)}")
+    options = {name: setting.check(settings.get(name, setting.default), policy.__name__)
+               for name, setting in declared.items()}  # fmt: skip
+    if compileable and not policy.compileable:
+        raise ConfigError(f"{policy.__name__} cannot be compiled (compileable=True): its shapes change after the "
+                          "prompt")  # fmt: skip
+    if compileable and options.get("compress", "always") != "always":
         raise ConfigError(
-            f"first_tokens={first_tokens} does not fit: the region is never evicted and takes the room of the "
-            f"{ranked}, {what} = {room} slots per head; give first_tokens <= {room}"
+            f"compileable=True needs compress='always': with compress={options['compress']!r} decode steps append, so "
+            "their shapes grow and generate() could not compile them"
         )
+    build = partial(_built, policy, policy.prepare(config, options), first_tokens)
+    return build, policy, DEFAULT_BUDGET if budget is None else check_budget(budget)
 
 
-# The named caches' policies for a budget of `tokens`, as module functions (a cache sized at its prompt keeps its
-# factory, and pickles it).
+# Module functions (a cache sized at its prompt keeps its factory, and pickles it).
 
 
-def _sink_policy(spec, tokens: int, *, num_sinks: int, rotary, compress: str) -> SinkPolicy:
-    if tokens <= num_sinks:
-        raise ConfigError(f"a budget of {tokens} tokens leaves no window after num_sinks={num_sinks} (the recent window "
-                          f"must hold at least 1 token, got window={tokens - num_sinks}): give a budget >= num_sinks + 1 "
-                          f"= {num_sinks + 1}")  # fmt: skip
-    return SinkPolicy(num_sinks, tokens - num_sinks, rotary, compress)
-
-
-def _h2o_policy(spec, tokens: int, *, recent: int | None, compress: str, first_tokens) -> HeavyHitterPolicy:
-    kept = tokens // 2 if recent is None else recent
-    made = HeavyHitterPolicy(tokens, kept, compress)
-    _check_first_fits(first_tokens, tokens - kept, f"budget - recent = {tokens} - {kept}", "heavy hitters")
+def _built(cls: type[EvictionPolicy], options: dict, first_tokens, spec, tokens: int) -> EvictionPolicy:
+    made = cls.for_layer(spec, tokens, options)
+    made.check_first(first_tokens)
     return made
 
 
-def _snapkv_policy(spec, tokens: int, *, observation: int, kernel_size: int, pooling: str, first_tokens) -> SnapKVPolicy:
-    made = SnapKVPolicy(tokens, observation, kernel_size, pooling)
-    _check_first_fits(first_tokens, tokens - observation, f"budget - observation = {tokens} - {observation}",
-                      "selected tokens")  # fmt: skip
-    return made
+def _copied(policy: EvictionPolicy, spec) -> EvictionPolicy:
+    return copy.deepcopy(policy)
 
 
-def _peak_policy(spec, tokens: int, *, recent: int | None, kernel_size: int, compress: str,
-                 first_tokens) -> PeakAttentionPolicy:  # fmt: skip
-    kept = tokens // 8 if recent is None else recent
-    made = PeakAttentionPolicy(tokens, kept, kernel_size, compress)
-    _check_first_fits(first_tokens, tokens - kept, f"budget - recent = {tokens} - {kept}", "ranked tokens")
-    return made
-
-
-def _check_compileable(compress: str, compileable: bool) -> None:
-    if compileable and compress != "always":
-        raise ConfigError(
-            f"compileable=True needs compress='always': with compress={compress!r} decode steps append, so their "
-            "shapes grow and generate() could not compile them"
-        )
-
-
-class SinkCache(EvictingCache):
+class SinkCache(EvictingCache, policy=SinkPolicy):
     """StreamingLLM: `num_sinks` first tokens of each row plus the `window` most recent ones.
 
     `positions="cache"` (default) counts positions inside the cache, which keeps perplexity stable
@@ -280,57 +321,22 @@ class SinkCache(EvictingCache):
     >>> cache = SinkCache(model.config, budget=0.2)  # the sinks + a window: a fifth of the prompt (kvpress's 0.8)
 
     `budget` (tokens, or a share of the prompt: `EvictingCache`) sizes the sinks and the window together (window =
-    budget - num_sinks), in place of `window`.
+    budget - num_sinks), in place of `window`. The other keywords are `EvictingCache`'s and `SinkPolicy`'s settings
+    (`positions`, `compress`).
 
     `compress="prefill"` compresses only after multi-token forwards (each prompt), as kvpress's presses do,
     and lets decode steps append: the budget then bounds what a prompt leaves, not the cache.
     """
 
-    keeps_scores = False  # it evicts by position
-    counts_hidden = True
-
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        *,
-        num_sinks: int = 4,
-        window: int | None = None,
-        budget: int | float | None = None,
-        positions: str = "cache",
-        bits: int | str | None = None,
-        group_size: int | None = None,
-        placement: Placement | None = None,
-        compileable: bool = False,
-        compress: str = "always",
-        first_tokens: int = 0,
-        boundary_layers: int = 0,
-        boundary_bits: int | str | None = None,
-        layer_bits: Mapping[int, int | str | None] | None = None,
-    ):
-        if positions not in POSITIONS:
-            raise ConfigError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    def __init__(self, config: PreTrainedConfig, *, num_sinks: int = 4, window: int | None = None,
+                 budget: int | float | None = None, **options):  # fmt: skip
         if window is not None and budget is not None:
             raise ConfigError(f"give window={window} or budget={budget} (the sinks and the window together), not both")
         budget = num_sinks + (1020 if window is None else window) if budget is None else check_budget(budget)
-        rotary = RotaryShift.from_config(config) if positions == "cache" and num_sinks else None
-
-        policy = partial(_sink_policy, num_sinks=num_sinks, rotary=rotary, compress=compress)
-        if isinstance(budget, int):
-            policy(None, budget)  # refuse bad sizes before building layers
-        if isinstance(first_tokens, int) and first_tokens > num_sinks:
-            raise ConfigError(
-                f"first_tokens={first_tokens} exceeds num_sinks={num_sinks}: a SinkCache keeps the first {num_sinks} "
-                "tokens of each row (and moves only those when positions='cache'); give first_tokens <= num_sinks"
-            )
-        _check_compileable(compress, compileable)
-        super().__init__(
-            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
-            compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
-            boundary_bits=boundary_bits, layer_bits=layer_bits,
-        )  # fmt: skip
+        super().__init__(config, budget=budget, num_sinks=num_sinks, **options)
 
 
-class H2OCache(EvictingCache):
+class H2OCache(EvictingCache, policy=HeavyHitterPolicy):
     """H2O: per KV head, `budget - recent` heavy hitters (largest accumulated attention) + `recent` newest.
 
     `recent` defaults to half the budget, as in the paper. Keys keep their original positions. `budget` is tokens, or
@@ -339,35 +345,8 @@ class H2OCache(EvictingCache):
     would already have added its attention to the scores). `compress="prefill"` as for SinkCache.
     """
 
-    rollback = False
 
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        *,
-        budget: int | float = 1024,
-        recent: int | None = None,
-        bits: int | str | None = None,
-        group_size: int | None = None,
-        placement: Placement | None = None,
-        compileable: bool = False,
-        compress: str = "always",
-        first_tokens: int = 0,
-        boundary_layers: int = 0,
-        boundary_bits: int | str | None = None,
-        layer_bits: Mapping[int, int | str | None] | None = None,
-    ):
-        policy = partial(_h2o_policy, recent=recent, compress=compress, first_tokens=first_tokens)
-        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
-        _check_compileable(compress, compileable)
-        super().__init__(
-            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
-            compileable=compileable, first_tokens=first_tokens, boundary_layers=boundary_layers,
-            boundary_bits=boundary_bits, layer_bits=layer_bits,
-        )  # fmt: skip
-
-
-class SnapKVCache(EvictingCache):
+class SnapKVCache(EvictingCache, policy=SnapKVPolicy):
     """SnapKV: each prompt (multi-token forward) is compressed to `budget` tokens per KV head.
 
     The last `observation` prompt tokens are kept; the rest are ranked by the attention those tokens
@@ -376,35 +355,8 @@ class SnapKVCache(EvictingCache):
     share of the prompt (`budget=0.2`, sized at the prompt; `EvictingCache`).
     """
 
-    rollback = False
 
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        *,
-        budget: int | float = 1024,
-        observation: int = 32,
-        kernel_size: int = 7,
-        pooling: str = "avg",
-        bits: int | str | None = None,
-        group_size: int | None = None,
-        placement: Placement | None = None,
-        first_tokens: int = 0,
-        boundary_layers: int = 0,
-        boundary_bits: int | str | None = None,
-        layer_bits: Mapping[int, int | str | None] | None = None,
-    ):
-        policy = partial(_snapkv_policy, observation=observation, kernel_size=kernel_size, pooling=pooling,
-                         first_tokens=first_tokens)  # fmt: skip
-        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
-        super().__init__(
-            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
-            first_tokens=first_tokens, boundary_layers=boundary_layers, boundary_bits=boundary_bits,
-            layer_bits=layer_bits,
-        )  # fmt: skip
-
-
-class PeakCache(EvictingCache):
+class PeakCache(EvictingCache, policy=PeakAttentionPolicy):
     """Peak attention (`PeakAttentionPolicy`, KVzip's query-agnostic score in one pass): per KV head, the `recent`
     newest tokens plus `budget - recent` with the largest attention any single query gave them.
 
@@ -413,30 +365,3 @@ class PeakCache(EvictingCache):
     (kvpress's pipeline, `appending()`) keeps what its own tokens read. Assisted decoding is refused, as for H2O.
     `budget` is tokens, or a share of the prompt (`budget=0.2`, sized at the prompt; `EvictingCache`).
     """
-
-    rollback = False
-
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        *,
-        budget: int | float = 1024,
-        recent: int | None = None,
-        kernel_size: int = 1,
-        bits: int | str | None = None,
-        group_size: int | None = None,
-        placement: Placement | None = None,
-        compress: str = "always",
-        first_tokens: int = 0,
-        boundary_layers: int = 0,
-        boundary_bits: int | str | None = None,
-        layer_bits: Mapping[int, int | str | None] | None = None,
-    ):
-        policy = partial(_peak_policy, recent=recent, kernel_size=kernel_size, compress=compress,
-                         first_tokens=first_tokens)  # fmt: skip
-        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
-        super().__init__(
-            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
-            first_tokens=first_tokens, boundary_layers=boundary_layers, boundary_bits=boundary_bits,
-            layer_bits=layer_bits,
-        )  # fmt: skip

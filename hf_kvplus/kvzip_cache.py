@@ -15,20 +15,17 @@ positions stay bounded, drops the repeat's tokens and evicts the cache down to i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from transformers import PreTrainedConfig
 
 from .errors import CacheMismatchError, ConfigError, UnsupportedModelError, UnsupportedOperationError
-from .evicting_cache import PROVISIONAL, EvictingCache, _check_first_fits
-from .eviction.budget import check_budget
+from .evicting_cache import EvictingCache
+from .eviction.declare import Setting
 from .eviction.reconstruction import ReconstructionPolicy
 from .layer import KVLayer
 from .model_spec import ModelSpec
-from .placement.base import Placement
 from .retention.window import SlidingWindow
 from .transformers_compat import cache_kwargs
 
@@ -67,7 +64,7 @@ class RepeatPrompt:
         return cls(encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(suffix))
 
 
-class KVzipCache(EvictingCache):
+class KVzipCache(EvictingCache, policy=ReconstructionPolicy):
     """KVzip: a context prefilled whole, then compressed by `compress(model, context_ids, tokenizer)` to `budget`
     tokens per KV head, ranked by the attention a reconstruction of the context gives them
     (`ReconstructionPolicy`); the first `sinks` positions and the `recent` newest tokens are kept first. The
@@ -84,62 +81,23 @@ class KVzipCache(EvictingCache):
     sliding-window layers keep their window, unchanged by the reconstruction. Assisted decoding is refused.
     """
 
-    rollback = False
+    settings = (Setting("chunk_size", int, 2048, minimum=1, key="chunk"),
+                Setting("budgets", str, "global", choices=BUDGETS))  # fmt: skip
 
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        *,
-        budget: int | float = 1024,
-        sinks: int = 4,
-        recent: int = 0,
-        kernel_size: int = 1,
-        reduce: str = "max_head",
-        chunk_size: int = 2048,
-        budgets: str = "global",
-        bits: int | str | None = None,
-        group_size: int | None = None,
-        placement: Placement | None = None,
-        compress: str = "prefill",
-        first_tokens: int = 0,
-        boundary_layers: int = 0,
-        boundary_bits: int | str | None = None,
-        layer_bits: Mapping[int, int | str | None] | None = None,
-    ):
-        policy = partial(_policy, sinks=sinks, recent=recent, kernel_size=kernel_size, compress=compress,
-                         reduce=reduce, first_tokens=first_tokens)  # fmt: skip
-        policy(None, budget if isinstance(check_budget(budget), int) else PROVISIONAL)  # refuse bad sizes first
-        if chunk_size < 1:
-            raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
-        if budgets not in BUDGETS:
-            raise ConfigError(f"budgets must be one of {BUDGETS}, got {budgets!r}")
-        #: `compress`'s chunks of the context, in tokens, and how it shares the budget among layers.
-        self.chunk_size, self.budgets = chunk_size, budgets
+    def __init__(self, config: PreTrainedConfig, **options):
         kinds = {layer.kind for layer in ModelSpec.from_config(config).layers}
         if kinds - {"full", "sliding", "chunked"}:
             raise UnsupportedModelError(
                 f"KVzipCache serves models of full-attention layers, sliding-window ones beside them; this one has "
                 f"{sorted(kinds)} layers"
             )
-        super().__init__(
-            config, policy, budget=budget, bits=bits, group_size=group_size, placement=placement,
-            first_tokens=first_tokens, boundary_layers=boundary_layers, boundary_bits=boundary_bits,
-            layer_bits=layer_bits,
-        )  # fmt: skip
+        super().__init__(config, **options)
 
     def compress(self, model, context_ids: torch.Tensor, tokenizer=None, **options) -> None:
         """`reconstruct(model, self, context_ids, tokenizer, **options)`, with the cache's `chunk_size` and `budgets` by
         default."""
         options = {"chunk_size": self.chunk_size, "budgets": self.budgets, **options}
         reconstruct(model, self, context_ids, tokenizer, **options)
-
-
-def _policy(spec, tokens: int, *, sinks: int, recent: int, kernel_size: int, compress: str, reduce: str,
-            first_tokens) -> ReconstructionPolicy:  # fmt: skip
-    """A KVzipCache layer's policy for a budget of `tokens` (a module function: a cache keeps it, and pickles it)."""
-    made = ReconstructionPolicy(tokens, sinks, recent, kernel_size, compress, reduce)
-    _check_first_fits(first_tokens, tokens - recent, f"budget - recent = {tokens} - {recent}", "ranked tokens")
-    return made
 
 
 def _scored_layers(cache) -> tuple[list[KVLayer], list[KVLayer]]:

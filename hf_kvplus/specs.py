@@ -75,6 +75,7 @@ import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from transformers import Cache, DynamicCache, PreTrainedConfig, StaticCache
 from transformers import QuantizedCache as HFQuantizedCache
@@ -82,9 +83,9 @@ from transformers import QuantizedCache as HFQuantizedCache
 from .cache import DenseCache
 from .calibration import Calibration
 from .errors import ConfigError
-from .evicting_cache import H2OCache, PeakCache, SinkCache, SnapKVCache
+from .evicting_cache import EvictingCache, H2OCache, PeakCache, SinkCache, SnapKVCache
 from .eviction.budget import check_budget
-from .eviction.policy import COMPRESS
+from .eviction.declare import POLICIES, Setting
 from .fitted import calibrated_layer_bits
 from .formats import is_rotated, parse_bits
 from .kvzap_cache import KVzapCache
@@ -108,6 +109,7 @@ class CacheKind:
     lossless: bool
     baseline: bool  # a Transformers cache that hf_kvplus caches are compared against
     requires: tuple[str, ...] = ()  # importable modules it needs
+    policy: type | None = None  # an evicting family's eviction policy (its settings are the spec's options)
 
     def available(self) -> bool:
         return not self.missing()
@@ -182,7 +184,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"a cache spec is a non-empty string, got {text!r}; known: {sorted(CACHE_KINDS)}")
     name, *parts = text.strip().split(":")
-    if name not in CACHE_KINDS:
+    if name not in _known():
         raise ConfigError(f"unknown cache {name!r} in spec {text!r}; known: {sorted(CACHE_KINDS)}")
     args, kwargs = [], {}
     for part in parts:
@@ -216,9 +218,9 @@ def available_cache_specs() -> list[str]:
         "offloaded-quantized": ["offloaded-quantized:int4"],
     }
     specs = []
-    for name, kind in CACHE_KINDS.items():
+    for name, kind in _known().items():
         if kind.available():
-            specs.extend(defaults.get(name, [name]))
+            specs.extend(defaults.get(name, [name] if kind.policy is None else [f"{name}:256"]))
     return [s for s in specs if parse_cache_spec(s).kind.available()]
 
 
@@ -359,7 +361,7 @@ def _validate(spec: CacheSpec) -> None:
                 _int(spec.text, key, spec.kwargs[key])
         _check_regions(spec)
         _check_calibration(spec)
-    elif name in EVICTING_OPTIONS:
+    elif spec.kind.policy is not None:
         _validate_evicting(spec)
     elif name in ("offloaded", "offloaded-quantized"):
         quantized = name == "offloaded-quantized"
@@ -394,44 +396,85 @@ def _validate(spec: CacheSpec) -> None:
                 _int(spec.text, key, spec.kwargs[key])
 
 
-#: Evicting cache specs: positional arguments and the integer and text options each accepts.
-EVICTING_OPTIONS = {
-    "sink": (("num_sinks", "window"), set(),
-             {"positions": ("cache", "original"), "compile": ("on", "off"), "compress": COMPRESS}),
-    "h2o": (("budget",), {"recent"}, {"compile": ("on", "off"), "compress": COMPRESS}),
-    "snapkv": (("budget",), {"observation", "kernel"}, {"pooling": ("avg", "max")}),
-    "peak": (("budget",), {"recent", "kernel"}, {"compress": COMPRESS}),
-    "kvzip": (("budget",), {"sinks", "recent", "kernel", "chunk"},
-              {"compress": COMPRESS, "reduce": ("max_head", "max"), "budgets": ("uniform", "global")}),
-    "kvzap": (("budget",), {"sinks", "recent"}, {"compress": COMPRESS, "budgets": ("global", "uniform")}),
-}
+#: The named evicting caches, by their policy's spec name; any other registered policy runs in `EvictingCache`.
+NAMED_EVICTING = {cache.policy.name: cache for cache in (SinkCache, H2OCache, SnapKVCache, PeakCache, KVzipCache,
+                                                         KVzapCache)}  # fmt: skip
+#: Every evicting spec's options besides its policy's settings: storage, precision regions, calibration.
+STORAGE_OPTIONS = {"bits", "group"} | REGION_OPTIONS | CALIBRATION_OPTION
+#: What a positional argument's example is in an error message, by name (a setting's own default otherwise).
+EXAMPLES = {"budget": "1024", "window": "1020"}
+
+
+def _evicting_settings(policy) -> dict[str, Setting]:
+    """The spec keys of a policy's settings and of its named cache's own, to their `Setting`s."""
+    cache = NAMED_EVICTING.get(policy.name, EvictingCache)
+    return {setting.spec_key: setting for setting in (*policy.settings, *cache.settings)}
 
 
 def _validate_evicting(spec: CacheSpec) -> None:
-    positional, integers, choices = EVICTING_OPTIONS[spec.kind.name]
-    paths = {"weights"} if spec.kind.name == "kvzap" else set()
-    _check_arity(spec, len(positional), set(integers) | set(choices) | {"bits", "group"} | REGION_OPTIONS
-                 | CALIBRATION_OPTION | paths)
+    """Checks an evicting spec against what its policy declares: positional arguments, settings and their bounds."""
+    policy = spec.kind.policy
+    declared, positional = _evicting_settings(policy), policy.positional
+    _check_arity(spec, len(positional), (set(declared) - set(positional)) | STORAGE_OPTIONS
+                 | ({"compile"} if policy.compileable else set()))  # fmt: skip
     if len(spec.args) != len(positional):
-        example = {"sink": "sink:4:1020", "h2o": "h2o:1024", "snapkv": "snapkv:1024", "peak": "peak:1024",
-                   "kvzip": "kvzip:1024", "kvzap": "kvzap:20%"}[spec.kind.name]  # fmt: skip
-        raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. {example}")
+        example = ":".join(EXAMPLES.get(what) or str(declared[what].default) for what in positional)
+        raise ConfigError(f"cache spec {spec.text!r}: expected {spec.kind.name}:<{'>:<'.join(positional)}>, e.g. "
+                          f"{spec.kind.name}:{example}")  # fmt: skip
     for what, value in zip(positional, spec.args, strict=True):
-        if what in ("budget", "window"):  # (a sink spec's share sizes its sinks and window together)
+        if what in EXAMPLES:  # (a sink spec's share sizes its sinks and window together)
             _budget(spec.text, what, value)
         else:
-            _int(spec.text, what, value, minimum=0)
-    for key in (integers | {"group"}) & set(spec.kwargs):
-        _int(spec.text, key, spec.kwargs[key], minimum=0)
+            declared[what].parse(value, spec.text)
+    for key in set(declared) & set(spec.kwargs):
+        declared[key].parse(spec.kwargs[key], spec.text)
+    if "group" in spec.kwargs:
+        _int(spec.text, "group", spec.kwargs["group"], minimum=0)
+    if spec.kwargs.get("compile", "off") not in ("on", "off"):
+        raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     if "bits" in spec.kwargs:
         _check_bits(spec, spec.kwargs["bits"])
     elif "calibration" in spec.kwargs:
         raise ConfigError(f"cache spec {spec.text!r}: calibration= gives layers their own bits; it needs bits=")
     _check_calibration(spec, spec.kwargs.get("bits"))
     _check_regions(spec)
-    for key, allowed in choices.items():
-        if key in spec.kwargs and spec.kwargs[key] not in allowed:
-            raise ConfigError(f"cache spec {spec.text!r}: {key} must be one of {allowed}, got {spec.kwargs[key]!r}")
+
+
+def _evicting(policy, config, args, kwargs, max_length):
+    """The named cache of `policy` (or `EvictingCache` running it) from a checked spec's arguments."""
+    declared = _evicting_settings(policy)
+    options = {}
+    for what, value in zip(policy.positional, args, strict=True):
+        if what == "budget":
+            options["budget"] = _budget(policy.name, what, value)
+        elif what == "window":  # tokens after the sinks, or a share of the prompt for the sinks and the window
+            size = _budget(policy.name, what, value)
+            options["budget" if isinstance(size, float) else "window"] = size
+        else:
+            options[what] = declared[what].parse(value, policy.name)
+    for key in set(declared) & set(kwargs):
+        options[declared[key].name] = declared[key].parse(kwargs[key], policy.name)
+    if "compile" in kwargs:
+        options["compileable"] = kwargs["compile"] == "on"
+    cache = NAMED_EVICTING.get(policy.name)
+    if cache is None:
+        return EvictingCache(config, policy, **options, **_storage(config, kwargs))
+    return cache(config, **options, **_storage(config, kwargs))
+
+
+def evicting_kind(policy, description: str | None = None) -> CacheKind:
+    """The spec family of a registered eviction policy (named by its spec name)."""
+    description = description or f"EvictingCache with the eviction policy {policy.__name__}"
+    return CacheKind(policy.name, partial(_evicting, policy), description, False, False, policy=policy)
+
+
+def _known() -> dict[str, CacheKind]:
+    """Every family: the registered ones, and a family for each eviction policy registered since (by importing the
+    file that defines it)."""
+    for name, policy in POLICIES.items():
+        if name not in CACHE_KINDS:
+            register_cache_spec(evicting_kind(policy))
+    return CACHE_KINDS
 
 
 #: Byte suffixes of sizes in specs (binary: K = 1024).
@@ -465,47 +508,6 @@ def _storage(config, kwargs) -> dict:
     tokens: `first=` absent is 0), with a calibration's `layer_bits`."""
     return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
             **_regions(kwargs, preset=False), **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
-
-
-def _sink(config, args, kwargs, max_length):
-    size = _budget("sink", "window", args[1])
-    size = {"budget": size} if isinstance(size, float) else {"window": size}
-    return SinkCache(config, num_sinks=int(args[0]), **size, positions=kwargs.get("positions", "cache"),
-                     compileable=kwargs.get("compile") == "on", compress=kwargs.get("compress", "always"),
-                     **_storage(config, kwargs))
-
-
-def _h2o(config, args, kwargs, max_length):
-    recent = int(kwargs["recent"]) if "recent" in kwargs else None
-    return H2OCache(config, budget=_budget("h2o", "budget", args[0]), recent=recent, compileable=kwargs.get("compile") == "on",
-                    compress=kwargs.get("compress", "always"), **_storage(config, kwargs))
-
-
-def _snapkv(config, args, kwargs, max_length):
-    options = {"observation": int(kwargs.get("observation", 32)), "kernel_size": int(kwargs.get("kernel", 7)),
-               "pooling": kwargs.get("pooling", "avg")}
-    return SnapKVCache(config, budget=_budget("snapkv", "budget", args[0]), **options, **_storage(config, kwargs))
-
-
-def _peak(config, args, kwargs, max_length):
-    recent = int(kwargs["recent"]) if "recent" in kwargs else None
-    return PeakCache(config, budget=_budget("peak", "budget", args[0]), recent=recent, kernel_size=int(kwargs.get("kernel", 1)),
-                     compress=kwargs.get("compress", "always"), **_storage(config, kwargs))
-
-
-def _kvzip(config, args, kwargs, max_length):
-    integers = {"sinks": "sinks", "recent": "recent", "kernel": "kernel_size", "chunk": "chunk_size"}
-    options = {name: int(kwargs[key]) for key, name in integers.items() if key in kwargs}
-    return KVzipCache(config, budget=_budget("kvzip", "budget", args[0]), reduce=kwargs.get("reduce", "max_head"),
-                      compress=kwargs.get("compress", "prefill"), budgets=kwargs.get("budgets", "global"), **options,
-                      **_storage(config, kwargs))  # fmt: skip
-
-
-def _kvzap(config, args, kwargs, max_length):
-    options = {key: int(kwargs[key]) for key in ("sinks", "recent") if key in kwargs}
-    return KVzapCache(config, kwargs.get("weights"), budget=_budget("kvzap", "budget", args[0]),
-                      compress=kwargs.get("compress", "prefill"),
-                      budgets=kwargs.get("budgets", "global"), **options, **_storage(config, kwargs))  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:
@@ -605,18 +607,17 @@ for _kind in (
     ),
     CacheKind("quantized", _quantized, "hf_kvplus QuantizedCache: KIVI int8/int4/int2 or fp8", False, False),
     CacheKind("paged-quantized", _paged_quantized, "hf_kvplus PagedCache with quantized blocks", False, False),
-    CacheKind("sink", _sink, "hf_kvplus SinkCache: attention sinks + recent window (StreamingLLM)", False, False),
-    CacheKind("h2o", _h2o, "hf_kvplus H2OCache: heavy hitters + recent window", False, False),
-    CacheKind("snapkv", _snapkv, "hf_kvplus SnapKVCache: prompts compressed by their last tokens' attention", False,
-              False),
-    CacheKind("peak", _peak, "hf_kvplus PeakCache: peak attention, KVzip's query-agnostic score in one pass", False,
-              False),
-    CacheKind("kvzip", _kvzip, "hf_kvplus KVzipCache: KVzip, the context scored by a reconstruction of it", False,
-              False),
-    CacheKind("kvzap", _kvzap, "hf_kvplus KVzapCache: KVzap, KVzip's scores predicted by a surrogate at prefill",
-              False, False),
     CacheKind("offloaded", _offloaded, "hf_kvplus OffloadedCache: K/V in host memory (and on disk), fetched ahead",
               True, False),
     CacheKind("offloaded-quantized", _offloaded, "hf_kvplus OffloadedCache holding quantized codes", False, False),
 ):
     register_cache_spec(_kind)
+for _cache, _description in (
+    (SinkCache, "hf_kvplus SinkCache: attention sinks + recent window (StreamingLLM)"),
+    (H2OCache, "hf_kvplus H2OCache: heavy hitters + recent window"),
+    (SnapKVCache, "hf_kvplus SnapKVCache: prompts compressed by their last tokens' attention"),
+    (PeakCache, "hf_kvplus PeakCache: peak attention, KVzip's query-agnostic score in one pass"),
+    (KVzipCache, "hf_kvplus KVzipCache: KVzip, the context scored by a reconstruction of it"),
+    (KVzapCache, "hf_kvplus KVzapCache: KVzap, KVzip's scores predicted by a surrogate at prefill"),
+):
+    register_cache_spec(evicting_kind(_cache.policy, _description))

@@ -164,7 +164,7 @@ def test_snapkv_memory_is_bounded_in_the_prompt_length():
     "build, match",
     [
         (lambda c: SinkCache(c, window=0), "at least 1 token, got window=0"),
-        (lambda c: SinkCache(c, num_sinks=-1), "num_sinks must be >= 0, got -1"),
+        (lambda c: SinkCache(c, num_sinks=-1), "num_sinks must be >= 0, got num_sinks=-1"),
         (lambda c: SinkCache(c, positions="absolute"), "positions must be one of"),
         (lambda c: H2OCache(c, budget=0), "budget=0"),
         (lambda c: H2OCache(c, budget=8, recent=9), "within 0..budget=8, got recent=9"),
@@ -396,5 +396,5 @@ def test_prefill_compression_is_refused_with_compile_and_unknown_modes():
     config = get_model("llama").config
     with pytest.raises(ConfigError, match="compileable=True needs compress='always'"):
         SinkCache(config, num_sinks=2, window=6, compress="prefill", compileable=True)
-    with pytest.raises(ConfigError, match=r"compress must be one of \('always', 'prefill'\), got 'once'"):
+    with pytest.raises(ConfigError, match=r"compress must be one of \('always', 'prefill'\), got compress='once'"):
         H2OCache(config, budget=8, compress="once")

@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..errors import UnsupportedModelError
 from ..kernels.dispatch import decode_attention, paged_decode_attention, quantized_decode_attention
 from ..storage.reads import DenseRead, PagedRead, Read, SlotRead
-from .slots import slot_decode, slot_prefill
+from .slots import DECODE_REDUCES, slot_decode, slot_prefill
 
 #: Attributes of the key tensor a hf_kvplus layer's `update` returns: the layer that attends over it, and
 #: (when it is not the dense keys themselves) the `storage.reads` description of what that layer reads.
@@ -52,14 +52,15 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[batch, q_len, q_heads, head_dim]` attention of `query` `[batch, q_heads, q_len, head_dim]` over `read`,
     and for slots, the attention mass `[batch, kv_heads, slots]` of the last `mass_queries` queries (else None),
-    summed over them or, with `mass_reduce="max"`, the largest any one gave (`"max_head"`: any one query head).
+    reduced as the policy declares (`mass_reduce`: summed over them, the largest one gave, or the largest one query head
+    gave); a one-query call takes the decode kernel where it reports that reduction (`slots.DECODE_REDUCES`).
 
     Slots are masked by what they hold, not by the model's mask (which their layer has already noted)."""
     if type(read) is SlotRead:
         for name in ("softcap", "s_aux"):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"evicting caches do not support attention with {name}")
-        if query.shape[2] == 1 and mass_reduce != "max_head":  # one query: its sum is its maximum
+        if query.shape[2] == 1 and mass_reduce in DECODE_REDUCES:  # what the decode kernel reports
             return slot_decode(query, read, scaling, mass_queries=mass_queries)
         return slot_prefill(query, read, scaling, mass_queries=mass_queries, mass_reduce=mass_reduce)
     mask = kernel_mask(query, attention_mask, kwargs)

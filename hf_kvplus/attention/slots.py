@@ -19,6 +19,10 @@ from ..kernels.dispatch import decode_attention, quantized_decode_attention
 from ..kernels.quant_format import PACKED_NAMES
 from ..storage.reads import SlotRead
 
+#: The mass reductions (`eviction.declare.REDUCES`) the decode kernels report for one query: its weights summed over
+#: each KV head's query group, which for one query is also their maximum over queries. Any other goes to `slot_prefill`.
+DECODE_REDUCES = ("sum", "max")
+
 #: Prefill computes the score matrix in query chunks of at most this many elements: on the CPU a chunk that stays in
 #: cache (2^22 took 0.4-0.6x 2^24's time at 1K-2K tokens), on a GPU larger matrix products.
 CPU_CHUNK_ELEMENTS, GPU_CHUNK_ELEMENTS = 1 << 22, 1 << 26

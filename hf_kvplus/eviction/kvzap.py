@@ -19,8 +19,12 @@ import torch
 from ..errors import ShapeError
 from ..storage.slots import SlotStore
 from ..surrogate import KEEP_GRID
+from .declare import Needs, Setting, compress_setting
 from .policy import KEEP, EvictionPolicy, check_compress, check_ranked_budget, padding_and_recent
 from .rope import RotaryShift
+
+#: How the layers share the budget: by the surrogate's record of KVzip's global shares, or each its own.
+BUDGETS = ("global", "uniform")
 
 
 def kvzap_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -36,7 +40,7 @@ def predict(features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhnf,hf->bhn", features, weights[:, :-1]) + weights[None, :, -1:]
 
 
-class KVzapPolicy(EvictionPolicy):
+class KVzapPolicy(EvictionPolicy, name="kvzap"):
     """Keeps `budget` tokens per KV head, ranked by a surrogate's predicted log KVzip score (`weights`
     `[kv_heads, 3 x head_dim + 1]`, one layer's), the first `sinks` positions and the `recent` newest first.
 
@@ -47,7 +51,28 @@ class KVzapPolicy(EvictionPolicy):
     `shares` `[len(KEEP_GRID)]` (this layer's column of `Surrogate.shares`), when given, makes `budget` the mean over
     layers: each multi-token forward sets this layer's to `budget` x its share at the kept fraction budget / held
     (interpolated; at least sinks + recent + 1), and one-token steps keep it.
+
+    As a cache's policy: `surrogate` (a `Surrogate` checked against the model) gives each layer its weights, and
+    `budgets="global"` its shares.
     """
+
+    settings = (Setting("surrogate", object, None, key="weights"), Setting("sinks", int, 4, minimum=0),
+                Setting("recent", int, 0, minimum=0), compress_setting("prefill"),
+                Setting("budgets", str, "global", choices=BUDGETS))  # fmt: skip
+    needs = Needs(keys=True, per_token=True, surrogate=True)
+
+    @classmethod
+    def prepare(cls, config, options: dict) -> dict:
+        options["surrogate"].check(config)
+        return {**options, "rotary": RotaryShift.from_config(config)}
+
+    @classmethod
+    def for_layer(cls, spec, tokens: int, options: dict) -> KVzapPolicy:
+        """Layer `spec.index`'s weights (spec None: the sizes checked on layer 0's)."""
+        surrogate, index = options["surrogate"], 0 if spec is None else spec.index
+        shares = surrogate.shares[:, index] if options["budgets"] == "global" and spec is not None else None
+        return cls(tokens, surrogate.weights[index], options["rotary"], options["sinks"], options["recent"],
+                   options["compress"], shares)  # fmt: skip
 
     def __init__(self, budget: int, weights: torch.Tensor, rotary: RotaryShift, sinks: int = 4, recent: int = 0,
                  compress: str = "prefill", shares: torch.Tensor | None = None):  # fmt: skip

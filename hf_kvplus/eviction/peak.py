@@ -23,17 +23,25 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..storage.slots import SlotStore
+from .declare import Mass, Needs, Setting, compress_setting
 from .policy import EvictionPolicy, check_compress, padding_and_recent
 
 
-class PeakAttentionPolicy(EvictionPolicy):
+class PeakAttentionPolicy(EvictionPolicy, name="peak"):
     """Keeps `budget - recent` tokens with the largest peak attention and the `recent` newest, per KV head.
 
     `compress="always"` evicts after every forward (a bounded cache, decode steps included); `"prefill"` after
-    prompts only, decode steps appending (kvpress's setting).
+    prompts only, decode steps appending (kvpress's setting). `recent` None: an eighth of the budget.
     """
 
-    mass_reduce = "max"
+    settings = (Setting("recent", int, None, minimum=0), Setting("kernel_size", int, 1, minimum=1, key="kernel"),
+                compress_setting("always"))  # fmt: skip
+    needs = Needs(mass=Mass(queries=None, reduce="max", join="max"))
+
+    @classmethod
+    def for_layer(cls, spec, tokens: int, options: dict) -> PeakAttentionPolicy:
+        recent = tokens // 8 if options["recent"] is None else options["recent"]
+        return cls(tokens, recent, options["kernel_size"], options["compress"])
 
     def __init__(self, budget: int, recent: int, kernel_size: int = 1, compress: str = "always"):
         self.compress = check_compress(compress)
@@ -47,9 +55,6 @@ class PeakAttentionPolicy(EvictionPolicy):
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ConfigError(f"kernel_size must be a positive odd number, got {kernel_size}")
         self.budget, self.recent, self.kernel_size = budget, recent, kernel_size
-
-    def mass_queries(self, new: int) -> int:
-        return new
 
     def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:
         if self.kernel_size > 1 and new > 1:  # a prompt: its slots are in position order

@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..storage.slots import SlotStore
+from .declare import Mass, Needs, Setting, compress_setting
 from .policy import KEEP, EvictionPolicy, check_compress, check_ranked_budget, padding_and_recent
 
 
-class ReconstructionPolicy(EvictionPolicy):
+class ReconstructionPolicy(EvictionPolicy, name="kvzip"):
     """Keeps `budget` tokens per KV head, ranked by the peak attention of a context reconstruction.
 
     Nothing is evicted until a reconstruction has scored the slots (`reconstruct` sets `scoring` around its forwards
@@ -34,6 +35,11 @@ class ReconstructionPolicy(EvictionPolicy):
     the reconstruction carry no score they leave as they leave the `recent` window (which must then hold one).
     `reduce="max_head"` takes the largest weight of one query head (KVzip); `"max"` the largest of the group's sum.
     """
+
+    settings = (Setting("sinks", int, 4, minimum=0), Setting("recent", int, 0, minimum=0),
+                Setting("kernel_size", int, 1, minimum=1, key="kernel"), compress_setting("prefill"),
+                Setting("reduce", str, "max_head", choices=("max_head", "max")))  # fmt: skip
+    needs = Needs(mass=Mass(queries=None, reduce="max_head", join="max"), reconstruction=True)
 
     def __init__(self, budget: int, sinks: int = 4, recent: int = 0, kernel_size: int = 1, compress: str = "prefill",
                  reduce: str = "max_head"):  # fmt: skip

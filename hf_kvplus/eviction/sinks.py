@@ -7,13 +7,14 @@ import torch
 from ..errors import ConfigError
 from ..static_address import mark_static
 from ..storage.slots import SlotStore
+from .declare import Setting, compress_setting
 from .policy import KEEP, EvictionPolicy, check_compress, padding_and_recent
 from .rope import RotaryShift
 
 POSITIONS = ("cache", "original")
 
 
-class SinkPolicy(EvictionPolicy):
+class SinkPolicy(EvictionPolicy, name="sink"):
     """Keeps `num_sinks` first real tokens and the `window` newest, evicting the oldest in between.
 
     With `positions="cache"` the distance between a query and each kept key is its distance inside
@@ -24,6 +25,35 @@ class SinkPolicy(EvictionPolicy):
 
     is_croppable = True
     uniform = True  # it ranks by position, the same in every head
+    settings = (Setting("num_sinks", int, 4, minimum=0), Setting("positions", str, "cache", choices=POSITIONS),
+                compress_setting("always"))  # fmt: skip
+    positional = ("num_sinks", "window")  # (a spec's window: tokens after the sinks, or a share of the prompt for both)
+    compileable = True
+    keeps_scores = False  # it evicts by position
+    counts_hidden = True
+
+    @classmethod
+    def prepare(cls, config, options: dict) -> dict:
+        """The model's rotary parameters, when the sinks move (`positions="cache"`)."""
+        moving = options["positions"] == "cache" and options["num_sinks"]
+        return {**options, "rotary": RotaryShift.from_config(config) if moving else None}
+
+    @classmethod
+    def for_layer(cls, spec, tokens: int, options: dict) -> SinkPolicy:
+        sinks = options["num_sinks"]
+        if tokens <= sinks:
+            raise ConfigError(f"a budget of {tokens} tokens leaves no window after num_sinks={sinks} (the recent window "
+                              f"must hold at least 1 token, got window={tokens - sinks}): give a budget >= num_sinks + 1 "
+                              f"= {sinks + 1}")  # fmt: skip
+        return cls(sinks, tokens - sinks, options["rotary"], options["compress"])
+
+    def check_first(self, first_tokens: int) -> None:
+        if isinstance(first_tokens, int) and first_tokens > self.num_sinks:
+            raise ConfigError(
+                f"first_tokens={first_tokens} exceeds num_sinks={self.num_sinks}: a SinkCache keeps the first "
+                f"{self.num_sinks} tokens of each row (and moves only those when positions='cache'); give first_tokens "
+                f"<= num_sinks"
+            )
 
     def __init__(self, num_sinks: int, window: int, rotary: RotaryShift | None, compress: str = "always"):
         self.compress = check_compress(compress)

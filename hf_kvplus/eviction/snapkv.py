@@ -7,12 +7,13 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..storage.slots import PAD, SlotStore
+from .declare import Mass, Needs, Setting
 from .policy import EvictionPolicy, padding_and_recent
 
 POOLING = ("avg", "max")
 
 
-class SnapKVPolicy(EvictionPolicy):
+class SnapKVPolicy(EvictionPolicy, name="snapkv"):
     """Compresses the cache to `budget` tokens per KV head after every multi-token forward (a prompt).
 
     The observation window (the prompt's last `observation` tokens) is kept; the other tokens are
@@ -22,6 +23,10 @@ class SnapKVPolicy(EvictionPolicy):
     """
 
     compress = "prefill"
+    settings = (Setting("observation", int, 32, minimum=1), Setting("kernel_size", int, 7, minimum=1, key="kernel"),
+                Setting("pooling", str, "avg", choices=POOLING))  # fmt: skip
+    needs = Needs(mass=Mass(queries="observation", reduce="sum", join="replace", prompts_only=True))
+    ranked = ("selected tokens", "observation")
 
     def __init__(self, budget: int, observation: int = 32, kernel_size: int = 7, pooling: str = "avg"):
         if observation < 1:
@@ -33,9 +38,6 @@ class SnapKVPolicy(EvictionPolicy):
         if pooling not in POOLING:
             raise ConfigError(f"pooling must be one of {POOLING}, got {pooling!r}")
         self.budget, self.observation, self.kernel_size, self.pooling = budget, observation, kernel_size, pooling
-
-    def mass_queries(self, new: int) -> int:
-        return min(new, self.observation) if new > 1 else 0
 
     def observe(self, store: SlotStore, mass: torch.Tensor, new: int) -> None:
         batch, heads, slots = mass.shape

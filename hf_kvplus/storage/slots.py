@@ -418,6 +418,13 @@ class SlotStore(KVStorage):
         else:
             torch.maximum(self.scores, mass, out=self.scores)
 
+    def set_scores(self, mass: torch.Tensor) -> None:
+        """Sets the used slots' scores to `mass` [batch, kv_heads, length] (by index in a compileable store)."""
+        if self.device_count:
+            self._write_slots(self._span_slots(0, self.length), {"score": mass})
+        else:
+            self.scores.copy_(mass)
+
     def _write_exact(self, first_pos: int | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copies the tokens at positions `first_pos ..` that fall in the first-tokens region into `exact`: by slices
         (nothing once past it) with a Python int, by index with a device count (every step, the positions past the
