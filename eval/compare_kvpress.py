@@ -3,6 +3,8 @@
     python eval/compare_kvpress.py --kvpress-python /tmp/kvpvenv/bin/python --threads 1 --continuation 32 \
         --out eval/results/kvpress_smollm2
     python eval/compare_kvpress.py --out /tmp/k --context 256 --continuation 16 --depths 0.5   # hf_kvplus half only
+    python eval/compare_kvpress.py --kvpress-python /tmp/kvpvenv/bin/python --threads 1 --continuation 32 \
+        --only 'knorm|tova|keydiff|Knorm|TOVA|KeyDiff' --out eval/results/kvpress_example_policies   # the examples
 
 kvpress 0.5.5 needs transformers < 5.3, so its half runs in a venv of its own (`scripts/kvpress_venv.sh` makes
 one) on the converted model folder hf_kvplus keeps for `--model`, reading the token ids this half wrote; this file
@@ -51,7 +53,11 @@ PRESSES = {
     "kvpress TOVA": ("TOVAPress", {}),
     "kvpress ExpectedAttention": ("ExpectedAttentionPress", {}),
     "kvpress KVzip": ("KVzipPress", {}),
+    "kvpress KeyDiff": ("KeyDiffPress", {}),
 }
+
+#: The example policies (examples/: written outside the package, registered by importing their files).
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def kvplus_specs(budget: int) -> dict[str, str]:
@@ -63,7 +69,15 @@ def kvplus_specs(budget: int) -> dict[str, str]:
         "hf_kvplus snapkv": f"snapkv:{budget}:observation={min(64, budget // 2)}",  # kvpress's window: 64
         "hf_kvplus snapkv (max over 15)": f"snapkv:{budget}:observation={min(64, budget // 2)}:pooling=max:kernel=15",
         "hf_kvplus kvzip": f"kvzip:{budget}",
+        "hf_kvplus knorm (example)": f"knorm:{budget}",  # kvpress's KnormPress
+        "hf_kvplus tova (example)": f"tova:{budget}",  # kvpress's TOVAPress
+        "hf_kvplus keydiff (example)": f"keydiff:{budget}",  # kvpress's KeyDiffPress
     }
+
+
+def chosen(names, only: str | None) -> list[str]:
+    """The method `names` that `only` (a regular expression, searched) selects; all without it."""
+    return [name for name in names if only is None or re.search(only, name)]
 
 
 # -------------------------------------------------------------------------------- shared by both halves
@@ -138,7 +152,8 @@ class Half:
 # -------------------------------------------------------------------------------- the kvpress half
 
 
-def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, threads: int) -> None:
+def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, threads: int,
+                only: str | None = None) -> None:
     import kvpress
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging
@@ -160,7 +175,8 @@ def run_kvpress(inputs_path: Path, model_dir: str, out: Path, new_tokens: int, t
 
     rows = []
     for ratio in inputs["ratios"]:
-        for name, (cls, kwargs) in PRESSES.items():
+        for name in chosen(PRESSES, only):
+            cls, kwargs = PRESSES[name]
             attn = "eager" if cls == "ObservedAttentionPress" else "sdpa"
             model = model_for(attn)
             press = getattr(kvpress, cls)(compression_ratio=ratio, **kwargs)
@@ -197,7 +213,11 @@ def build_inputs(tokenizer, args) -> dict:
             "modes": args.modes}  # fmt: skip
 
 
-def run_kvplus(model, tokenizer, inputs: dict, new_tokens: int) -> list[dict]:
+def run_kvplus(model, tokenizer, inputs: dict, new_tokens: int, only: str | None = None) -> list[dict]:
+    sys.path.insert(0, str(EXAMPLES))
+    import keydiff  # noqa: F401 - each registers its policy's spec name
+    import knorm  # noqa: F401
+    import tova  # noqa: F401
     from tqdm import tqdm
     from transformers import DynamicCache
 
@@ -227,7 +247,8 @@ def run_kvplus(model, tokenizer, inputs: dict, new_tokens: int) -> list[dict]:
         return fresh
 
     methods = [("full cache (DynamicCache)", None, lambda n: cache_kwargs(DynamicCache(config=model.config)))]
-    methods += [(name, ratio, spec_cache(ratio, name)) for ratio in inputs["ratios"] for name in kvplus_specs(64)]
+    methods += [(name, ratio, spec_cache(ratio, name)) for ratio in inputs["ratios"]
+                for name in chosen(kvplus_specs(64), only)]  # fmt: skip
     rows = []
     for name, ratio, fresh in tqdm(methods, desc="hf_kvplus", file=sys.stderr):
         rows.append({"method": name, "ratio": ratio, **evaluate(model, tokenizer, inputs, Half(fresh, prefill, appending),
@@ -316,12 +337,14 @@ def main(argv=None) -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", help="a regular expression: only the methods it finds in their names (both halves; "
+                        "the full cache always runs)")
     parser.add_argument("--kvpress-python", default=None, help="the kvpress venv's python; without it, hf_kvplus only")
     parser.add_argument("--inputs", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "kvpress":
-        run_kvpress(args.inputs, args.model_dir, args.out, args.new_tokens, args.threads)
+        run_kvpress(args.inputs, args.model_dir, args.out, args.new_tokens, args.threads, args.only)
         return
     from hf_kvplus.resolve import load_model
     from hf_kvplus.resolve.models import converted_model_dir
@@ -331,13 +354,14 @@ def main(argv=None) -> None:
     inputs = build_inputs(tokenizer, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "inputs.json").write_text(json.dumps(inputs))
-    rows = run_kvplus(model, tokenizer, inputs, args.new_tokens)
+    rows = run_kvplus(model, tokenizer, inputs, args.new_tokens, args.only)
     extra = {}
     if args.kvpress_python:
         del model
         command = [args.kvpress_python, __file__, "--role", "kvpress", "--inputs", str(args.out / "inputs.json"),
                    "--model-dir", str(converted_model_dir(args.model)), "--out", str(args.out / "kvpress.json"),
                    "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]  # fmt: skip
+        command += ["--only", args.only] if args.only else []
         subprocess.run(command, check=True)
         kvpress_result = json.loads((args.out / "kvpress.json").read_text())
         rows += kvpress_result["rows"]
