@@ -9,6 +9,7 @@ import torch
 from ..errors import CacheMismatchError, UnsupportedOperationError
 from ..memory import MemoryReport
 from .reads import DenseRead, Read
+from .value_range import RangeGuard
 
 #: A region written in place: `(dim, lo, hi)`, the slice `lo:hi` along dimension `dim`.
 Region = tuple[int, int, int]
@@ -41,6 +42,12 @@ class KVStorage(ABC):
     #: Whether `read` hands attention what only hf_kvplus's attention reads (blocks, codes, unordered slots), so a
     #: model whose code computes on the cached K/V itself cannot use it (`ModelSpec.dense_only`).
     reads_in_place: bool = False
+    #: What a decode step gives that its codes cannot hold, coded as 0 and counted on the device (a
+    #: `value_range.RangeGuard`; reported at the next prompt or `quantized_report()`). None: nothing is coded.
+    range_guard: RangeGuard | None = None
+    #: Whether its tensors at rest are shared beyond this layer (a paged pool's blocks): an offloading placement then
+    #: moves the regions written (`take_written`) and checks what it fetched is still current, never the whole.
+    shared_at_rest: bool = False
 
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,0 +1,131 @@
+"""How a slot holds a token's key and value: at full precision (`DenseCodec`), or quantized per token
+(`TokenQuantCodec`: each token's key and value stand alone, so any slot can be overwritten in place)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.dispatch import quantize_values, quantize_values_at
+from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
+
+
+class DenseCodec:
+    """Keys and values as they come."""
+
+    payload = ("keys", "values")
+    key_fields = ("keys",)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"keys": keys, "values": values}
+
+    def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"keys": keys}
+
+    def decode_keys(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return fields["keys"]
+
+    def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return fields["values"]
+
+    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values into slots `span` of `fields`."""
+        fields["keys"][:, :, span] = keys
+        fields["values"][:, :, span] = values
+
+    def write_keys(self, fields: dict[str, torch.Tensor], span: slice | None, keys: torch.Tensor) -> None:
+        """Keys into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
+        (fields["keys"] if span is None else fields["keys"][:, :, span]).copy_(keys)
+
+    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values into slots `slots` [batch, kv_heads, 1] (eagerly: by `scatter_`, one index for both)."""
+        index = slots[..., None].expand(*keys.shape)
+        fields["keys"].scatter_(2, index, keys)
+        fields["values"].scatter_(2, index if values.shape == keys.shape else slots[..., None].expand(*values.shape), values)
+
+    def packed(self, fields: dict[str, torch.Tensor]) -> None:
+        """Full precision has no codes for a kernel to read."""
+        return None
+
+    def __repr__(self) -> str:
+        return "DenseCodec()"
+
+
+class TokenQuantCodec:
+    """Keys and values quantized per token over groups of channels (int8/int4/int2 or fp8).
+
+    Per-token keys (not KIVI's per-channel groups) because an evicting layer overwrites single
+    slots: a group spanning tokens would have to be re-quantized whenever one of them is evicted. A rotated
+    format is per token on both sides already; its keys are coded with the key bits (`fmt.side_formats()`).
+    """
+
+    def __init__(self, fmt: QuantFormat):
+        self.fmt = fmt
+        self._formats = dict(zip(("k", "v"), fmt.side_formats(), strict=True))
+        self.payload = ("k", "v")
+        self.key_fields = ("k", "k_scale", "k_zero")
+        self._fields = {name: (name, f"{name}_scale", f"{name}_zero") for name in self.payload}  # per quantize call
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
+        stand alone, so the codes are those of two calls; a decode step's ops are its host cost), then split."""
+        k_fmt, v_fmt = self._formats["k"], self._formats["v"]
+        if keys.shape != values.shape or k_fmt != v_fmt or getattr(k_fmt, "value_center", None) is not None:
+            return {**self._encode("k", keys), **self._encode("v", values)}
+        n = keys.shape[2]
+        both = self._encode("kv", torch.cat([keys, values], dim=2))  # fields kv, kv_scale, kv_zero: [.., 2n, ..]
+        return {
+            name + field[2:]: part[:, :, :n] if name == "k" else part[:, :, n:]
+            for name in ("k", "v")
+            for field, part in both.items()
+        }
+
+    def encode_keys(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._encode("k", keys)
+
+    def _encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale, zero = quantize_values(x.contiguous(), self._formats.get(name, self.fmt), check=False)
+        fields = {name: codes, f"{name}_scale": scale}
+        if zero is not None:
+            fields[f"{name}_zero"] = zero
+        return fields
+
+    def _decode(self, fields, name, dtype):
+        zero = fields.get(f"{name}_zero")
+        return dequantize_values(fields[name], fields[f"{name}_scale"], zero, self._formats[name], dtype=dtype)
+
+    def decode_keys(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(fields, "k", dtype)
+
+    def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(fields, "v", dtype)
+
+    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values quantized straight into slots `span` of `fields`: the quantize kernel writes the slots'
+        codes, scales and zeros, so nothing is copied after it (a decode step's ops are its host cost)."""
+        self._quantize_into(fields, span, "k", keys)
+        self._quantize_into(fields, span, "v", values)
+
+    def write_keys(self, fields: dict[str, torch.Tensor], span: slice | None, keys: torch.Tensor) -> None:
+        """Keys quantized into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
+        self._quantize_into(fields, span, "k", keys)
+
+    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values quantized straight into slots `slots` [batch, kv_heads, 1]: one kernel each writes the
+        codes, scales and zeros at the slot (a decode step's ops are its host cost)."""
+        for name, x in (("k", keys), ("v", values)):
+            out = tuple(fields.get(field) for field in self._fields[name])
+            quantize_values_at(x.contiguous(), self._formats[name], out, slots, check=False)
+
+    def _quantize_into(self, fields, span, name, x) -> None:
+        codes, scale, zero = self._fields[name]
+        codes, scale, zero = fields[codes], fields[scale], fields.get(zero)
+        if span is not None:
+            codes, scale, zero = codes[:, :, span], scale[:, :, span], None if zero is None else zero[:, :, span]
+        quantize_values(x.contiguous(), self._formats[name], out=(codes, scale, zero), check=False)
+
+    def packed(self, fields: dict[str, torch.Tensor]) -> PackedKV:
+        """The codes as the quantized decode kernel reads them (keys per token)."""
+        return PackedKV(*(fields.get(name) for name in PACKED_NAMES))
+
+    def __repr__(self) -> str:
+        return f"TokenQuantCodec({self.fmt})"
