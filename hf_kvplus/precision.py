@@ -99,11 +99,13 @@ class FamilyDefaults:
 #: per full-attention layer): its full-attention layers' keys are long (mean norm 105-132 in layers 5 and 11 of the
 #: 270M model, against 23-64 in its sliding layers, queries about 20) and those layers attend far, so 2-bit keys there
 #: move the attention logits by about 2.0 (standard deviation, after the 1/16 scaling) and their attention output by
-#: 19-23% (each sliding layer: under 3.3%); and at 4K tokens they hold two thirds of the coded tokens (a sliding layer
+#: 19-31% (each sliding layer: under 3.3%); and at 4K tokens they hold two thirds of the coded tokens (a sliding layer
 #: holds at most its window). k2v2 on Gemma 3 270M, 1,024 tokens of Pride and Prejudice: +32.5% as the preset, +6.2%
 #: with the full layers at k4v1, +1.6% with the sliding layers' keys at 3 bits and values at 1 too (the same bits per
 #: coordinate as k2v2 there); k3v2 +5.4% -> +1.3% (full layers at k4v2); k4v2 +0.65% -> +0.42% (full layers at
-#: k4v3). The tables: docs/benchmarks-lowbit.md ("Two model families"), from eval/lowbit_families.py.
+#: k4v3). The loss grows with the length: at 4,096 tokens k2v2 +12.2%, k3v2 +6.9%, k4v2 +2.7% with these formats,
+#: and even 4-bit keys with 8-bit values on the full layers alone (the sliding layers exact) cost +2.2% there
+#: (eval/lowbit_families.py, eval/lowbit_probes.py; docs/benchmarks-lowbit.md, "Two model families").
 FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
     FamilyDefaults(
         "Gemma 3", ("gemma3_text", "gemma3"),
