@@ -6,7 +6,7 @@ import torch
 
 from ..errors import CacheMismatchError, ShapeError
 from ..host_index import index_tensor
-from ..memory import MemoryReport
+from ..memory import MemoryReport, tensor_bytes
 from ..paging.group import BlockGroup
 from ..paging.quant_layer_pool import QuantLayerPool
 from .quantized import QuantizedSegment
@@ -153,17 +153,18 @@ class PagedSegment(QuantizedSegment):
 
     def memory(self) -> MemoryReport:
         """Codes of the blocks the group's tables reference (shared blocks once) as payload; their scales and zero
-        points, and for the group's first layer the block tables, as metadata."""
+        points, the layer's format state (a key centre the pool's caches share) and, for the group's first layer, the
+        block tables, as metadata."""
         if self.pool.k is None or not self.group.tables:
             return MemoryReport()
         used = self.group.blocks_in_use()
-        table_bytes = 0
+        metadata = tensor_bytes(list(self.fmt.state_tensors()))
         if self.group.members[0] is self:
             table = self.group.table_tensor(self.pool.k.device)
-            table_bytes = table.numel() * table.element_size()
+            metadata += table.numel() * table.element_size()
         return MemoryReport(
             payload_bytes=used * self.pool.code_bytes,
-            metadata_bytes=used * self.pool.param_bytes + table_bytes,
+            metadata_bytes=used * self.pool.param_bytes + metadata,
             batch_size=self.batch_size,
         )
 
