@@ -564,8 +564,28 @@ def retrieval() -> list[str]:
             for m in dict.fromkeys(r["method"] for r in rows[1:])]  # fmt: skip
     head = [h for ratio in ratios for h in [f"ppl, {1 - ratio:.0%} kept"] + [f"{mode}, {1 - ratio:.0%}" for mode in modes]]
     out += table(["method"] + head, body, "l" + "r" * len(head))
+    out += example_policies()
     out += needle_bytes()
     return out
+
+
+def example_policies() -> list[str]:
+    """The policies written outside the package (examples/), each beside kvpress's press of the same name."""
+    d = load("kvpress_example_policies/compare.json")
+    modes, n = d["modes"], len(d["depths"])
+    ours = {(r["method"].split()[1], r["ratio"]): r for r in d["rows"] if r["method"].startswith("hf_kvplus")}
+    theirs = {(r["method"].split()[1].lower(), r["ratio"]): r for r in d["rows"] if r["method"].startswith("kvpress")}
+
+    def cell(r: dict) -> str:
+        return f"{pct(r['ppl_delta_pct'])} " + " ".join(right(r[f"needle_{m}"], n) for m in modes)
+
+    return para(
+        f"**Policies written outside the package** (`examples/`: one file each, registered by importing it;",
+        f"`{command(d)}`; {machine(d)}, {day(d)}; same protocol as above), ppl change and pass keys",
+        f"({' / '.join(modes)}), ours against kvpress's:",
+        "; ".join(f"`{name}` at {1 - ratio:.0%} kept {cell(r)} against {cell(theirs[(name, ratio)])}"
+                  for (name, ratio), r in sorted(ours.items())) + ".",
+    )
 
 
 def short(spec: str) -> str:
