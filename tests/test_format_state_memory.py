@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_kvplus import QuantizedCache
+from hf_kvplus import QuantizedCache, SinkCache
 from hf_kvplus.memory import tensor_bytes
 
 
@@ -37,4 +37,17 @@ def test_memory_report_counts_the_format_state(bits, max_tokens, on_cpu):
         assert state >= 2 * 2 * 3 * 64 * 64 * 4
     else:
         assert state == 0
+    assert cache.memory_report().total_bytes == storage + state
+
+
+@pytest.mark.parametrize("bits", ["k4v2", "int4"])
+def test_evicting_slots_count_the_format_state(bits, on_cpu):
+    """Rotated slots hold their layer's key centre too: a sink cache's report is its slots' tensors and that state."""
+    cache = SinkCache(config(), num_sinks=4, window=124, bits=bits)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        keys = torch.randn(1, 3, 300, 64, generator=g) + torch.linspace(-2, 2, 64)
+        cache.update(keys.half(), torch.randn(1, 3, 300, 64, generator=g).half(), layer)
+    storage, state = held_bytes(cache)
+    assert (state > 0) == (bits == "k4v2")
     assert cache.memory_report().total_bytes == storage + state

@@ -53,7 +53,7 @@ def _per_head_decode(query, read: SlotRead, mask: torch.Tensor, scaling: float, 
     kv_heads = mask.shape[1]
     q = query[:, :, 0].reshape(batch * kv_heads, q_heads // kv_heads, dim)
     rows = mask.flatten(0, 1)
-    if read.packed is not None and getattr(read.fmt, "key_center", None) is not None:
+    if read.packed is not None and read.fmt.holds_state:
         # A rotated format's key centre is one per KV head, which rows of one head each cannot take: the slots are
         # dequantized (the first-tokens region exact) and read as full-precision rows.
         keys, values = read.dense()

@@ -121,7 +121,7 @@ def _kernel_sites() -> list[tuple[object, str]]:
     from ..attention import dispatch, route, slots
     from ..paging import quant_layer_pool
     from ..storage import packed_segment, static_quantized
-    from ..storage import slots as slot_store
+    from ..storage import slot_codecs as slot_store
 
     quantizing = [(module, name) for module in (packed_segment, static_quantized, quant_layer_pool)
                   for name in ("quantize_keys", "quantize_values")]  # fmt: skip

@@ -69,7 +69,7 @@ class TokenQuantCodec:
         """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
         stand alone, so the codes are those of two calls; a decode step's ops are its host cost), then split."""
         k_fmt, v_fmt = self._formats["k"], self._formats["v"]
-        if keys.shape != values.shape or k_fmt != v_fmt or getattr(k_fmt, "value_center", None) is not None:
+        if keys.shape != values.shape or k_fmt != v_fmt or k_fmt.holds_state:
             return {**self._encode("k", keys), **self._encode("v", values)}
         n = keys.shape[2]
         both = self._encode("kv", torch.cat([keys, values], dim=2))  # fields kv, kv_scale, kv_zero: [.., 2n, ..]

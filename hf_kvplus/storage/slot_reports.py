@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory import MemoryReport
+from ..memory import MemoryReport, tensor_bytes
 
 
 class SlotReports:
@@ -38,10 +38,11 @@ class SlotReports:
         metadata = sum(per_slot.values()) - payload
         held = min(self.held, self.seen)  # (a compileable store's free slots are not tokens)
         exact = sum(x.numel() * x.element_size() for x in (self.exact or {}).values())
+        state = tensor_bytes([t for fmt in self.formats() for t in fmt.state_tensors()])  # (a key centre)
         return MemoryReport(
             payload_bytes=payload * held + exact,
             reserved_bytes=payload * (self.capacity - held),
-            metadata_bytes=metadata * self.capacity,
+            metadata_bytes=metadata * self.capacity + state,
             batch_size=self.batch_size,
         )
 
