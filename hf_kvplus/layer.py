@@ -163,7 +163,7 @@ class KVLayer(CacheLayerMixin):
             )
         new = key_states.shape[2]
         if self._codes is not None and new > 1 and not torch.compiler.is_compiling():
-            guard = getattr(self.storage, "range_guard", None)
+            guard = self.storage.range_guard
             check_prompt(self.spec.index, *self._codes, key_states, value_states, guard and guard.take())
         self.placement.acquire(self.storage)
         if self._pending is not None:

@@ -37,6 +37,10 @@ class QuantizedSegment(ABC):
 
     #: Whether rows with the same tokens share storage (a paged segment's blocks): `append` then uses `same_rows`.
     shares_rows: bool = False
+    #: Whether its tensors at rest are shared beyond this layer (a paged pool's blocks): `KVStorage.shared_at_rest`.
+    shared_at_rest: bool = False
+    #: Whether its scales are float32 (optimum-quanto's), which no value overflows: nothing is range-checked.
+    float32_scales: bool = False
 
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor, same_rows: list[int] | None = None) -> None:
@@ -155,11 +159,11 @@ class QuantizedStorage(KVStorage):
         # For a segment that shares rows: which rows of the first forward (the prompt) are equal, and its length.
         self._prompt: tuple[list[int], int] | None = None
         # What leaves the window is coded only if the format can hold it (`value_range`); else as 0, and counted.
-        self.range_guard = RangeGuard(*code_limit(segment.fmt, getattr(segment, "float32_scales", False)))
+        self.range_guard = RangeGuard(*code_limit(segment.fmt, segment.float32_scales))
 
     @property
     def shared_at_rest(self) -> bool:
-        return getattr(self.segment, "shared_at_rest", False)
+        return self.segment.shared_at_rest
 
     def shard_heads(self, local: int) -> None:
         self.segment.shard_heads(local)

@@ -123,8 +123,9 @@ class RangeGuard:
 
 def raise_pending(layers) -> None:
     """Raises `OutOfRangeError` for the decode-step values the `RangeGuard`s of `layers` coded as 0 (one read back)."""
-    guarded = [(layer, layer.storage.range_guard) for layer in layers
-               if getattr(getattr(layer, "storage", None), "range_guard", None) is not None]  # fmt: skip
+    storages = [(layer, getattr(layer, "storage", None)) for layer in layers]  # (Transformers' own layers have none)
+    guarded = [(layer, storage.range_guard) for layer, storage in storages
+               if storage is not None and storage.range_guard is not None]  # fmt: skip
     guarded = [(layer, guard) for layer, guard in guarded if guard.pending is not None]
     if not guarded:
         return
