@@ -565,8 +565,10 @@ def retrieval() -> list[str]:
     head = [h for ratio in ratios for h in [f"ppl, {1 - ratio:.0%} kept"] + [f"{mode}, {1 - ratio:.0%}" for mode in modes]]
     out += table(["method"] + head, body, "l" + "r" * len(head))
     out += example_policies()
-    out += needle_bytes()
-    return out
+    return out + para(
+        "**Needle accuracy against bytes** held, every family and composition on one axis, query-aware and agnostic:",
+        "[docs/benchmarks-retrieval.md](docs/benchmarks-retrieval.md).",
+    )
 
 
 def example_policies() -> list[str]:
@@ -580,7 +582,7 @@ def example_policies() -> list[str]:
         return f"{pct(r['ppl_delta_pct'])} " + " ".join(right(r[f"needle_{m}"], n) for m in modes)
 
     return para(
-        f"**Policies written outside the package** (`examples/`: one file each, registered by importing it;",
+        "**Policies written outside the package** (`examples/`: one file each, registered by importing it;",
         f"`{command(d)}`; {machine(d)}, {day(d)}; same protocol as above), ppl change and pass keys",
         f"({' / '.join(modes)}), ours against kvpress's:",
         "; ".join(f"`{name}` at {1 - ratio:.0%} kept {cell(r)} against {cell(theirs[(name, ratio)])}"
@@ -597,7 +599,7 @@ def short(spec: str) -> str:
 def needle_bytes() -> list[str]:
     aware, agnostic = load("needle_accuracy_bytes/accuracy_bytes_aware.json"), load("needle_accuracy_bytes/accuracy_bytes_agnostic.json")
     first = load(aware["runs"][0].removeprefix("eval/results/"))
-    out = ["### Needle accuracy against bytes", ""]
+    out = ["## Needle accuracy against bytes", ""]
     out += para(
         f"SmolLM2-135M (float32: the full cache is 2.0x float16), {len(aware['depths'])} depths per length; one folder",
         "per cache (its command in needle.json), merged by `python eval/needle_bytes.py",
@@ -922,6 +924,15 @@ def lowbit_header() -> list[str]:
     )  # fmt: skip
 
 
+def retrieval_header() -> list[str]:
+    return ["# Benchmarks: retrieval against bytes", "",
+            "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
+            ] + para(
+        "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s retrieval section: which cache keeps the pass key for",
+        "the bytes it holds ([docs/caches.md](caches.md) for the caches).",
+    )  # fmt: skip
+
+
 def cpu_header() -> list[str]:
     return ["# Benchmarks: compiled decode on the CPU", "",
             "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
@@ -937,6 +948,7 @@ PAGES = {
     + gpu_speed(),
     "docs/benchmarks-lowbit.md": lambda: lowbit_header() + exact_regions(),
     "docs/benchmarks-cpu.md": lambda: cpu_header() + compiled_cpu(),
+    "docs/benchmarks-retrieval.md": lambda: retrieval_header() + needle_bytes(),
 }
 
 
