@@ -10,6 +10,7 @@ from .cache import DenseCache, KVCache, model_retention
 from .calibration import Calibration
 from .errors import (
     ArtifactNotFoundError,
+    BlockServerError,
     CacheMismatchError,
     CapacityError,
     ConfigError,
@@ -55,6 +56,7 @@ install()
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ArtifactNotFoundError",
+    "BlockServerError",
     "CacheMismatchError",
     "CapacityError",
     "ConfigError",

@@ -77,6 +77,11 @@ class CorruptFileError(KVPlusError, OSError):
     is lost: the cache that held it refuses every later use with this error until it is reset."""
 
 
+class BlockServerError(KVPlusError, ConnectionError):
+    """The Redis or Valkey server of a prefix store could not be reached, or refused a command (out of memory with
+    `maxmemory-policy noeviction`, a read-only replica). The message names the server, the key and the bytes."""
+
+
 class FileFormatError(KVPlusError, ValueError):
     """A file is not one this version of hf_kvplus reads: another format, or a newer format version than it knows.
     The message names what the file says and what was expected."""

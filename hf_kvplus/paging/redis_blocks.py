@@ -8,12 +8,7 @@ refuses a command is a `BlockServerError` naming it, the key and the bytes.
 
 from __future__ import annotations
 
-from ..errors import ConfigError, KVPlusError
-
-
-class BlockServerError(KVPlusError, ConnectionError):
-    """The Redis or Valkey server of a prefix store could not be reached, or refused a command (out of memory with
-    `maxmemory-policy noeviction`, a read-only replica). The message names the server, the key and the bytes."""
+from ..errors import BlockServerError, ConfigError
 
 
 class RedisBlocks:
