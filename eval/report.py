@@ -778,21 +778,28 @@ def cpu_operators() -> list[str]:
 
 def persistence() -> list[str]:
     out = ["## Saved caches and shared prefixes", ""]
-    d = load("cache_load_cpu_4k/cache_load.json")
-    body = [[f"`{r['cache']}`", f"{r['prefill_seconds']:.1f}", f"{r['load_seconds']:.3f}", f"{r['prefill_over_load']:.0f}",
-             f"{r['bytes_at_rest'] / 2**20:.1f}", f"{r['bytes_on_disk'] / 2**20:.1f}",
-             f"{r['disk_less_header_over_rest']:.3f}", "yes" if r["same_next_logits"] else "no"] for r in d["rows"]]  # fmt: skip
+    runs = [load("cache_load_cpu_4k/cache_load.json"), load("cache_load_cpu_16k/cache_load.json")]
+
+    def filled(r: dict) -> str:
+        return f"{r['disk_less_header_over_filled']:.3f}" if "disk_less_header_over_filled" in r else "-"
+
+    body = [[f"{r['tokens'] // 1024}K", f"`{r['cache']}`", f"{r['prefill_seconds']:.1f}", f"{r['load_seconds']:.3f}",
+             f"{r['prefill_over_load']:.0f}", f"{r['bytes_at_rest'] / 2**20:.1f}", f"{r['bytes_on_disk'] / 2**20:.1f}",
+             f"{r['disk_less_header_over_rest']:.3f}", filled(r), "yes" if r["same_next_logits"] else "no"]
+            for d in runs for r in d["rows"]]  # fmt: skip
     out += para(
-        f"**`load_cache` against the prefill it replaces** (`{command(d)}`; {machine(d)}, {day(d)}; KVzip's prefill",
-        "includes its compression; bytes at rest count a dense buffer's headroom, which the file does not hold):",
+        "**`load_cache` against the prefill it replaces**, each row's prefill and load in the same run",
+        "(" + "; ".join(f"`{command(d)}`, {day(d)}" for d in runs) + f"; {machine(runs[0])}; KVzip's prefill includes",
+        "its compression; headroom, a buffer's room to grow, is left out of a dense cache's file and saved with a",
+        "quantized one; a turning key centre's per-position tables (k4v2) are rebuilt on load, not saved):",
     )
-    out += table(["cache", "prefill s", "load s", "prefill / load", "MiB at rest", "MiB on disk",
-                  "(disk - header) / rest", "same logits after load"], body, "lrrrrrrc")  # fmt: skip
+    out += table(["tokens", "cache", "prefill s", "load s", "prefill / load", "MiB at rest", "MiB on disk",
+                  "(disk - header) / rest", "/ (rest - headroom)", "same logits after load"], body, "llrrrrrrrc")  # fmt: skip
     f = load("prefix_folder_cpu_2k/prefix_folder.json")
     rows = f["rows"]
     return out + para(
         f"**Processes sharing one document through a prefix folder** (`{command(f)}`; {machine(f)}, {day(f)}): each",
-        "process in turn, then each prefilling alone; first-token time shared against alone:",
+        "process's run through the shared folder, then at once its run alone; first-token time shared against alone:",
         "; ".join(f"process {r['process']} reused {r['reused_tokens']:,} of {r['prompt_tokens']:,} tokens, "
                   f"{r['ttft_shared_seconds']:.2f} s against {r['ttft_alone_seconds']:.2f} s "
                   f"({r['alone_over_shared']:.1f}x)" for r in rows) + ".",
