@@ -1,7 +1,7 @@
 """The low-bit presets on two model families, before and after the per-family defaults: one table from one command.
 
     python eval/lowbit_families.py --out eval/results/lowbit_families_4k
-    python eval/lowbit_families.py --out eval/results/lowbit_families_4k --report-only   # the table from runs.jsonl
+    python eval/lowbit_families.py --out eval/results/lowbit_families_4k --report-only   # the table from the runs kept
     python eval/lowbit_families.py --dry-run --out /tmp/lowbit_families_dry          # every row, tiny
 
 Protocol: each `--models` on the first `--tokens` tokens of each `--texts`, fed in chunks of `--chunk`, a
@@ -17,7 +17,8 @@ Texts: `austen:prideprejudice` (the project's) and, held out, a technical text t
 fitted on and the project does not hold: Vim's reference manual on patterns (`/usr/share/vim/vim90/doc/pattern.txt`,
 Debian's `vim-runtime`), a text of commands, syntax and prose unlike the novels.
 
-Runs are appended to `runs.jsonl` in `--out` as they finish and a rerun skips those there. DynamicCache's per-token
+Runs are appended to `runs.jsonl` in `--out` as they finish and a rerun skips those there (eval/results keeps only
+`results.json`, whose runs stand in for the log). DynamicCache's per-token
 log-likelihoods (for each row's paired standard error) go to `--scratch`, not to `--out`. Writes `results.json` (the
 runs, small) and `table.md`.
 """
@@ -68,8 +69,10 @@ def key(row: dict) -> tuple:
 
 
 def read_runs(path: Path) -> list[dict]:
+    """The runs logged in `path` as they finished; where only the published results.json is kept, its runs."""
     if not path.exists():
-        return []
+        published = path.with_name("results.json")
+        return json.loads(published.read_text())["runs"] if published.exists() else []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
