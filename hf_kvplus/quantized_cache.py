@@ -13,6 +13,7 @@ from .errors import ConfigError, UnsupportedModelError
 from .eviction.rope import RotaryShift
 from .fitted import calibrated_layer_bits
 from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
+from .kernels.quant_format import QuantFormat
 from .kernels.turning_center import RotaryBasis
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
@@ -74,11 +75,12 @@ def quantized_storage(
     for own in set(regions.own_bits(model.num_layers).values()) - {bits}:
         grouped = own is not None and not is_rotated(own)
         formats[own] = resolve_format(model, own, group_size if grouped else None, rotation_seed)
-    if backend == "quanto" and any(f is not None and f.rotated for f in formats.values()):
-        raise ConfigError(f"backend='quanto' has no rotated formats, got bits={bits!r} (or a layer's own bits)")
+    if backend == "quanto" and any(f is not None and not isinstance(f, QuantFormat) for f in formats.values()):
+        raise ConfigError(f"backend='quanto' codes the KIVI formats only (int8, int4, int2, fp8), got bits={bits!r} (or a "
+                          "layer's own bits)")
     if max_tokens is not None:
         StaticQuantizedStorage(fmt, window, max_tokens, regions.first)  # bad sizes fail here, not at a forward
-    turns = turning_basis(config, turning_keys, any(f is not None and f.rotated for f in formats.values()))
+    turns = turning_basis(config, turning_keys, any(f is not None and f.turns_keys for f in formats.values()))
 
     def segment(fmt=fmt) -> QuantizedSegment:
         if backend == "quanto":
@@ -99,7 +101,7 @@ def quantized_storage(
         if layer_fmt is None:  # a layer at full precision
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
-        if turns is not None and layer_fmt.rotated and spec.kind == "full":  # the keys' centre turns with RoPE
+        if turns is not None and layer_fmt.turns_keys and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
             layer_fmt = layer_fmt.for_layer(spec.index, turns=turns, origin=0 if static else first)

@@ -37,11 +37,6 @@ class KVFormat:
     #: Whether :meth:`for_layer` takes a rotary basis (``turns=``, ``origin=``) for a key centre that turns with RoPE.
     turns_keys: bool = False
 
-    @property
-    def rotated(self) -> bool:
-        """The former name of :attr:`turns_keys`, for callers that still read it."""
-        return self.turns_keys
-
     # ------------------------------------------------------------------ shapes and bytes
     def code_dim(self, head_dim: int, side: str) -> int:
         """uint8 bytes of one token's codes of one head."""

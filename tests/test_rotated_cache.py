@@ -61,7 +61,7 @@ def test_named_by_key_and_value_bits_and_by_spec_strings():
     (dict(bits=4, key_bits=4), "not both"),
     (dict(bits="k4v2", group_size=32), "no groups"),
     (dict(bits="k4v7"), "key and value bits in"),
-    (dict(bits="k4v2", backend="quanto"), "no rotated formats"),
+    (dict(bits="k4v2", backend="quanto"), "codes the KIVI formats only"),
 ])  # fmt: skip
 def test_bad_rotated_settings_are_refused_with_the_numbers(kwargs, match):
     with pytest.raises(ConfigError, match=match):
