@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.kernels import custom_ops, kivi_cpu, rotated_cpu
+from hf_kvplus.kernels import (
+    builtin_kernels,  # noqa: F401 - registers the built-in formats' kernels
+    custom_ops,
+    kivi_cpu,
+    rotated_cpu,
+)
 from hf_kvplus.kernels.decode_attention import (
     _check_num_splits,
     decode_attention_torch,

@@ -134,9 +134,12 @@ class KVFormat:
         """The format that codes what :meth:`to_ring` made (a static storage codes its ring's tokens)."""
         return self
 
-    def to_ring(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (the first at buffer index `first`) as a static storage's full-precision ring holds them,
-        and attention reads them as the residual; as they are by default."""
+    def to_ring(
+        self, keys: torch.Tensor, values: torch.Tensor, first: Callable[[], int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as a static storage's full-precision ring holds them, and attention reads them as the
+        residual; as they are by default. `first()` is the buffer index of the first token, asked only by a format that
+        needs it (a compiled step that read the storage's count would be specialized on it, and compiled again)."""
         return keys, values
 
     def from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +191,9 @@ def kernels_for(fmt: KVFormat):
     if kernels is None:
         if not isinstance(fmt, KVFormat):
             raise ConfigError(f"fmt must be a KVFormat (a QuantFormat, a RotatedFormat, ...), got {type(fmt).__name__}")
-        from hf_kvplus.kernels import builtin_kernels  # noqa: F401 - registers the built-in formats' kernels, once
-
-        kernels = _FOUND[type(fmt)] = next(_KERNELS[c] for c in type(fmt).__mro__ if c in _KERNELS)
+        found = next((_KERNELS[c] for c in type(fmt).__mro__ if c in _KERNELS), None)
+        if found is None:  # (kernels/dispatch.py registers the built-in ones: `builtin_kernels`)
+            raise ConfigError(f"no kernels are registered for {type(fmt).__name__} or a base: import "
+                              "hf_kvplus.kernels.dispatch first, or register_kernels() for it")
+        kernels = _FOUND[type(fmt)] = found
     return kernels

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -327,12 +328,15 @@ class RotatedFormat(KVFormat):
     def ring_format(self) -> RotatedFormat:
         return self.with_rotated_inputs()
 
-    def to_ring(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_ring(
+        self, keys: torch.Tensor, values: torch.Tensor, first: Callable[[], int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (``x @ R`` in the model's dtype: one rounding), so that a decode step rotates only the query and
         the output; the key centre, if not set yet, set from these keys as they were (at their indices)."""
         center = self.key_center
         if center is not None and center.mu is None:
-            center.observe(keys, self.seed, torch.arange(first, first + keys.shape[2], device=keys.device))
+            start = first()
+            center.observe(keys, self.seed, torch.arange(start, start + keys.shape[2], device=keys.device))
         r_k, r_v = (rotation(x.shape[-1], self.seed, x.device) for x in (keys, values))
         return rotated(keys, r_k).to(keys.dtype), rotated(values, r_v).to(values.dtype)
 

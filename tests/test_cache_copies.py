@@ -52,7 +52,9 @@ def kvzap_weights():
 
 
 def test_every_cache_family_is_covered():
-    assert {spec.split(":")[0] for spec in SPECS + FOREIGN} == set(CACHE_KINDS)
+    """Every family hf_kvplus defines (a policy registered from elsewhere, as the examples' are, is theirs to test)."""
+    own = {name for name, kind in CACHE_KINDS.items() if kind.policy is None or kind.policy.__module__.startswith("hf_kvplus.")}
+    assert {spec.split(":")[0] for spec in SPECS + FOREIGN} == own
 
 
 def prompt_ids(n=PROMPT, seed=0):

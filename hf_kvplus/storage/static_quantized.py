@@ -104,7 +104,7 @@ class StaticQuantizedStorage(KVStorage):
         elif keys.shape[0] != self.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
         self.count.check_room(new, self.max_tokens)
-        ring_k, ring_v = self.fmt.to_ring(keys, values, self.end)
+        ring_k, ring_v = self.fmt.to_ring(keys, values, lambda: self.end)
         if new == 1:
             self._fresh = None
             self._decode_write(ring_k, ring_v)
@@ -279,7 +279,7 @@ class StaticQuantizedStorage(KVStorage):
         g = self.fmt.group_size
         lo, hi = max(self.first, self.frontier(end) - g), max(0, self.frontier(self.end) - g)  # (the head stays)
         if hi > lo:
-            k, v = self.fmt.to_ring(*self._dequantized(lo, hi), lo)
+            k, v = self.fmt.to_ring(*self._dequantized(lo, hi), lambda: lo)
             slots = self._slots(torch.arange(lo, hi, device=k.device))
             self.ring_k.index_copy_(2, slots, k)
             self.ring_v.index_copy_(2, slots, v)
