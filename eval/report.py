@@ -958,32 +958,36 @@ def gpu_speed() -> list[str]:
     return out
 
 
-def lowbit_header() -> list[str]:
-    return ["# Benchmarks: low-bit formats", "",
+def page_header(title: str, *about: str) -> list[str]:
+    """A linked page's title, the do-not-edit marker, and what it holds (`about`: the lines of one paragraph)."""
+    return ["# Benchmarks: " + title, "",
             "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
-            ] + para(
+            ] + para(*about)  # fmt: skip
+
+
+def lowbit_header() -> list[str]:
+    return page_header(
+        "low-bit formats",
         "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s quality section: hf_kvplus's rotated formats (k4v2:",
         "4-bit keys and 2-bit values after a rotation; [docs/caches.md](caches.md)) on SmolLM2-135M, with exact",
         "regions, calibrated layers, value codebooks and the keys' turning centre.",
-    )  # fmt: skip
+    )
 
 
 def retrieval_header() -> list[str]:
-    return ["# Benchmarks: retrieval against bytes", "",
-            "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
-            ] + para(
+    return page_header(
+        "retrieval against bytes",
         "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s retrieval section: which cache keeps the pass key for",
         "the bytes it holds ([docs/caches.md](caches.md) for the caches).",
-    )  # fmt: skip
+    )
 
 
 def cpu_header() -> list[str]:
-    return ["# Benchmarks: compiled decode on the CPU", "",
-            "<!-- Written by `python eval/report.py` from eval/results/; CI checks it (`--check`): do not edit. -->",
-            ] + para(
+    return page_header(
+        "compiled decode on the CPU",
         "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s CPU speed section: `generate()` compiling the decode",
         "step ([docs/compile.md](compile.md)), each cache against StaticCache compiled the same way; lower is faster.",
-    )  # fmt: skip
+    )
 
 
 #: Every page this writes (path under the repository) and its sections.
