@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 45's before/after counts of the core's shape, read from the source (run at any commit):
+# Before/after counts of the core's shape, read from the source (run at any commit):
 #   bash scripts/architecture_counts.sh [ROOT]
 set -euo pipefail
 ROOT="${1:-$(dirname "${BASH_SOURCE[0]}")/..}"

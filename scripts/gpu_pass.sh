@@ -10,7 +10,7 @@
 #   tests-syncs 120 (no decode step of any cache synchronizes; test_decode_syncs.py, test_cuda_paths.py)
 #   and tests-kernels 240 (the kernel tests alone); and two of `compile`: compile-b1 and compile-b8 300 each (one
 #   batch size; results in DIR/compile-b1/, DIR/compile-b8/). A session with one 10-minute call runs, for example:
-#   bash scripts/gpu_pass.sh tests-syncs:55 tests-kernels:75 compile-b1:300   (stop 39's compile:440 did not finish)
+#   bash scripts/gpu_pass.sh tests-syncs:55 tests-kernels:75 compile-b1:300   (the whole compile step needs more than one call)
 # The device tool runs one command for at most 10 minutes, so on a lent GPU run it in four calls
 # (each call's results come back in $OUT; merge them here with eval/gpu_pass_report.py):
 #   bash scripts/gpu_pass.sh env tests aot

@@ -8,7 +8,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+# --no-compile: pip would byte-compile every installed module (torch alone: about 30 s); Python compiles the ones
+# imported, on first import.
+pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check --no-compile "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0
 fi

@@ -20,7 +20,7 @@ LOWEST_VERSION=$(sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml
 LOWEST="$VENV/transformers-$LOWEST_VERSION"
 if ! compgen -G "$LOWEST/transformers-$LOWEST_VERSION.*.dist-info" >/dev/null; then
     rm -rf "$LOWEST"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$LOWEST" \
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps --target "$LOWEST" \
         "transformers==$LOWEST_VERSION.*" "huggingface-hub>=1.5,<2" "httpx<1" httpcore
 fi
 echo "conformance on transformers $LOWEST_VERSION.*"

@@ -100,7 +100,7 @@ def test_a_cache_that_fails_is_reported_and_the_others_are_still_timed(tmp_path,
 
 
 def test_a_run_cut_inside_a_group_keeps_the_caches_timed_before(tmp_path, monkeypatch):
-    # The device tool's limit kills a step mid-group (stop 41: H2O at 32K x 8); what was timed must be on disk.
+    # The device tool's limit kills a step mid-group (H2O at 32K x 8 once did); what was timed must be on disk.
     monkeypatch.syspath_prepend(str(EVAL))
     import bench_compile
 

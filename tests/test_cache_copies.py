@@ -1,4 +1,4 @@
-"""Every cache pickles and deep-copies after use, and the copy continues with the same logits (issue 49).
+"""Every cache pickles and deep-copies after use, and the copy continues with the same logits.
 
 One spec per cache family the spec parser knows (`specs.CACHE_KINDS`), sized so that a 72-token prompt on the tiny
 Llama fills and quantizes windows, evicts and offloads; each is copied after the prompt and again after decode steps,

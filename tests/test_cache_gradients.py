@@ -1,4 +1,4 @@
-"""Gradients through a cache (issue 49): a prompt and decode steps in grad mode, then one backward.
+"""Gradients through a cache: a prompt and decode steps in grad mode, then one backward.
 
 Lossless caches (dense, paged and offloaded, static buffers included) give DynamicCache's logits and gradients;
 lossy ones (quantized codes, evicting retentions) refuse in grad mode with `GradientError` before the cache changes,

@@ -8,7 +8,7 @@ the graph no int input, write only inputs marked static, take no tensor that an 
 and produce the eager decode's tokens. (A CUDA graph's outputs live in its memory pool and its next replay
 overwrites them: a tensor one step leaves on the cache for the next, such as a freed slot's index, must be written
 into a buffer of the cache's, or the replay fails with "accessing tensor output of CUDAGraphs that has been
-overwritten by a subsequent run", as the evicting caches did on an H200 in stop 39.) The backend here records the
+overwritten by a subsequent run", as the evicting caches once did on an H200.) The backend here records the
 graph dynamo hands over (what inductor would receive) and runs it as it is, so the test runs on the CPU; on a GPU,
 `eval/bench_compile.py --gpu-pass` times the captured graphs.
 
@@ -169,7 +169,7 @@ def test_an_evicting_cache_at_or_under_its_budget_compiles_one_capturable_graph(
     same, the unused ones free, and the model's mask is as wide as the slots, so every decode step refills a freed
     slot and evicts one (a free one while there are any) with the same shapes, full or not (one graph, where the
     slots' filling compiled one per step); what a step leaves for the next (the sinks' copy, the freed slot, the
-    rows' first positions) is in the cache's own buffers (the evicting caches failed there on an H200 in stop 39)."""
+    rows' first positions) is in the cache's own buffers (the evicting caches once failed there on an H200)."""
     cache_spec = parse_cache_spec(spec)
     graphs, eager, compiled = capture(model, lambda: cache_spec.build(model.config, max_length=PROMPT + NEW), padded)
     assert compiled == eager

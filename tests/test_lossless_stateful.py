@@ -1,4 +1,4 @@
-"""Lossless caches against DynamicCache under random operation sequences, through a model (issue 49, item 4).
+"""Lossless caches against DynamicCache under random operation sequences, through a model.
 
 A hypothesis state machine drives the tiny Llama with one hf_kvplus cache and one `transformers.DynamicCache` in
 lock step: prompts and decode steps (the same random tokens for every row of the model's batch, distinct per row),

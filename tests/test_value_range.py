@@ -1,4 +1,4 @@
-"""Values a quantized format cannot code (issue 49): NaN, inf, and finite values beyond its float16 scales, zero
+"""Values a quantized format cannot code: NaN, inf, and finite values beyond its float16 scales, zero
 points or norms. A prompt holding them is refused with `OutOfRangeError` naming the numbers, before the layer
 changes; a decode step's such value is coded as 0 when it leaves the window, never spoils the other tokens of its
 group, and `quantized_report()` raises for it. optimum-quanto (float32 scales) codes any finite value."""
