@@ -153,9 +153,10 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         bits, coordinates = layer_region_bits(layer, window)
         region_bits += bits
         region_coordinates += coordinates
-        if not hasattr(storage, "quantized_part"):
+        part = storage.quantized_part()
+        if part is None:
             continue
-        report, length = storage.quantized_part()
+        report, length = part
         quantized_bytes += report.payload_bytes + report.metadata_bytes
         held = length * report.batch_size
         tokens = max(tokens, held)
@@ -178,12 +179,13 @@ def layer_region_bits(layer, window: int) -> tuple[int, int]:
     if storage is None:
         return 0, 0
     coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
-    if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
+    part = storage.quantized_part()
+    if part is None:  # a full-precision layer: every token past the window counts
         outside = max(0, storage.length - window) * storage.batch_size
         held = next(iter(storage.tensors().values()), None)  # (a buffer or a block pool)
         bits = 0 if held is None else held.element_size() * 8
         return outside * coordinates * bits, outside * coordinates
-    report, length = storage.quantized_part()
+    report, length = part
     exact, element_size = storage.exact_part()
     exact *= storage.batch_size
     held = length * report.batch_size
