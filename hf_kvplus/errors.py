@@ -83,7 +83,7 @@ class BlockServerError(KVPlusError, ConnectionError):
 
 
 class FileFormatError(KVPlusError, ValueError):
-    """A file is not one this version of hf_kvplus reads: another format, or a newer format version than it knows.
+    """A file is not one this version of hf_kvplus reads: another format, or a format version other than the one it knows.
     The message names what the file says and what was expected."""
 
 

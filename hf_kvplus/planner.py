@@ -10,7 +10,8 @@
 Models: a shipped short name (`SHIPPED_CONFIGS`: llama-3.1-8b, llama-3.1-70b, mistral-7b (v0.3),
 qwen2.5-7b, gemma-3-4b, gemma-3-12b, gemma-3-27b, gemma-3-270m, smollm2-135m), a config.json or the
 folder holding it, a hub id, or a config object. Formats (fp32, fp16, bf16, KIVI fp8/int8/int4/int2, rotated
-"k<X>v<Y>" such as "k4v2") and their byte layouts:
+"k<X>v<Y>" such as "k4v2", or any format registered by name with `kernels.kv_format.register_format`) and their byte
+layouts:
 :mod:`hf_kvplus.planning.formats`; what a plan counts: :mod:`hf_kvplus.planning.plan`.
 """
 

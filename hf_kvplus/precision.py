@@ -20,6 +20,7 @@ from transformers import PreTrainedConfig
 
 from .errors import ConfigError
 from .formats import parse_bits
+from .memory import tensor_bytes
 from .model_spec import ModelSpec
 from .storage.quantized import DEFAULT_WINDOW
 from .storage.value_range import raise_pending
@@ -137,20 +138,25 @@ def precision_report(cache, format_name: str, window: int) -> dict:
     """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage` (contiguous or paged),
     `StaticQuantizedStorage`, `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a
     `DenseStorage` or `PagedStorage` (a boundary or sliding layer: every token past the `window` counts at its dtype's
-    bits). First raises what a decode step gave that the codes cannot hold (`storage.value_range`)."""
+    bits). `derived_bytes`: the tables its formats' decode reads that are derived from the model alone (a turning key
+    centre's position tables), counted once per cache and not in bytes at rest (made again after a load, not saved).
+    First raises what a decode step gave that the codes cannot hold (`storage.value_range`)."""
     raise_pending(cache.layers)
     quantized_bytes = tokens = fp16_bytes = 0
     region_bits = region_coordinates = 0
+    derived, seen = 0, set()
     for layer in cache.layers:
         storage = getattr(layer, "storage", None)
         if storage is None:
             continue
+        derived += tensor_bytes([t for fmt in storage.formats() for t in fmt.derived_tensors()], seen)
         bits, coordinates = layer_region_bits(layer, window)
         region_bits += bits
         region_coordinates += coordinates
-        if not hasattr(storage, "quantized_part"):
+        part = storage.quantized_part()
+        if part is None:
             continue
-        report, length = storage.quantized_part()
+        report, length = part
         quantized_bytes += report.payload_bytes + report.metadata_bytes
         held = length * report.batch_size
         tokens = max(tokens, held)
@@ -162,6 +168,7 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         "bytes_per_token": quantized_bytes / tokens if tokens else 0.0,
         "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
         "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
+        "derived_bytes": derived,
     }
 
 
@@ -172,12 +179,13 @@ def layer_region_bits(layer, window: int) -> tuple[int, int]:
     if storage is None:
         return 0, 0
     coordinates = 2 * layer.spec.num_kv_heads * layer.spec.head_dim  # of one token of one row
-    if not hasattr(storage, "quantized_part"):  # a full-precision layer: every token past the window counts
+    part = storage.quantized_part()
+    if part is None:  # a full-precision layer: every token past the window counts
         outside = max(0, storage.length - window) * storage.batch_size
         held = next(iter(storage.tensors().values()), None)  # (a buffer or a block pool)
         bits = 0 if held is None else held.element_size() * 8
         return outside * coordinates * bits, outside * coordinates
-    report, length = storage.quantized_part()
+    report, length = part
     exact, element_size = storage.exact_part()
     exact *= storage.batch_size
     held = length * report.batch_size

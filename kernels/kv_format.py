@@ -117,6 +117,12 @@ class KVFormat:
         """The tensors of the layer's state this format holds (counted in memory reports; none by default)."""
         return ()
 
+    def derived_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Tables the format's decode reads that are derived from the model alone (a turning key centre's position
+        tables, shared by every layer of a cache): made again after a load, so neither saved nor bytes at rest; a
+        report counts them once per cache, apart (`quantized_report()["derived_bytes"]`). None by default."""
+        return ()
+
     def prepare_indices(self, count: int, device) -> None:
         """Makes and keeps, eagerly, what a decode over buffer indices ``0 .. count - 1`` reads of the layer's state
         (a turning key centre's basis): a static storage reads every index at every step."""

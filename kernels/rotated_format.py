@@ -51,10 +51,11 @@ import torch
 from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, ShapeError
 from hf_kvplus.kernels.kv_format import KVFormat
-from hf_kvplus.kernels.turning_center import RotaryBasis
+from hf_kvplus.kernels.turning_center import TURN_BLOCK, PositionTables, RotaryBasis
 
 __all__ = [
     "ROTATED_BITS",
+    "TURN_BLOCK",
     "KeyCenter",
     "RotatedFormat",
     "byte_table",
@@ -90,10 +91,6 @@ UNIFORM_SIGMAS = 6.5
 _TABLES = Path(__file__).with_name("rotated_codebooks.json")
 
 
-#: Codes per block of a turning key centre's term in the C++ decode operator (its `kTurnBlock`): `block_basis`.
-TURN_BLOCK = 64
-
-
 class KeyCenter:
     """One layer's key centre: ``mu`` float32 [H, D] (and ``mu @ R`` as ``rotated``) per KV head, or None until the
     layer's first keys are quantized (`observe`). Shared by every storage that holds the layer's codes (one paged
@@ -103,10 +100,10 @@ class KeyCenter:
     `turns` (a `turning_center.RotaryBasis`): a turning centre, ``mu`` the keys' pre-RoPE mean and the centre of the
     key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
     and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``basis``, ``query_weights``; the
-    C++ operator reads ``block_basis`` and ``weights``)."""
+    C++ operator reads ``block_basis`` and ``weights``). The basis tables are the basis's own
+    (`RotaryBasis.tables`), one copy for every layer of a cache, not this centre's."""
 
-    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "_basis", "_block",
-                 "_steps")
+    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights")
 
     def __init__(self, turns: RotaryBasis | None = None, origin: int = 0):
         self.mu: torch.Tensor | None = None
@@ -117,15 +114,17 @@ class KeyCenter:
         #: A turning centre's W [H, D, D] (``c(p) = e(p) @ W``) and ``W @ R``.
         self.weights: torch.Tensor | None = None
         self.rotated_weights: torch.Tensor | None = None
-        self._basis: torch.Tensor | None = None  # e(origin + i) of indices 0 .. len - 1 as columns, grown by doubling
-        self._block: tuple | None = None  # (start, size, device, block_basis's first columns) of the last call
-        self._steps: tuple | None = None  # (size, block_basis's angles), grown by doubling
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor the centre keeps (what a memory report counts as the layer's state)."""
-        kept = (self.mu, self.rotated, *self.in_planes.values(), self.weights, self.rotated_weights, self._basis,
-                None if self._block is None else self._block[3], None if self._steps is None else self._steps[1])
+        """Every tensor the centre keeps (what a memory report counts as the layer's state, and a saved cache holds);
+        not the shared basis tables (:attr:`tables`), which are derived."""
+        kept = (self.mu, self.rotated, *self.in_planes.values(), self.weights, self.rotated_weights)
         return tuple(t for t in kept if t is not None)
+
+    @property
+    def tables(self) -> PositionTables:
+        """A turning centre's position tables (its basis's, shared by the cache's layers)."""
+        return self.turns.tables(self.origin)
 
     def observe(self, x: torch.Tensor, seed: int, positions: torch.Tensor | None = None) -> None:
         """Sets the centre, once, from the first keys quantized (x [B, H, T, D]: averaged over rows and tokens; a
@@ -147,48 +146,18 @@ class KeyCenter:
         return torch.einsum("td,hde->hte", self.turns.rows(positions + self.origin), w)
 
     def basis(self, count: int, device: torch.device) -> torch.Tensor:
-        """float32 [D, count]: the basis ``e(origin + i)`` of indices 0 .. count - 1 as columns, unit stride along the
-        indices (a view of a table kept on `device` and doubled when a longer one is asked for: a host-side length
-        check, no device sync)."""
-        table = self._basis
-        if table is None or table.shape[1] < count or table.device != torch.device(device):
-            size = max(1 << (count - 1).bit_length(), 256)
-            table = self.turns.rows(torch.arange(self.origin, self.origin + size, device=device)).T.contiguous()
-            if not torch.compiler.is_compiling():
-                self._basis = table
-        return table[:, :count]
+        """float32 [D, count]: `PositionTables.basis` of this centre's basis and origin."""
+        return self.tables.basis(count, device)
 
     def prepare(self, count: int, device: torch.device) -> None:
-        """Makes and keeps, eagerly, what a decode over indices 0 .. count - 1 reads of a turning centre on `device`
-        (a compiled step that made it would make it at every step): `basis` on CUDA (the Triton kernels),
-        `block_basis` elsewhere (the C++ operator)."""
-        if torch.device(device).type == "cuda":
-            self.basis(count, device)
-        else:
-            self.block_basis(0, count, device)
+        """`PositionTables.prepare` of this centre's basis and origin (eagerly, where a storage prepares)."""
+        self.tables.prepare(count, device)
 
     def block_basis(
         self, start: int, count: int, device: torch.device, size: int = TURN_BLOCK
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the C++ decode reads of a turning centre over indices ``start .. start + count``, in blocks of `size`:
-        float32 [D, size], the basis ``e(origin + start + j)`` of j < size as columns, and float32 [K, 2, h] (K >=
-        count / size blocks, h rotary pairs), the cos and the sin of each pair's angle at position ``size * k``. RoPE's
-        angles add, so block k's basis is the first block's turned by those angles: a few KB, where `basis` holds
-        D floats a position. Both kept (the angles grown by doubling), so a decode step computes neither."""
-        dev, blocks = torch.device(device), -(-count // size)
-        first = self._block
-        if first is None or first[:3] != (start, size, dev):
-            first = (start, size, dev, self.turns.rows(torch.arange(size, device=dev) + self.origin + start).T.contiguous())
-            if not torch.compiler.is_compiling():
-                self._block = first
-        steps = self._steps
-        if steps is None or steps[0] != size or steps[1].shape[0] < blocks or steps[1].device != dev:
-            h = self.turns.rotary_dim // 2
-            rows = self.turns.rows(size * torch.arange(max(1 << (blocks - 1).bit_length(), 64), device=dev))
-            steps = (size, rows[:, : 2 * h].reshape(-1, 2, h).contiguous())
-            if not torch.compiler.is_compiling():
-                self._steps = steps
-        return first[3], steps[1]
+        """`PositionTables.block_basis` of this centre's basis and origin (what the C++ decode reads)."""
+        return self.tables.block_basis(start, count, device, size)
 
     def query_weights(self, q: torch.Tensor, *, rotated: bool = False) -> torch.Tensor:
         """float32 [B, Hq, D]: ``W q`` of each query head (grouped onto its KV head), so that ``q . c(p)`` is its
@@ -354,8 +323,13 @@ class RotatedFormat(KVFormat):
         return self.key_center is not None or self.value_center is not None
 
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The key centre's tensors (the centre, its rotated copies, a turning centre's W, W R and basis tables)."""
+        """The key centre's tensors (the centre, its rotated copies, a turning centre's W and W R)."""
         return () if self.key_center is None else self.key_center.tensors()
+
+    def derived_tensors(self) -> tuple[torch.Tensor, ...]:
+        """A turning centre's basis tables (its `RotaryBasis`'s, shared by the cache's layers)."""
+        center = turning_key_center(self)
+        return () if center is None else center.turns.derived_tensors()
 
     def for_layer(self, index: int, *, turns: RotaryBasis | None = None, origin: int = 0) -> RotatedFormat:
         """This format with the rotation seed of layer `index` (each layer rotates differently) and, with

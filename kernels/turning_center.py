@@ -22,7 +22,10 @@ import torch
 
 from hf_kvplus.kernels.errors import ConfigError, ShapeError
 
-__all__ = ["RotaryBasis"]
+__all__ = ["TURN_BLOCK", "PositionTables", "RotaryBasis"]
+
+#: Codes per block of a turning key centre's term in the C++ decode operator (its `kTurnBlock`): `block_basis`.
+TURN_BLOCK = 64
 
 
 class RotaryBasis:
@@ -35,6 +38,29 @@ class RotaryBasis:
         self.head_dim = head_dim
         if self.rotary_dim > head_dim or self.rotary_dim == 0:
             raise ConfigError(f"{self.rotary_dim} rotary dims do not fit head_dim {head_dim}")
+        self._tables: dict[int, PositionTables] = {}
+
+    def tables(self, origin: int) -> PositionTables:
+        """The position tables of index 0 at position `origin`: one object per basis and origin, so that every layer
+        of a cache (one basis per cache) reads, and memory holds, one copy."""
+        tables = self._tables.get(origin)
+        if tables is None:
+            tables = self._tables.setdefault(origin, PositionTables(self, origin))
+        return tables
+
+    def derived_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of every origin's position tables (derived from the basis alone: not saved, not bytes at
+        rest; what a report of a cache's derived tables counts, once)."""
+        return tuple(t for tables in self._tables.values() for t in tables.tensors())
+
+    def __getstate__(self) -> dict:
+        """Without the position tables: they are derived from the basis, so a saved or copied basis makes them again
+        (the first call that asks for them, or a layer's `prepare`)."""
+        return {**self.__dict__, "_tables": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_tables", {})
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: ``e(p)`` of each position (angles in float64)."""
@@ -74,3 +100,72 @@ class RotaryBasis:
         if mu.dim() != 2 or mu.shape[-1] != self.head_dim:
             raise ShapeError(f"{name} must be [H, {self.head_dim}], got {tuple(mu.shape)}")
         return mu.shape[0], mu.shape[1]
+
+
+class PositionTables:
+    """What decode reads of the basis at indices ``0, 1, ...`` from position `origin`, made once and shared by every
+    layer whose key centre turns with that basis from that origin (`RotaryBasis.tables`).
+
+    Why shared: the tables depend only on the model's RoPE and the origin, not on a layer's keys; held per layer they
+    cost D float32 a position each time (head dim 128 at 32K positions on CUDA: 16 MiB a layer, 0.5 GiB over Llama
+    3.1 8B's 32 layers). Each is made where a storage prepares (eagerly), grown by doubling on a host-side length
+    check (no device sync), and never kept when made inside a compiled graph (that graph's value, not a tensor to
+    keep). Replacing a kept table is one attribute
+    store, so layers that read them from several threads see an old table or a new one, both right."""
+
+    __slots__ = ("turns", "origin", "_basis", "_block", "_steps")
+
+    def __init__(self, turns: RotaryBasis, origin: int):
+        self.turns, self.origin = turns, origin
+        self._basis: torch.Tensor | None = None  # e(origin + i) of indices 0 .. len - 1 as columns, grown by doubling
+        self._block: tuple | None = None  # (start, size, device, block_basis's first columns) of the last call
+        self._steps: tuple | None = None  # (size, block_basis's angles), grown by doubling
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tables kept (derived: a memory report counts them once per cache, apart from bytes at rest)."""
+        kept = (self._basis, None if self._block is None else self._block[3], None if self._steps is None else self._steps[1])
+        return tuple(t for t in kept if t is not None)
+
+    def basis(self, count: int, device: torch.device) -> torch.Tensor:
+        """float32 [D, count]: the basis ``e(origin + i)`` of indices 0 .. count - 1 as columns, unit stride along the
+        indices (a view of a table kept on `device` and doubled when a longer one is asked for: a host-side length
+        check, no device sync)."""
+        table = self._basis
+        if table is None or table.shape[1] < count or table.device != torch.device(device):
+            size = max(1 << (count - 1).bit_length(), 256)
+            table = self.turns.rows(torch.arange(self.origin, self.origin + size, device=device)).T.contiguous()
+            if not torch.compiler.is_compiling():
+                self._basis = table
+        return table[:, :count]
+
+    def prepare(self, count: int, device: torch.device) -> None:
+        """Makes and keeps, eagerly, what a decode over indices 0 .. count - 1 reads on `device` (a compiled step that
+        made it would make it at every step): `basis` on CUDA (the Triton kernels), `block_basis` elsewhere (the C++
+        operator)."""
+        if torch.device(device).type == "cuda":
+            self.basis(count, device)
+        else:
+            self.block_basis(0, count, device)
+
+    def block_basis(
+        self, start: int, count: int, device: torch.device, size: int = TURN_BLOCK
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the C++ decode reads over indices ``start .. start + count``, in blocks of `size`: float32 [D, size],
+        the basis ``e(origin + start + j)`` of j < size as columns, and float32 [K, 2, h] (K >= count / size blocks, h
+        rotary pairs), the cos and the sin of each pair's angle at position ``size * k``. RoPE's angles add, so block
+        k's basis is the first block's turned by those angles: a few KB, where `basis` holds D floats a position.
+        Both kept (the angles grown by doubling), so a decode step computes neither."""
+        dev, blocks = torch.device(device), -(-count // size)
+        first = self._block
+        if first is None or first[:3] != (start, size, dev):
+            first = (start, size, dev, self.turns.rows(torch.arange(size, device=dev) + self.origin + start).T.contiguous())
+            if not torch.compiler.is_compiling():
+                self._block = first
+        steps = self._steps
+        if steps is None or steps[0] != size or steps[1].shape[0] < blocks or steps[1].device != dev:
+            h = self.turns.rotary_dim // 2
+            rows = self.turns.rows(size * torch.arange(max(1 << (blocks - 1).bit_length(), 64), device=dev))
+            steps = (size, rows[:, : 2 * h].reshape(-1, 2, h).contiguous())
+            if not torch.compiler.is_compiling():
+                self._steps = steps
+        return first[3], steps[1]

@@ -27,6 +27,7 @@ from conformance.models import get_model
 from hf_kvplus import PagedCache, PagedPool, QuantizedCache, cache_kwargs, load_cache
 from hf_kvplus.errors import CacheMismatchError, CorruptFileError, FileFormatError, UnsupportedOperationError
 from hf_kvplus.kvzip_cache import KVzipCache, RepeatPrompt
+from hf_kvplus.persist import FORMAT_VERSION
 from hf_kvplus.specs import parse_cache_spec
 
 PROMPT, STEPS = 72, 3
@@ -197,9 +198,13 @@ def test_another_format_and_a_newer_version_are_refused(saved, tmp_path):
     with pytest.raises(FileFormatError, match=r"'someone.else' file, not a saved hf_kvplus cache"):
         load_cache(other, model.config)
     newer = copy_of(path, tmp_path)
-    rewritten(newer, lambda h: h.update(format_version=2))
-    with pytest.raises(FileFormatError, match=r"format version 2, .* reads versions up to 1"):
+    rewritten(newer, lambda h: h.update(format_version=FORMAT_VERSION + 1))
+    with pytest.raises(FileFormatError, match=rf"format version {FORMAT_VERSION + 1}, .* reads versions up to {FORMAT_VERSION}"):
         load_cache(newer, model.config)
+    older = copy_of(path, tmp_path)
+    rewritten(older, lambda h: h.update(format_version=FORMAT_VERSION - 1))
+    with pytest.raises(FileFormatError, match=rf"format version {FORMAT_VERSION - 1}, .* reads version {FORMAT_VERSION} only"):
+        load_cache(older, model.config)
 
 
 @pytest.mark.parametrize("entry", [

@@ -447,6 +447,49 @@ def test_plan_matches_what_a_rotated_cache_holds(kv_format, window):
     assert quantized["ratio_to_fp16"] == p.ratio_to_fp16
 
 
+# --- registered formats -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fp4(monkeypatch):
+    """The example fp4 format, imported by name as examples/formats/conftest.py imports it (which registers it)."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples" / "formats"))
+    return importlib.import_module("fp4_e2m1")
+
+
+def test_a_registered_format_is_planned_from_its_format_object(fp4):
+    """`quantized:fp4` (registered from outside hf_kvplus) plans as the cache holds it: bytes per token are the
+    format object's own, and a filled cache's payload + metadata is the plan's KV bytes. The context leaves a whole
+    number of 32-token key groups past the 128-token window, as the cache hands tokens over."""
+    from hf_kvplus.quantized_cache import QuantizedCache
+
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, head_dim=64
+    )
+    fmt = planner.kv_format("FP4")
+    assert (fmt.name, fmt.kind, fmt.cache_bits) == ("fp4", "registered", "fp4") and fmt.is_quantized
+    context = 128 + 32 * 13
+    cache = _filled(QuantizedCache(config, bits="fp4"), config, context)
+    report = cache.memory_report()
+    assert report.tokens_held == context and cache.format.group_size == 32
+    p = planner.plan(config, context, 1, kv_format="fp4")
+    assert p.kv_format == "fp4" and p.first_tokens == 0 and p.layer_kinds[0].tokens_full_precision == 128
+    per_token = 2 * 2 * fp4.FP4Format(32).bytes_per_token(64)  # 2 layers x 2 KV heads x (64 + 4 x 64 / 32)
+    assert per_token == 2 * 2 * 72 and p.kv_bytes_per_token_excl_residual == per_token
+    assert p.kv_bytes == report.payload_bytes + report.metadata_bytes
+    quantized = cache.quantized_report()
+    assert quantized["bytes_per_token"] == p.kv_bytes_per_token_excl_residual
+    assert quantized["quantized_bytes"] == 32 * 13 * per_token
+    # its maker takes the group size; a head dim it cannot code is refused with its own typed error
+    assert planner.plan(config, context, 1, kv_format="fp4", group_size=16).kv_bytes_per_token_excl_residual == (
+        2 * 2 * fp4.FP4Format(16).bytes_per_token(64))
+    with pytest.raises(ConfigError, match="head_dim 64 must be even and a multiple of the group size 48"):
+        planner.plan(config, context, 1, kv_format="fp4", group_size=48)
+
+
 def test_rotated_formats_ignore_group_size_as_fp16_does():
     """A rotated format has no groups: like fp16 (and unlike `QuantizedCache`, which refuses one), the planner
     ignores `group_size`, so one `--group-size` can serve a mix of KIVI and rotated formats."""

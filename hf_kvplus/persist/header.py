@@ -13,8 +13,10 @@ from ..errors import CacheMismatchError, FileFormatError
 from ..fingerprint import fingerprint
 
 FORMAT = "hf_kvplus.cache"
-#: Bumped when a file written now could not be read by the code that reads version-1 files.
-FORMAT_VERSION = 1
+#: Bumped when a file written now could not be read by the code that read the files before. Version 2: a turning key
+#: centre's position tables are its rotary basis's (shared by the cache's layers, not saved), no longer the centre's
+#: own attributes, so a version-1 file names attributes this code's centre does not have.
+FORMAT_VERSION = 2
 
 
 def package_version() -> str:
@@ -47,6 +49,11 @@ def check_format(header: dict, path) -> None:
         raise FileFormatError(
             f"{path} is format version {version!r}, written by hf_kvplus {header.get('hf_kvplus_version')}; this "
             f"hf_kvplus {package_version()} reads versions up to {FORMAT_VERSION}: upgrade hf_kvplus to load it"
+        )
+    if version < FORMAT_VERSION:
+        raise FileFormatError(
+            f"{path} is format version {version}, written by hf_kvplus {header.get('hf_kvplus_version')}; this "
+            f"hf_kvplus {package_version()} reads version {FORMAT_VERSION} only: save the cache again with it"
         )
 
 

@@ -25,6 +25,11 @@ Layouts, per layer, per batch row, per KV head, for a head of `D = head_dim` cha
   each: ``D x (X + Y) / 8 + 4`` bytes per token, ``RotatedFormat.bytes_per_token``. No groups and no
   scales: like fp16, a rotated format ignores ``group_size`` (the resolved group size is None).
   ``D`` must be a multiple of 8 (codes fill whole bytes).
+- A format registered by name (``kernels.kv_format.register_format``, such as ``examples/formats/fp4_e2m1.py``'s
+  ``fp4``): its bytes are the registered format object's own (:meth:`KVFormat.layout`), as for the built-in ones:
+  codes ``code_dim`` per token and side, float16 scales (and zero points where ``has_zero``) of ``param_shape``,
+  key groups of the format's ``group_size`` tokens counted whole. Its maker gets `group_size` (None: its default)
+  and the model's head dims, as the cache's resolver gives them.
 - The most recent ``residual`` tokens (default 128, the cache's ``window``) of every quantized format
   (KIVI and rotated) are held at full precision, counted as fp16 (``2 x D x 2`` bytes per token; the
   cache holds them in the model's dtype, so a float32 model holds twice that), and quantized once they
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..formats import DEFAULT_GROUP
+from ..kernels import kv_format as kernel_formats
 from ..kernels.quant_format import QuantFormat
 from ..kernels.rotated_format import ROTATED_BITS, RotatedFormat
 from ..storage.quantized import DEFAULT_WINDOW
@@ -74,10 +80,13 @@ _ROTATED_NAME = re.compile(r"k(\d+)v(\d+)")
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one KV head's keys and values are stored: `kind` is "float", "fp8", "int" or "rotated".
+    """How one KV head's keys and values are stored: `kind` is "float", "fp8", "int", "rotated" or "registered" (a
+    format registered by name: `bits` 0, its bytes are its format object's).
 
     `bits` is the bits per key code, and per value code unless `value_bits` is given (a rotated format's
     values, ``KVFormat("k4v2", 4, "rotated", value_bits=2)``); `value_bits` is filled in from `bits` otherwise.
+    The bytes of every quantized kind are read off the format object the cache codes with (:meth:`layout`, the
+    `kernels.kv_format.KVFormat` protocol), not restated here.
     """
 
     name: str
@@ -104,19 +113,41 @@ class KVFormat:
         return self.kind == "rotated"
 
     @property
+    def is_registered(self) -> bool:
+        """A format registered by name (`kernels.kv_format.register_format`): its maker makes the layout."""
+        return self.kind == "registered"
+
+    @property
     def is_quantized(self) -> bool:
-        """The formats `QuantizedCache` stores (KIVI and rotated): a full-precision recent window."""
-        return self.is_grouped or self.is_rotated
+        """The formats `QuantizedCache` stores (KIVI, rotated, registered): a full-precision recent window."""
+        return self.is_grouped or self.is_rotated or self.is_registered
 
     @property
     def cache_bits(self) -> int | str | None:
-        """The `bits` argument of `QuantizedCache` for this format (8, 4, 2, "fp8", "k4v2"); None if
-        unquantized."""
+        """The `bits` argument of `QuantizedCache` for this format (8, 4, 2, "fp8", "k4v2", a registered name);
+        None if unquantized."""
         if self.kind == "fp8":
             return "fp8"
-        if self.is_rotated:
+        if self.is_rotated or self.is_registered:
             return self.name
         return self.bits if self.kind == "int" else None
+
+    def layout(self, group_size: int | None, head_dims) -> kernel_formats.KVFormat:
+        """The format object the cache codes with (what its bytes are read off): `QuantFormat` at `group_size`,
+        `RotatedFormat`, or the registered maker's, given `group_size` and the model's `head_dims`."""
+        if self.is_grouped:
+            return self.quant_format(group_size)
+        if self.is_rotated:
+            return self.rotated_format()
+        if self.is_registered:
+            make = kernel_formats.registered_format(self.name)
+            if make is None:
+                raise ConfigError(f"format {self.name!r} is no longer registered")
+            made = make(group_size, tuple(sorted(head_dims)))
+            if not isinstance(made, kernel_formats.KVFormat):
+                raise ConfigError(f"format {self.name!r}: its maker returned {type(made).__name__}, not a KVFormat")
+            return made
+        raise ConfigError(f"{self.name} is not a quantized format: it has no coded layout")
 
     def quant_format(self, group_size: int) -> QuantFormat:
         """The cache's byte layout of this KIVI format at `group_size`."""
@@ -140,31 +171,32 @@ class KVFormat:
         """Payload bytes of one token's keys (or values) for one KV head, packed (keys' for a rotated format)."""
         return math.ceil(head_dim * self.bits / 8)
 
-    def stored_bytes(self, tokens: int, head_dim: int, group_size: int | None) -> int:
+    def stored_bytes(self, tokens: int, head_dim: int, group_size: int | None, head_dims=None) -> int:
         """Keys + values bytes of `tokens` tokens of one KV head in this format (no fp16 window).
 
-        KIVI formats: codes, plus the key scales (and zeros) of ``ceil(tokens / G)`` token groups and the
-        value scales (and zeros) of every token's ``D / G`` channel groups. Rotated formats: every token on its
-        own, `RotatedFormat.bytes_per_token` (codes and two fp16 norms); `group_size` is not used.
+        Quantized formats, read off :meth:`layout` (`head_dims`: the model's, for a registered maker; default
+        ``(head_dim,)``): codes (``code_dim`` of each side per token), plus the float16 scales (and zero points
+        where ``has_zero``) of ``param_shape``: keys in ``ceil(tokens / group_size)`` whole groups (KIVI: ``G``
+        tokens, so ``ceil(tokens / G) x D`` scales; rotated: one norm a token), values per token (KIVI: ``D / G``
+        channel groups; rotated: one norm).
         """
-        if self.is_rotated:
-            return tokens * int(self.rotated_format().bytes_per_token(head_dim))
-        if not self.is_grouped:
+        if not self.is_quantized:
             return 2 * tokens * self.row_bytes(head_dim)
-        fmt = self.quant_format(group_size)
-        params = 1 if fmt.is_float else 2  # scale (+ zero point), fp16 each
-        codes = 2 * tokens * fmt.packed_dim(head_dim)
-        key_params = math.ceil(tokens / group_size) * head_dim * params * SCALE_BYTES
-        value_params = tokens * (head_dim // group_size) * params * SCALE_BYTES
-        return codes + key_params + value_params
+        fmt = self.layout(group_size, (head_dim,) if head_dims is None else head_dims)
+        codes = tokens * (fmt.code_dim(head_dim, "keys") + fmt.code_dim(head_dim, "values"))
+        grouped = math.ceil(tokens / fmt.group_size) * fmt.group_size  # a partial last group counted whole
+        scales = math.prod(fmt.param_shape("keys", grouped, head_dim)) + math.prod(
+            fmt.param_shape("values", tokens, head_dim)
+        )
+        return codes + scales * SCALE_BYTES * (2 if fmt.has_zero else 1)
 
-    def bytes_per_token(self, head_dim: int, group_size: int | None) -> int | float:
-        """Keys + values bytes one stored token costs one KV head, scales included, fp16 window excluded:
-        `QuantFormat.bytes_per_token` for the KIVI formats (an integer when ``G`` divides ``D``),
-        `RotatedFormat.bytes_per_token` for the rotated ones."""
-        if not self.is_grouped:
+    def bytes_per_token(self, head_dim: int, group_size: int | None, head_dims=None) -> int | float:
+        """Keys + values bytes one stored token costs one KV head, scales included, fp16 window excluded: the
+        format object's `bytes_per_token` for a quantized format (:meth:`layout`; an integer when it is one, such
+        as a KIVI format whose ``G`` divides ``D``)."""
+        if not self.is_quantized:
             return self.stored_bytes(1, head_dim, group_size)
-        exact = self.quant_format(group_size).bytes_per_token(head_dim)
+        exact = self.layout(group_size, (head_dim,) if head_dims is None else head_dims).bytes_per_token(head_dim)
         return int(exact) if exact == int(exact) else exact
 
 
@@ -213,6 +245,8 @@ def kv_format(name: str | KVFormat) -> KVFormat:
     if isinstance(name, KVFormat):
         return name
     key = _canonical(name)
+    if kernel_formats.registered_format(key) is not None:  # as the cache's resolver: a registered name first
+        return KVFormat(key, 0, "registered")
     found = KV_FORMATS.get(key)
     if found is not None:
         return found
@@ -225,9 +259,11 @@ def kv_format(name: str | KVFormat) -> KVFormat:
             raise ConfigError(f"KV cache format {name!r}: {error}") from error
         return KVFormat(key, key_bits, "rotated", value_bits=value_bits)
     bits = "/".join(str(b) for b in ROTATED_BITS)
+    registered = kernel_formats.registered_formats()
     raise ConfigError(
         f"unknown KV cache format {name!r}; known formats: {', '.join(KV_FORMATS)}, or any rotated "
         f"k<key bits>v<value bits> with bits in {bits}"
+        + (f", or a registered format ({', '.join(registered)})" if registered else "")
     )
 
 
@@ -243,9 +279,15 @@ def resolve_group_size(fmt: KVFormat, group_size: int | None, head_dims: set[int
     """The group size a `QuantizedCache` in `fmt` would use: `group_size`, or the cache's default for the
     format when None (see `KVFormat.default_group_size`); checked against every head_dim. None for the
     formats without groups (unquantized and rotated), whatever `group_size` is; a rotated format's head dims
-    are checked (multiples of 8)."""
+    are checked (multiples of 8). A registered format: `group_size` as given (its maker's default for None), the
+    head dims checked by the format it makes (`check_head_dim`)."""
     if fmt.is_rotated:
         check_rotated_head_dims(fmt, head_dims)
+    if fmt.is_registered:
+        layout = fmt.layout(group_size, head_dims)
+        for head_dim in sorted(head_dims):
+            layout.check_head_dim(head_dim)
+        return group_size
     if not fmt.is_grouped:
         return None
     if group_size is None:

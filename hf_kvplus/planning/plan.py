@@ -233,13 +233,14 @@ def _weights_bytes(model: _Model, settings: _Settings) -> int:
 def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> Plan:
     fmt, group_size = settings.fmt, settings.group_size
     fp16 = KV_FORMATS["fp16"]
+    head_dims = tuple(sorted({g.head_dim for g in model.groups}))  # (what a registered format's maker is given)
     kinds = []
     for group in model.groups:
         bound = _bound(group, settings.budget)
         held = context if bound is None else min(context, bound)
         first = min(held, settings.first_tokens) if group.kind == "full" else 0
         recent = first + min(held - first, settings.residual)
-        per_head = fmt.stored_bytes(held - recent, group.head_dim, group_size)
+        per_head = fmt.stored_bytes(held - recent, group.head_dim, group_size, head_dims)
         per_head += residual_bytes(recent, group.head_dim)
         layer_heads = group.num_layers * group.num_kv_heads
         kinds.append(
@@ -253,7 +254,7 @@ def _evaluate(model: _Model, settings: _Settings, context: int, batch: int) -> P
                 tokens_held=held,
                 tokens_full_precision=recent,
                 kv_bytes=batch * layer_heads * per_head,
-                bytes_per_token=layer_heads * fmt.bytes_per_token(group.head_dim, group_size),
+                bytes_per_token=layer_heads * fmt.bytes_per_token(group.head_dim, group_size, head_dims),
             )
         )
     kv_bytes = sum(k.kv_bytes for k in kinds)

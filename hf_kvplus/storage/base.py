@@ -72,6 +72,17 @@ class KVStorage(ABC):
         tables at its first call."""
         return ()
 
+    def quantized_part(self) -> tuple[MemoryReport, int] | None:
+        """Bytes of the coded tokens held (codes as payload, scales and zeros as metadata) and their count per row,
+        what `quantized_report()` sums; None for a storage that codes nothing (a full-precision layer, whose every
+        token past the window counts at its dtype's bits)."""
+        return None
+
+    def exact_part(self) -> tuple[int, int]:
+        """Of a storage that codes (`quantized_part`): tokens per row it holds at full precision outside the window
+        (the exact first tokens), and bytes per element there; (0, 0) by default."""
+        return 0, 0
+
     def shard_heads(self, local: int) -> None:  # noqa: B027 - an optional hook
         """Learns, before the first append, that this rank holds `local` KV heads of the layer (tensor parallel):
         only storages sized ahead of their first append (a block pool's layer) need to hear it."""
