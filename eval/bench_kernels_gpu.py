@@ -148,17 +148,18 @@ class Case:
         bits = parse_bits(kind)
         if isinstance(bits, str) and bits.startswith("k"):
             # A cache layer's format (keys centred), through the dispatcher that rotates q and the output.
-            fmt, attend = RotatedFormat(int(bits[1]), int(bits[3])).for_layer(0), quantized_decode_attention
+            made = RotatedFormat(int(bits[1]), int(bits[3]))
+            fmt, attend, state = made.for_layer(0), quantized_decode_attention, {"state": made.make_state()}
         else:
-            fmt, attend = QuantFormat(bits, DEFAULT_GROUP[bits]), quantized_decode_attention_triton
-        kc, ks, kz = quantize_keys(self.k, fmt)
+            fmt, attend, state = QuantFormat(bits, DEFAULT_GROUP[bits]), quantized_decode_attention_triton, {}
+        kc, ks, kz = quantize_keys(self.k, fmt, **state)
         vc, vs, vz = quantize_values(self.v, fmt)
         packed = PackedKV(kc, ks, kz, vc, vs, vz)
         q, scale, N = self.q, self.scale, self.N
-        fn = functools.partial(attend, q, packed, fmt, start=0, length=N, scale=scale, check=False)
+        fn = functools.partial(attend, q, packed, fmt, start=0, length=N, scale=scale, check=False, **state)
 
         def check(out):
-            kd = dequantize_keys(kc, ks, kz, fmt, torch.float64)
+            kd = dequantize_keys(kc, ks, kz, fmt, torch.float64, **state)
             vd = dequantize_values(vc, vs, vz, fmt, torch.float64)
             return rel_err(out, reference(q, kd, vd, scale))
 

@@ -32,7 +32,7 @@ from hf_kvplus import QuantizedCache
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.eviction.rope import RotaryShift
-from hf_kvplus.kernels.rotated_format import RotatedFormat, dequantize_rotated, quantize_rotated
+from hf_kvplus.kernels.rotated_format import KeyCenter, RotatedFormat, dequantize_rotated, quantize_rotated
 from hf_kvplus.resolve import load_model, load_text
 
 WINDOW, FIRST = 128, 4
@@ -77,11 +77,11 @@ def capture(model, ids, layers=None) -> dict:
 
 def coded(x: torch.Tensor, bits: int, side: str, index: int, turns, positions) -> torch.Tensor:
     """x [1, H, T, D] coded and decoded by layer `index`'s rotated format (keys: with its centre, turning with `turns`)."""
-    fmt = RotatedFormat(bits, bits, 0).for_layer(index, turns=turns if side == "keys" else None)
-    keys, values = fmt.side_formats()
-    one = keys if side == "keys" else values
-    codes, norms = quantize_rotated(x, one, "values", positions=positions)
-    return dequantize_rotated(codes, norms, one, "values", positions=positions)
+    made = RotatedFormat(bits, bits, 0)
+    keys, values = made.for_layer(index).side_formats()
+    one, center = (keys, made.make_state(turns=turns)) if side == "keys" else (values, None)
+    codes, norms = quantize_rotated(x, one, "values", positions, center)
+    return dequantize_rotated(codes, norms, one, "values", positions=positions, center=center)
 
 
 def layer_types(config) -> list[str]:
@@ -154,18 +154,18 @@ def drift(model, ids) -> None:
     for index, (_, k, _, _) in sorted(held.items()):
         row = {"layer": index}
         for bits in (2, 4):
-            keys = RotatedFormat(bits, bits, 0).for_layer(index).side_formats()[0]
-            keys.key_center.observe(k[:, :, FIRST : FIRST + 32], keys.seed)  # the first keys the cache codes
-            codes, norms = quantize_rotated(k, keys, "values")
-            decoded = dequantize_rotated(codes, norms, keys, "values")
+            keys, center = RotatedFormat(bits, bits, 0).for_layer(index).side_formats()[0], KeyCenter()
+            center.observe(k[:, :, FIRST : FIRST + 32], keys.seed)  # the first keys the cache codes
+            codes, norms = quantize_rotated(k, keys, "values", None, center)
+            decoded = dequantize_rotated(codes, norms, keys, "values", center=center)
             for a, b in stretches:
                 row[f"k{bits}_fixed_{a}"] = float(((decoded - k)[:, :, a:b] ** 2).sum() / (k[:, :, a:b] ** 2).sum())
                 if bits == 2:
                     row[f"plain_{a}"] = float((norms[0, :, a:b] < 0).float().mean())
-                    own = RotatedFormat(bits, bits, 0).for_layer(index).side_formats()[0]
-                    own.key_center.observe(k[:, :, a:b], own.seed)
-                    c, n = quantize_rotated(k[:, :, a:b], own, "values")
-                    mine = dequantize_rotated(c, n, own, "values")
+                    own, own_center = RotatedFormat(bits, bits, 0).for_layer(index).side_formats()[0], KeyCenter()
+                    own_center.observe(k[:, :, a:b], own.seed)
+                    c, n = quantize_rotated(k[:, :, a:b], own, "values", None, own_center)
+                    mine = dequantize_rotated(c, n, own, "values", center=own_center)
                     row[f"k2_own_{a}"] = float(((mine - k[:, :, a:b]) ** 2).sum() / (k[:, :, a:b] ** 2).sum())
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 

@@ -36,8 +36,10 @@
   the shipped one scaled per head and rotated coordinate by its spread; and the share of the energy a per-head mean
   leaves (what a centre removes). Then perplexity with `--calibration`'s `layer_bits` on `--configs`' first format,
   the first 4 tokens exact, over `--seeds`, for each of `--code-variants`: `shipped`; `haar` (a Haar-random rotation
-  for power-of-two head dims too, instead of the randomized Hadamard transform); `values-centred` (the values given
-  a centre, as `RotatedFormat.for_layer` gives the keys one).
+  for power-of-two head dims too, instead of the randomized Hadamard transform). (`values-centred`, the values given
+  a centre as the keys have one, was measured while a format carried its centres; a layer's centre is now its
+  storage's state, given with the keys only, and that variant is retired: its recorded results stay in
+  `eval/results/rotated_ablations`.)
 
 SmolLM2-135M, the first 4096 tokens of Pride and Prejudice in chunks of 256, a 128-token window, perplexity change
 against DynamicCache on the same ids; writes `<ablation>.json` and `<ablation>.md` into `--out`.
@@ -191,7 +193,8 @@ class CenteringLayer(DynamicLayer):
         self.coded = VARIANTS[variant]  # tokens before `coded` are done (the first ones kept exact)
         self.centers: list[torch.Tensor | None] = [None, None]
         self.scales: torch.Tensor | None = None  # the keys' per-channel spread (`scaled-keys+center+sinks`)
-        self.turning: RotatedFormat | None = None  # the keys' format, turning centre (`rope-center+choice+sinks`)
+        #: the keys' format and turning centre (`rope-center+choice+sinks`)
+        self.turning: tuple[RotatedFormat, KeyCenter] | None = None
 
     def code(self, x: torch.Tensor, side: int) -> torch.Tensor:
         keys_centered = self.variant in ("center+sinks", "choice", "values-centered+sinks", "scaled-keys+center+sinks",
@@ -235,10 +238,11 @@ class CenteringLayer(DynamicLayer):
             elif self.variant == "rope-center+choice+sinks" and self.bits[0] != 16:  # the format's turning centre
                 if self.turning is None:
                     basis = RotaryBasis(self.rope.inv_freq, keys.shape[-1])
-                    self.turning = RotatedFormat(self.bits[0], self.bits[0], self.seed, KeyCenter(basis))
+                    self.turning = RotatedFormat(self.bits[0], self.bits[0], self.seed), KeyCenter(basis)
                 tokens = torch.arange(self.coded, end)
-                codes, norms = quantize_rotated(keys[:, :, part], self.turning, "keys", tokens)
-                decoded = dequantize_rotated(codes, norms, self.turning, "keys", positions=tokens)
+                fmt, center = self.turning
+                codes, norms = quantize_rotated(keys[:, :, part], fmt, "keys", tokens, center)
+                decoded = dequantize_rotated(codes, norms, fmt, "keys", positions=tokens, center=center)
                 keys[:, :, part] = decoded.to(keys.dtype)
             else:
                 keys[:, :, part] = self.code(keys[:, :, part], 0).to(keys.dtype)
@@ -320,23 +324,16 @@ def fitted_levels(x: torch.Tensor, count: int, iterations: int = 60) -> torch.Te
 
 
 #: The `value-codes` perplexity variants.
-CODE_VARIANTS = ("shipped", "haar", "values-centred")
+CODE_VARIANTS = ("shipped", "haar")
 
 
 def code_variant(variant: str) -> None:
     """Makes this process's rotated formats those of `variant` (see the module doc), from now on."""
     rotated_format._ROTATIONS.clear()
     rotated_format._make_rotation = haar_rotation if variant == "haar" else _shipped_rotation
-    RotatedFormat.for_layer = _values_centred if variant == "values-centred" else _shipped_for_layer
 
 
 _shipped_rotation = rotated_format._make_rotation
-_shipped_for_layer = RotatedFormat.for_layer
-
-
-def _values_centred(fmt: RotatedFormat, index: int) -> RotatedFormat:
-    made = _shipped_for_layer(fmt, index)
-    return RotatedFormat(made.key_bits, made.value_bits, made.seed, made.key_center, KeyCenter())
 
 
 def value_codes(args, model, ids, base) -> tuple[list[dict], str]:

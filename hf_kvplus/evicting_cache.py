@@ -142,7 +142,8 @@ class EvictingCache(KVCache):
             if spec.kind != "full":
                 return DenseStorage()
             layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
-            codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index))
+            codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index),
+                                                                           layer_fmt.make_state())  # fmt: skip
             return SlotStore(codec, scores=keeps_scores is not False, device_count=compileable, first=first_tokens,
                              count_hidden=bool(counts_hidden))  # fmt: skip
 

@@ -20,6 +20,7 @@ from transformers import PreTrainedConfig
 
 from .errors import ConfigError
 from .formats import parse_bits
+from .kernels.kv_format import state_kw
 from .memory import tensor_bytes
 from .model_spec import ModelSpec
 from .storage.quantized import DEFAULT_WINDOW
@@ -149,7 +150,8 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         storage = getattr(layer, "storage", None)
         if storage is None:
             continue
-        derived += tensor_bytes([t for fmt in storage.formats() for t in fmt.derived_tensors()], seen)
+        derived += tensor_bytes([t for fmt, state in zip(storage.formats(), storage.states(), strict=True)
+                                 for t in fmt.derived_tensors(**state_kw(state))], seen)  # fmt: skip
         bits, coordinates = layer_region_bits(layer, window)
         region_bits += bits
         region_coordinates += coordinates

@@ -82,14 +82,14 @@ def quantized_storage(
         StaticQuantizedStorage(fmt, window, max_tokens, regions.first)  # bad sizes fail here, not at a forward
     turns = turning_basis(config, turning_keys, any(f is not None and f.turns_keys for f in formats.values()))
 
-    def segment(fmt=fmt) -> QuantizedSegment:
+    def segment(fmt=fmt, state=None) -> QuantizedSegment:
         if backend == "quanto":
             from .storage.quanto_segment import QuantoSegment
 
             return QuantoSegment(fmt)
         from .storage.packed_segment import PackedSegment
 
-        return PackedSegment(fmt)
+        return PackedSegment(fmt, state)
 
     for checked in formats.values():  # a bad window or a missing backend fails here, not at a forward
         if checked is not None:
@@ -104,12 +104,13 @@ def quantized_storage(
         if turns is not None and layer_fmt.turns_keys and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
-            layer_fmt = layer_fmt.for_layer(spec.index, turns=turns, origin=0 if static else first)
+            state = layer_fmt.make_state(turns=turns, origin=0 if static else first)
         else:
-            layer_fmt = layer_fmt.for_layer(spec.index)
+            state = layer_fmt.make_state()
+        layer_fmt = layer_fmt.for_layer(spec.index)
         if static:
-            return StaticQuantizedStorage(layer_fmt, window, max_tokens, first)
-        return QuantizedStorage(segment(layer_fmt), window=window, first=first)
+            return StaticQuantizedStorage(layer_fmt, window, max_tokens, first, state)
+        return QuantizedStorage(segment(layer_fmt, state), window=window, first=first)
 
     return storage
 

@@ -66,7 +66,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -410,25 +410,25 @@ def _pack_at(dtype, fmt, head_dim) -> list[Spec]:
     )
 
 
-def _centered(fmt: RotatedFormat, head_dim: int) -> RotatedFormat:
-    """``fmt`` with a key centre, as a cache's layer has it (``RotatedFormat.for_layer``)."""
-    return replace(fmt, key_center=KeyCenter.given(_meta(KV_HEADS, head_dim, dtype=torch.float32), fmt.seed))
+def _centered(fmt: RotatedFormat, head_dim: int) -> KeyCenter:
+    """A set key centre of ``fmt``, as a cache's layer holds it (``RotatedFormat.make_state``)."""
+    return KeyCenter.given(_meta(KV_HEADS, head_dim, dtype=torch.float32), fmt.seed)
 
 
-def _turning(fmt: RotatedFormat, head_dim: int) -> RotatedFormat:
-    """``fmt`` with a key centre turning with RoPE, set, as a growing storage's full-attention layer has it."""
+def _turning(fmt: RotatedFormat, head_dim: int) -> KeyCenter:
+    """A set key centre turning with RoPE, as a growing storage's full-attention layer holds it."""
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     center = KeyCenter(RotaryBasis(inv_freq, head_dim))
     center.mu = _meta(KV_HEADS, head_dim, dtype=torch.float32)
     center.weights = center.rotated_weights = _meta(KV_HEADS, head_dim, head_dim, dtype=torch.float32)
-    return replace(fmt, key_center=center)
+    return center
 
 
 def _rotated(fmt, head_dim, group, mask, block_size, mass, turning=False) -> list[Spec]:
     """Rotated-format decode attention over KEYS coded tokens (dense, or paged when ``block_size``) plus a
     residual, as ``quant_attention``'s dispatcher launches it for a cache's layer (keys centred; `turning`: relative to
     a turning centre, dense): q and the residual rotated, float32."""
-    fmt = _turning(fmt, head_dim) if turning else _centered(fmt, head_dim)
+    center = _turning(fmt, head_dim) if turning else _centered(fmt, head_dim)
     q = _meta(BATCH, KV_HEADS * group, head_dim, dtype=torch.float32)
     residual = _meta(BATCH, KV_HEADS, RESIDUAL, head_dim, dtype=torch.float32)
     if block_size is None:
@@ -442,6 +442,7 @@ def _rotated(fmt, head_dim, group, mask, block_size, mass, turning=False) -> lis
         lambda: rotated_attention.rotated_decode_attention_triton(
             q, packed, fmt, start=0, length=KEYS, scale=0.125, residual_k=residual,
             residual_v=residual, mask=_mask(mask, KEYS + RESIDUAL), block_table=table, with_mass=mass,
+            key_center=center,
         ),
         {
             "_rotated_split_kernel": f"fp32 d{head_dim} {fmt} {storage}{flags}{' turning' if turning else ''}",
@@ -455,13 +456,14 @@ def _rotated_pack(bits, head_dim, centered) -> list[Spec]:
     """Rotated quantize-and-pack at the token tiles the launch picks (the token count doubles until the tile stops
     growing): every tile at the representative head dim, the largest at the others; and one token per row and head
     into its slot of slot buffers (an evicting cache's refill). `centered`: keys with a centre (signed norms)."""
-    fmt = _centered(RotatedFormat(bits, bits), head_dim) if centered else RotatedFormat(bits, bits)
+    fmt = RotatedFormat(bits, bits)
+    center = _centered(fmt, head_dim) if centered else None
     name = f"{bits}-bit d{head_dim}{' centred' if centered else ''}"
     tiles: list[Spec] = []
     tokens = 1
     while True:
         x = _meta(BATCH, KV_HEADS, tokens, head_dim)
-        (spec,) = _record(functools.partial(rotated_pack.quantize_rotated_triton, x, fmt, "keys"),
+        (spec,) = _record(functools.partial(rotated_pack.quantize_rotated_triton, x, fmt, "keys", center=center),
                           {"_rotated_pack_kernel": name})  # fmt: skip
         if tiles and spec.key() == tiles[-1].key():
             break
@@ -471,7 +473,7 @@ def _rotated_pack(bits, head_dim, centered) -> list[Spec]:
     codes = PackedKV.allocate(fmt, BATCH, KV_HEADS, KEYS, head_dim, head_dim, "meta")
     out = (codes.k, codes.k_scale, None)
     at = _record(
-        lambda: rotated_pack.quantize_rotated_triton(x, fmt, "keys", out, slots),
+        lambda: rotated_pack.quantize_rotated_triton(x, fmt, "keys", out, slots, center=center),
         {"_rotated_pack_kernel": f"{name} slots"},
     )
     return (tiles if head_dim == REP_HEAD_DIM else tiles[-1:]) + at

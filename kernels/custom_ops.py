@@ -18,7 +18,7 @@ Schemas hold tensors and scalars only: a ``PackedKV`` is passed as its six tenso
 ``Tensor?``, None for fp8), a ``QuantFormat`` as ``str bits`` ("8", "4", "2" or "fp8") and
 ``int group_size``, a ``RotatedFormat`` as ``int key_bits``, ``int value_bits`` and ``int seed`` (its
 PackedKV as four tensors: codes and norms, no zeros) and its centre as a ``Tensor?`` (the attention ops: the
-keys' centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded side's,
+keys' centre in the rotated space, ``KeyCenter.rotated``; ``quantize_rotated``: the coded keys',
 ``KeyCenter.mu``, and ``bool inputs_rotated``: the vectors come rotated). Ints are ``SymInt`` (``start`` and
 ``length`` change every decode step). The quantize ops write into given ``codes``, ``scale``, ``zero``
 (rotated: ``codes``, ``norms``; declared mutated) and return nothing.
@@ -300,14 +300,16 @@ _ROTATED_ARGS = (
 
 def _rotated_call(q, k, k_norm, v, v_norm, key_bits, value_bits, seed, start, length, scale, residual_k, residual_v,
                   mask, block_table, num_splits, key_center, key_turn_q=None, key_turn_basis=None):  # fmt: skip
-    """(q, PackedKV, RotatedFormat, keywords, num_splits, the Triton kernel's ``turn`` or None)."""
+    """(q, PackedKV, RotatedFormat, keywords (the layer's state, a `KeyCenter` of the given centre, among them),
+    num_splits, the Triton kernel's ``turn`` or None)."""
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, check=False,
     )  # fmt: skip
-    fmt = RotatedFormat(key_bits, value_bits, seed, KeyCenter.given(key_center, seed, rotated=True))
+    state = KeyCenter.given(key_center, seed, rotated=True)
     turn = None if key_turn_q is None else (key_turn_q, key_turn_basis)
-    return q, PackedKV(k, k_norm, None, v, v_norm, None), fmt, kw, num_splits, turn
+    packed, fmt = PackedKV(k, k_norm, None, v, v_norm, None), RotatedFormat(key_bits, value_bits, seed)
+    return q, packed, fmt, kw | {"state": state}, num_splits, turn
 
 
 def _rotated_op(name: str, twin, with_mass: bool):
@@ -328,6 +330,7 @@ def _rotated_op(name: str, twin, with_mass: bool):
     @op.register_kernel("cuda")
     def cuda(*args):
         q, packed, fmt, kw, num_splits, turn = _rotated_call(*args)
+        kw["key_center"] = kw.pop("state")
         result = rotated_attention.rotated_decode_attention_triton(
             q, packed, fmt, num_splits=num_splits, with_mass=with_mass, turn=turn, **kw
         )
@@ -362,8 +365,9 @@ def quantize_rotated(
     center: Tensor | None,
     inputs_rotated: bool = False,
 ) -> None:
-    fmt = _side_format(key_bits, value_bits, seed, side, center, inputs_rotated)
-    for dst, src in zip((codes, norms), quantize_rotated_twin(x, fmt, side), strict=True):
+    fmt = RotatedFormat(key_bits, value_bits, seed, inputs_rotated=inputs_rotated)
+    coded = quantize_rotated_twin(x, fmt, side, None, KeyCenter.given(center, seed))
+    for dst, src in zip((codes, norms), coded, strict=True):
         if slots is None:
             dst.copy_(src)
         else:
@@ -372,19 +376,11 @@ def quantize_rotated(
 
 @quantize_rotated.register_kernel("cuda")
 def quantize_rotated_cuda(x, key_bits, value_bits, seed, side, codes, norms, slots, center, inputs_rotated=False):
-    fmt = _side_format(key_bits, value_bits, seed, side, center, inputs_rotated)
-    rotated_pack.quantize_rotated_triton(x, fmt, side, (codes, norms, None), slots, check=False)
+    fmt = RotatedFormat(key_bits, value_bits, seed, inputs_rotated=inputs_rotated)
+    rotated_pack.quantize_rotated_triton(x, fmt, side, (codes, norms, None), slots, check=False,
+                                         center=KeyCenter.given(center, seed))  # fmt: skip
 
 
 @quantize_rotated.register_fake
 def _(x, key_bits, value_bits, seed, side, codes, norms, slots, center, inputs_rotated=False):
     return None
-
-
-def _side_format(
-    key_bits: int, value_bits: int, seed: int, side: str, center: Tensor | None, inputs_rotated: bool = False
-) -> RotatedFormat:
-    """The rotated format of the ops' arguments, ``center`` (``KeyCenter.mu``) on the coded side."""
-    given = KeyCenter.given(center, seed)
-    centers = (given, None) if side == "keys" else (None, given)
-    return RotatedFormat(key_bits, value_bits, seed, *centers, inputs_rotated=inputs_rotated)

@@ -165,16 +165,17 @@ def quantized_decode_attention(
     keys_per_token: bool = False,
     with_mass: bool = False,
     check: bool = True,
+    state=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over quantized K/V (+ residual); CUDA tensors run Triton, others the torch twin.
     `with_mass`: returns `(out, mass)`, each key's attention mass [B, Hkv, length + R] float32 too (quantized keys,
-    then the residual).
+    then the residual). `state`: the layer's state of the format (a rotated format's key centre), or None.
 
     ``check=False``: the caller guarantees the contract (see ``quant_attention``'s module docstring).
     """
     kw = dict(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
-        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check,
+        block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check, state=state,
     )  # fmt: skip
     return _quantized(q, packed, fmt, kw, with_mass)
 
@@ -189,36 +190,39 @@ def _quantized(q, packed, fmt, kw: dict, with_mass: bool):
 # ---------------------------------------------------------------------------------------------------
 
 
-def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int | torch.Tensor = 0):
+def quantize_keys(x, fmt, out=None, *, check: bool = True, index: int | torch.Tensor = 0, state=None):
     """Keys [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
     The Triton path needs 4-d keys [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
     results are written into it (see ``quant_pack``'s module doc) and ``out``'s tensors are returned.
     ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc). `index`: the buffer index
     of x's first token (an int, or a 0-d tensor on x's device: no sync), for a format whose key codes depend on it (a
-    turning key centre, ``kernels/turning_center.py``).
+    turning key centre, ``kernels/turning_center.py``). `state`: the layer's state of the format (a rotated format's
+    key centre, set by the first keys coded), or None.
     """
     kernels = kernels_for(fmt)  # (a non-format refused here; what is not a tensor, by the kernels' checks)
-    positions = fmt.key_positions(index, x.shape[-2], x.device) if fmt.indexed_keys else None
-    return kernels.quantize(x, fmt, out, "keys", check, positions)
+    positions = fmt.key_positions(index, x.shape[-2], x.device, state) if fmt.indexed_keys(state) else None
+    return kernels.quantize(x, fmt, out, "keys", check, positions, state)
 
 
-def quantize_values(x, fmt, out=None, *, check: bool = True):
+def quantize_values(x, fmt, out=None, *, check: bool = True, state=None):
     """Values [..., T, D] to (codes, scale, zero); CUDA tensors run the Triton kernel, others the torch twin.
 
     The Triton path needs 4-d values [B, H, T, D]; the twin takes any leading dims. With ``out`` given the
     results are written into it (see ``quant_pack``'s module doc) and ``out``'s tensors are returned.
-    ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc).
+    ``check=False``: the caller guarantees the contract (see ``quant_pack``'s module doc). `state`: the layer's state
+    where the values side codes keys (an evicting cache's slots), else None.
     """
-    return kernels_for(fmt).quantize(x, fmt, out, "values", check)
+    return kernels_for(fmt).quantize(x, fmt, out, "values", check, None, state)
 
 
-def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
+def quantize_values_at(x, fmt, out, slots, *, check: bool = True, state=None):
     """Values x [B, H, T, D] quantized per token (as :func:`quantize_values`) straight into rows ``slots``
     (int64 [B, H, T]) of ``out`` = (codes [B, H, N, P], scale, zero [B, H, N, D // G]; zero None for fp8; any
     strides): token t of row b and head h lands in row ``slots[b, h, t]``, every other row untouched. What a
     storage that refills single slots writes per decode step (an evicting cache's hole), one launch where
     quantizing then scattering each of the three tensors would be four. Slots must be distinct per (b, h) and
     in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
-    CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
-    return kernels_for(fmt).quantize_at(x, fmt, out, slots, check)
+    CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out`` (`state`: as
+    :func:`quantize_values`)."""
+    return kernels_for(fmt).quantize_at(x, fmt, out, slots, check, state)

@@ -52,28 +52,30 @@ def check_used_blocks(block_table, num_blocks: int, block_size: int, start: int,
 
 class FormatKernels:
     """A format's decode attention and coding as the plain-torch twins, on every device (`kw`: the keywords of
-    `dispatch.quantized_decode_attention`)."""
+    `dispatch.quantized_decode_attention`, ``kw["state"]`` the layer's state; `state`: the layer's state of the codes
+    coded, None for none)."""
 
     def attend(self, q, packed, fmt: KVFormat, kw: dict, with_mass: bool):
         """Decode attention over `packed` and the residual: the output, and with `with_mass` each key's mass."""
         result = _twin(q, packed, fmt, *(kw[k] for k in TWIN_ARGS), with_mass=with_mass,
-                       planes=path_of(q, kw["check"]) == "traced")  # fmt: skip
+                       planes=path_of(q, kw["check"]) == "traced", state=kw.get("state"))  # fmt: skip
         return result if with_mass else result[0]
 
-    def encode(self, x, fmt: KVFormat, side: str, positions=None):
+    def encode(self, x, fmt: KVFormat, side: str, positions=None, state=None):
         """(codes, scale, zero) of x off CUDA."""
         twin = quantize_keys if side == "keys" else quantize_values
-        return twin(x, fmt) if positions is None else twin(x, fmt, positions=positions)
+        kw = {} if positions is None else {"positions": positions}
+        return twin(x, fmt, **kw, **({} if state is None else {"state": state}))
 
-    def quantize(self, x, fmt: KVFormat, out, side: str, check: bool, positions=None):
+    def quantize(self, x, fmt: KVFormat, out, side: str, check: bool, positions=None, state=None):
         """(codes, scale, zero) of x, written into `out` when it is given."""
-        return quantize_off_cuda(x, fmt, out, side, check, positions)
+        return quantize_off_cuda(x, fmt, out, side, check, positions, state)
 
-    def quantize_at(self, x, fmt: KVFormat, out, slots, check: bool):
+    def quantize_at(self, x, fmt: KVFormat, out, slots, check: bool, state=None):
         """Values x coded per token into rows `slots` of `out` (see `dispatch.quantize_values_at`)."""
         if check:
             _check_at(x, fmt, out, slots)
-        return quantize_values_at_torch(x, fmt, out, slots)
+        return quantize_values_at_torch(x, fmt, out, slots, state)
 
 
 register_kernels(KVFormat, FormatKernels())

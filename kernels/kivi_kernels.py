@@ -27,6 +27,7 @@ class KiviKernels(FormatKernels):
     """KIVI codes read in place by the C++ operator (CPU) or the Triton kernel (CUDA)."""
 
     def attend(self, q, packed, fmt, kw, with_mass):
+        kw.pop("state", None)  # (a KIVI format keeps no layer state; `kw` is the dispatcher's, made for this call)
         if kivi_cpu.supports(q):
             return self._cpu(q, packed, fmt, kw, with_mass)
         path = path_of(q, kw["check"])
@@ -55,15 +56,15 @@ class KiviKernels(FormatKernels):
         out = out.to(q.dtype)
         return (out, mass) if with_mass else out
 
-    def encode(self, x, fmt, side, positions=None):
+    def encode(self, x, fmt, side, positions=None, state=None):
         if kivi_cpu.encodes(x):
             return kivi_cpu.kivi_encode_cpu(x, fmt, side)
-        return super().encode(x, fmt, side, positions)
+        return super().encode(x, fmt, side, positions, state)
 
-    def quantize(self, x, fmt, out, side, check, positions=None):
+    def quantize(self, x, fmt, out, side, check, positions=None, state=None):
         path = path_of(x, check)
         if path in TWINS:
-            return super().quantize(x, fmt, out, side, check, positions)
+            return super().quantize(x, fmt, out, side, check, positions, state)
         if path == "op":
             codes, scale, zero = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
             op = custom_ops.quantize_keys if side == "keys" else custom_ops.quantize_values
@@ -71,10 +72,10 @@ class KiviKernels(FormatKernels):
             return codes, scale, zero
         return (quantize_keys_triton if side == "keys" else quantize_values_triton)(x, fmt, out=out, check=check)
 
-    def quantize_at(self, x, fmt, out, slots, check):
+    def quantize_at(self, x, fmt, out, slots, check, state=None):
         path = path_of(x, check)
         if path in TWINS:
-            return super().quantize_at(x, fmt, out, slots, check)
+            return super().quantize_at(x, fmt, out, slots, check, state)
         if path == "op":
             custom_ops.quantize_values_at(x, *custom_ops.format_args(fmt), *out, slots)
             return out

@@ -20,13 +20,18 @@ import torch
 
 from hf_kvplus.kernels.errors import ConfigError
 
-__all__ = ["KVFormat", "kernels_for", "register_format", "register_kernels", "registered_format", "registered_formats"]
+__all__ = [
+    "KVFormat", "kernels_for", "register_format", "register_kernels", "registered_format", "registered_formats",
+    "state_kw",
+]  # fmt: skip
 
 
 class KVFormat:
     """One KV format: code and parameter shapes, bytes per token, quantize and dequantize, and what its decode needs
     prepared. Subclasses are immutable values (equal formats code alike); what a layer learns while it codes (a key
-    centre) is its state, made by :meth:`for_layer` and listed by :meth:`state_tensors`, which memory reports count.
+    centre) is the layer's state, made by :meth:`make_state`, held by the storage beside the format and given to the
+    methods that read it (``state``: given only when not None, so a format without state need not take it); memory
+    reports count :meth:`state_tensors`.
     """
 
     #: Tokens per key group: what a token leaves a full-precision window with, and the tokens of one row of key
@@ -34,7 +39,7 @@ class KVFormat:
     group_size: int = 1
     #: Whether codes come with a float16 zero point per group beside the scale (`PackedKV.k_zero`/`v_zero`).
     has_zero: bool = False
-    #: Whether :meth:`for_layer` takes a rotary basis (``turns=``, ``origin=``) for a key centre that turns with RoPE.
+    #: Whether :meth:`make_state` takes a rotary basis (``turns=``, ``origin=``) for a key centre that turns with RoPE.
     turns_keys: bool = False
 
     # ------------------------------------------------------------------ shapes and bytes
@@ -67,64 +72,68 @@ class KVFormat:
         self, x: torch.Tensor, side: str, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Vectors ``[..., T, D]`` to (uint8 codes, float16 scales, float16 zeros or None) of `side` (`positions`: the
-        tokens' buffer indices, for a format whose codes depend on them)."""
+        tokens' buffer indices, for a format whose codes depend on them). A format with a layer's state takes it as
+        ``state=`` (the state of the codes coded: the keys')."""
         raise NotImplementedError
 
     def dequantize(self, codes, scale, zero, side: str, dtype=torch.float32, *, positions=None) -> torch.Tensor:
-        """The inverse of :meth:`quantize`: ``[..., T, D]`` in `dtype`."""
+        """The inverse of :meth:`quantize`: ``[..., T, D]`` in `dtype` (``state=`` as there)."""
         raise NotImplementedError
 
     def attended(self, codes, scale, zero, side: str, *, per_token: bool = False, planes: bool = False,
-                 positions=None) -> torch.Tensor:  # fmt: skip
+                 positions=None, **state) -> torch.Tensor:  # fmt: skip
         """float32 ``[..., T, D]`` as the twin attention reads a side: keys coded one token at a time with
         `per_token` (an evicting cache's slots); `planes`: traced off CUDA, in the channel order of
-        :meth:`planes` (a permutation shared by q, keys, values and the output)."""
+        :meth:`planes` (a permutation shared by q, keys, values and the output); ``state=``: as :meth:`dequantize`."""
         side = "values" if per_token and side == "keys" else side
-        return self.dequantize(codes, scale, zero, side, torch.float32, positions=positions)
+        return self.dequantize(codes, scale, zero, side, torch.float32, positions=positions, **state)
 
     def planes(self, side: str, head_dim: int) -> int:
         """Planes of a side's channels as :meth:`attended` with `planes` lays them out (1: channels in order)."""
         return 1
 
-    @property
-    def indexed_keys(self) -> bool:
-        """Whether a key's codes depend on its buffer index (a key centre that turns with RoPE): a storage then codes
-        and reads keys at their indices and never moves a code to another index."""
+    def indexed_keys(self, state) -> bool:
+        """Whether a key's codes depend on its buffer index under the layer's `state` (a key centre that turns with
+        RoPE): a storage then codes and reads keys at their indices and never moves a code to another index."""
         return False
 
-    def key_positions(self, first, count: int, device) -> torch.Tensor | None:
+    def key_positions(self, first, count: int, device, state=None) -> torch.Tensor | None:
         """Buffer indices ``first .. first + count - 1`` (`first` an int or a 0-d tensor: no sync) where the keys'
-        codes depend on them (:attr:`indexed_keys`), else None (nothing made on a decode step)."""
-        return first + torch.arange(count, device=device) if self.indexed_keys else None
+        codes depend on them (:meth:`indexed_keys`), else None (nothing made on a decode step)."""
+        return first + torch.arange(count, device=device) if self.indexed_keys(state) else None
 
     # ------------------------------------------------------------------ per layer
-    def for_layer(self, index: int, **context) -> KVFormat:
-        """The format of layer `index`, with that layer's state (`context`: what a layer's state is made from,
-        e.g. a rotary basis); the same format where it keeps none."""
+    def for_layer(self, index: int) -> KVFormat:
+        """The format of layer `index` (a value: e.g. a rotation seed of its own); the same format by default."""
         return self
 
+    def make_state(self, **context):
+        """A layer's state, fresh (`context`: what it is made from, e.g. a rotary basis, ``turns=``/``origin=``
+        where :attr:`turns_keys`), which the storage holds beside the format; None (no state) by default."""
+        return None
+
     def side_formats(self) -> tuple[KVFormat, KVFormat]:
-        """(keys, values) as formats whose values side codes them one token at a time (an evicting cache's slots)."""
+        """(keys, values) as formats whose values side codes them one token at a time (an evicting cache's slots;
+        the keys' codes take the layer's state)."""
         return self, self
 
-    @property
-    def holds_state(self) -> bool:
-        """Whether this format carries a layer's state (a key centre, one per KV head): its codes then cannot be
-        coded or read regrouped across heads or sides."""
-        return False
+    def holds_state(self, state) -> bool:
+        """Whether a layer's `state` is one (a key centre, one per KV head): its codes then cannot be coded or read
+        regrouped across heads or sides."""
+        return state is not None
 
-    def state_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tensors of the layer's state this format holds (counted in memory reports; none by default)."""
+    def state_tensors(self, state) -> tuple[torch.Tensor, ...]:
+        """The tensors of a layer's `state` (counted in memory reports; none by default)."""
         return ()
 
-    def derived_tensors(self) -> tuple[torch.Tensor, ...]:
+    def derived_tensors(self, state=None) -> tuple[torch.Tensor, ...]:
         """Tables the format's decode reads that are derived from the model alone (a turning key centre's position
         tables, shared by every layer of a cache): made again after a load, so neither saved nor bytes at rest; a
         report counts them once per cache, apart (`quantized_report()["derived_bytes"]`). None by default."""
         return ()
 
-    def prepare_indices(self, count: int, device) -> None:
-        """Makes and keeps, eagerly, what a decode over buffer indices ``0 .. count - 1`` reads of the layer's state
+    def prepare_indices(self, count: int, device, state=None) -> None:
+        """Makes and keeps, eagerly, what a decode over buffer indices ``0 .. count - 1`` reads of the layer's `state`
         (a turning key centre's basis): a static storage reads every index at every step."""
 
     def prepare(self, key_dim: int, value_dim: int, device) -> None:
@@ -141,16 +150,22 @@ class KVFormat:
         return self
 
     def to_ring(
-        self, keys: torch.Tensor, values: torch.Tensor, first: Callable[[], int]
+        self, keys: torch.Tensor, values: torch.Tensor, first: Callable[[], int], state=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as a static storage's full-precision ring holds them, and attention reads them as the
         residual; as they are by default. `first()` is the buffer index of the first token, asked only by a format that
-        needs it (a compiled step that read the storage's count would be specialized on it, and compiled again)."""
+        needs it (a compiled step that read the storage's count would be specialized on it, and compiled again);
+        `state`: the layer's (a key centre set from these keys if not yet)."""
         return keys, values
 
     def from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of :meth:`to_ring`."""
         return keys, values
+
+
+def state_kw(state) -> dict:
+    """``{"state": state}``, or nothing for None: a format without a layer's state need not take the keyword."""
+    return {} if state is None else {"state": state}
 
 
 #: Registered formats by name: a maker of the format from `group_size` (None: its default) and the head dims it must

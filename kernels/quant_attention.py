@@ -92,7 +92,7 @@ from hf_kvplus.kernels.decode_attention import (
     grouped_sdpa,
 )
 from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
-from hf_kvplus.kernels.kv_format import KVFormat
+from hf_kvplus.kernels.kv_format import KVFormat, state_kw
 from hf_kvplus.kernels.paged_attention import _check_block_ids, _is_int
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_format import from_plane_order
@@ -737,6 +737,7 @@ def quantized_decode_attention_torch(
     num_splits=None,
     keys_per_token: bool = False,
     check: bool = True,
+    state=None,
 ) -> torch.Tensor:
     """Plain-torch twin: dequantizes a chunk at a time, online softmax in float32 across the chunks
     (keys that fit one chunk, residual included, go through one float32 SDPA).
@@ -750,7 +751,7 @@ def quantized_decode_attention_torch(
     table, skipped with ``check=False``).
     """
     args = (q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits)
-    return _twin(*args, keys_per_token, check, with_mass=False)[0]
+    return _twin(*args, keys_per_token, check, with_mass=False, state=state)[0]
 
 
 def quantized_decode_attention_with_mass_torch(
@@ -768,22 +769,23 @@ def quantized_decode_attention_with_mass_torch(
     num_splits=None,
     keys_per_token: bool = False,
     check: bool = True,
+    state=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch twin of ``quantized_decode_attention_with_mass`` (``kernels/dispatch.py``): the chunks of
     :func:`quantized_decode_attention_torch`, each chunk's logits kept (float32 [B, Hq, length + R], what the
     Triton path stores too) and turned into probabilities once the log-sum-exp is known; keys that fit one
     chunk go through ``decode_attention_with_mass_torch``."""
     args = (q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits)
-    return _twin(*args, keys_per_token, check, with_mass=True)
+    return _twin(*args, keys_per_token, check, with_mass=True, state=state)
 
 
 def _twin(
     q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits, keys_per_token,
-    check, *, with_mass, planes=False, ring_in_channels=False,
+    check, *, with_mass, planes=False, ring_in_channels=False, state=None,
 ):  # fmt: skip
     """Both twins: (output, mass or None); `planes`: traced off CUDA, the codes' planes kept (a rotated format's
     channels in plane order, see `dispatch._rotated`); `ring_in_channels`: with `planes`, the residual in channel
-    order, folded in last, and the output in channel order."""
+    order, folded in last, and the output in channel order; `state`: the layer's (a key centre), read with the keys."""
     if check:
         info = _check_inputs(
             q, packed, fmt, start, length, scale, residual_k, residual_v, mask, block_table, num_splits,
@@ -800,9 +802,10 @@ def _twin(
     B, Hq, Hkv, G, D, Dv, R = info.B, info.Hq, info.Hkv, info.G, info.D, info.Dv, info.R
 
     chunks = _quant_chunks(packed, fmt, info, start, length, block_table, keys_per_token) if length > 0 else iter(())
+    read = (fmt, state)
     head = list(itertools.islice(chunks, 2))
     if length + R <= TWIN_CHUNK_TOKENS and len(head) < 2 and not ring_in_channels:
-        k, v = _one_chunk(fmt, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token,
+        k, v = _one_chunk(read, info, head[0] if head else None, start, length, residual_k, residual_v, keys_per_token,
                           planes)  # fmt: skip
         if with_mass:
             return decode_attention_with_mass_torch(q, k, v, scale=scale, mask=mask, check=False)
@@ -816,15 +819,15 @@ def _twin(
         bias = torch.zeros(B, length + R, dtype=torch.float32, device=q.device).masked_fill_(
             ~mask, float("-inf")
         )
-    state = [None, None, None]  # running max, sum, accumulator
+    running = [None, None, None]  # running max, sum, accumulator
     logits = [] if with_mass else None
 
     last = None  # the last chunk (index of its first key, K, V): the residual joins it when both fit one chunk
     for chunk in itertools.chain(head, chunks):
         if last is not None:
             n0, k, v = last
-            _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
-        last = _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes)
+            _online_step(running, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
+        last = _dequantized_chunk(chunk, read, start, length, keys_per_token, planes)
     joined = 0  # residual keys that went with the last chunk
     if last is not None:  # it ends at key `length`, where the residual starts
         n0, k, v = last
@@ -833,16 +836,16 @@ def _twin(
             k = _cat_tokens(_plane_count(fmt, "keys", planes, D), [k, residual_k.float()])
             v = _cat_tokens(_plane_count(fmt, "values", planes, Dv), [v, residual_v.float()])
             joined = R
-        _online_step(state, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
+        _online_step(running, qg, k, v, None if bias is None else bias[:, n0 : n0 + k.shape[2]], logits)
     if ring_in_channels:  # from here on in channel order: q, the output so far, and the ring
         qg = from_plane_order(qg, fmt.key_bits)
-        state[2] = None if state[2] is None else from_plane_order(state[2], fmt.value_bits)
+        running[2] = None if running[2] is None else from_plane_order(running[2], fmt.value_bits)
     for r0 in range(joined, R, TWIN_CHUNK_TOKENS):
         r1 = min(r0 + TWIN_CHUNK_TOKENS, R)
         k, v = residual_k[:, :, r0:r1].float(), residual_v[:, :, r0:r1].float()
-        _online_step(state, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1], logits)
+        _online_step(running, qg, k, v, None if bias is None else bias[:, length + r0 : length + r1], logits)
 
-    m_run, l_run, acc = state
+    m_run, l_run, acc = running
     # Every key masked: acc and l are both 0; output zeros instead of 0/0.
     live = l_run > 0
     out = acc.div_(torch.where(live, l_run, 1.0)[..., None]).reshape(B, Hq, Dv).to(q.dtype)
@@ -853,24 +856,27 @@ def _twin(
     return out, torch.exp2(torch.cat(logits, dim=-1).sub_(lse[..., None])).sum(dim=2)
 
 
-def _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes=False):
+def _dequantized_chunk(chunk, read, start, length, keys_per_token, planes=False):
     """(index of its first attended key, K, V float32) of a chunk of :func:`_quant_chunks`, cut to the attended keys
-    (a rotated format's left in the rotated space: its per-token keys are coded with the key bits)."""
+    (a rotated format's left in the rotated space: its per-token keys are coded with the key bits); `read`: (the
+    format, the layer's state)."""
+    fmt, state = read
     t0, t1, (kc, ks, kz, vc, vs, vz) = chunk
     lo, hi = max(start, t0) - t0, min(start + length, t1) - t0
-    positions = fmt.key_positions(t0, t1 - t0, kc.device)
-    k = fmt.attended(kc, ks, kz, "keys", per_token=keys_per_token, planes=planes, positions=positions)
+    positions = fmt.key_positions(t0, t1 - t0, kc.device, state)
+    k = fmt.attended(kc, ks, kz, "keys", per_token=keys_per_token, planes=planes, positions=positions,
+                     **state_kw(state))  # fmt: skip
     if lo or hi != t1 - t0:  # part of the chunk (a whole chunk, the decode steady state, is not sliced)
         k, vc, vs, vz = k[:, :, lo:hi], vc[:, :, lo:hi], vs[:, :, lo:hi], None if vz is None else vz[:, :, lo:hi]
     return t0 + lo - start, k, fmt.attended(vc, vs, vz, "values", planes=planes)
 
 
-def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per_token, planes=False):
+def _one_chunk(read, info, chunk, start, length, residual_k, residual_v, keys_per_token, planes=False):
     """All keys in one chunk: K, V float32, dequantized with the residual appended, for one float32 SDPA (a
     short context's host cost is its op count, about half the online-softmax path's)."""
     ks, vs = [], []
     if chunk is not None:
-        _, k, v = _dequantized_chunk(chunk, fmt, start, length, keys_per_token, planes)
+        _, k, v = _dequantized_chunk(chunk, read, start, length, keys_per_token, planes)
         ks.append(k)
         vs.append(v)
     if info.R:
@@ -878,8 +884,8 @@ def _one_chunk(fmt, info, chunk, start, length, residual_k, residual_v, keys_per
         vs.append(residual_v.float())
     if len(ks) == 1:
         return ks[0], vs[0]
-    keys = _cat_tokens(_plane_count(fmt, "keys", planes, info.D), ks)
-    return keys, _cat_tokens(_plane_count(fmt, "values", planes, info.Dv), vs)
+    keys = _cat_tokens(_plane_count(read[0], "keys", planes, info.D), ks)
+    return keys, _cat_tokens(_plane_count(read[0], "values", planes, info.Dv), vs)
 
 
 def _plane_count(fmt, side: str, planes: bool, head_dim: int) -> int:

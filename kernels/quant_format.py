@@ -34,7 +34,7 @@ import torch
 
 from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.errors import ConfigError, DTypeError, ShapeError
-from hf_kvplus.kernels.kv_format import KVFormat
+from hf_kvplus.kernels.kv_format import KVFormat, state_kw
 
 __all__ = [
     "BIT_WIDTHS",
@@ -207,11 +207,13 @@ class PackedKV:
         value_params = sum(t[:, :, lo:hi].numel() * 2 for t in (self.v_scale, self.v_zero) if t is not None)
         return codes, key_params + value_params
 
-    def dequantized(self, fmt, lo: int, hi: int, dtype: torch.dtype, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(
+        self, fmt, lo: int, hi: int, dtype: torch.dtype, index: int = 0, state=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `lo .. hi - 1` of whole-group buffers as dense `[rows, heads, hi - lo, dim]` K/V (indices counted
-        from `index` at the buffers' first token, for a format whose codes depend on them)."""
-        positions = fmt.key_positions(index, self.k.shape[2], self.k.device)
-        k = fmt.dequantize(self.k, self.k_scale, self.k_zero, "keys", dtype, positions=positions)
+        from `index` at the buffers' first token, for a format whose codes depend on them; `state`: the layer's)."""
+        positions = fmt.key_positions(index, self.k.shape[2], self.k.device, state)
+        k = fmt.dequantize(self.k, self.k_scale, self.k_zero, "keys", dtype, positions=positions, **state_kw(state))
         v = fmt.dequantize(self.v, self.v_scale, self.v_zero, "values", dtype)
         return k[:, :, lo:hi], v[:, :, lo:hi]
 
@@ -299,30 +301,32 @@ def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 
 def quantize_keys(
-    x: torch.Tensor, fmt: KVFormat, *, positions: torch.Tensor | None = None
+    x: torch.Tensor, fmt: KVFormat, *, positions: torch.Tensor | None = None, state=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Keys ``[..., T, D]`` to (codes, scale, zero) of any format (KIVI: per channel per group of tokens, T a multiple
-    of the group size; `positions`: the tokens' indices, for a format whose codes depend on them)."""
+    of the group size; `positions`: the tokens' indices, for a format whose codes depend on them; `state`: the
+    layer's, a rotated format's key centre)."""
     _check_float(x, "keys")
-    return fmt.quantize(x, "keys", positions)
+    return fmt.quantize(x, "keys", positions, **state_kw(state))
 
 
 def quantize_values(
-    x: torch.Tensor, fmt: KVFormat, *, positions: torch.Tensor | None = None
+    x: torch.Tensor, fmt: KVFormat, *, positions: torch.Tensor | None = None, state=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Values ``[..., T, D]`` to (codes, scale, zero) of any format (KIVI: per token per group of channels)."""
+    """Values ``[..., T, D]`` to (codes, scale, zero) of any format (KIVI: per token per group of channels; `state`:
+    given where the values side codes keys, an evicting cache's slots)."""
     _check_float(x, "values")
-    return fmt.quantize(x, "values", positions)
+    return fmt.quantize(x, "values", positions, **state_kw(state))
 
 
-def dequantize_keys(codes, scale, zero, fmt: KVFormat, dtype=torch.float32, *, positions=None) -> torch.Tensor:
+def dequantize_keys(codes, scale, zero, fmt: KVFormat, dtype=torch.float32, *, positions=None, state=None) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[..., T, D]`` in ``dtype``."""
-    return fmt.dequantize(codes, scale, zero, "keys", dtype, positions=positions)
+    return fmt.dequantize(codes, scale, zero, "keys", dtype, positions=positions, **state_kw(state))
 
 
-def dequantize_values(codes, scale, zero, fmt: KVFormat, dtype=torch.float32) -> torch.Tensor:
+def dequantize_values(codes, scale, zero, fmt: KVFormat, dtype=torch.float32, *, state=None) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[..., T, D]`` in ``dtype``."""
-    return fmt.dequantize(codes, scale, zero, "values", dtype)
+    return fmt.dequantize(codes, scale, zero, "values", dtype, **state_kw(state))
 
 
 def _quantize_keys(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

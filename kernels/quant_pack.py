@@ -182,12 +182,12 @@ def _new_out(kind: str, shape, fmt: QuantFormat, device) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 
 
-def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None):
+def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None, state=None):
     """The dispatchers' path off CUDA: :func:`_off_cuda`'s codes, copied into ``out`` when it is given (`positions`:
-    the tokens' indices, for a turning key centre)."""
+    the tokens' indices, for a turning key centre; `state`: the layer's, with the keys)."""
     if check:
         _check_fmt(fmt)
-    result = kernels_for(fmt).encode(x, fmt, kind, positions)
+    result = kernels_for(fmt).encode(x, fmt, kind, positions, state)
     if out is None:
         return result
     codes, scale, zero = _check_out(out, kind, tuple(x.shape), fmt, x.device) if check else out
@@ -198,10 +198,10 @@ def quantize_off_cuda(x, fmt, out, kind: str, check: bool, positions=None):
     return codes, scale, zero
 
 
-def quantize_values_at_torch(x, fmt: QuantFormat, out, slots):
+def quantize_values_at_torch(x, fmt: QuantFormat, out, slots, state=None):
     """The twin of ``quantize_values_at`` (``kernels/dispatch.py``): the format's codes off CUDA (its CPU operator
     where it has one), then one ``scatter_`` per tensor."""
-    for dst, part in zip(out, kernels_for(fmt).encode(x, fmt, "values"), strict=True):
+    for dst, part in zip(out, kernels_for(fmt).encode(x, fmt, "values", None, state), strict=True):
         if dst is not None:
             dst.scatter_(2, slots[..., None].expand(*part.shape), part)
     return out

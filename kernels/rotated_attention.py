@@ -17,7 +17,7 @@ Arguments as ``quantized_decode_attention_triton`` (its module docstring) with q
 residual_k/residual_v float32 [B, Hkv, R, D/Dv] already rotated; ``packed`` holds key codes [L, Hkv, T, D *
 key_bits / 8], key norms [L, Hkv, T, 1] float16, value codes and norms alike, zeros None (L = B dense, or the
 pool's blocks with ``block_table``). ``keys_per_token`` is accepted and ignored: a rotated format's keys are per
-token anyway. ``fmt.key_center`` (set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel; a
+token anyway. ``key_center`` (the layer's state, set): the keys' centre, its ``rotated`` [Hkv, D] float32 read by the kernel; a
 turning centre (``kernels/turning_center.py``): the query's weights ``W R q`` [B, Hq, D] and the basis of the
 tokens' indices [D, START + N], whose dot product is the centre's share of a key's score (where its norm is not
 negative); ``turn`` (the custom operator's): those two tensors given, for a format without a centre.
@@ -61,6 +61,7 @@ def rotated_decode_attention_triton(
     check: bool = True,
     with_mass: bool = False,
     turn=None,
+    key_center=None,
 ):
     """Split-KV decode attention in the rotated space (see the module doc): (out, mass or None)."""
     if check:
@@ -81,7 +82,7 @@ def rotated_decode_attention_triton(
 
     def launch(q, partials, plan, scores):
         _launch_rotated_split(q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores,
-                              turn)  # fmt: skip
+                              turn, key_center)  # fmt: skip
 
     return split_decode(
         q, info, launch, length, scale, residual_k, residual_v, mask, num_splits, with_mass, torch.float32
@@ -89,7 +90,7 @@ def rotated_decode_attention_triton(
 
 
 def _launch_rotated_split(
-    q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores, turn=None
+    q, packed, fmt, info, mask, partials, plan, scale, start, length, block_table, scores, turn=None, center=None
 ):  # fmt: skip
     """Kernel 1 over the coded tokens: splits 0 .. plan.num_splits - 1 of ``partials``; ``scores``: None, or
     float32 [B, Hq, length] (any strides) that receives the log2-domain logits (-inf where masked)."""
@@ -100,7 +101,7 @@ def _launch_rotated_split(
     )  # fmt: skip
     k_book = codebook(D, fmt.key_bits, q.device)[0]
     v_book = codebook(info.Dv, fmt.value_bits, q.device)[0]
-    center, turning = fmt.key_center, turning_key_center(fmt)
+    turning = turning_key_center(center)
     if turn is None and turning is not None and turning.mu is not None:
         # the query's weights (q is rotated) and the basis of indices 0 .. START + N - 1, [D, START + N]
         turn = turning.query_weights(q, rotated=True), turning.basis(start + length, q.device)

@@ -77,10 +77,10 @@ def available() -> bool:
     return bool(_LOADED)
 
 
-def supports(q: torch.Tensor, fmt: RotatedFormat, block_table) -> bool:
+def supports(q: torch.Tensor, block_table) -> bool:
     """Whether this call can take the attention operator: CPU tensors, codes in one buffer (not a pool of blocks),
-    values without a centre (no format makes one), and the operators built."""
-    return q.device.type == "cpu" and block_table is None and fmt.value_center is None and available()
+    and the operators built."""
+    return q.device.type == "cpu" and block_table is None and available()
 
 
 def encodes(x: torch.Tensor) -> bool:
@@ -90,17 +90,17 @@ def encodes(x: torch.Tensor) -> bool:
 
 
 def rotated_encode_cpu(
-    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
+    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None, center=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [B, H, T, D * bits // 8], norms float16 [B, H, T, 1]) of x [B, H, T, D], as
-    `rotated_format.quantize_rotated` makes them (a centred side's first call sets its centre, as there; a turning
-    centre is taken at the tokens' indices `positions`)."""
+    `rotated_format.quantize_rotated` makes them (relative to the layer's key `center`, given with the keys, whose
+    first call sets it, as there; a turning centre is taken at the tokens' indices `positions`)."""
     D = x.shape[-1]
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
     turn = None if fmt.inputs_rotated else rotation(D, fmt.seed, x.device)
-    mu = coding_center(x, fmt, side, positions)
+    mu = coding_center(x, fmt, positions, center)
     return torch.ops.hf_kvplus_cpu.rotated_encode(x.float(), turn, boundaries, centroids, mu, bits,
                                                   rotated_format.RENORMALIZE)  # (an ablation may turn it off)
 
@@ -108,13 +108,14 @@ def rotated_encode_cpu(
 def rotated_decode_cpu(
     q: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
     residual_k: torch.Tensor | None, residual_v: torch.Tensor | None, mask: torch.Tensor | None, with_mass: bool,
+    center=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None) of q [B, Hq, D] over codes ``start .. start
     + length`` of `packed` and the ring `residual_k`/`residual_v` (rotated when `fmt.inputs_rotated`), as
-    `quant_attention`'s twin computes it; the rotations of q and of the output happen inside."""
+    `quant_attention`'s twin computes it (`center`: the layer's key centre); the rotations of q and of the output
+    happen inside."""
     D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
-    center = fmt.key_center
-    turning = turning_key_center(fmt) is not None and center.mu is not None
+    turning = turning_key_center(center) is not None and center.mu is not None
     k_center = center.rotated if center is not None and center.mu is not None and not turning else None
     if residual_k is not None:
         residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))

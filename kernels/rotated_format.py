@@ -18,7 +18,8 @@ Layout of one token's key (or value) of one head, head dim D (a multiple of 8):
   (re-normalized after decoding; measured in BENCHMARKS.md against storing ``|x|``).
 - decoding: ``x^ = (norm * codebook[codes]) @ R.T``. Attention stays in the rotated space: ``q . k =
   (q @ R) . (k @ R)``, and the weighted sum of rotated values is rotated back once.
-- keys, centred (a format made by ``for_layer``, with ``CENTER_KEYS``): a layer's keys share a large common
+- keys, centred (the layer's state, a ``KeyCenter`` made by ``make_state`` with ``CENTER_KEYS``, which the storage
+  holds beside the format): a layer's keys share a large common
   part per head (the same channels are large in every token), which the rotation spreads over every coordinate
   and the norm then scales every code's error by. Each layer keeps one centre per KV head, ``mu`` [H, D], the
   mean key of the first keys it quantizes (a static storage: of the first it holds), and codes each later key
@@ -78,8 +79,8 @@ SHIPPED_HEAD_DIMS = (64, 128, 256)
 #: Store |x| / |codebook[codes]| (the decoded vector keeps x's norm) rather than |x|: see BENCHMARKS.md. An
 #: ablation switch of the twins (eval/compare_turboquant.py --no-renorm); the Triton kernel always re-normalizes.
 RENORMALIZE = True
-#: Whether `RotatedFormat.for_layer` gives the layer's keys a centre (see the module doc). An ablation switch read
-#: when a cache builds its layers (eval/rotated_ablations.py); formats made directly have no centre.
+#: Whether `RotatedFormat.make_state` gives the layer's keys a centre (see the module doc). An ablation switch read
+#: when a cache builds its layers (eval/rotated_ablations.py).
 CENTER_KEYS = True
 #: Tokens a rotated format's full-precision window hands over at a time (fewer for a window under 32: as many as it
 #: holds). Its tokens are coded one by one, but a hand-over every step would cost each decode step two quantize calls
@@ -92,10 +93,11 @@ _TABLES = Path(__file__).with_name("rotated_codebooks.json")
 
 
 class KeyCenter:
-    """One layer's key centre: ``mu`` float32 [H, D] (and ``mu @ R`` as ``rotated``) per KV head, or None until the
-    layer's first keys are quantized (`observe`). Shared by every storage that holds the layer's codes (one paged
-    pool's caches and its prefix store), never changed once set, and kept across `reset` (any centre decodes the
-    codes made with it).
+    """One layer's key centre, the layer's state of a rotated format (`RotatedFormat.make_state`), held by the storage
+    beside its format: ``mu`` float32 [H, D] (and ``mu @ R`` as ``rotated``) per KV head, or None until the layer's
+    first keys are quantized (`observe`). Shared by every storage that holds the layer's codes (one paged pool's
+    caches and its prefix store), never changed once set, and kept across `reset` (any centre decodes the codes made
+    with it).
 
     `turns` (a `turning_center.RotaryBasis`): a turning centre, ``mu`` the keys' pre-RoPE mean and the centre of the
     key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
@@ -194,10 +196,9 @@ class KeyCenter:
         return f"{kind}({'unset' if self.mu is None else tuple(self.mu.shape)})"
 
 
-def turning_key_center(fmt) -> KeyCenter | None:
-    """`fmt`'s key centre where it turns with RoPE, set or not (any format: None for one without)."""
-    center = getattr(fmt, "key_center", None)
-    return center if center is not None and center.turns is not None else None
+def turning_key_center(state) -> KeyCenter | None:
+    """A layer's state where it is a key centre that turns with RoPE, set or not (any format's state: None else)."""
+    return state if isinstance(state, KeyCenter) and state.turns is not None else None
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,9 @@ class RotatedFormat(KVFormat):
     """Key and value bit widths (1, 2, 3, 4 or 8 each) of a rotated format, and the rotation's seed.
 
     Shares the interface the storages use with `QuantFormat`: one "group" is one token (a norm per vector), so
-    every token leaves the full-precision window on its own. `key_center` / `value_center`: the centre that side's
-    codes are relative to (see the module doc; a layer's format from `for_layer` centres its keys), or None.
+    every token leaves the full-precision window on its own. A value: a layer's key centre is the layer's state
+    (`make_state`, a `KeyCenter` the storage holds beside the format), given to the methods that code or read keys
+    as ``state`` (the centre of the codes a call codes or reads: callers give it with the keys only).
     `inputs_rotated` (`with_rotated_inputs`): the vectors it quantizes, and attention's exact window, come rotated
     already (``x @ R``; a centre then subtracted as ``KeyCenter.rotated``, so it must be set), as a static
     storage's ring holds them: nothing is rotated at a decode step but the query and the output."""
@@ -214,8 +216,6 @@ class RotatedFormat(KVFormat):
     key_bits: int
     value_bits: int
     seed: int = 0
-    key_center: KeyCenter | None = field(default=None, repr=False, compare=False)
-    value_center: KeyCenter | None = field(default=None, repr=False, compare=False)
     inputs_rotated: bool = field(default=False, repr=False, compare=False)
     turns_keys: ClassVar[bool] = True
 
@@ -238,14 +238,11 @@ class RotatedFormat(KVFormat):
                 byte_table(dim, bits, device)
 
     def with_rotated_inputs(self) -> RotatedFormat:
-        """This format (the same centres) taking rotated vectors."""
+        """This format taking rotated vectors."""
         return replace(self, inputs_rotated=True)
 
     def bits_of(self, side: str) -> int:
         return self.key_bits if side == "keys" else self.value_bits
-
-    def center_of(self, side: str) -> KeyCenter | None:
-        return self.key_center if side == "keys" else self.value_center
 
     def code_dim(self, head_dim: int, side: str) -> int:
         """Bytes of one token's codes."""
@@ -273,23 +270,23 @@ class RotatedFormat(KVFormat):
         """One float16 norm per vector: the limit bounds each vector's norm."""
         return super().code_limit()[0], True
 
-    def quantize(self, x, side, positions=None):
-        return (*quantize_rotated(x, self, side, positions), None)
+    def quantize(self, x, side, positions=None, state=None):
+        return (*quantize_rotated(x, self, side, positions, state), None)
 
-    def dequantize(self, codes, scale, zero, side, dtype=torch.float32, *, positions=None):
-        return dequantize_rotated(codes, scale, self, side, dtype, positions=positions)
+    def dequantize(self, codes, scale, zero, side, dtype=torch.float32, *, positions=None, state=None):
+        return dequantize_rotated(codes, scale, self, side, dtype, positions=positions, center=state)
 
-    def attended(self, codes, scale, zero, side, *, per_token=False, planes=False, positions=None):
+    def attended(self, codes, scale, zero, side, *, per_token=False, planes=False, positions=None, state=None):
         """Left in the rotated space (attention rotates q in and the output back once); keys coded one token at a
         time are coded as keys (with the key bits) already."""
-        return dequantize_rotated(codes, scale, self, side, rotated_space=True, planes=planes, positions=positions)
+        return dequantize_rotated(codes, scale, self, side, rotated_space=True, planes=planes, positions=positions,
+                                  center=state)  # fmt: skip
 
     def planes(self, side: str, head_dim: int) -> int:
         return planes_of(head_dim, self.bits_of(side))
 
-    @property
-    def indexed_keys(self) -> bool:
-        return turning_key_center(self) is not None
+    def indexed_keys(self, state) -> bool:
+        return turning_key_center(state) is not None
 
     def flush_tokens(self, window: int, unit: int) -> int:
         return min(FLUSH_TOKENS, window)
@@ -298,11 +295,11 @@ class RotatedFormat(KVFormat):
         return self.with_rotated_inputs()
 
     def to_ring(
-        self, keys: torch.Tensor, values: torch.Tensor, first: Callable[[], int]
+        self, keys: torch.Tensor, values: torch.Tensor, first: Callable[[], int], state: KeyCenter | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (``x @ R`` in the model's dtype: one rounding), so that a decode step rotates only the query and
-        the output; the key centre, if not set yet, set from these keys as they were (at their indices)."""
-        center = self.key_center
+        the output; the key centre (`state`), if not set yet, set from these keys as they were (at their indices)."""
+        center = state
         if center is not None and center.mu is None:
             start = first()
             center.observe(keys, self.seed, torch.arange(start, start + keys.shape[2], device=keys.device))
@@ -313,34 +310,33 @@ class RotatedFormat(KVFormat):
         r_k, r_v = (rotation(x.shape[-1], self.seed, x.device) for x in (keys, values))
         return (keys.float() @ r_k.T).to(keys.dtype), (values.float() @ r_v.T).to(values.dtype)
 
-    def prepare_indices(self, count: int, device) -> None:
-        center = turning_key_center(self)
+    def prepare_indices(self, count: int, device, state: KeyCenter | None = None) -> None:
+        center = turning_key_center(state)
         if center is not None:
             center.prepare(count, device)
 
-    @property
-    def holds_state(self) -> bool:
-        return self.key_center is not None or self.value_center is not None
-
-    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+    def state_tensors(self, state: KeyCenter | None) -> tuple[torch.Tensor, ...]:
         """The key centre's tensors (the centre, its rotated copies, a turning centre's W and W R)."""
-        return () if self.key_center is None else self.key_center.tensors()
+        return () if state is None else state.tensors()
 
-    def derived_tensors(self) -> tuple[torch.Tensor, ...]:
+    def derived_tensors(self, state: KeyCenter | None = None) -> tuple[torch.Tensor, ...]:
         """A turning centre's basis tables (its `RotaryBasis`'s, shared by the cache's layers)."""
-        center = turning_key_center(self)
+        center = turning_key_center(state)
         return () if center is None else center.turns.derived_tensors()
 
-    def for_layer(self, index: int, *, turns: RotaryBasis | None = None, origin: int = 0) -> RotatedFormat:
-        """This format with the rotation seed of layer `index` (each layer rotates differently) and, with
-        `CENTER_KEYS`, a key centre of its own (turning with `turns`, index 0 at position `origin`)."""
-        center = KeyCenter(turns, origin) if CENTER_KEYS else None
-        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index, center)
+    def for_layer(self, index: int) -> RotatedFormat:
+        """This format with the rotation seed of layer `index` (each layer rotates differently)."""
+        return RotatedFormat(self.key_bits, self.value_bits, self.seed + index)
+
+    def make_state(self, *, turns: RotaryBasis | None = None, origin: int = 0) -> KeyCenter | None:
+        """A layer's key centre, unset (with `CENTER_KEYS`; else None): turning with `turns`, index 0 at position
+        `origin`."""
+        return KeyCenter(turns, origin) if CENTER_KEYS else None
 
     def side_formats(self) -> tuple[RotatedFormat, RotatedFormat]:
-        """(keys, values) as formats whose values-side functions code them: each side's bits (and centre) on both
-        sides."""
-        return (RotatedFormat(self.key_bits, self.key_bits, self.seed, self.key_center, self.key_center),
+        """(keys, values) as formats whose values-side functions code them: each side's bits on both sides (the
+        keys' codes take the layer's state, given with them)."""
+        return (RotatedFormat(self.key_bits, self.key_bits, self.seed),
                 RotatedFormat(self.value_bits, self.value_bits, self.seed))  # fmt: skip
 
     def __str__(self) -> str:
@@ -504,16 +500,17 @@ def _offsets(count: int, step: int, device: torch.device) -> torch.Tensor:
 
 
 def quantize_rotated(
-    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head vectors ``[..., T, D]`` to (codes uint8 ``[..., T, D * bits // 8]``, norms float16 ``[..., T, 1]``); a
-    side with a centre (x then [B, H, T, D]): relative to it where that is shorter, the norm negative where not (a
-    turning centre: at the tokens' `positions` [T])."""
+    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None,
+    center: KeyCenter | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Head vectors ``[..., T, D]`` to (codes uint8 ``[..., T, D * bits // 8]``, norms float16 ``[..., T, 1]``); with
+    a `center` (a layer's key centre; x then [B, H, T, D]): relative to it where that is shorter, the norm negative
+    where not (a turning centre: at the tokens' `positions` [T])."""
     D = x.shape[-1]
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
-    xf, norm, sign = centered(x, fmt, side, positions)
+    xf, norm, sign = centered(x, fmt, positions, center)
     unit = (xf if fmt.inputs_rotated else rotated(xf, rotation(D, fmt.seed, x.device))) / norm.clamp_min(1e-30)
     codes = _bucketized(unit, boundaries)
     if RENORMALIZE:
@@ -542,11 +539,11 @@ def signed_norms(norm: torch.Tensor, sign: torch.Tensor | None) -> torch.Tensor:
 
 
 def centered(
-    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
+    x: torch.Tensor, fmt: RotatedFormat, positions: torch.Tensor | None = None, center: KeyCenter | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(what a side's codes code, float32; its length [..., T, 1]; the sign of each token's norm: +1 relative to the
-    centre, -1 plain, or None for a side without a centre); the centre is :func:`coding_center`'s."""
-    mu = coding_center(x, fmt, side, positions)
+    """(what the codes code, float32; its length [..., T, 1]; the sign of each token's norm: +1 relative to the
+    centre, -1 plain, or None without a `center`); the centre is :func:`coding_center`'s."""
+    mu = coding_center(x, fmt, positions, center)
     xf = x.float()
     if mu is None:
         return xf, torch.linalg.vector_norm(xf, dim=-1, keepdim=True), None
@@ -559,12 +556,11 @@ def centered(
 
 
 def coding_center(
-    x: torch.Tensor, fmt: RotatedFormat, side: str, positions: torch.Tensor | None = None
+    x: torch.Tensor, fmt: RotatedFormat, positions: torch.Tensor | None = None, center: KeyCenter | None = None
 ) -> torch.Tensor | None:
-    """The centre [H, D] that a side's codes of x are relative to, in x's space (a turning centre: [H, T, D], at the
-    tokens' `positions` [T]), or None for a side without one. The side's first call sets it from its keys (x [B, H,
-    T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the set centre, rotated."""
-    center = fmt.center_of(side)
+    """The centre [H, D] that codes of x are relative to, in x's space (a turning centre: [H, T, D], at the tokens'
+    `positions` [T]), or None without a `center`. The first call with an unset `center` sets it from its keys (x [B,
+    H, T, D]); rotated inputs (`RotatedFormat.inputs_rotated`) take the set centre, rotated."""
     if center is None:
         return None
     if x.dim() != 4:
@@ -701,16 +697,17 @@ def byte_table(head_dim: int, bits: int, device: torch.device) -> torch.Tensor:
 def dequantize_rotated(
     codes: torch.Tensor, norms: torch.Tensor, fmt: RotatedFormat, side: str, dtype=torch.float32, *,
     rotated_space: bool = False, planes: bool = False, positions: torch.Tensor | None = None,
+    center: KeyCenter | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Inverse of :func:`quantize_rotated`: ``[..., T, D]`` in `dtype`; with `rotated_space`, left rotated
     (``x^ @ R``: what attention in the rotated space reads); with `planes` too, its channels in plane order
-    (:func:`plane_order`). A turning centre's codes are read at the tokens' `positions` [T]."""
+    (:func:`plane_order`). `center`: the centre the codes are relative to (a layer's key centre), or None; a turning
+    centre's codes are read at the tokens' `positions` [T]."""
     bits = fmt.bits_of(side)
     D = codes.shape[-1] * 8 // bits
     if codes.shape[-1] * 8 % bits:
         raise ShapeError(f"{codes.shape[-1]} bytes per token do not hold whole {bits}-bit codes")
     norms = norms.float()
-    center = fmt.center_of(side)
     centred = center is not None and center.mu is not None
     k = planes_of(D, bits) if planes and rotated_space else 1
     turning = None

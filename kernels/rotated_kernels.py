@@ -31,7 +31,7 @@ class RotatedKernels(FormatKernels):
         if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
             raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
         Dv = fmt.channels(packed.v.shape[-1], "values")
-        if rotated_cpu.supports(q, fmt, kw["block_table"]):
+        if rotated_cpu.supports(q, kw["block_table"]):
             return self._cpu(q, packed, fmt, kw, with_mass)
         # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
         # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
@@ -49,21 +49,22 @@ class RotatedKernels(FormatKernels):
         elif kw["residual_k"] is not None:
             kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
         q_rot = q.float() @ r_k
+        state = kw.pop("state", None)
         if path == "op":
-            result = self._op(q_rot, packed, fmt, kw, with_mass)
+            result = self._op(q_rot, packed, fmt, kw, with_mass, state)
         elif path == "triton":
-            result = rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass)
+            result = rotated_decode_attention_triton(q_rot, packed, fmt, **kw, with_mass=with_mass, key_center=state)
         else:
             result = _twin(q_rot, packed, fmt, *(kw[k] for k in TWIN_ARGS), with_mass=with_mass, planes=planes,
-                           ring_in_channels=ring_in_channels)  # fmt: skip
+                           ring_in_channels=ring_in_channels, state=state)  # fmt: skip
         out = (result[0] @ r_v.T).to(q.dtype)
         return (out, result[1]) if with_mass else out
 
     @staticmethod
-    def _op(q_rot, p, fmt, kw: dict, with_mass: bool):
+    def _op(q_rot, p, fmt, kw: dict, with_mass: bool, center):
         """The custom operator (a graph traced on CUDA), the centre and a turning centre's tensors as arguments."""
         op = custom_ops.rotated_decode_attention_with_mass if with_mass else custom_ops.rotated_decode_attention
-        center, turning = fmt.key_center, turning_key_center(fmt)
+        turning = turning_key_center(center)
         turn = (None, None)
         if turning is not None and turning.mu is not None:  # the query's weights and the basis rows of the codes
             turn = turning.query_weights(q_rot, rotated=True), turning.basis(kw["start"] + kw["length"], q_rot.device)
@@ -81,44 +82,43 @@ class RotatedKernels(FormatKernels):
             _check_inputs(q, packed, fmt, *(kw[k] for k in TWIN_ARGS[:-1]))
         out, mass = rotated_cpu.rotated_decode_cpu(
             q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
-            with_mass,
+            with_mass, kw.get("state"),
         )  # fmt: skip
         out = out.to(q.dtype)
         return (out, mass) if with_mass else out
 
-    def encode(self, x, fmt, side, positions=None):
+    def encode(self, x, fmt, side, positions=None, state=None):
         if rotated_cpu.encodes(x):
-            return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions), None)
-        return super().encode(x, fmt, side, positions)
+            return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions, state), None)
+        return super().encode(x, fmt, side, positions, state)
 
-    def quantize(self, x, fmt, out, side, check, positions=None):
+    def quantize(self, x, fmt, out, side, check, positions=None, state=None):
         path = path_of(x, check)
         if path in TWINS:
-            return super().quantize(x, fmt, out, side, check, positions)
-        return self._cuda(x, fmt, out, side, None, path, check, positions)
+            return super().quantize(x, fmt, out, side, check, positions, state)
+        return self._cuda(x, fmt, out, side, None, path, check, positions, state)
 
-    def quantize_at(self, x, fmt, out, slots, check):
+    def quantize_at(self, x, fmt, out, slots, check, state=None):
         path = path_of(x, check)
         if path in TWINS:
-            return super().quantize_at(x, fmt, out, slots, check)
-        return self._cuda(x, fmt, out, "values", slots, path, check)
+            return super().quantize_at(x, fmt, out, slots, check, state)
+        return self._cuda(x, fmt, out, "values", slots, path, check, None, state)
 
     @staticmethod
-    def _cuda(x, fmt, out, side: str, slots, path: str, check: bool, positions=None):
+    def _cuda(x, fmt, out, side: str, slots, path: str, check: bool, positions=None, center=None):
         """The custom operator while compiling (``check=False``; a turning centre goes to it as the centre of each
-        token), else the Triton kernel."""
+        token), else the Triton kernel; `center`: the layer's key centre, given with the keys."""
         if path == "op":
             codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
-            center = fmt.center_of(side)
             if center is not None and not fmt.inputs_rotated:
                 center.observe(x, fmt.seed, positions)  # the layer's first keys set its centre (once)
-            turning = turning_key_center(fmt) is not None and side == "keys"
+            turning = turning_key_center(center) is not None and side == "keys"
             mu = None if center is None else center.at(positions, rotated=False) if turning else center.mu
             custom_ops.quantize_rotated(
                 x, fmt.key_bits, fmt.value_bits, fmt.seed, side, codes, norms, slots, mu, fmt.inputs_rotated
             )
             return codes, norms, None
-        return quantize_rotated_triton(x, fmt, side, out, slots, check=check, positions=positions)
+        return quantize_rotated_triton(x, fmt, side, out, slots, check=check, positions=positions, center=center)
 
 
 register_kernels(RotatedFormat, RotatedKernels())

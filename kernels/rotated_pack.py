@@ -45,10 +45,11 @@ NUM_WARPS = 4
 
 
 def quantize_rotated_triton(
-    x, fmt: RotatedFormat, side: str, out=None, slots=None, *, check: bool = True, positions=None
+    x, fmt: RotatedFormat, side: str, out=None, slots=None, *, check: bool = True, positions=None, center=None
 ):  # fmt: skip
     """x [B, H, T, D] -> (codes, norms, None) as ``quantize_rotated``, written into ``out`` (rows ``slots``)
-    when given (see the module doc; `positions`: the tokens' indices, for a turning key centre)."""
+    when given (see the module doc; `center`: the layer's key centre, given with the keys; `positions`: the tokens'
+    indices, for a turning key centre)."""
     if check:
         _check(x, fmt, side, out, slots)
     B, H, T, D = x.shape
@@ -62,7 +63,7 @@ def quantize_rotated_triton(
     codes, norms, _ = out
     if B * H * T == 0:
         return out
-    xf, length, sign = centered(x, fmt, side, positions)
+    xf, length, sign = centered(x, fmt, positions, center)
     x_rot = xf if fmt.inputs_rotated else xf @ rotation(D, fmt.seed, x.device)
     length = length[..., 0]  # [B, H, T]
     if sign is not None:  # plain codes: negative lengths

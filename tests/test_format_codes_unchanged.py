@@ -34,13 +34,19 @@ def inputs(seed=7, B=2, H=2, T=64, D=64):
     return q, k, v, ring
 
 
+def layer(fmt, index):
+    """Layer `index`'s format and its state, as a cache's layer holds them."""
+    return fmt.for_layer(index), fmt.make_state()
+
+
+#: name: (format, the layer's state)
 FORMATS = {
-    "int8": lambda: QuantFormat(8, 32),
-    "int4": lambda: QuantFormat(4, 32),
-    "int2": lambda: QuantFormat(2, 32),
-    "fp8": lambda: QuantFormat("fp8", 32),
-    "k4v2-centred": lambda: RotatedFormat(4, 2).for_layer(3),
-    "k3v2": lambda: RotatedFormat(3, 2, seed=5),
+    "int8": lambda: (QuantFormat(8, 32), None),
+    "int4": lambda: (QuantFormat(4, 32), None),
+    "int2": lambda: (QuantFormat(2, 32), None),
+    "fp8": lambda: (QuantFormat("fp8", 32), None),
+    "k4v2-centred": lambda: layer(RotatedFormat(4, 2), 3),
+    "k3v2": lambda: (RotatedFormat(3, 2, seed=5), None),
 }
 
 #: name: (twin codes, dispatched codes, twin decode output, dispatched decode output)
@@ -56,13 +62,13 @@ EXPECTED = {
 
 def codes_and_outputs(name):
     q, k, v, ring = inputs()
-    fmt = FORMATS[name]()
-    twin = (*quant_format.quantize_keys(k, fmt), *quant_format.quantize_values(v, fmt))
-    fmt = FORMATS[name]()
-    kc, ks, kz = dispatch.quantize_keys(k, fmt, check=False)
+    fmt, state = FORMATS[name]()
+    twin = (*quant_format.quantize_keys(k, fmt, state=state), *quant_format.quantize_values(v, fmt))
+    fmt, state = FORMATS[name]()
+    kc, ks, kz = dispatch.quantize_keys(k, fmt, check=False, state=state)
     vc, vs, vz = dispatch.quantize_values(v, fmt, check=False)
     packed = PackedKV(kc, ks, kz, vc, vs, vz)
-    kw = dict(start=3, length=61, scale=0.125, residual_k=ring[0], residual_v=ring[1])
+    kw = dict(start=3, length=61, scale=0.125, residual_k=ring[0], residual_v=ring[1], state=state)
     twin_out = quantized_decode_attention_torch(q, packed, fmt, **kw, check=False)
     out = dispatch.quantized_decode_attention(q, packed, fmt, **kw, check=False)
     return digest(*twin), digest(kc, ks, kz, vc, vs, vz), digest(twin_out), digest(out)

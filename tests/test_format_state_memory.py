@@ -22,7 +22,8 @@ def config() -> LlamaConfig:
 def held_bytes(cache) -> tuple[int, int]:
     """(bytes of every tensor the layers' storages hold, bytes of their formats' state)."""
     storage = sum(tensor_bytes(list(layer.storage.tensors().values())) for layer in cache.layers)
-    state = sum(tensor_bytes(list(f.state_tensors())) for layer in cache.layers for f in layer.storage.formats())
+    state = sum(tensor_bytes(list(f.state_tensors(s))) for layer in cache.layers
+                for f, s in zip(layer.storage.formats(), layer.storage.states(), strict=True))
     return storage, state
 
 
@@ -63,7 +64,7 @@ def test_position_tables_are_one_copy_per_cache_and_not_bytes_at_rest(on_cpu):
     for layer in range(2):
         keys = torch.randn(1, 3, 300, 64, generator=g) + torch.linspace(-2, 2, 64)
         cache.update(keys.half(), torch.randn(1, 3, 300, 64, generator=g).half(), layer)
-    centers = [turning_key_center(layer.storage.formats()[0]) for layer in cache.layers]
+    centers = [turning_key_center(layer.storage.states()[0]) for layer in cache.layers]
     assert all(c is not None and c.mu is not None for c in centers)
     assert centers[0] is not centers[1]  # each layer its own centre ...
     assert centers[0].tables is centers[1].tables  # ... and one copy of the position tables

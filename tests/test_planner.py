@@ -437,7 +437,8 @@ def test_plan_matches_what_a_rotated_cache_holds(kv_format, window):
         assert p.first_tokens == first == (4 if first_tokens is None and kv_format in ("k4v2", "k3v2") else first)
         assert p.group_size is None and p.layer_kinds[0].tokens_full_precision == window + first
         # The planner plans the tokens' bytes; a key centre's state (a few tables a layer) is reported apart.
-        state = sum(tensor_bytes(list(f.state_tensors())) for layer in cache.layers for f in layer.storage.formats())
+        state = sum(tensor_bytes(list(f.state_tensors(s))) for layer in cache.layers
+                for f, s in zip(layer.storage.formats(), layer.storage.states(), strict=True))
         assert p.kv_bytes == report.payload_bytes + report.metadata_bytes - state, first_tokens
     quantized = cache.quantized_report()
     context -= first

@@ -50,17 +50,17 @@ def make_case(key_bits, value_bits, D, *, centred, B=2, Hkv=2, G=2, N=70, R=5, s
     of R as the model gives them, and a mask over the window ``start .. N`` plus the ring."""
     g = torch.Generator().manual_seed(seed)
     center = turning_center(D, origin) if centred == "turning" else KeyCenter() if centred else None
-    fmt = RotatedFormat(key_bits, value_bits, seed=3, key_center=center)
+    fmt = RotatedFormat(key_bits, value_bits, seed=3)
     keys = torch.randn(B, Hkv, N, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
     keys[:, :, 0] = 6 * torch.randn(B, Hkv, D, generator=g)
     values = torch.randn(B, Hkv, N, D, generator=g)
-    kc, kn = quantize_rotated(keys, fmt, "keys", torch.arange(N) if centred == "turning" else None)
+    kc, kn = quantize_rotated(keys, fmt, "keys", torch.arange(N) if centred == "turning" else None, center)
     vc, vn = quantize_rotated(values, fmt, "values")
     q = torch.randn(B, Hkv * G, D, generator=g)
     ring_k, ring_v = torch.randn(B, Hkv, R, D, generator=g), torch.randn(B, Hkv, R, D, generator=g)
     mask = torch.rand(B, N - start + R, generator=g) > 0.3
     mask[0, -1] = True
-    return fmt, PackedKV(kc, kn, None, vc, vn, None), q, ring_k, ring_v, mask, start
+    return fmt, center, PackedKV(kc, kn, None, vc, vn, None), q, ring_k, ring_v, mask, start
 
 
 def turning_center(D: int, origin: int = 3) -> KeyCenter:
@@ -70,14 +70,15 @@ def turning_center(D: int, origin: int = 3) -> KeyCenter:
     return KeyCenter(RotaryBasis(1.0 / 100.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary), D), origin)
 
 
-def reference(fmt, packed, q, ring_k, ring_v, mask, start, scale):
+def reference(fmt, center, packed, q, ring_k, ring_v, mask, start, scale):
     """float64 (output [B, Hq, D], mass [B, Hkv, L]) over the decoded window and the ring, in the rotated space
     (q and the ring rotated in, the output rotated back)."""
     r = rotation(q.shape[-1], fmt.seed).double()
     q, ring_k, ring_v = q.double() @ r, ring_k.double() @ r, ring_v.double() @ r
-    turning = fmt.key_center is not None and fmt.key_center.turns is not None
+    turning = center is not None and center.turns is not None
     k = dequantize_rotated(packed.k[:, :, start:], packed.k_scale[:, :, start:], fmt, "keys", rotated_space=True,
-                           positions=torch.arange(start, packed.k.shape[2]) if turning else None)  # fmt: skip
+                           positions=torch.arange(start, packed.k.shape[2]) if turning else None,
+                           center=center)  # fmt: skip
     v = dequantize_rotated(packed.v[:, :, start:], packed.v_scale[:, :, start:], fmt, "values", rotated_space=True)
     k, v = torch.cat([k, ring_k], 2).double(), torch.cat([v, ring_v], 2).double()
     B, Hq, D = q.shape
@@ -114,20 +115,20 @@ def test_the_operator_builds_where_there_is_a_toolchain():
 @pytest.mark.parametrize("G,ring_rotated", [(1, False), (3, True)])
 def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G,
                                                                         ring_rotated):  # fmt: skip
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G)
-    want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G)
+    want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
     N = packed.k.shape[2]
     if ring_rotated:  # as a static storage holds it
         fmt, r = fmt.with_rotated_inputs(), rotation(D, fmt.seed)
         ring_k, ring_v = ring_k @ r, ring_v @ r
     out, mass = rotated_cpu.rotated_decode_cpu(
-        q, poison(packed, mask, start), fmt, start, N - start, 0.3, ring_k, ring_v, mask, True
+        q, poison(packed, mask, start), fmt, start, N - start, 0.3, ring_k, ring_v, mask, True, center
     )
     assert out.dtype == torch.float32 and out.shape == want_out.shape
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
     alone, none = rotated_cpu.rotated_decode_cpu(q, packed, fmt, start, N - start, 0.3, ring_k, ring_v,
-                                                           mask, False)  # fmt: skip
+                                                           mask, False, center)  # fmt: skip
     assert none is None
     torch.testing.assert_close(alone, out, atol=0, rtol=0)
 
@@ -138,11 +139,11 @@ def test_a_turning_centre_over_many_blocks_of_positions(G, start, origin):
     """The operator sums a turning centre's term over blocks of positions, each block's from the first block's
     basis turned by its offset (angle addition, in float32): over several blocks and a ragged last one, query
     groups past the four summed at once, a window starting inside a block and positions far from 0."""
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=300, start=start,
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=300, start=start,
                                                             origin=origin)  # fmt: skip
-    want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
+    want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
     out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 300 - start, 0.3, ring_k,
-                                               ring_v, mask, True)  # fmt: skip
+                                               ring_v, mask, True, center)  # fmt: skip
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
 
@@ -151,26 +152,26 @@ def test_a_turning_centre_over_many_blocks_of_positions(G, start, origin):
 @pytest.mark.parametrize("key_bits,value_bits,centred", [(4, 2, True), (3, 4, True), (1, 2, True), (2, 2, "turning")])
 def test_a_short_window_decodes_its_keys_in_place(key_bits, value_bits, centred):
     """Under `kTableMin` code positions the keys' scores come from decoded codes, not from per-query tables."""
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=centred, N=40, G=2)
-    want_out, want_mass = reference(fmt, packed, q, ring_k, ring_v, mask, start, 0.3)
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=centred, N=40, G=2)
+    want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
     out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 40 - start, 0.3,
-                                                         ring_k, ring_v, mask, True)  # fmt: skip
+                                                         ring_k, ring_v, mask, True, center)  # fmt: skip
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
 
 
 @needs_operator
 def test_without_a_ring_or_a_mask_and_with_every_key_masked():
-    fmt, packed, q, _, _, _, _ = make_case(4, 2, 32, centred=True)
+    fmt, center, packed, q, _, _, _, _ = make_case(4, 2, 32, centred=True)
     N = packed.k.shape[2]
     full = torch.ones(q.shape[0], N, dtype=torch.bool)
-    want_out, want_mass = reference(fmt, packed, q, q.new_zeros(2, 2, 0, 32), q.new_zeros(2, 2, 0, 32), full, 0, 0.2)
-    out, mass = rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, None, True)
+    want_out, want_mass = reference(fmt, center, packed, q, q.new_zeros(2, 2, 0, 32), q.new_zeros(2, 2, 0, 32), full, 0, 0.2)
+    out, mass = rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, None, True, center)
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
     none = torch.zeros_like(full)
     none[1] = True
-    out, mass = rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, none, True)
+    out, mass = rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.2, None, None, none, True, center)
     assert out[0].eq(0).all() and mass[0].eq(0).all()  # a row with no key attended: zeros, no NaN
     torch.testing.assert_close(out[1].double(), want_out[1], atol=2e-5, rtol=1e-4)
 
@@ -178,10 +179,10 @@ def test_without_a_ring_or_a_mask_and_with_every_key_masked():
 @needs_operator
 @pytest.mark.parametrize("with_mass", [False, True])
 def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin(monkeypatch, with_mass):
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(3, 2, 32, centred=True)
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(3, 2, 32, centred=True)
     kernel = quantized_decode_attention
     kw = dict(start=start, length=packed.k.shape[2] - start, scale=0.3, residual_k=ring_k, residual_v=ring_v, mask=mask,
-              with_mass=with_mass)  # fmt: skip
+              with_mass=with_mass, state=center)  # fmt: skip
     calls = []
     real = rotated_cpu.rotated_decode_cpu
     monkeypatch.setattr(rotated_cpu, "rotated_decode_cpu", lambda *a: calls.append(a) or real(*a))
@@ -196,14 +197,14 @@ def test_the_dispatcher_sends_cpu_calls_to_the_operator_and_agrees_with_the_twin
 
 @needs_operator
 def test_a_compiled_call_is_one_node_of_the_graph():
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
     length = packed.k.shape[2] - start
     fmt, r = fmt.with_rotated_inputs(), rotation(32, fmt.seed)  # a static storage's ring: rotated already
     ring_k, ring_v = ring_k @ r, ring_v @ r
 
     def step(q, ring_k, ring_v, mask):
         return quantized_decode_attention(q, packed, fmt, start=start, length=length, scale=0.3, residual_k=ring_k,
-                                          residual_v=ring_v, mask=mask, check=False)  # fmt: skip
+                                          residual_v=ring_v, mask=mask, check=False, state=center)  # fmt: skip
 
     targets = []
 
@@ -222,16 +223,16 @@ def test_a_compiled_call_is_one_node_of_the_graph():
 
 @needs_operator
 def test_bad_input_names_the_numbers():
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=False)
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=False)
     N = packed.k.shape[2]
     with pytest.raises(RuntimeError, match="hold 32 channels and q 40"):
-        rotated_cpu.rotated_decode_cpu(torch.randn(2, 4, 40), packed, fmt, 0, N, 0.3, None, None, None, False)
+        rotated_cpu.rotated_decode_cpu(torch.randn(2, 4, 40), packed, fmt, 0, N, 0.3, None, None, None, False, center)
     with pytest.raises(RuntimeError, match=r"mask must be bool \[B, 75\]"):
-        rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.3, ring_k, ring_v, mask, False)
+        rotated_cpu.rotated_decode_cpu(q, packed, fmt, 0, N, 0.3, ring_k, ring_v, mask, False, center)
     with pytest.raises(RuntimeError, match="4 query heads on 3 KV heads"):
         three = PackedKV(*(t[:, :1].expand(-1, 3, -1, -1) for t in (packed.k, packed.k_scale)), None,
                          *(t[:, :1].expand(-1, 3, -1, -1) for t in (packed.v, packed.v_scale)), None)  # fmt: skip
-        rotated_cpu.rotated_decode_cpu(q, three, fmt, 0, N, 0.3, None, None, None, False)
+        rotated_cpu.rotated_decode_cpu(q, three, fmt, 0, N, 0.3, None, None, None, False, center)
 
 
 def test_a_failed_build_warns_once_and_leaves_the_twin(monkeypatch, tmp_path):
@@ -245,9 +246,9 @@ def test_a_failed_build_warns_once_and_leaves_the_twin(monkeypatch, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not rotated_cpu.available()  # tried once
-    fmt, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=True)
     out = quantized_decode_attention(q, packed, fmt, start=start, length=packed.k.shape[2] - start, scale=0.3,
-                                     residual_k=ring_k, residual_v=ring_v, mask=mask)  # fmt: skip
+                                     residual_k=ring_k, residual_v=ring_v, mask=mask, state=center)  # fmt: skip
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 

@@ -137,7 +137,7 @@ def test_keys_are_coded_relative_to_a_centre(kind, monkeypatch):
         cache.update(keys, values, 0)
         held = cache.layers[0].keys
         errors[centred] = ((held - keys).norm(dim=-1) / keys.norm(dim=-1))[:, :, :100]  # the window is exact
-        center = cache.layers[0].storage.fmt.key_center
+        center = cache.layers[0].storage.states()[0]
         assert (center is not None) == centred and (not centred or (center.turns is not None) == turning)
     assert errors[True][:, :, 1:].mean() < 0.5 * errors[False][:, :, 1:].mean(), errors
     assert torch.allclose(errors[True][:, :, 0], errors[False][:, :, 0]), "the sink was coded relative to the centre"
@@ -152,7 +152,7 @@ def test_the_turning_centre_codes_rope_keys_closer_and_switches_off():
     for kind, cache in (("turning", QuantizedCache(cfg, bits="k3v2", window=8)),
                         ("fixed", parse_cache_spec("quantized:k3v2:window=8:center=fixed").build(cfg))):  # fmt: skip
         cache.update(keys, values, 0)
-        center = cache.layers[0].storage.fmt.key_center
+        center = cache.layers[0].storage.states()[0]
         assert (center.turns is not None) == (kind == "turning") and center.mu is not None
         errors[kind] = ((cache.layers[0].keys - keys).norm(dim=-1) / keys.norm(dim=-1))[:, :, 4:290].mean()
     assert errors["turning"] < 0.7 * errors["fixed"], errors
@@ -170,7 +170,7 @@ def test_a_decode_step_reads_the_turning_centre_as_the_dense_view_does(path, mon
     prompt, step = make_prompt(60, seed=2), torch.tensor([[7]])
     cache = QuantizedCache(model.config, bits="k3v2", window=4)
     model(prompt, **cache_kwargs(cache))
-    assert all(layer.storage.fmt.key_center.turns is not None for layer in cache.layers)
+    assert all(layer.storage.states()[0].turns is not None for layer in cache.layers)
     dense = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
         dense.update(layer.keys.clone(), layer.values.clone(), i)
@@ -212,7 +212,7 @@ def test_the_static_storage_reads_its_turning_codes_alike_on_every_path(monkeypa
     for centre in ("turning", "fixed"):
         cache = QuantizedCache(model.config, bits="k3v2", window=4, max_tokens=128, turning_keys=centre == "turning")
         model(prompt, **cache_kwargs(cache))
-        assert all((layer.storage.fmt.key_center.turns is not None) == (centre == "turning") for layer in cache.layers)
+        assert all((layer.storage.states()[0].turns is not None) == (centre == "turning") for layer in cache.layers)
         for path in ("operator", "twin"):
             if path == "twin":
                 monkeypatch.setattr(rotated_cpu, "available", lambda: False)
@@ -228,7 +228,7 @@ def test_a_turning_centre_where_it_cannot_turn_is_refused():
         QuantizedCache(config(), bits="int4", turning_keys=True)
     static = QuantizedCache(config(), bits="k4v2", max_tokens=256)  # left to the default: turning there too
     static.update(torch.randn(1, 2, 70, 64), torch.randn(1, 2, 70, 64), 0)
-    assert static.layers[0].storage.fmt.key_center.turns is not None
+    assert static.layers[0].storage.states()[0].turns is not None
     with pytest.raises(ConfigError, match="center must be"):
         parse_cache_spec("quantized:k4v2:center=spinning").build(config())
 
@@ -242,12 +242,12 @@ def test_a_centre_is_set_once_and_shared_by_a_pools_caches():
     pool = PagedPool(cfg, bits="k3v2", block_size=8)
     first, second = PagedCache(cfg, pool=pool, window=8), PagedCache(cfg, pool=pool, window=8)
     first.update(offset_keys(1, 64, seed=2), torch.randn(1, 2, 64, 64), 0)
-    center = first.layers[0].storage.fmt.key_center
+    center = first.layers[0].storage.states()[0]
     mu = center.mu.clone()
     held = first.layers[0].keys.clone()
     second.update(offset_keys(1, 64, seed=3) + 5, torch.randn(1, 2, 64, 64), 0)
     first.update(offset_keys(1, 40, seed=4) - 5, torch.randn(1, 2, 40, 64), 0)
-    assert second.layers[0].storage.fmt.key_center is center and torch.equal(center.mu, mu)
+    assert second.layers[0].storage.states()[0] is center and torch.equal(center.mu, mu)
     assert torch.equal(first.layers[0].keys[:, :, :48], held[:, :, :48]), "codes changed meaning"
     first.reset()
-    assert first.layers[0].storage.fmt.key_center is center and torch.equal(center.mu, mu)
+    assert first.layers[0].storage.states()[0] is center and torch.equal(center.mu, mu)

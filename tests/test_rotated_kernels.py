@@ -8,7 +8,7 @@ poisoning), then the float32 residual, with ``kernel_checks``' float32 bounds (q
 Poison: codes of unattended tokens 0xFF and their norms NaN, table columns not read -1, every buffer the function
 allocates NaN (``poisoned_empty``): reading any of them shows. The mass is checked against float64 as well.
 
-Keys of a centred format (a cache layer's, ``for_layer``) have a common offset per head and a far-off first token,
+Keys of a centred format (a cache layer's, with the state ``make_state`` makes) have a common offset per head and a far-off first token,
 so their codes mix both signs of norm (relative to the centre, and plain).
 
 Quantize-and-pack: the codes equal the twin's bit for bit, the norms to a float16 ulp (see rotated_pack's doc);
@@ -64,15 +64,17 @@ def offset_keys(L, Hkv, T, D):
     return keys
 
 
-def coded(fmt, L, Hkv, T, D, Dv):
-    """PackedKV of random keys/values [L, Hkv, T, D/Dv] coded by the twin, and their rotated float64 decodings."""
-    turning = fmt.key_center is not None and fmt.key_center.turns is not None
+def coded(fmt, center, L, Hkv, T, D, Dv):
+    """PackedKV of random keys/values [L, Hkv, T, D/Dv] coded by the twin (keys relative to the layer's `center`, or
+    None), and their rotated float64 decodings."""
+    turning = center is not None and center.turns is not None
     positions = torch.arange(T) if turning else None  # a turning centre: at the buffer indices (dense layouts)
-    kc, kn = quantize_rotated(offset_keys(L, Hkv, T, D), fmt, "keys", positions)
-    if fmt.key_center is not None and T >= 8:
+    kc, kn = quantize_rotated(offset_keys(L, Hkv, T, D), fmt, "keys", positions, center)
+    if center is not None and T >= 8:
         assert (kn < 0).any() and (kn >= 0).any(), "a centred format coded every key alike"
     vc, vn = quantize_rotated(torch.randn(L, Hkv, T, Dv), fmt, "values")
-    k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, rotated_space=True, positions=positions)
+    k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, rotated_space=True, positions=positions,
+                               center=center)  # fmt: skip
     v_hat = dequantize_rotated(vc, vn, fmt, "values", torch.float64, rotated_space=True)
     return PackedKV(kc, kn, None, vc, vn, None), k_hat, v_hat
 
@@ -82,10 +84,10 @@ class Layout:
     pool of blocks of ``bs`` tokens with a table (row b > 0 shares row 0's first block, 2 spare blocks, 2 spare
     columns of -1). k_hat / v_hat [B, Hkv, length, D/Dv]: the attended tokens' rotated decodings; all else poisoned."""
 
-    def __init__(self, fmt, B, Hkv, D, Dv, start, length, bs=None):
+    def __init__(self, layer, B, Hkv, D, Dv, start, length, bs=None):
         if bs is None:
             T = start + length + 3
-            packed, k_hat, v_hat = coded(fmt, B, Hkv, T, D, Dv)
+            packed, k_hat, v_hat = coded(*layer, B, Hkv, T, D, Dv)
             live = torch.zeros(B, T, dtype=torch.bool)
             live[:, start : start + length] = True
             self.block_table = None
@@ -98,7 +100,7 @@ class Layout:
             table = torch.full((B, last + 3), -1, dtype=torch.int32)
             table[:, first] = ids[0]
             table[:, first + 1 : last + 1] = ids[1 : 1 + B * (used - 1)].view(B, used - 1)
-            packed, k_hat, v_hat = coded(fmt, nb, Hkv, bs, D, Dv)
+            packed, k_hat, v_hat = coded(*layer, nb, Hkv, bs, D, Dv)
             tokens = torch.arange(start, start + length)
             blocks, offs = table[:, tokens // bs].long(), tokens % bs  # [B, length], [length]
             live = torch.zeros(nb, bs, dtype=torch.bool)
@@ -120,10 +122,11 @@ def residual(B, Hkv, R, D, Dv):
     return torch.randn(B, Hkv, R + 4, D)[:, :, 1 : 1 + R], torch.randn(B, R + 2, Hkv, Dv)[:, 2:].transpose(1, 2)
 
 
-def attend(q, fmt, lay, rk, rv, mask, scale, **kw):
+def attend(q, layer, lay, rk, rv, mask, scale, **kw):
+    fmt, center = layer
     return rotated_decode_attention_triton(
         q, lay.packed, fmt, start=lay.start, length=lay.length, scale=scale, residual_k=rk, residual_v=rv,
-        mask=mask, block_table=lay.block_table, **kw,
+        mask=mask, block_table=lay.block_table, key_center=center, **kw,
     )  # fmt: skip
 
 
@@ -156,21 +159,22 @@ def _case_id(c):
 
 
 def layer_format(key_bits, value_bits, seed, centred=True, head_dim=64):
-    """A cache layer's format (its keys centred, the centre set by the first keys it codes; `centred="turning"`: a
-    centre turning with a RoPE of base 500 over every channel, index 0 at position 4), or a plain one."""
+    """A cache layer's (format, state): its keys centred, the centre set by the first keys it codes (`centred=
+    "turning"`: a centre turning with a RoPE of base 500 over every channel, index 0 at position 4), or plain (None)."""
     fmt = RotatedFormat(key_bits, value_bits, seed)
     if centred == "turning":
         inv_freq = 1.0 / 500.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        return fmt.for_layer(0, turns=RotaryBasis(inv_freq, head_dim), origin=4)
-    return fmt.for_layer(0) if centred else fmt
+        return fmt.for_layer(0), fmt.make_state(turns=RotaryBasis(inv_freq, head_dim), origin=4)
+    return (fmt.for_layer(0), fmt.make_state()) if centred else (fmt, None)
 
 
 @pytest.mark.parametrize("with_mass", [False, True], ids=["out", "mass"])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[_case_id(c) for c in ATTENTION_CASES])
 def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
     kb, vb, D, Dv, B, Hkv, G, bs, start, length, R, pads, num_splits, centred = case
-    fmt = layer_format(kb, vb, 3, centred, D)
-    lay = Layout(fmt, B, Hkv, D, Dv, start, length, bs)
+    layer = layer_format(kb, vb, 3, centred, D)
+    fmt = layer[0]
+    lay = Layout(layer, B, Hkv, D, Dv, start, length, bs)
     q = torch.randn(B, Hkv * G, D)
     rk, rv = residual(B, Hkv, R, D, Dv)
     n = length + (R or 0)
@@ -178,7 +182,7 @@ def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
     scale = 1.0 / math.sqrt(D)
     before = [t.clone() for t in (lay.packed.k, lay.packed.k_scale, lay.packed.v, lay.packed.v_scale)]
 
-    out, mass = attend(q, fmt, lay, rk, rv, mask, scale, num_splits=num_splits, with_mass=with_mass)
+    out, mass = attend(q, layer, lay, rk, rv, mask, scale, num_splits=num_splits, with_mass=with_mass)
     keys, values = lay.k_hat, lay.v_hat
     if rk is not None:
         keys, values = torch.cat([keys, rk.double()], dim=2), torch.cat([values, rv.double()], dim=2)
@@ -197,36 +201,36 @@ def test_attention_matches_float64(seed, poisoned_empty, case, with_mass):
 
 def test_attention_residual_only_and_all_masked(seed, poisoned_empty):
     # length 0: the coded buffers are all poison and only the residual counts; every key masked: zeros, zero mass.
-    fmt = layer_format(4, 2, 0)
-    lay = Layout(fmt, 2, 2, 64, 64, 0, 0)
+    layer = layer_format(4, 2, 0)
+    lay = Layout(layer, 2, 2, 64, 64, 0, 0)
     q = torch.randn(2, 4, 64)
     rk, rv = residual(2, 2, 9, 64, 64)
     mask = left_padding(2, 9, (0, 3))
-    out, mass = attend(q, fmt, lay, rk, rv, mask, 0.125, with_mass=True)
+    out, mass = attend(q, layer, lay, rk, rv, mask, 0.125, with_mass=True)
     check(out, q, 64, reference(q, rk, rv, 0.125, mask), seed, "residual only")
     check_mass(mass, q, rk, 0.125, mask, seed, "residual only")
-    fmt = layer_format(4, 2, 0)  # a centre of its own: new keys
-    lay = Layout(fmt, 2, 2, 64, 64, 3, 20, bs=8)
-    out, mass = attend(q, fmt, lay, rk, rv, torch.zeros(2, 29, dtype=torch.bool), 0.125, with_mass=True)
+    layer = layer_format(4, 2, 0)  # a centre of its own: new keys
+    lay = Layout(layer, 2, 2, 64, 64, 3, 20, bs=8)
+    out, mass = attend(q, layer, lay, rk, rv, torch.zeros(2, 29, dtype=torch.bool), 0.125, with_mass=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(mass, torch.zeros(2, 2, 29))
 
 
 def test_attention_bad_block_id_is_masked(seed, poisoned_empty):
     # No host read of the table: a block id outside the pool in a column that is read counts as masked keys.
-    fmt = layer_format(4, 2, 0)
-    lay = Layout(fmt, 2, 1, 64, 64, 4, 30, bs=8)
+    layer = layer_format(4, 2, 0)
+    lay = Layout(layer, 2, 1, 64, 64, 4, 30, bs=8)
     q = torch.randn(2, 2, 64)
     lay.block_table[1, 1] = lay.packed.k.shape[0]  # tokens 8..15 of row 1: keys 4..11
     lay.block_table[1, 2] = -1  # tokens 16..23: keys 12..19
     mask = torch.ones(2, 30, dtype=torch.bool)
     mask[1, 4:20] = False
-    out, _ = attend(q, fmt, lay, None, None, None, 0.2)
+    out, _ = attend(q, layer, lay, None, None, None, 0.2)
     check(out, q, 64, reference(q, lay.k_hat, lay.v_hat, 0.2, mask), seed, "bad block ids")
 
 
 def test_attention_validates(seed):
     fmt = RotatedFormat(4, 2)
-    lay = Layout(fmt, 1, 2, 64, 64, 0, 16)
+    lay = Layout((fmt, None), 1, 2, 64, 64, 0, 16)
     q = torch.randn(1, 4, 64)
     kw = dict(start=0, length=16, scale=0.125)
     with pytest.raises(ConfigError, match="RotatedFormat"):
@@ -243,9 +247,9 @@ def test_attention_validates(seed):
 # ---------------------------------------------------------------------------------------------------
 
 
-def assert_matches_twin(codes, norms, x, fmt, side, what, positions=None):
+def assert_matches_twin(codes, norms, x, fmt, side, what, positions=None, center=None):
     """Codes bit for bit, norms to one float16 ulp (and nearly all exactly)."""
-    want_codes, want_norms = quantize_rotated(x, fmt, side, positions)
+    want_codes, want_norms = quantize_rotated(x, fmt, side, positions, center)
     assert codes.dtype == torch.uint8 and norms.dtype == torch.float16
     assert torch.equal(codes, want_codes), f"{what}: codes differ from the twin's"
     ulps = (norms.view(torch.int16).int() - want_norms.view(torch.int16).int()).abs()
@@ -283,17 +287,18 @@ def test_quantize_centred_matches_twin(seed, poisoned_empty, case):
     bits, D, dtype, B, H, T = case
     x = offset_keys(B, H, T, D).to(dtype)
     mu = x.float()[:, :, 1:].mean(dim=(0, 2))
-    fmt = RotatedFormat(bits, 2, 7, KeyCenter.given(mu, 7))
+    fmt, center = RotatedFormat(bits, 2, 7), KeyCenter.given(mu, 7)
     x[0, 0, 0], x[0, 0, 1], x[1:, :, 0] = 0, mu[0].to(dtype), (-2 * mu).to(dtype)
-    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys")
-    assert_matches_twin(codes, norms, x, fmt, "keys", f"centred {bits} bits {dtype}")
+    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", center=center)
+    assert_matches_twin(codes, norms, x, fmt, "keys", f"centred {bits} bits {dtype}", center=center)
     rounding = (x[0, 0, 1].float() - mu[0]).norm()  # of mu to x's dtype
     assert norms[0, 0, 0].item() == -(2.0**-24) and 0 <= norms[0, 0, 1].item() <= 2 * rounding + 1e-6
     assert (norms[1:, :, 0] < 0).all() and (norms[..., 2:, :] >= 0).float().mean() > 0.9, "signs of norms"
-    decoded = dequantize_rotated(codes, norms, fmt, "keys")
+    decoded = dequantize_rotated(codes, norms, fmt, "keys", center=center)
     assert decoded[0, 0, 0].abs().max() < 1e-4 and (decoded[0, 0, 1] - mu[0]).norm() <= 3 * rounding + 1e-5
     plain = RotatedFormat(bits, 2, 7)
-    err = [(dequantize_rotated(*quantize_rotated(x, f, "keys"), f, "keys") - x.float())[..., 2:, :].norm() for f in (fmt, plain)]
+    err = [(dequantize_rotated(*quantize_rotated(x, f, "keys", None, c), f, "keys", center=c) - x.float())[..., 2:, :].norm()
+           for f, c in ((fmt, center), (plain, None))]  # fmt: skip
     assert err[0] < err[1], f"centred keys coded worse than plain ones: {err}"
 
 
@@ -315,15 +320,16 @@ def test_quantize_into_out_views(seed, bits):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_quantize_into_slots(seed, bits):
-    fmt, D, B, H, T, N = layer_format(bits, 2, 2), 96, 2, 2, 6, 15
+    (fmt, center), D, B, H, T, N = layer_format(bits, 2, 2), 96, 2, 2, 6, 15
     x = offset_keys(B, H, T, D).to(torch.float16)
     slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
     codes = torch.full((B, H, N, D * bits // 8), 0xAB, dtype=torch.uint8)
     norms = torch.full((B, H, N, 1), -7.0, dtype=torch.float16)
-    quantize_rotated_triton(x, fmt, "keys", out=(codes, norms, None), slots=slots)
+    quantize_rotated_triton(x, fmt, "keys", out=(codes, norms, None), slots=slots, center=center)
     index = slots[..., None]
     assert_matches_twin(
-        codes.gather(2, index.expand(B, H, T, codes.shape[-1])), norms.gather(2, index), x, fmt, "keys", "slots"
+        codes.gather(2, index.expand(B, H, T, codes.shape[-1])), norms.gather(2, index), x, fmt, "keys", "slots",
+        center=center,
     )
     written = torch.zeros(B, H, N, dtype=torch.bool).scatter_(2, slots, True)
     assert (codes[~written] == 0xAB).all() and (norms[~written] == -7.0).all(), "wrote rows no slot names"
@@ -349,19 +355,19 @@ def test_quantize_validates():
 # ---------------------------------------------------------------------------------------------------
 
 
-def attention_op_args(fmt, lay, q, rk, rv, mask, scale, num_splits=2):
-    p = lay.packed
+def attention_op_args(layer, lay, q, rk, rv, mask, scale, num_splits=2):
+    (fmt, center), p = layer, lay.packed
     return (
         q, p.k, p.k_scale, p.v, p.v_scale, fmt.key_bits, fmt.value_bits, fmt.seed, lay.start, lay.length, scale,
-        rk, rv, mask, lay.block_table, num_splits, fmt.key_center.rotated,
+        rk, rv, mask, lay.block_table, num_splits, center.rotated,
     )  # fmt: skip
 
 
 def attention_inputs(paged):
-    fmt = layer_format(3, 2, 5)
-    lay = Layout(fmt, 2, 2, 64, 64, 3, 30, bs=8 if paged else None)
+    layer = layer_format(3, 2, 5)
+    lay = Layout(layer, 2, 2, 64, 64, 3, 30, bs=8 if paged else None)
     rk, rv = residual(2, 2, 4, 64, 64)
-    return fmt, lay, torch.randn(2, 4, 64), rk, rv, left_padding(2, 34, (0, 5))
+    return layer, lay, torch.randn(2, 4, 64), rk, rv, left_padding(2, 34, (0, 5))
 
 
 def quantize_op_args(with_slots, centred=False):
@@ -382,30 +388,30 @@ def test_quantize_turning_matches_twin(seed, poisoned_empty, case):
     bits, D, dtype, B, H, T = case
     x = offset_keys(B, H, T, D).to(dtype)
     positions = torch.arange(7, 7 + T)
-    fmt = layer_format(bits, 2, 7, "turning", D)
-    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", positions=positions)
-    assert fmt.key_center.mu is not None and (norms < 0).any() and (norms >= 0).any()
-    assert_matches_twin(codes, norms, x, fmt, "keys", f"turning {bits} bits {dtype}", positions)
+    fmt, center = layer_format(bits, 2, 7, "turning", D)
+    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", positions=positions, center=center)
+    assert center.mu is not None and (norms < 0).any() and (norms >= 0).any()
+    assert_matches_twin(codes, norms, x, fmt, "keys", f"turning {bits} bits {dtype}", positions, center)
 
 
 def test_cuda_implementations_take_a_turning_centre(seed):
     # The ops' CUDA bodies with a turning centre's tensors (under the interpreter): the attention's against the Triton
     # path reading the centre from the format, the quantize op's (the centre of each token) against Triton's codes.
-    fmt = layer_format(3, 2, 5, "turning")
-    lay = Layout(fmt, 2, 2, 64, 64, 3, 30)
+    layer = layer_format(3, 2, 5, "turning")
+    (fmt, center), lay = layer, Layout(layer, 2, 2, 64, 64, 3, 30)
     q, (rk, rv), mask = torch.randn(2, 4, 64), residual(2, 2, 4, 64, 64), left_padding(2, 34, (0, 5))
     kw = dict(start=3, length=30, scale=0.125, residual_k=rk, residual_v=rv, mask=mask, num_splits=2, check=False)
-    want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw)[0]
-    center = fmt.key_center
-    args = (*attention_op_args(fmt, lay, q, rk, rv, mask, 0.125)[:-1], None,
+    want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw, key_center=center)[0]
+    args = (*attention_op_args(layer, lay, q, rk, rv, mask, 0.125)[:-1], None,
             center.query_weights(q, rotated=True), center.basis(33, q.device))  # fmt: skip
     assert_same(ops.rotated_decode_attention_cuda(*args), want, seed, "rotated attention, turning centre")
-    plain = RotatedFormat(3, 2, 5, KeyCenter.given(center.mu, 5))  # the wrong centre: a different output
-    assert not torch.allclose(rotated_decode_attention_triton(q, lay.packed, plain, **kw)[0], want, atol=1e-3)
+    plain = KeyCenter.given(center.mu, 5)  # the wrong centre: a different output
+    assert not torch.allclose(rotated_decode_attention_triton(q, lay.packed, fmt, **kw, key_center=plain)[0], want,
+                              atol=1e-3)  # fmt: skip
 
     x = offset_keys(2, 2, 12, 64)
     positions = torch.arange(20, 32)
-    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", positions=positions)
+    codes, norms, _ = quantize_rotated_triton(x, fmt, "keys", positions=positions, center=center)
     codes2, norms2 = torch.empty_like(codes), torch.empty_like(norms)
     ops.quantize_rotated_cuda(x, 3, 2, 5, "keys", codes2, norms2, None, center.at(positions, rotated=False))
     assert_same((codes2, norms2), (codes, norms), seed, "quantize_rotated, turning centre")
@@ -430,10 +436,11 @@ def test_cuda_implementations_match_the_triton_paths(seed):
     # The ops' CUDA bodies call the Triton entry points with the right arguments (on the CPU, under the interpreter):
     # bit for bit, each against the call of its own specialization (with_mass adds the scores store and the lse
     # merge, which compiled need not round the output alike; under the interpreter they do).
-    fmt, lay, q, rk, rv, mask = attention_inputs(paged=True)
+    layer, lay, q, rk, rv, mask = attention_inputs(paged=True)
+    fmt = layer[0]
     kw = dict(start=lay.start, length=lay.length, scale=0.125, residual_k=rk, residual_v=rv, mask=mask,
-              block_table=lay.block_table, num_splits=2, check=False)  # fmt: skip
-    args = attention_op_args(fmt, lay, q, rk, rv, mask, 0.125)
+              block_table=lay.block_table, num_splits=2, check=False, key_center=layer[1])  # fmt: skip
+    args = attention_op_args(layer, lay, q, rk, rv, mask, 0.125)
     plain, no_mass = rotated_decode_attention_triton(q, lay.packed, fmt, **kw)
     assert no_mass is None
     want = rotated_decode_attention_triton(q, lay.packed, fmt, **kw, with_mass=True)
@@ -448,8 +455,9 @@ def test_cuda_implementations_match_the_triton_paths(seed):
         x, kb, vb, s, side, codes, norms, slots, center = quantize_op_args(with_slots, centred)
         codes2, norms2 = codes.clone(), norms.clone()
         ops.quantize_rotated_cuda(x, kb, vb, s, side, codes, norms, slots, center)
-        fmt = RotatedFormat(kb, vb, s, value_center=KeyCenter.given(center, s))
-        quantize_rotated_triton(x, fmt, side, (codes2, norms2, None), slots, check=False)
+        fmt = RotatedFormat(kb, vb, s)
+        quantize_rotated_triton(x, fmt, side, (codes2, norms2, None), slots, check=False,
+                                center=KeyCenter.given(center, s))  # fmt: skip
         what = f"quantize_rotated slots={with_slots} centred={centred}"
         assert_same((codes, norms), (codes2, norms2), seed, what)
         assert (norms != 0).sum() == x.shape[0] * x.shape[1] * x.shape[2], "norms not written"
@@ -464,10 +472,11 @@ def test_plane_order_decode_is_the_channel_order_decode_permuted(seed, bits, D, 
     # numbers to float32 rounding (plane order decodes by the codebook's polynomial, channel order by its table),
     # channels in `plane_order`; a format whose planes would be short keeps channel order.
     x = offset_keys(2, 3, 9, D)
-    fmt = RotatedFormat(bits, 2, 5, KeyCenter.given(x[:, :, 1:].mean(dim=(0, 2)), 5) if centred else None)
-    codes, norms = quantize_rotated(x, fmt, "keys")[:2]
-    plain = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True)
-    planes = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, planes=True)
+    fmt = RotatedFormat(bits, 2, 5)
+    center = KeyCenter.given(x[:, :, 1:].mean(dim=(0, 2)), 5) if centred else None
+    codes, norms = quantize_rotated(x, fmt, "keys", None, center)[:2]
+    plain = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, center=center)
+    planes = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, planes=True, center=center)
     order = plane_order(D, bits, x.device)
     assert sorted(order.tolist()) == list(range(D))
     torch.testing.assert_close(planes, plain[..., order], rtol=1e-6, atol=1e-6, msg=f"{bits} bits, D {D}")
@@ -509,7 +518,7 @@ def test_a_residual_that_comes_rotated_is_attended_as_it_is(seed, compiled, bits
     if twin:
         monkeypatch.setattr(rotated_cpu, "_LOADED", False)
     fmt = RotatedFormat(*bits, 7)
-    packed, _, _ = coded(fmt, 1, 2, length, 32, 32)
+    packed, _, _ = coded(fmt, None, 1, 2, length, 32, 32)
     # The ring's keys lie along their group's queries, so the ring takes most of the attention and a ring read wrong
     # shows past 1030 coded tokens too (random ring keys did not always: a flaky check).
     q, residual_v = torch.randn(1, 4, 32), torch.randn(1, 2, 5, 32)

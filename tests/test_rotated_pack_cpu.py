@@ -41,8 +41,9 @@ def keys_like(B=2, H=3, T=40, D=32, seed=0) -> torch.Tensor:
     return x
 
 
-def centred(fmt_bits=(4, 2), seed=3) -> RotatedFormat:
-    return RotatedFormat(*fmt_bits, seed=seed, key_center=KeyCenter())
+def centred(fmt_bits=(4, 2), seed=3) -> tuple[RotatedFormat, KeyCenter]:
+    """A format and a key centre, unset, as a cache's layer holds them."""
+    return RotatedFormat(*fmt_bits, seed=seed), KeyCenter()
 
 
 def assert_same_codes(got, want):
@@ -72,25 +73,27 @@ def test_the_operator_codes_as_the_twin(D, bits, side):
 @pytest.mark.parametrize("D,bits", [(32, 4), (32, 3), (64, 2), (40, 4), (128, 1)])
 def test_a_centred_side_codes_both_signs_as_the_twin(D, bits):
     x = keys_like(D=D)
-    ours, twins = centred((bits, 2)), centred((bits, 2))
-    got = rotated_cpu.rotated_encode_cpu(x, ours, "keys")  # the first call sets the centre, as the twin's does
-    want = quantize_rotated(x, twins, "keys")
-    torch.testing.assert_close(ours.key_center.mu, twins.key_center.mu, atol=0, rtol=0)
+    (fmt, ours), (_, twins) = centred((bits, 2)), centred((bits, 2))
+    got = rotated_cpu.rotated_encode_cpu(x, fmt, "keys", None, ours)  # the first call sets the centre, as the twin's
+    want = quantize_rotated(x, fmt, "keys", None, twins)
+    torch.testing.assert_close(ours.mu, twins.mu, atol=0, rtol=0)
     assert_same_codes(got, want)
     norms = got[1]
     assert (norms > 0).any() and (norms < 0).any()  # centred and plain codes both made
     assert norms[0, 0, 5].item() == -(2.0**-24)  # the zero vector: plain, at the smallest norm
     later = keys_like(D=D, seed=1)  # the centre stays as the first call set it
-    assert_same_codes(rotated_cpu.rotated_encode_cpu(later, ours, "keys"), quantize_rotated(later, twins, "keys"))
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(later, fmt, "keys", None, ours),
+                      quantize_rotated(later, fmt, "keys", None, twins))  # fmt: skip
 
 
 def test_rotated_inputs_code_as_the_twin():
-    fmt = centred((3, 3))
+    fmt, center = centred((3, 3))
     x = keys_like(D=64)
-    quantize_rotated(x, fmt, "keys")  # sets the centre
+    quantize_rotated(x, fmt, "keys", None, center)  # sets the centre
     turned = fmt.with_rotated_inputs()
     xr = x @ rotation(64, fmt.seed)
-    assert_same_codes(rotated_cpu.rotated_encode_cpu(xr, turned, "keys"), quantize_rotated(xr, turned, "keys"))
+    assert_same_codes(rotated_cpu.rotated_encode_cpu(xr, turned, "keys", None, center),
+                      quantize_rotated(xr, turned, "keys", None, center))  # fmt: skip
     plain = RotatedFormat(2, 4, seed=1).with_rotated_inputs()
     assert_same_codes(rotated_cpu.rotated_encode_cpu(xr, plain, "values"), quantize_rotated(xr, plain, "values"))
 
@@ -141,9 +144,9 @@ def test_the_dispatchers_code_cpu_tensors_with_the_operator(monkeypatch, kind):
 
 
 def test_a_compiled_call_is_one_node_of_the_graph():
-    fmt = centred((4, 2))
+    fmt, center = centred((4, 2))
     x = keys_like(T=8, D=32)
-    quantize_rotated(keys_like(D=32), fmt, "keys")  # the centre set eagerly, as a cache's prefill sets it
+    quantize_rotated(keys_like(D=32), fmt, "keys", None, center)  # the centre set eagerly, as a cache's prefill does
     targets = []
 
     def backend(gm, example_inputs):
@@ -151,12 +154,12 @@ def test_a_compiled_call_is_one_node_of_the_graph():
         return gm.forward
 
     def step(x):
-        return dispatch.quantize_keys(x, fmt, check=False)[:2]
+        return dispatch.quantize_keys(x, fmt, check=False, state=center)[:2]
 
     torch._dynamo.reset()
     got = torch.compile(step, backend=backend, fullgraph=True)(x)
     assert [t for t in targets if "hf_kvplus_cpu.rotated_encode" in str(t)], targets
-    assert_same_codes(got, quantize_rotated(x, fmt, "keys"))
+    assert_same_codes(got, quantize_rotated(x, fmt, "keys", None, center))
     assert_same_codes(torch.compile(step, fullgraph=True)(x), got)
 
 

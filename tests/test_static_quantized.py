@@ -88,7 +88,7 @@ def test_rolling_back_keeps_the_codes_and_the_exact_tokens():
 @pytest.mark.parametrize(
     "make, positions",
     # 23 - 5 = 18 tokens can leave the window: in groups of 4, 20 positions; one token per "group", 18
-    [(lambda: QuantFormat(4, 4), 20), (lambda: RotatedFormat(4, 2, 1, KeyCenter()), 18)],
+    [(lambda: (QuantFormat(4, 4), None), 20), (lambda: (RotatedFormat(4, 2, 1), KeyCenter()), 18)],
     ids=["int4-g4", "k4v2"],
 )
 def test_a_storage_filled_to_max_tokens_codes_only_what_leaves_the_window(make, positions):
@@ -96,8 +96,9 @@ def test_a_storage_filled_to_max_tokens_codes_only_what_leaves_the_window(make, 
     exactly `max_tokens`, the storage holds what one with room to spare holds."""
     torch.manual_seed(0)
     keys, values = torch.randn(1, 2, 23, 16), torch.randn(1, 2, 23, 16)
-    tight = StaticQuantizedStorage(make(), window=5, max_tokens=23)
-    roomy = StaticQuantizedStorage(make(), window=5, max_tokens=64)
+    (fmt, state), (roomy_fmt, roomy_state) = make(), make()  # (each storage its layer's state)
+    tight = StaticQuantizedStorage(fmt, window=5, max_tokens=23, state=state)
+    roomy = StaticQuantizedStorage(roomy_fmt, window=5, max_tokens=64, state=roomy_state)
     assert tight.positions == positions
     for storage in (tight, roomy):
         storage.append(keys[:, :, :10], values[:, :, :10])
@@ -114,15 +115,15 @@ def test_a_storage_filled_to_max_tokens_codes_only_what_leaves_the_window(make, 
 
 
 def test_a_rotated_format_keeps_its_ring_rotated_and_attends_it_as_it_is():
-    fmt = RotatedFormat(4, 2, 3, KeyCenter())
+    fmt, center = RotatedFormat(4, 2, 3), KeyCenter()
     torch.manual_seed(0)
     keys, values = torch.randn(1, 2, 20, 16) + 0.5, torch.randn(1, 2, 20, 16)
-    storage = StaticQuantizedStorage(fmt, window=4, max_tokens=40)
+    storage = StaticQuantizedStorage(fmt, window=4, max_tokens=40, state=center)
     storage.append(keys[:, :, :12], values[:, :, :12])
     for t in range(12, 20):
         storage.append(keys[:, :, t : t + 1], values[:, :, t : t + 1])
     # The centre is the mean of the first keys held, as they were.
-    torch.testing.assert_close(fmt.key_center.mu, keys[:, :, :12].mean(dim=(0, 2)))
+    torch.testing.assert_close(center.mu, keys[:, :, :12].mean(dim=(0, 2)))
     # 20 held, window 4: codes before 16; the ring (4 + 2 slots) holds tokens 14..19, rotated.
     r = rotation(16, 3)
     slots = torch.arange(14, 20) % storage.ring
@@ -134,11 +135,12 @@ def test_a_rotated_format_keeps_its_ring_rotated_and_attends_it_as_it_is():
     torch.testing.assert_close(v[:, :, 16:], values[:, :, 16:], atol=1e-5, rtol=0)
     # The codes are those of the tokens as they were (the rotation applied first instead of after the centre:
     # a code may differ where a coordinate sits on a boundary).
-    codes, _ = quantize_rotated(keys[:, :, :16], fmt, "keys")
+    codes, _ = quantize_rotated(keys[:, :, :16], fmt, "keys", None, center)
     assert (storage.buffers.k[:, :, :16] == codes).float().mean() > 0.99
     # Attention reads the ring as it is: the read's format says its tokens come rotated.
     read = storage.read(20, 1)
     assert read.fmt.inputs_rotated and not storage.fmt.inputs_rotated and read.recent_k is storage.ring_k
+    assert read.state is center  # the layer's state goes with the read
 
 
 def test_capacity_and_bad_construction_are_refused():

@@ -85,12 +85,12 @@ def test_codes_relative_to_the_turned_centre(bits):
     positions = torch.arange(5, 69)
     keys = offset_keys(positions, b)
     keys[:, :, 0] = -keys[:, :, 0] * 6  # far from the centre: coded plainly
-    fmt = RotatedFormat(bits, bits, seed=3, key_center=KeyCenter(b))
-    codes, norms = quantize_rotated(keys, fmt, "keys", positions)
-    decoded = dequantize_rotated(codes, norms, fmt, "keys", positions=positions)
+    fmt, center = RotatedFormat(bits, bits, seed=3), KeyCenter(b)
+    codes, norms = quantize_rotated(keys, fmt, "keys", positions, center)
+    decoded = dequantize_rotated(codes, norms, fmt, "keys", positions=positions, center=center)
 
     mu = b.unturned(keys, positions).mean(dim=(0, 2))
-    torch.testing.assert_close(fmt.key_center.mu, mu)
+    torch.testing.assert_close(center.mu, mu)
     c = rope(mu[:, None].expand(H, positions.numel(), D), positions, b)[None]
     plain = RotatedFormat(bits, bits, seed=3)
 
@@ -104,9 +104,10 @@ def test_codes_relative_to_the_turned_centre(bits):
     torch.testing.assert_close(decoded, expected, atol=1e-4, rtol=1e-4)
 
     r = rotation(D, 3)
-    in_space = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, positions=positions)
+    in_space = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, positions=positions, center=center)
     torch.testing.assert_close(in_space, decoded @ r, atol=1e-4, rtol=1e-4)
-    in_planes = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, planes=True, positions=positions)
+    in_planes = dequantize_rotated(codes, norms, fmt, "keys", rotated_space=True, planes=True, positions=positions,
+                                   center=center)  # fmt: skip
     torch.testing.assert_close(in_planes, in_plane_order(in_space, bits), atol=1e-4, rtol=1e-4)
 
 
@@ -120,10 +121,10 @@ def test_the_dispatcher_codes_at_a_buffer_index(cpu_kernels, monkeypatch):
         monkeypatch.setattr(rotated_cpu, "encodes", lambda x: False)
     b, positions = basis(), torch.arange(40, 72)
     keys = offset_keys(positions + 5, b)
-    mine, twin = RotatedFormat(3, 2, seed=1, key_center=KeyCenter(b, 5)), RotatedFormat(3, 2, seed=1, key_center=KeyCenter(b, 5))
-    codes, norms, _ = quantize_keys(keys, mine, check=False, index=40)
-    want_codes, want_norms = quantize_rotated(keys, twin, "keys", positions)
-    torch.testing.assert_close(mine.key_center.mu, twin.key_center.mu)
+    fmt, mine, twin = RotatedFormat(3, 2, seed=1), KeyCenter(b, 5), KeyCenter(b, 5)
+    codes, norms, _ = quantize_keys(keys, fmt, check=False, index=40, state=mine)
+    want_codes, want_norms = quantize_rotated(keys, fmt, "keys", positions, twin)
+    torch.testing.assert_close(mine.mu, twin.mu)
     assert (codes != want_codes).float().mean() < 0.01  # a code at a boundary may round the other way
     torch.testing.assert_close(norms.float(), want_norms.float(), atol=0, rtol=2e-3)
 
@@ -136,10 +137,10 @@ def test_turning_centre_codes_offset_keys_closer_than_a_fixed_one():
     keys = offset_keys(positions, b)
     errors = {}
     for name, center in (("fixed", KeyCenter()), ("turning", KeyCenter(b))):
-        fmt = RotatedFormat(3, 3, seed=0, key_center=center)
+        fmt = RotatedFormat(3, 3, seed=0)
         args = {"positions": positions} if center.turns else {}
-        codes, norms = quantize_rotated(keys, fmt, "keys", *args.values())
-        errors[name] = float((dequantize_rotated(codes, norms, fmt, "keys", **args) - keys).square().mean())
+        codes, norms = quantize_rotated(keys, fmt, "keys", args.get("positions"), center)
+        errors[name] = float((dequantize_rotated(codes, norms, fmt, "keys", **args, center=center) - keys).square().mean())
     assert errors["turning"] < 0.5 * errors["fixed"], errors
 
 
@@ -147,14 +148,14 @@ def test_typed_errors():
     b = basis()
     positions = torch.arange(8)
     keys = offset_keys(positions, b)
-    fmt = RotatedFormat(4, 2, key_center=KeyCenter(b))
+    fmt, center = RotatedFormat(4, 2), KeyCenter(b)
     with pytest.raises(ConfigError, match="positions"):
-        quantize_rotated(keys, fmt, "keys")
+        quantize_rotated(keys, fmt, "keys", None, center)
     with pytest.raises(ShapeError, match=r"positions must be \[8\]"):
-        quantize_rotated(keys, fmt, "keys", torch.arange(9))
-    codes, norms = quantize_rotated(keys, fmt, "keys", positions)
+        quantize_rotated(keys, fmt, "keys", torch.arange(9), center)
+    codes, norms = quantize_rotated(keys, fmt, "keys", positions, center)
     with pytest.raises(ConfigError, match="positions"):
-        dequantize_rotated(codes, norms, fmt, "keys")
+        dequantize_rotated(codes, norms, fmt, "keys", center=center)
     with pytest.raises(ConfigError, match="on CUDA only"):  # the custom operator's CPU kernel
         v_codes, v_norms = quantize_rotated(keys, fmt, "values")
         torch.ops.kvplus.rotated_decode_attention(

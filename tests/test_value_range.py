@@ -208,7 +208,7 @@ def test_a_slot_stores_first_token_the_codes_cannot_hold_spoils_no_later_codes(b
     """A one-token first forward is a decode step (no prompt check): a rotated format's key centre, set from the
     first keys coded, must not be set from what the codes cannot hold."""
     fmt = resolve_format(ModelSpec.from_config(config()), parse_bits(bits), None)
-    store = SlotStore(TokenQuantCodec(fmt.for_layer(0)))
+    store = SlotStore(TokenQuantCodec(fmt.for_layer(0), fmt.make_state()))
     k, v = kv(6)
     k[0, 0, 0, 1] = float("nan")
     for t in range(6):

@@ -79,6 +79,7 @@ def attend(
             out = quantized_decode_attention(
                 q, read.packed, read.fmt, start=read.start, length=read.length, scale=scaling,
                 residual_k=read.recent_k, residual_v=read.recent_v, mask=mask, block_table=read.block_table, check=False,
+                state=read.state,
             )  # fmt: skip
         return out.unsqueeze(1), None
     keys, values = (read.keys, read.values) if type(read) is DenseRead else read.dense()

@@ -53,7 +53,7 @@ def _per_head_decode(query, read: SlotRead, mask: torch.Tensor, scaling: float, 
     kv_heads = mask.shape[1]
     q = query[:, :, 0].reshape(batch * kv_heads, q_heads // kv_heads, dim)
     rows = mask.flatten(0, 1)
-    if read.packed is not None and read.fmt.holds_state:
+    if read.packed is not None and read.fmt.holds_state(read.state):
         # A rotated format's key centre is one per KV head, which rows of one head each cannot take: the slots are
         # dequantized (the first-tokens region exact) and read as full-precision rows.
         keys, values = read.dense()
@@ -64,7 +64,7 @@ def _per_head_decode(query, read: SlotRead, mask: torch.Tensor, scaling: float, 
         residual = {name: _by_kv_head(exact[name]) for name in ("residual_k", "residual_v") if name in exact}
         result = quantized_decode_attention(
             q, packed, read.fmt, start=0, length=packed.k.shape[2], scale=scaling, keys_per_token=True,
-            with_mass=with_mass, check=False, mask=rows, **residual,
+            with_mass=with_mass, check=False, mask=rows, state=read.state, **residual,
         )  # fmt: skip
     else:
         result = decode_attention(q, _by_kv_head(read.keys), _by_kv_head(read.values), scale=scaling, mask=rows,
@@ -93,7 +93,7 @@ def slot_decode(
             return out.unsqueeze(1), None if mass is None else mass[..., :slots]
         result = quantized_decode_attention(
             query[:, :, 0], packed, read.fmt, start=0, length=slots, scale=scaling, keys_per_token=True,
-            with_mass=with_mass, check=False, **exact,
+            with_mass=with_mass, check=False, state=read.state, **exact,
         )  # fmt: skip
         out, mass = result if with_mass else (result, None)
         if mass is not None and mass.shape[-1] != slots:  # (the region's entries: tokens no policy evicts)

@@ -249,7 +249,8 @@ def calibrate(
 def key_center(cache: QuantizedCache) -> str:
     """`turning` where a layer's keys are coded relative to a centre turning with RoPE, else `fixed` (calibrations
     measured before the turning centre say nothing: fixed)."""
-    turning = any(turning_key_center(getattr(layer.storage, "fmt", None)) is not None for layer in cache.layers)
+    turning = any(turning_key_center(state) is not None for layer in cache.layers
+                  for state in (layer.storage.states() if hasattr(layer, "storage") else ()))  # fmt: skip
     return "turning" if turning else "fixed"
 
 

@@ -108,7 +108,8 @@ class PagedPool:
                 self.layers[spec.index] = LayerPool(self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim)
             else:
                 self.layers[spec.index] = QuantLayerPool(
-                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, fmt.for_layer(spec.index)
+                    self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, fmt.for_layer(spec.index),
+                    fmt.make_state(),
                 )
         only_full = set(self.blocks) == {"full"}
         if prefix_backend is not None and not only_full:

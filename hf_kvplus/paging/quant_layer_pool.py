@@ -30,14 +30,19 @@ class QuantLayerPool(BlockTensors):
     (float16 `[kv_heads, block_size, head_dim // group_size]`). `packed` hands them to the decode kernel.
 
     Allocated at the first write (the device comes from the model), grown with the `BlockPool`, like `LayerPool`.
-    A block is only ever written whole (`write`): a paged segment quantizes a block once it is full.
+    A block is only ever written whole (`write`): a paged segment quantizes a block once it is full. `state`: the
+    layer's state of the format (`KVFormat.make_state`: a rotated format's key centre), held here so that the pool's
+    caches and its prefix store share it.
     """
 
-    def __init__(self, blocks: BlockPool, block_size: int, num_kv_heads: int, head_dim: int, fmt: QuantFormat):
+    def __init__(
+        self, blocks: BlockPool, block_size: int, num_kv_heads: int, head_dim: int, fmt: QuantFormat, state=None
+    ):
         check_block_size(block_size, fmt)
         fmt.check_head_dim(head_dim)
         self.blocks = blocks
         self.block_size, self.num_kv_heads, self.head_dim, self.fmt = block_size, num_kv_heads, head_dim, fmt
+        self.state = state
         self.k = self.k_scale = self.k_zero = self.v = self.v_scale = self.v_zero = None
         blocks.add_grow_listener(self._grow)
 
@@ -87,7 +92,8 @@ class QuantLayerPool(BlockTensors):
 
     def write(self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantizes whole blocks `[n, kv_heads, block_size, head_dim]` of K/V into blocks `ids` (int64 `[n]`)."""
-        quantized = (*quantize_keys(keys, self.fmt, check=False), *quantize_values(values, self.fmt, check=False))
+        quantized = (*quantize_keys(keys, self.fmt, check=False, state=self.state),
+                     *quantize_values(values, self.fmt, check=False))  # fmt: skip
         for name, new in zip(PACKED_NAMES, quantized, strict=True):
             target = getattr(self, name)
             if target is not None:
@@ -99,7 +105,7 @@ class QuantLayerPool(BlockTensors):
             None if t is None else _gather(t, ids) for t in (getattr(self, name) for name in PACKED_NAMES)
         )
         return (
-            dequantize_keys(k, k_scale, k_zero, self.fmt, dtype),
+            dequantize_keys(k, k_scale, k_zero, self.fmt, dtype, state=self.state),
             dequantize_values(v, v_scale, v_zero, self.fmt, dtype),
         )
 

@@ -15,8 +15,10 @@ from ..fingerprint import fingerprint
 FORMAT = "hf_kvplus.cache"
 #: Bumped when a file written now could not be read by the code that read the files before. Version 2: a turning key
 #: centre's position tables are its rotary basis's (shared by the cache's layers, not saved), no longer the centre's
-#: own attributes, so a version-1 file names attributes this code's centre does not have.
-FORMAT_VERSION = 2
+#: own attributes, so a version-1 file names attributes this code's centre does not have. Version 3: a rotated
+#: format is a value and a layer's key centre is its storage's state (`state` beside `fmt`), so a version-2 file's
+#: formats name a `key_center` field this code's formats do not have.
+FORMAT_VERSION = 3
 
 
 def package_version() -> str:

@@ -72,6 +72,11 @@ class KVStorage(ABC):
         tables at its first call."""
         return ()
 
+    def states(self) -> tuple:
+        """The layer's state of each of :meth:`formats`, in order (`KVFormat.make_state`: a rotated format's key
+        centre; None for a format without), which reports count and a saved cache holds."""
+        return tuple(None for _ in self.formats())
+
     def quantized_part(self) -> tuple[MemoryReport, int] | None:
         """Bytes of the coded tokens held (codes as payload, scales and zeros as metadata) and their count per row,
         what `quantized_report()` sums; None for a storage that codes nothing (a full-precision layer, whose every

@@ -23,11 +23,12 @@ class PackedSegment(QuantizedSegment):
     and give back headroom far larger than what is held.
     """
 
-    def __init__(self, fmt: QuantFormat):
-        self.fmt = fmt
+    def __init__(self, fmt: QuantFormat, state=None):
+        #: The format, and the layer's state of it (`KVFormat.make_state`: a rotated format's key centre).
+        self.fmt, self.state = fmt, state
         #: Keys coded at their buffer index (`KVFormat.indexed_keys`: a turning key centre): the buffers are read from
         #: index 0 and never compacted (a full-attention layer drops no token from the front).
-        self.turning = fmt.indexed_keys
+        self.turning = fmt.indexed_keys(state)
         self.buffers: PackedKV | None = None
         self.start = self.end = 0
         self.granule = fmt.group_size * -(-64 // fmt.group_size)
@@ -67,7 +68,7 @@ class PackedSegment(QuantizedSegment):
         g, e = self.fmt.group_size, self.end
         b = self.buffers
         quantize_keys(keys, self.fmt, out=_out(b.k[:, :, e : e + n], b.k_scale, b.k_zero, e // g, (e + n) // g), check=False,
-                      index=e)  # fmt: skip
+                      index=e, state=self.state)  # fmt: skip
         quantize_values(values, self.fmt, out=_out(b.v[:, :, e : e + n], b.v_scale, b.v_zero, e, e + n), check=False)
         self._note_written(e, e + n)
         self.end += n
@@ -75,12 +76,12 @@ class PackedSegment(QuantizedSegment):
     def dequantized(self, first: int, last: int, dtype: torch.dtype | None = None):
         lo, hi = self.start + first, self.start + last
         a, b = self._groups(0 if self.turning else lo, hi)
-        return b.dequantized(self.fmt, lo - a, hi - a, dtype or self.dtype)
+        return b.dequantized(self.fmt, lo - a, hi - a, dtype or self.dtype, state=self.state)
 
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
         lo = self.start + first
         a, groups = self._groups(0 if self.turning else lo, lo + count)
-        return quantized_read(groups, self.fmt, lo - a, count, recent_k, recent_v, None, dense)
+        return quantized_read(groups, self.fmt, lo - a, count, recent_k, recent_v, None, dense, self.state)
 
     def _groups(self, lo: int, hi: int) -> tuple[int, PackedKV]:
         """The whole groups holding tokens `lo .. hi - 1` as views of the buffers, and the first one's token;
@@ -147,7 +148,7 @@ class PackedSegment(QuantizedSegment):
         """The codes' bytes and the layer's state the format holds (a key centre), as metadata."""
         if self.buffers is None:
             return MemoryReport()
-        return self.quantized_part()[0] + MemoryReport(metadata_bytes=tensor_bytes(list(self.fmt.state_tensors())))
+        return self.quantized_part()[0] + MemoryReport(metadata_bytes=tensor_bytes(list(self.fmt.state_tensors(self.state))))
 
     def quantized_part(self) -> tuple[MemoryReport, int]:
         """The codes' bytes alone (payload, scales and zeros, headroom), and the tokens they hold per row."""

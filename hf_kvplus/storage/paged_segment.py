@@ -38,7 +38,7 @@ class PagedSegment(QuantizedSegment):
     def __init__(self, group: BlockGroup, pool: QuantLayerPool):
         self.group = group
         self.pool = pool
-        self.fmt = pool.fmt
+        self.fmt, self.state = pool.fmt, pool.state  # (the pool's: its caches and prefix store share the state)
         self.start = self.end = 0  # logical tokens held: start..end-1 (BlockGroup.trim reads them)
         self.member = group.join(self, pool.copy_blocks, pool.zero_blocks)
 
@@ -111,7 +111,7 @@ class PagedSegment(QuantizedSegment):
     def read(self, first, count, recent_k, recent_v, dense) -> Read:
         return quantized_read(
             self.pool.packed, self.fmt, self.start + first - self.group.base, count, recent_k, recent_v,
-            self.group.table_tensor(recent_k.device), dense,
+            self.group.table_tensor(recent_k.device), dense, self.state,
         )  # fmt: skip
 
     def attached(self, tokens: int) -> None:
@@ -158,7 +158,7 @@ class PagedSegment(QuantizedSegment):
         if self.pool.k is None or not self.group.tables:
             return MemoryReport()
         used = self.group.blocks_in_use()
-        metadata = tensor_bytes(list(self.fmt.state_tensors()))
+        metadata = tensor_bytes(list(self.fmt.state_tensors(self.state)))
         if self.group.members[0] is self:
             table = self.group.table_tensor(self.pool.k.device)
             metadata += table.numel() * table.element_size()

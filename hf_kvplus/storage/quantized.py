@@ -171,6 +171,9 @@ class QuantizedStorage(KVStorage):
     def formats(self) -> tuple:
         return (self.fmt,)
 
+    def states(self) -> tuple:
+        return (getattr(self.segment, "state", None),)
+
     @property
     def fmt(self) -> QuantFormat:
         return self.segment.fmt

@@ -61,6 +61,8 @@ class PackedRead(NamedTuple):
     #: The storage's own decode mask `[batch, length + recent]` from the model's `[batch, kv]` one (or None), for a
     #: layout the model's mask does not line up with (a static storage's ring); None: the model's mask as it is.
     mask: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+    #: The layer's state of `fmt` (`KVFormat.make_state`: a rotated format's key centre), or None.
+    state: object = None
 
 
 class SlotRead(NamedTuple):
@@ -82,6 +84,8 @@ class SlotRead(NamedTuple):
     residual_k: torch.Tensor | None = None
     residual_v: torch.Tensor | None = None
     decode_mask: Callable[[], torch.Tensor] | None = None
+    #: The layer's state of `fmt` (a rotated format's key centre), or None.
+    state: object = None
 
 
 Read = DenseRead | PagedRead | PackedRead | SlotRead
@@ -107,8 +111,10 @@ def quantized_read(
     recent_v: torch.Tensor,
     block_table: torch.Tensor | None,
     dense: Gather,
+    state=None,
 ) -> PackedRead:
-    """A `PackedRead`, its placeholders shaped for the `length` quantized tokens plus the recent ones."""
+    """A `PackedRead`, its placeholders shaped for the `length` quantized tokens plus the recent ones (`state`: the
+    layer's state of `fmt`)."""
     batch, heads, recent, key_dim = recent_k.shape
     keys, values = placeholders(recent_k, batch, heads, length + recent, key_dim, recent_v.shape[-1])
-    return PackedRead(keys, values, packed, fmt, start, length, recent_k, recent_v, block_table, dense)
+    return PackedRead(keys, values, packed, fmt, start, length, recent_k, recent_v, block_table, dense, state=state)

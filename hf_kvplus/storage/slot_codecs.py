@@ -55,12 +55,14 @@ class TokenQuantCodec:
 
     Per-token keys (not KIVI's per-channel groups) because an evicting layer overwrites single
     slots: a group spanning tokens would have to be re-quantized whenever one of them is evicted. A rotated
-    format is per token on both sides already; its keys are coded with the key bits (`fmt.side_formats()`).
+    format is per token on both sides already; its keys are coded with the key bits (`fmt.side_formats()`), and
+    with the layer's `state` (`KVFormat.make_state`: a rotated format's key centre), which the codec holds.
     """
 
-    def __init__(self, fmt: QuantFormat):
-        self.fmt = fmt
+    def __init__(self, fmt: QuantFormat, state=None):
+        self.fmt, self.state = fmt, state
         self._formats = dict(zip(("k", "v"), fmt.side_formats(), strict=True))
+        self._states = {"k": state, "v": None, "kv": None}  # the state goes with the keys
         self.payload = ("k", "v")
         self.key_fields = ("k", "k_scale", "k_zero")
         self._fields = {name: (name, f"{name}_scale", f"{name}_zero") for name in self.payload}  # per quantize call
@@ -69,7 +71,7 @@ class TokenQuantCodec:
         """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
         stand alone, so the codes are those of two calls; a decode step's ops are its host cost), then split."""
         k_fmt, v_fmt = self._formats["k"], self._formats["v"]
-        if keys.shape != values.shape or k_fmt != v_fmt or k_fmt.holds_state:
+        if keys.shape != values.shape or k_fmt != v_fmt or k_fmt.holds_state(self.state):
             return {**self._encode("k", keys), **self._encode("v", values)}
         n = keys.shape[2]
         both = self._encode("kv", torch.cat([keys, values], dim=2))  # fields kv, kv_scale, kv_zero: [.., 2n, ..]
@@ -83,7 +85,8 @@ class TokenQuantCodec:
         return self._encode("k", keys)
 
     def _encode(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        codes, scale, zero = quantize_values(x.contiguous(), self._formats.get(name, self.fmt), check=False)
+        codes, scale, zero = quantize_values(x.contiguous(), self._formats.get(name, self.fmt), check=False,
+                                             state=self._states[name])  # fmt: skip
         fields = {name: codes, f"{name}_scale": scale}
         if zero is not None:
             fields[f"{name}_zero"] = zero
@@ -91,7 +94,8 @@ class TokenQuantCodec:
 
     def _decode(self, fields, name, dtype):
         zero = fields.get(f"{name}_zero")
-        return dequantize_values(fields[name], fields[f"{name}_scale"], zero, self._formats[name], dtype=dtype)
+        return dequantize_values(fields[name], fields[f"{name}_scale"], zero, self._formats[name], dtype=dtype,
+                                 state=self._states[name])  # fmt: skip
 
     def decode_keys(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self._decode(fields, "k", dtype)
@@ -114,14 +118,15 @@ class TokenQuantCodec:
         codes, scales and zeros at the slot (a decode step's ops are its host cost)."""
         for name, x in (("k", keys), ("v", values)):
             out = tuple(fields.get(field) for field in self._fields[name])
-            quantize_values_at(x.contiguous(), self._formats[name], out, slots, check=False)
+            quantize_values_at(x.contiguous(), self._formats[name], out, slots, check=False, state=self._states[name])
 
     def _quantize_into(self, fields, span, name, x) -> None:
         codes, scale, zero = self._fields[name]
         codes, scale, zero = fields[codes], fields[scale], fields.get(zero)
         if span is not None:
             codes, scale, zero = codes[:, :, span], scale[:, :, span], None if zero is None else zero[:, :, span]
-        quantize_values(x.contiguous(), self._formats[name], out=(codes, scale, zero), check=False)
+        quantize_values(x.contiguous(), self._formats[name], out=(codes, scale, zero), check=False,
+                        state=self._states[name])  # fmt: skip
 
     def packed(self, fields: dict[str, torch.Tensor]) -> PackedKV:
         """The codes as the quantized decode kernel reads them (keys per token)."""

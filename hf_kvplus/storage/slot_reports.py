@@ -15,6 +15,9 @@ class SlotReports:
         fmt = getattr(self.codec, "fmt", None)  # (a dense codec has none)
         return () if fmt is None else (fmt,)
 
+    def states(self) -> tuple:
+        return () if getattr(self.codec, "fmt", None) is None else (self.codec.state,)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot tensors by name, and the exact region's (`exact_k`, `exact_v`): what an offloading placement
         moves."""
@@ -38,7 +41,8 @@ class SlotReports:
         metadata = sum(per_slot.values()) - payload
         held = min(self.held, self.seen)  # (a compileable store's free slots are not tokens)
         exact = sum(x.numel() * x.element_size() for x in (self.exact or {}).values())
-        state = tensor_bytes([t for fmt in self.formats() for t in fmt.state_tensors()])  # (a key centre)
+        state = tensor_bytes([t for fmt, s in zip(self.formats(), self.states(), strict=True)
+                              for t in fmt.state_tensors(s)])  # (a key centre)  # fmt: skip
         return MemoryReport(
             payload_bytes=payload * held + exact,
             reserved_bytes=payload * (self.capacity - held),

@@ -266,7 +266,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
             read = SlotRead(*self.slots(), self.valid)
         else:
             keys, values = placeholders(self._like, *packed.k.shape[:3], *self.head_dims[1:])
-            read = SlotRead(keys, values, self.valid, packed, self.codec.fmt, self.slots)
+            read = SlotRead(keys, values, self.valid, packed, self.codec.fmt, self.slots, state=self.codec.state)
             if self.exact is not None:
                 exact_k, exact_v = (self.exact[name][:, :, : self.first] for name in ("k", "v"))
                 read = read._replace(residual_k=exact_k, residual_v=exact_v, decode_mask=self.exact_mask)

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import CacheMismatchError, ConfigError, UnsupportedOperationError
 from ..kernels.dispatch import quantize_keys, quantize_values
+from ..kernels.kv_format import state_kw
 from ..kernels.quant_format import PackedKV, QuantFormat
 from ..memory import MemoryReport, tensor_bytes
 from ..static_address import mark_static
@@ -55,7 +56,7 @@ class StaticQuantizedStorage(KVStorage):
     reads_in_place = True
     device_count = True
 
-    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, first: int = 0):
+    def __init__(self, fmt: QuantFormat, window: int, max_tokens: int, first: int = 0, state=None):
         g = fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < g:
             raise ConfigError(
@@ -66,6 +67,7 @@ class StaticQuantizedStorage(KVStorage):
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < max_tokens:
             raise ConfigError(f"the full-precision first tokens must be an int in 0..max_tokens-1, got {first!r}")
         self.fmt, self.window, self.max_tokens, self.first = fmt, window, max_tokens, first
+        self.state = state  # the layer's state of the format (`KVFormat.make_state`: a rotated format's key centre)
         self.code_fmt = fmt.ring_format()  # what codes the ring's tokens
         self.positions = max(g, -(-(max_tokens - window) // g) * g)  # code positions: whole groups
         self.ring = window + 2 * g
@@ -104,7 +106,7 @@ class StaticQuantizedStorage(KVStorage):
         elif keys.shape[0] != self.batch_size:
             raise CacheMismatchError(f"new keys have batch {keys.shape[0]}, the cache holds {self.batch_size} rows")
         self.count.check_room(new, self.max_tokens)
-        ring_k, ring_v = self.fmt.to_ring(keys, values, lambda: self.end)
+        ring_k, ring_v = self.fmt.to_ring(keys, values, lambda: self.end, **state_kw(self.state))
         if new == 1:
             self._fresh = None
             self._decode_write(ring_k, ring_v)
@@ -176,7 +178,8 @@ class StaticQuantizedStorage(KVStorage):
     def _quantize_keys(self, keys: torch.Tensor, tokens: torch.Tensor, groups: torch.Tensor) -> None:
         """Quantizes whole groups of exact keys into code positions `tokens` (key groups `groups`)."""
         b = self.buffers
-        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.code_fmt, check=False, index=tokens[0])
+        k, k_scale, k_zero = quantize_keys(keys.contiguous(), self.code_fmt, check=False, index=tokens[0],
+                                           state=self.state)  # fmt: skip
         b.k.index_copy_(2, tokens, k)
         b.k_scale.index_copy_(2, groups, k_scale)
         if b.k_zero is not None:
@@ -198,7 +201,7 @@ class StaticQuantizedStorage(KVStorage):
         keys, values = placeholders(self.ring_k, batch, heads, self.static_length, dim, self.ring_v.shape[-1])
         return PackedRead(
             keys, values, self.buffers, self.code_fmt, 0, self.positions, self.ring_k, self.ring_v, None,
-            partial(self._dense, fresh), mask=self._mask,
+            partial(self._dense, fresh), mask=self._mask, state=self.state,
         )  # fmt: skip
 
     def _mask(self, model_mask: torch.Tensor | None) -> torch.Tensor:
@@ -264,7 +267,8 @@ class StaticQuantizedStorage(KVStorage):
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.fmt.group_size
         a, z = lo // g * g, -(-hi // g) * g
-        return self.buffers.span(g, a, z).dequantized(self.fmt, lo - a, hi - a, self.ring_k.dtype, index=a)
+        return self.buffers.span(g, a, z).dequantized(self.fmt, lo - a, hi - a, self.ring_k.dtype, index=a,
+                                                            state=self.state)  # fmt: skip
 
     # ------------------------------------------------------------------ edits
     def drop_front(self, count: int) -> None:
@@ -279,7 +283,7 @@ class StaticQuantizedStorage(KVStorage):
         g = self.fmt.group_size
         lo, hi = max(self.first, self.frontier(end) - g), max(0, self.frontier(self.end) - g)  # (the head stays)
         if hi > lo:
-            k, v = self.fmt.to_ring(*self._dequantized(lo, hi), lambda: lo)
+            k, v = self.fmt.to_ring(*self._dequantized(lo, hi), lambda: lo, **state_kw(self.state))
             slots = self._slots(torch.arange(lo, hi, device=k.device))
             self.ring_k.index_copy_(2, slots, k)
             self.ring_v.index_copy_(2, slots, v)
@@ -296,6 +300,9 @@ class StaticQuantizedStorage(KVStorage):
     def formats(self) -> tuple:
         return (self.fmt,)
 
+    def states(self) -> tuple:
+        return (self.state,)
+
     def reset(self) -> None:
         self.buffers = self.ring_k = self.ring_v = self._fresh = None
         self.end = 0
@@ -311,7 +318,7 @@ class StaticQuantizedStorage(KVStorage):
         payload = coded.payload_bytes + ring * self.ring_k.element_size()
         allocated = tensor_bytes(list(self.tensors().values()))
         return MemoryReport(
-            payload_bytes=payload, metadata_bytes=coded.metadata_bytes + tensor_bytes(list(self.fmt.state_tensors())),
+            payload_bytes=payload, metadata_bytes=coded.metadata_bytes + tensor_bytes(list(self.fmt.state_tensors(self.state))),
             reserved_bytes=allocated - payload - coded.metadata_bytes, batch_size=self.batch_size,
         )  # fmt: skip
 
@@ -344,5 +351,5 @@ class StaticQuantizedStorage(KVStorage):
         self.ring_v = values.new_zeros(batch, heads, self.first + self.ring, v_dim)
         self.count.place(device)
         self.range_guard.place(device)
-        self.fmt.prepare_indices(n, device)  # every step reads all code positions (a turning centre's basis)
+        self.fmt.prepare_indices(n, device, **state_kw(self.state))  # every step reads all code positions (a turning centre's basis)
         mark_static(*self.tensors().values())  # (a decode step writes them in place)
