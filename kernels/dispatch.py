@@ -42,6 +42,7 @@ from hf_kvplus.kernels.paged_attention import (
     paged_store_torch,
     paged_store_triton,
 )
+from hf_kvplus.kernels.quant_format import QuantFormat
 
 __all__ = [
     "decode_attention",
@@ -51,7 +52,9 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "quantize_values_at",
+    "quantize_values_into",
     "quantized_decode_attention",
+    "takes_values_into",
 ]
 
 
@@ -222,3 +225,18 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True):
     in 0..N-1 (``check`` validates shapes, dtypes and devices, not the values: reading them would sync).
     CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out``."""
     return kernels_for(fmt).quantize_at(x, fmt, out, slots, check)
+
+
+def takes_values_into(x, fmt) -> bool:
+    """Whether :func:`quantize_values_into` codes `x` in `fmt` here: KIVI codes of CPU floats in an eager call, with
+    the C++ operators built (elsewhere the caller guards and codes with :func:`quantize_values` and its ``out``)."""
+    return type(fmt) is QuantFormat and path_of(x, False) == "twin" and kivi_cpu.encodes(x)
+
+
+def quantize_values_into(x, fmt, out, start: int = 0, slots=None, *, limit=None, bad=None) -> None:
+    """Values x [B, H, T, D] coded per token (as :func:`quantize_values`, bit for bit) straight into ``out`` =
+    (codes, scale, zero or None) [B, H, N, ...] at rows ``start ..`` (or ``slots`` [B, H, T] int64), where
+    :func:`takes_values_into` says so. With ``limit``, a value of larger magnitude (or NaN) is coded as 0 and counted
+    into ``bad`` (0-d int64), as ``RangeGuard`` does before coding: one operator call where guarding, coding and
+    copying into the slots' views took a dozen tensor operations (an evicting cache's decode step, every layer)."""
+    kivi_cpu.kivi_encode_into_cpu(x, fmt, out, start, slots, limit, bad)

@@ -23,7 +23,7 @@ import torch
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.errors import ShapeError
 
-__all__ = ["encodes", "kivi_decode_cpu", "kivi_encode_cpu", "paged_decode_cpu", "supports"]
+__all__ = ["encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "paged_decode_cpu", "supports"]
 
 #: What the encode operator takes (the twin refuses other dtypes with its typed error).
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,6 +50,26 @@ def kivi_encode_cpu(x: torch.Tensor, fmt, side: str) -> tuple[torch.Tensor, torc
     codes, scale, zero = torch.ops.hf_kvplus_cpu.kivi_encode(x.float(), 0 if fmt.is_float else fmt.bits,
                                                              fmt.group_size, keys)  # fmt: skip
     return codes, scale, None if fmt.is_float else zero
+
+
+#: The `bad` counter of an unguarded `kivi_encode_into_cpu` call (the operator leaves it untouched).
+_UNCOUNTED = torch.zeros((), dtype=torch.long)
+#: fp8's `zero` (none: the operator leaves it untouched).
+_NO_ZERO = torch.empty(0, dtype=torch.float16)
+
+
+def kivi_encode_into_cpu(x: torch.Tensor, fmt, out, start: int = 0, slots: torch.Tensor | None = None,
+                         limit: float | None = None, bad: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Values' coding (per token) of x [B, H, T, D] written into `out` = (codes, scale, zero or None) [B, H, N, ...]
+    at rows `slots` [B, H, T] int64 (None: rows `start` .. `start` + T - 1), bit for bit what
+    ``quantize_values(x, fmt)`` makes. With `limit`, what `RangeGuard` would zero (magnitudes above it, NaN) is coded
+    as 0 and counted into `bad` (0-d int64): the guard, the coding and the copies of an evicting cache's decode step
+    in one call. The caller keeps the contract (a quantize call with ``check=False``)."""
+    codes, scale, zero = out
+    torch.ops.hf_kvplus_cpu.kivi_encode_into(
+        x.float(), 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit), codes,
+        scale, _NO_ZERO if zero is None else zero, start, slots, _UNCOUNTED if bad is None else bad,
+    )  # fmt: skip
 
 
 def kivi_decode_cpu(
@@ -90,6 +110,7 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::kivi_decode")(_fake_kivi)
     torch.library.register_fake("hf_kvplus_cpu::paged_decode")(_fake_paged)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode")(_fake_encode)
+    torch.library.register_fake("hf_kvplus_cpu::kivi_encode_into")(_fake_encode_into)
 
 
 rotated_cpu.when_loaded(register_fakes)
@@ -115,3 +136,7 @@ def _fake_encode(x, bits, group, per_channel):
     codes = x.new_empty(B, H, T, D if bits == 0 else D * bits // 8, dtype=torch.uint8)
     scale = x.new_empty(params, dtype=torch.float16)
     return codes, scale, x.new_empty((0,) if bits == 0 else params, dtype=torch.float16)
+
+
+def _fake_encode_into(x, bits, group, limit, codes, scale, zero, start, slots, bad):
+    return None
