@@ -27,6 +27,7 @@ from hf_kvplus.kernels import (
     rotated_cpu,
 )
 from hf_kvplus.kernels.decode_attention import (
+    _check_inputs,
     _check_num_splits,
     decode_attention_torch,
     decode_attention_triton,
@@ -91,6 +92,11 @@ def decode_attention(
         return fn(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
     if check:
         _check_num_splits(num_splits)
+    if with_mass and path == "twin" and kivi_cpu.supports(q):  # eager: K/V read in place (the twin copies them)
+        if check:
+            _check_inputs(q, k, v, scale, mask, None)
+        out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, True)
+        return out.to(q.dtype), mass
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 
