@@ -49,9 +49,9 @@ class KiviKernels(FormatKernels):
             if info.paged and kw["length"] > 0:
                 check_used_blocks(kw["block_table"], info.num_blocks, info.T, kw["start"], kw["length"])
         out, mass = kivi_cpu.kivi_decode_cpu(
-            q, packed, fmt, *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask",
-                                              "block_table", "keys_per_token")), with_mass,
-        )  # fmt: skip
+            q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
+            kw["block_table"], kw["keys_per_token"], with_mass,
+        )  # fmt: skip (named, not a generator: every layer and step)
         out = out.to(q.dtype)
         return (out, mass) if with_mass else out
 

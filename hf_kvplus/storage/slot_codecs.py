@@ -145,7 +145,8 @@ class TokenQuantCodec:
 
     def _into_rows(self, fields, name, x, start, slots, guard) -> None:
         """`x` coded by the CPU operator into rows `start ..` (or `slots`) of side `name`'s fields, through `guard`."""
-        out = tuple(fields.get(field) for field in self._fields[name])
+        codes, scale, zero = self._fields[name]
+        out = (fields[codes], fields[scale], fields.get(zero))
         limit, bad = (None, None) if guard is None else guard.folded(x.dtype)
         quantize_values_into(x, self._formats[name], out, start, slots, limit=limit, bad=bad)
 
