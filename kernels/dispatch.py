@@ -27,6 +27,7 @@ from hf_kvplus.kernels import (
     rotated_cpu,
 )
 from hf_kvplus.kernels.decode_attention import (
+    _check_inputs,
     _check_num_splits,
     decode_attention_torch,
     decode_attention_triton,
@@ -51,7 +52,9 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "quantize_values_at",
+    "quantize_values_into",
     "quantized_decode_attention",
+    "takes_values_into",
 ]
 
 
@@ -88,6 +91,11 @@ def decode_attention(
         return fn(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
     if check:
         _check_num_splits(num_splits)
+    if with_mass and path == "twin" and kivi_cpu.supports(q):  # eager: K/V read in place (the twin copies them)
+        if check:
+            _check_inputs(q, k, v, scale, mask, None)
+        out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, True)
+        return out.to(q.dtype), mass
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 
@@ -226,3 +234,18 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True, state=None):
     CUDA tensors run the Triton kernel, others the twin (quantize, then ``scatter_``); returns ``out`` (`state`: as
     :func:`quantize_values`)."""
     return kernels_for(fmt).quantize_at(x, fmt, out, slots, check, state)
+
+
+def takes_values_into(x, fmt) -> bool:
+    """Whether :func:`quantize_values_into` codes `x` in `fmt` here: KIVI codes of CPU floats in an eager call, with
+    the C++ operators built (elsewhere the caller guards and codes with :func:`quantize_values` and its ``out``)."""
+    return kernels_for(fmt).codes_into(x)
+
+
+def quantize_values_into(x, fmt, out, start: int = 0, slots=None, *, limit=None, bad=None) -> None:
+    """Values x [B, H, T, D] coded per token (as :func:`quantize_values`, bit for bit) straight into ``out`` =
+    (codes, scale, zero or None) [B, H, N, ...] at rows ``start ..`` (or ``slots`` [B, H, T] int64), where
+    :func:`takes_values_into` says so. With ``limit``, a value of larger magnitude (or NaN) is coded as 0 and counted
+    into ``bad`` (0-d int64), as ``RangeGuard`` does before coding: one operator call where guarding, coding and
+    copying into the slots' views took a dozen tensor operations (an evicting cache's decode step, every layer)."""
+    kernels_for(fmt).encode_into(x, fmt, out, start, slots, limit, bad)

@@ -601,6 +601,37 @@ at::Tensor paged_decode_cpu(const at::Tensor& q, const at::Tensor& k_pool, const
   return at::Tensor();
 }
 
+// Decode attention over float K/V [B, Hkv, N, D] read in place (any strides but the last), with the mass each key
+// received when asked: the dense slots of a scored eviction (H2O), whose twin copies K and V to float32 and
+// reshapes them (a copy of every held token per layer and step) to get the weights out.
+std::tuple<at::Tensor, at::Tensor> dense_decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const std::optional<at::Tensor>& mask, double scale,
+                                                    bool with_mass) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.size(0) == v.size(0) && k.size(1) == v.size(1) &&
+                  k.size(2) == v.size(2) && k.size(0) == q.size(0),
+              "dense_decode_cpu: k and v must share a dtype and [B, Hkv, N] with q's batch");
+  TORCH_CHECK(q.size(-1) == k.size(3), "dense_decode_cpu: q has ", q.size(-1), " channels, the keys ", k.size(3));
+  Call c = make_call(q, k.size(1), v.size(3), k.size(2), 0, k.size(2), std::nullopt, std::nullopt, std::nullopt, mask,
+                     scale);
+  auto run = [&](auto src) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(src.kp.p)>>;
+    src.kp = View<T>(k);
+    src.vp = View<T>(v);
+    src.D = c.D;
+    src.Dv = c.Dv;
+    return attend(c, src, with_mass);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: return run(PoolSource<float>{});
+    case at::kHalf: return run(PoolSource<at::Half>{});
+    case at::kBFloat16: return run(PoolSource<at::BFloat16>{});
+    default: TORCH_CHECK(false, "dense_decode_cpu: k and v must be float32, float16 or bfloat16, got ", k.scalar_type());
+  }
+  return {};
+}
+
 }  // namespace kvplus_kivi
 
 TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
@@ -611,9 +642,11 @@ TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, SymInt start, SymInt length, Tensor? mask, "
       "float scale) -> Tensor");
+  m.def("dense_decode(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool with_mass) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) {
   m.impl("kivi_decode", &kvplus_kivi::kivi_decode_cpu);
   m.impl("paged_decode", &kvplus_kivi::paged_decode_cpu);
+  m.impl("dense_decode", &kvplus_kivi::dense_decode_cpu);
 }

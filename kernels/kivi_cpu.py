@@ -1,6 +1,8 @@
-"""Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``) and over a paged pool's
-float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``), read in place; and KIVI's quantize-and-pack
-(``torch.ops.hf_kvplus_cpu.kivi_encode``).
+"""Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``), over a paged pool's
+float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``) and over float K/V with each key's attention mass
+(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; and KIVI's quantize-and-pack
+(``torch.ops.hf_kvplus_cpu.kivi_encode``, and ``kivi_encode_into``, which codes a decode step's token straight into
+an evicting cache's slots with the range guard folded in).
 
 Why: the plain-torch twins dequantize every code (or gather every block) of the cache into float32 tensors at each
 step, then multiply: on a CPU that copy costs more than the attention, and more the longer the context, where the
@@ -23,7 +25,9 @@ import torch
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.errors import ShapeError
 
-__all__ = ["encodes", "kivi_decode_cpu", "kivi_encode_cpu", "paged_decode_cpu", "supports"]
+__all__ = [
+    "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "paged_decode_cpu", "supports",
+]  # fmt: skip
 
 #: What the encode operator takes (the twin refuses other dtypes with its typed error).
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,6 +54,26 @@ def kivi_encode_cpu(x: torch.Tensor, fmt, side: str) -> tuple[torch.Tensor, torc
     codes, scale, zero = torch.ops.hf_kvplus_cpu.kivi_encode(x.float(), 0 if fmt.is_float else fmt.bits,
                                                              fmt.group_size, keys)  # fmt: skip
     return codes, scale, None if fmt.is_float else zero
+
+
+#: The `bad` counter of an unguarded `kivi_encode_into_cpu` call (the operator leaves it untouched).
+_UNCOUNTED = torch.zeros((), dtype=torch.long)
+#: fp8's `zero` (none: the operator leaves it untouched).
+_NO_ZERO = torch.empty(0, dtype=torch.float16)
+
+
+def kivi_encode_into_cpu(x: torch.Tensor, fmt, out, start: int = 0, slots: torch.Tensor | None = None,
+                         limit: float | None = None, bad: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Values' coding (per token) of x [B, H, T, D] written into `out` = (codes, scale, zero or None) [B, H, N, ...]
+    at rows `slots` [B, H, T] int64 (None: rows `start` .. `start` + T - 1), bit for bit what
+    ``quantize_values(x, fmt)`` makes. With `limit`, what `RangeGuard` would zero (magnitudes above it, NaN) is coded
+    as 0 and counted into `bad` (0-d int64): the guard, the coding and the copies of an evicting cache's decode step
+    in one call. The caller keeps the contract (a quantize call with ``check=False``)."""
+    codes, scale, zero = out
+    torch.ops.hf_kvplus_cpu.kivi_encode_into(
+        x.float(), 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit), codes,
+        scale, _NO_ZERO if zero is None else zero, start, slots, _UNCOUNTED if bad is None else bad,
+    )  # fmt: skip
 
 
 def kivi_decode_cpu(
@@ -80,6 +104,14 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     )
 
 
+def dense_decode_cpu(q, k, v, scale: float, mask, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output [B, Hq, Dv] float32, mass [B, Hkv, N] float32 or None) of `decode_attention`'s decode over float K/V
+    [B, Hkv, N, D] read in place (views of a layer's slots: the twin with the mass copies them to float32 first)."""
+    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q.float().contiguous(), _rows(k), _rows(v), mask, float(scale),
+                                                     with_mass)  # fmt: skip
+    return out, (mass if with_mass else None)
+
+
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """`t` with unit stride along its last dim (what the operators read), a copy only where it is not."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
@@ -90,6 +122,8 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::kivi_decode")(_fake_kivi)
     torch.library.register_fake("hf_kvplus_cpu::paged_decode")(_fake_paged)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode")(_fake_encode)
+    torch.library.register_fake("hf_kvplus_cpu::kivi_encode_into")(_fake_encode_into)
+    torch.library.register_fake("hf_kvplus_cpu::dense_decode")(_fake_dense)
 
 
 rotated_cpu.when_loaded(register_fakes)
@@ -115,3 +149,12 @@ def _fake_encode(x, bits, group, per_channel):
     codes = x.new_empty(B, H, T, D if bits == 0 else D * bits // 8, dtype=torch.uint8)
     scale = x.new_empty(params, dtype=torch.float16)
     return codes, scale, x.new_empty((0,) if bits == 0 else params, dtype=torch.float16)
+
+
+def _fake_encode_into(x, bits, group, limit, codes, scale, zero, start, slots, bad):
+    return None
+
+
+def _fake_dense(q, k, v, mask, scale, with_mass):
+    B, Hq, _ = q.shape
+    return q.new_empty(B, Hq, v.shape[-1]), q.new_empty(B if with_mass else 0, k.shape[1], k.shape[2])

@@ -50,9 +50,9 @@ class KiviKernels(FormatKernels):
             if info.paged and kw["length"] > 0:
                 check_used_blocks(kw["block_table"], info.num_blocks, info.T, kw["start"], kw["length"])
         out, mass = kivi_cpu.kivi_decode_cpu(
-            q, packed, fmt, *(kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask",
-                                              "block_table", "keys_per_token")), with_mass,
-        )  # fmt: skip
+            q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
+            kw["block_table"], kw["keys_per_token"], with_mass,
+        )  # fmt: skip (named, not a generator: every layer and step)
         out = out.to(q.dtype)
         return (out, mass) if with_mass else out
 
@@ -71,6 +71,12 @@ class KiviKernels(FormatKernels):
             op(x, *custom_ops.format_args(fmt), codes, scale, zero)
             return codes, scale, zero
         return (quantize_keys_triton if side == "keys" else quantize_values_triton)(x, fmt, out=out, check=check)
+
+    def codes_into(self, x) -> bool:
+        return path_of(x, False) == "twin" and kivi_cpu.encodes(x)
+
+    def encode_into(self, x, fmt, out, start, slots, limit, bad) -> None:
+        kivi_cpu.kivi_encode_into_cpu(x, fmt, out, start, slots, limit, bad)
 
     def quantize_at(self, x, fmt, out, slots, check, state=None):
         path = path_of(x, check)

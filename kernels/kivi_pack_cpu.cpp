@@ -7,6 +7,13 @@
 // zero per channel over each group of `group` tokens (T a multiple of it), else values, per token over groups of
 // `group` channels. Returns (codes uint8 [B, H, T, D * bits / 8] (fp8: D), scales float16 [B, H, T / group, D] or
 // [B, H, T, D / group], zeros likewise (fp8: an empty tensor)).
+//
+// kivi_encode_into: values' coding (per token) of x [B, H, T, D] float32 written straight into `codes`
+// [B, H, N, D * bits / 8], `scale` and `zero` [B, H, N, D / group] (any strides: a storage's fields; fp8: `zero`
+// unused) at rows `slots` [B, H, T] int64 (undefined: rows start .. start + T - 1), the codes the
+// same bits as kivi_encode's. With `limit` >= 0 a value whose magnitude exceeds it (NaN included) is coded as 0 and
+// counted into `bad` (a 0-d int64 tensor): storage/value_range.RangeGuard's rule, folded in. What an evicting
+// cache's decode step runs per layer in one call, where guarding, coding and copying into the slots took a dozen.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -163,10 +170,96 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kivi_encode_cpu(const at::Tensor&
   return {codes, scale, zero};
 }
 
+
+void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, double limit, at::Tensor codes,
+                          at::Tensor scale, at::Tensor zero, int64_t start, const c10::optional<at::Tensor>& slots,
+                          at::Tensor bad) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat, "kivi_encode_into: x must be float32 [B, H, T, D]");
+  TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "kivi_encode_into: bits must be 8, 4, 2 or 0 (fp8)");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  const int per = bits == 0 ? 1 : 8 / int(bits);
+  TORCH_CHECK(group > 0 && D % group == 0 && D % per == 0, "kivi_encode_into: group ", group,
+              " must divide the channels ", D);
+  const int64_t P = D / per, groups = D / group;
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(0) == B && codes.size(1) == H &&
+                  codes.size(3) == P && codes.stride(3) == 1,
+              "kivi_encode_into: codes must be uint8 [B, H, N, ", P, "] with unit last stride");
+  TORCH_CHECK(scale.dim() == 4 && scale.scalar_type() == at::kHalf && scale.size(0) == B && scale.size(1) == H &&
+                  scale.size(2) == codes.size(2) && scale.size(3) == groups,
+              "kivi_encode_into: scale must be float16 [B, H, N, ", groups, "]");
+  const bool has_zero = bits != 0;
+  if (has_zero) {
+    TORCH_CHECK(zero.scalar_type() == at::kHalf && zero.sizes() == scale.sizes(),
+                "kivi_encode_into: zero must be float16 like scale");
+  }
+  const int64_t N = codes.size(2);
+  const bool by_slot = slots.has_value() && slots->defined();
+  if (by_slot) {
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->dim() == 3 && slots->size(0) == B &&
+                    slots->size(1) == H && slots->size(2) == T,
+                "kivi_encode_into: slots must be int64 [B, H, T]");
+  } else {
+    TORCH_CHECK(start >= 0 && start + T <= N, "kivi_encode_into: rows ", start, "..", start + T - 1, " of ", N);
+  }
+  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1, "kivi_encode_into: bad must be one int64");
+  const at::Tensor xs = x.contiguous();
+  const at::Tensor sl = by_slot ? slots->contiguous() : at::Tensor();
+  const float* xp = xs.data_ptr<float>();
+  const int64_t* slp = by_slot ? sl.data_ptr<int64_t>() : nullptr;
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::Half* sp = scale.data_ptr<at::Half>();
+  at::Half* zp = has_zero ? zero.data_ptr<at::Half>() : nullptr;
+  const int64_t c0 = codes.stride(0), c1 = codes.stride(1), c2 = codes.stride(2);
+  const int64_t s0 = scale.stride(0), s1 = scale.stride(1), s2 = scale.stride(2), s3 = scale.stride(3);
+  const int64_t z0 = has_zero ? zero.stride(0) : 0, z1 = has_zero ? zero.stride(1) : 0,
+                z2 = has_zero ? zero.stride(2) : 0, z3 = has_zero ? zero.stride(3) : 0;
+  const bool guard = limit >= 0;
+  const float lim = float(limit);
+  const Coder coder{int(bits), float((1 << (bits == 0 ? 8 : bits)) - 1)};
+  int64_t count = 0;
+  std::vector<float> v(D);
+  std::vector<uint8_t> q(D);
+  for (int64_t u = 0; u < B * H * T; ++u) {  // (one token per row and head at a decode step: no threads)
+    const int64_t b = u / (H * T), h = (u / T) % H, t = u % T;
+    const int64_t row = by_slot ? slp[u] : start + t;
+    TORCH_CHECK(row >= 0 && row < N, "kivi_encode_into: slot ", row, " outside 0..", N - 1);
+    const float* xu = xp + u * D;
+    for (int64_t c = 0; c < D; ++c) {
+      const float val = xu[c];
+      const bool ok = !guard || std::fabs(val) <= lim;  // (NaN fails)
+      count += !ok;
+      v[c] = ok ? val : 0.f;
+    }
+    for (int64_t k = 0; k < groups; ++k) {
+      const float* xg = v.data() + k * group;
+      float l = xg[0], hi = xg[0], a = std::fabs(xg[0]);
+      for (int64_t c = 1; c < group; ++c) {
+        l = std::min(l, xg[c]);
+        hi = std::max(hi, xg[c]);
+        a = std::max(a, std::fabs(xg[c]));
+      }
+      at::Half s, z;
+      coder.params(l, hi, a, s, z);
+      sp[b * s0 + h * s1 + row * s2 + k * s3] = s;
+      if (zp != nullptr) zp[b * z0 + h * z1 + row * z2 + k * z3] = z;
+      const float sf = float(s), zf = zp != nullptr ? float(z) : 0.f;
+      for (int64_t c = 0; c < group; ++c) q[k * group + c] = coder.code(xg[c], sf, zf);
+    }
+    pack(q.data(), D, int(bits), cp + b * c0 + h * c1 + row * c2);
+  }
+  if (guard) bad.add_(count);
+}
+
 }  // namespace kvplus_kivi_pack
 
 TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
   m.def("kivi_encode(Tensor x, int bits, int group, bool per_channel) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "kivi_encode_into(Tensor x, int bits, int group, float limit, Tensor(a!) codes, Tensor(b!) scale, "
+      "Tensor(c!) zero, int start, Tensor? slots, Tensor(d!) bad) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) { m.impl("kivi_encode", &kvplus_kivi_pack::kivi_encode_cpu); }
+TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) {
+  m.impl("kivi_encode", &kvplus_kivi_pack::kivi_encode_cpu);
+  m.impl("kivi_encode_into", &kvplus_kivi_pack::kivi_encode_into_cpu);
+}

@@ -154,8 +154,17 @@ def test_torch_twin_agrees_with_triton_and_sdpa(seed):
 
 
 @pytest.mark.usefixtures("on_cpu")
-def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
+@pytest.mark.parametrize("operator", [False, True])
+def test_dispatcher_on_cpu_takes_the_operator_else_the_twin(seed, monkeypatch, operator):
+    # Eager CPU calls read K/V in place with the C++ operator where it is built (kivi_cpu.dense_decode_cpu), else
+    # the torch twin; both give the twin's output and mass (the operator to float32 rounding).
+    from hf_kvplus.kernels import kivi_cpu, rotated_cpu
+
+    if operator and not rotated_cpu.available():
+        pytest.skip("no C++ toolchain here: the CPU operators cannot be built")
+    monkeypatch.setattr(kivi_cpu, "supports", lambda q: operator)
     q, k, v = make(2, 2, 2, 50, 32, 32, torch.float32)
+    k, v = torch.cat([k, k], 2)[:, :, ::2], torch.cat([v, v], 2)[:, :, ::2]  # (strided views, as a layer's slots)
     mask = left_padding(2, 50, (0, 7))
     expected = decode_attention_with_mass_torch(q, k, v, scale=0.125, mask=mask)
     calls = []
@@ -170,8 +179,12 @@ def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     monkeypatch.setattr(dispatch, "decode_attention_with_mass_triton", boom)
     monkeypatch.setattr(dispatch, "decode_attention_with_mass_torch", twin)
     out, mass = decode_attention(q, k, v, scale=0.125, mask=mask, num_splits=3, with_mass=True)
-    assert calls == [1]
-    assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
+    assert calls == ([] if operator else [1])
+    if operator:
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mass, expected[1], rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(out, expected[0]) and torch.equal(mass, expected[1])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -561,3 +561,37 @@ def test_encode_op_writes_slots_and_refuses_what_the_twin_refuses(seed):
         quantize_keys(torch.randn(1, 2, 20, 64), fmt)
     with pytest.raises(ConfigError, match="group_size 16 does not divide head_dim 40"):
         quantize_values(torch.randn(1, 2, 20, 40), fmt)
+
+
+@pytest.mark.usefixtures("encode_op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4, 2, "fp8"])
+def test_values_into_equals_guard_then_twin(seed, bits, dtype):
+    # The operator that codes an evicting cache's decode token straight into its slots: at given rows or a span, the
+    # values RangeGuard zeroes (NaN, inf, beyond the limit) zeroed and counted, every other bit the twin's.
+    from hf_kvplus.kernels.dispatch import quantize_values_into, takes_values_into
+    from hf_kvplus.storage.value_range import RangeGuard
+
+    fmt = QuantFormat(bits, 16)
+    B, H, T, N, D = 2, 3, 2, 9, 48
+    x = (torch.randn(B, H, T, D) * 3).to(dtype)
+    x[0, 1, 1, 5], x[1, 2, 0, 7], x[1, 0, 1, 40] = float("nan"), float("inf"), 1e30 if dtype != torch.float16 else 6e4
+    assert takes_values_into(x, fmt)
+    guard = RangeGuard(*fmt.code_limit())
+    want = qf.quantize_values(guard(x), fmt)
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    for rows in (slots, None):
+        out, counted = _slot_buffers(fmt, B, H, N, D), torch.zeros((), dtype=torch.long)
+        limit = min(guard.limit, torch.finfo(dtype).max)
+        quantize_values_into(x, fmt, out, 3, rows, limit=limit, bad=counted)
+        at = (slots if rows is not None else torch.arange(3, 3 + T).expand(B, H, T))[..., None]
+        for got, ref in zip(out, want, strict=True):
+            if ref is None:
+                assert got is None
+                continue
+            got = got.gather(2, at.expand(*at.shape[:3], ref.shape[-1]))
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), f"{fmt} {dtype} (seed {seed})"
+        assert int(counted) == int(guard.pending) >= 2
+    with pytest.raises(RuntimeError, match="rows 8..9 of 9"):
+        quantize_values_into(x.float(), fmt, _slot_buffers(fmt, B, H, N, D), 8)
+    assert not takes_values_into(x.to("meta"), fmt)

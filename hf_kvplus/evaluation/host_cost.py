@@ -128,7 +128,8 @@ def _kernel_sites() -> list[tuple[object, str]]:
     return [
         (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
         (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "quantized_decode_attention"),
-        (dispatch, "_fallback"), (slot_store, "quantize_values"), (slot_store, "quantize_values_at"), *quantizing,
+        (dispatch, "_fallback"), (slot_store, "quantize_values"), (slot_store, "quantize_values_at"),
+        (slot_store, "quantize_values_into"), *quantizing,
     ]  # fmt: skip
 
 
@@ -185,6 +186,7 @@ def _stub_outputs() -> dict[str, Callable]:
         "sdpa_attention_forward": sdpa, "_fallback": sdpa,
         "quantize_keys": quantize("keys"), "quantize_values": quantize("values"),
         "quantize_values_at": lambda x, fmt, out, slots, **kwargs: out,  # writes the given buffers: returns them
+        "quantize_values_into": lambda *args, **kwargs: None,  # writes the given buffers
     }  # fmt: skip
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import quantize_values, quantize_values_at
+from ..kernels.dispatch import quantize_values, quantize_values_at, quantize_values_into, takes_values_into
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 
 
@@ -27,7 +27,12 @@ class DenseCodec:
     def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return fields["values"]
 
-    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def guards(self, x: torch.Tensor) -> bool:
+        """Full precision holds any value: nothing to guard."""
+        return False
+
+    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor,
+              guard=None) -> None:  # fmt: skip
         """Keys and values into slots `span` of `fields`."""
         fields["keys"][:, :, span] = keys
         fields["values"][:, :, span] = values
@@ -36,7 +41,8 @@ class DenseCodec:
         """Keys into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
         (fields["keys"] if span is None else fields["keys"][:, :, span]).copy_(keys)
 
-    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 guard=None) -> None:  # fmt: skip
         """Keys and values into slots `slots` [batch, kv_heads, 1] (eagerly: by `scatter_`, one index for both)."""
         index = slots[..., None].expand(*keys.shape)
         fields["keys"].scatter_(2, index, keys)
@@ -66,6 +72,13 @@ class TokenQuantCodec:
         self.payload = ("k", "v")
         self.key_fields = ("k", "k_scale", "k_zero")
         self._fields = {name: (name, f"{name}_scale", f"{name}_zero") for name in self.payload}  # per quantize call
+        # Both sides in formats whose coding the CPU operator writes straight into the slots, guard folded in.
+        self._into = all(type(f) is QuantFormat for f in self._formats.values())
+
+    def guards(self, x: torch.Tensor) -> bool:
+        """Whether `write`/`write_at`/`write_keys` of `x` code it straight into the slots, a `RangeGuard` given to them
+        folded into the same call (`dispatch.quantize_values_into`); else the caller guards first."""
+        return self._into and takes_values_into(x, self.fmt)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
@@ -103,22 +116,43 @@ class TokenQuantCodec:
     def decode_values(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self._decode(fields, "v", dtype)
 
-    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, fields: dict[str, torch.Tensor], span: slice, keys: torch.Tensor, values: torch.Tensor,
+              guard=None) -> None:  # fmt: skip
         """Keys and values quantized straight into slots `span` of `fields`: the quantize kernel writes the slots'
-        codes, scales and zeros, so nothing is copied after it (a decode step's ops are its host cost)."""
+        codes, scales and zeros, so nothing is copied after it (a decode step's ops are its host cost). `guard`: a
+        `RangeGuard` to code through, where `guards` said so."""
+        if self.guards(keys):
+            for name, x in (("k", keys), ("v", values)):
+                self._into_rows(fields, name, x, span.start, None, guard)
+            return
         self._quantize_into(fields, span, "k", keys)
         self._quantize_into(fields, span, "v", values)
 
     def write_keys(self, fields: dict[str, torch.Tensor], span: slice | None, keys: torch.Tensor) -> None:
         """Keys quantized into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
+        if self.guards(keys):
+            self._into_rows(fields, "k", keys, 0 if span is None else span.start, None, None)
+            return
         self._quantize_into(fields, span, "k", keys)
 
-    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 guard=None) -> None:  # fmt: skip
         """Keys and values quantized straight into slots `slots` [batch, kv_heads, 1]: one kernel each writes the
-        codes, scales and zeros at the slot (a decode step's ops are its host cost)."""
+        codes, scales and zeros at the slot (a decode step's ops are its host cost). `guard`: as in `write`."""
+        if self.guards(keys):
+            for name, x in (("k", keys), ("v", values)):
+                self._into_rows(fields, name, x, 0, slots, guard)
+            return
         for name, x in (("k", keys), ("v", values)):
             out = tuple(fields.get(field) for field in self._fields[name])
             quantize_values_at(x.contiguous(), self._formats[name], out, slots, check=False, state=self._states[name])
+
+    def _into_rows(self, fields, name, x, start, slots, guard) -> None:
+        """`x` coded by the CPU operator into rows `start ..` (or `slots`) of side `name`'s fields, through `guard`."""
+        codes, scale, zero = self._fields[name]
+        out = (fields[codes], fields[scale], fields.get(zero))
+        limit, bad = (None, None) if guard is None else guard.folded(x.dtype)
+        quantize_values_into(x, self._formats[name], out, start, slots, limit=limit, bad=bad)
 
     def _quantize_into(self, fields, span, name, x) -> None:
         codes, scale, zero = self._fields[name]

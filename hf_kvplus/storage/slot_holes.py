@@ -12,12 +12,12 @@ from .slot_masks import PAD
 class SlotHoles:
     """Evicting without moving: the hole, free slots and compaction."""
 
-    def _refill(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
-        """The hole takes the one token of this append."""
+    def _refill(self, keys: torch.Tensor, values: torch.Tensor, first_pos: int, guard=None) -> None:
+        """The hole takes the one token of this append (through `guard`, as `_write` says)."""
         hole, self.hole = self.hole, None
         self.in_order = False
         if isinstance(hole, int):
-            self._write(hole, keys, values, first_pos)
+            self._write(hole, keys, values, first_pos, guard)
             return
         self.fresh = self._carried("fresh", hole)
         if self.exact is not None:
@@ -25,7 +25,7 @@ class SlotHoles:
         if self.device_count:
             self._write_slots(hole, {**self.codec.encode(keys, values), "pos": first_pos, **self._zeroed})
             return
-        self.codec.write_at(self.fields, hole, keys, values)
+        self.codec.write_at(self.fields, hole, keys, values, guard)
         self.fields["pos"].scatter_(2, hole, first_pos)  # scalars by `scatter_`, as `_write_slots` says why
         if self.keeps_scores:
             self.fields["score"].scatter_(2, hole, 0.0)

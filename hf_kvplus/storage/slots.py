@@ -188,11 +188,15 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
         self.count.advance(new)
         if self.fields:
             self._check_compatible(keys, values)
+        guard = None
         if new == 1 and self.range_guard is not None:  # (a prompt was checked whole: `KVLayer.update`)
-            keys, values = self._guarded(keys, values)
+            if self.fields and self.exact is None and not self.device_count and self.codec.guards(keys):
+                guard = self.range_guard  # folded into the coding: one operator call per side, no guarded copies
+            else:
+                keys, values = self._guarded(keys, values)
         if self.hole is not None:
             if new == 1:  # the freed slot takes the token
-                self._refill(keys, values, first_pos)
+                self._refill(keys, values, first_pos, guard)
                 return
             self.settle()
         if not self.fields:
@@ -211,7 +215,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
                     mark_static(*self.exact.values())
         elif self.length + new > self.capacity:
             self._resize(_grown(self.length + new))
-        self._write(self.length, keys, values, first_pos)
+        self._write(self.length, keys, values, first_pos, guard)
         self.length += new
 
     def _guarded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,9 +228,9 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
         keys, values = guard(torch.cat([keys, values])).split(keys.shape[0])
         return keys, values
 
-    def _write(self, lo: int, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> None:
+    def _write(self, lo: int, keys: torch.Tensor, values: torch.Tensor, first_pos: int, guard=None) -> None:
         """Writes the tokens of `keys`/`values` at logical positions `first_pos ..` into slots `lo ..`, scores
-        zeroed."""
+        zeroed; through `guard`, a `RangeGuard` the codec folds into its coding (`append`)."""
         new = keys.shape[2]
         self.fresh = (lo, lo + new)
         if self.exact is not None:
@@ -236,7 +240,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
             self._write_slots(slots, {**self.codec.encode(keys, values), "pos": slots + (first_pos - lo), **self._zeroed})
             return
         span = slice(lo, lo + new)
-        self.codec.write(self.fields, span, keys, values)
+        self.codec.write(self.fields, span, keys, values, guard)
         if new == 1:  # a decode step: fill in place, no index tensor
             self.fields["pos"][:, :, span].fill_(first_pos)
         else:

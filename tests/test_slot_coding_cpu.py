@@ -1,0 +1,54 @@
+"""An evicting cache's quantized slots on the CPU code each decode token with one operator call per side, the range
+guard folded in (`TokenQuantCodec.guards`, `dispatch.quantize_values_into`): chosen there, and bit for bit what the
+guard followed by the quantize kernel and the copies into the slots gave."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_kvplus import cache_kwargs
+from hf_kvplus.kernels import rotated_cpu
+from hf_kvplus.specs import parse_cache_spec
+from hf_kvplus.storage import slot_codecs
+
+SPECS = ["sink:4:40:bits=int4", "h2o:40:bits=int4", "h2o:40:bits=fp8", "sink:4:40:bits=int2", "snapkv:40:bits=int8"]
+
+
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def decode(net, spec: str, batch: int, steps: int = 12):
+    """Logits of a prompt and `steps` greedy steps, and each layer's held keys and values."""
+    cache = parse_cache_spec(spec).build(net.config, max_length=128)
+    ids = torch.randint(0, 128, (batch, 48), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for _ in range(steps + 1):
+        out = net(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1:]
+        logits.append(out)
+        ids = out.argmax(-1)
+    return torch.cat(logits, 1), [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.skipif(not rotated_cpu.available(), reason="no C++ toolchain: the CPU operators cannot be built")
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("spec", SPECS)
+def test_slots_code_decode_tokens_in_one_call_and_equal_the_guarded_kernel(spec, batch, monkeypatch):
+    net = model()
+    calls = []
+    fused = slot_codecs.quantize_values_into
+    monkeypatch.setattr(slot_codecs, "quantize_values_into", lambda *a, **k: calls.append(k["limit"]) or fused(*a, **k))
+    got, held = decode(net, spec, batch)
+    assert len(calls) >= 12 * 2 * 2, spec  # every decode step, both layers, keys and values
+    assert any(limit is not None for limit in calls), "the range guard was not folded into the coding"
+    monkeypatch.setattr(slot_codecs, "takes_values_into", lambda x, fmt: False)
+    calls.clear()
+    want, held_before = decode(net, spec, batch)
+    assert not calls
+    assert torch.equal(got, want), spec
+    for (k, v), (k0, v0) in zip(held, held_before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0), spec
