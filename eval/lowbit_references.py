@@ -67,7 +67,8 @@ def merge(folder: Path, families: Path | None) -> tuple[dict, dict, list[dict]]:
     runs = read_jsonl(folder / "runs.jsonl")
     metas = [json.loads((folder / name).read_text()) for name in ("turboquant.json", "tiny_turboquant.json")
              if (folder / name).exists()]  # fmt: skip
-    meta = {k: v for k, v in metas[0].items() if k not in ("runs", "command", "seeds", "text")}
+    meta = {k: v for k, v in metas[0].items() if k not in ("runs", "command", "seeds", "text", "renormalize",
+                                                             "center_keys", "chunks")}  # fmt: skip
     meta["commands"] = [m["command"] for m in metas]
     for other in metas[1:]:
         meta.setdefault("versions_other", {}).update(other.get("versions_other", {}))
@@ -107,14 +108,13 @@ def main(argv=None) -> None:
     series = {OURS: "ours", "turboquant-torch MSE keys, coded once": "tq_mse", "turboquant-torch QJL keys, coded once":
               "tq_qjl", "tiny-turboquant": "tiny", **{r["series"]: r["series"] for r in rows}}  # fmt: skip
     series = {name: series[name] for name in dict.fromkeys(r["series"] for r in rows)}
-    small = {text: [[series[r["series"]], r["config"], r.get("defaults"), round(r["bits"], 4), round(r["delta_pct"], 3)]
-                    + ([round(r["se_pct"], 3)] if r.get("se_pct") is not None else []) for r in rows if r["text"] == text]
+    small = {text: [[series[r["series"]], r["config"], r.get("defaults"), round(r["bits"], 3), round(r["delta_pct"], 2)]
+                    + ([round(r["se_pct"], 2)] if r.get("se_pct") is not None else []) for r in rows if r["text"] == text]
              for text in dict.fromkeys(r["text"] for r in rows)}  # fmt: skip
     dynamic = {base["text"]: {"perplexity": round(base["perplexity"], 5), "seconds": round(base["seconds"])}
                for _, base, _ in merged}  # fmt: skip
     result = {**meta, "texts": list(dynamic), "dynamic": dynamic, "seed": 0,
               "hf_kvplus_from": str(args.families) if args.families else None,
-              "merged_by": "python eval/lowbit_references.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "series": {short: name for name, short in series.items()},
               "columns": ["series", "config", "defaults", "bits_per_coordinate", "delta_pct", "se_pct"],
               "rows": small}  # fmt: skip
