@@ -9,7 +9,12 @@ Protocol: each `--models` on the first `--tokens` tokens of each `--texts`, fed 
 once per model and text). Each row is `QuantizedCache(bits=<spec>, window, rotation_seed=<seed>)` as it ships
 ("after": with its model family's layer formats, `precision.FAMILY_DEFAULTS`) and with `family_defaults=False`
 ("before": the preset's format on every layer, what the presets were before the family defaults). Where a model has
-no family defaults for a spec, both are the same cache: it runs once, as "same". Bits per coordinate:
+no family defaults for a spec, both are the same cache: it runs once, as "same". `--calibration auto` runs instead
+each spec with the calibration shipped for the model ("calibrated": `QuantizedCache(..., calibration="auto")`, found
+from the config, `fitted.find`), into the same log, e.g.
+
+    python eval/lowbit_families.py --out eval/results/lowbit_families_4k --models gemma3-270m --specs k2v2 k3v2 k4v2 \
+        --calibration auto Bits per coordinate:
 `quantized_report()["bits_per_coordinate"]` after the run (every token outside the window, exact regions counted at
 their dtype's bits: float32 here).
 
@@ -39,6 +44,8 @@ from hf_kvplus import QuantizedCache
 from hf_kvplus.cli.common import tokenize
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import stamp
+from hf_kvplus.fitted import find
+from hf_kvplus.formats import parse_bits
 from hf_kvplus.precision import family_of
 from hf_kvplus.resolve import load_model, load_text
 
@@ -58,6 +65,8 @@ def plan(args, model_name: str, config) -> list[dict]:
     for text in args.texts:
         for spec in args.specs:
             kinds = ["before", "after"] if has_defaults(config, spec) else ["same"]
+            if args.calibration:
+                kinds = ["calibrated"]
             for seed in args.seeds:
                 rows += [{"model": model_name, "text": text, "spec": spec, "defaults": kind, "seed": seed,
                           "tokens": args.tokens, "chunk": args.chunk, "window": args.window} for kind in kinds]  # fmt: skip
@@ -101,7 +110,9 @@ def table(runs: list[dict]) -> str:
         out.append(f"**{TEXT_NAMES.get(text, text)}** ({some['tokens']} tokens, chunks of {some['chunk']}, window "
                    f"{some['window']}; DynamicCache perplexity {base}). Cells: perplexity change (bits per coordinate)."
                    "\n")  # fmt: skip
-        header = ["spec"] + [f"{MODEL_NAMES.get(m, m)} {when}" for m in models for when in ("before", "after")]
+        calibrated = {m for m in models if any(r["model"] == m and r["defaults"] == "calibrated" for r in quantized)}
+        header = ["spec"] + [f"{MODEL_NAMES.get(m, m)} {when}" for m in models
+                             for when in ("before", "after") + (("calibrated",) if m in calibrated else ())]
         out.append("| " + " | ".join(header) + " |")
         out.append("| --- |" + " ---: |" * (len(header) - 1))
         for spec in specs:
@@ -112,6 +123,8 @@ def table(runs: list[dict]) -> str:
                 before = same or [r for r in mine if r["defaults"] == "before"]
                 after = same or [r for r in mine if r["defaults"] == "after"]
                 cells += [cell(before), cell(after) + (" (same)" if same else "")]
+                if model in calibrated:
+                    cells.append(cell([r for r in mine if r["defaults"] == "calibrated"]))
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -119,10 +132,11 @@ def table(runs: list[dict]) -> str:
 
 def report(runs: list[dict], meta: dict, out: Path) -> str:
     md = (f"Rotated presets before and after the per-family defaults; {meta['machine']}, {meta['date']}.\n\n"
-          f"`{meta['command']}`\n\n{table(runs)}\n"
+          + "".join(f"`{c}`\n\n" for c in [meta["command"], *meta["added_commands"]]) + f"{table(runs)}\n"
           "before: the preset's format on every layer (`family_defaults=False`); after: as it ships (Gemma 3: "
           "the family's layer formats, `precision.FAMILY_DEFAULTS`); (same): no family defaults for that model and "
-          "spec, one run. Bits: `quantized_report()['bits_per_coordinate']`.\n")  # fmt: skip
+          "spec, one run; calibrated: `calibration=\"auto\"`, the calibration shipped for the model. Bits: "
+          "`quantized_report()['bits_per_coordinate']`.\n")  # fmt: skip
     (out / "table.md").write_text(md)
     small = [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()} for r in runs]
     (out / "results.json").write_text(json.dumps({**meta, "runs": small}, separators=(",", ":")) + "\n")
@@ -139,6 +153,8 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
+    parser.add_argument("--calibration", choices=["auto"], help="run each spec with the model's shipped calibration "
+                                                                "instead (rows 'calibrated')")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/lowbit_families"),
                         help="where DynamicCache's per-token log-likelihoods are kept between runs")
@@ -154,7 +170,12 @@ def main(argv=None) -> None:
     runs = read_runs(log)
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
     command = "python eval/lowbit_families.py " + " ".join(given)
-    meta = {**stamp(), "command": command, "args": {k: str(v) for k, v in vars(args).items()}}
+    published = args.out / "results.json"  # its runs extended: its commands kept, this one added
+    earlier = json.loads(published.read_text()) if published.exists() else {}
+    commands = [c for c in (earlier.get("command"), *earlier.get("added_commands", ())) if c]
+    commands += [command] if command not in commands else []
+    meta = {**stamp(), "command": commands[0], "added_commands": commands[1:],
+            "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     if not args.report_only:
         done = {key(r) for r in runs}
 
@@ -186,8 +207,15 @@ def main(argv=None) -> None:
                                 "perplexity": result.perplexity, "seconds": result.seconds})  # fmt: skip
                         base[where] = runs[-1]
                 base_nll = torch.load(nll_file).double()
+                calibrated = {}
+                if row["defaults"] == "calibrated":
+                    found = find(model.config, f"calibration/{parse_bits(row['spec'])}", "calibration.json")
+                    calibrated = {"calibration": "auto"}
+                    row["calibration"] = str(found.relative_to(Path(__file__).resolve().parent.parent)
+                                             if found and found.is_relative_to(Path(__file__).resolve().parent.parent)
+                                             else found)  # fmt: skip
                 cache = QuantizedCache(model.config, bits=row["spec"], window=args.window, rotation_seed=row["seed"],
-                                       family_defaults=row["defaults"] != "before")  # fmt: skip
+                                       family_defaults=row["defaults"] != "before", **calibrated)  # fmt: skip
                 result = perplexity(model, ids, cache, chunk_size=args.chunk, label=f"{row['spec']} {row['defaults']}")
                 ratio = result.perplexity / base[where]["perplexity"]
                 difference = result.nll.double() - base_nll
@@ -195,8 +223,9 @@ def main(argv=None) -> None:
                 row |= {"perplexity": result.perplexity, "delta_pct": 100 * (ratio - 1),
                         "se_pct": 100 * ratio * float(difference.std() / difference.numel() ** 0.5),
                         "bits": report_["bits_per_coordinate"], "family_defaults": report_.get("family_defaults"),
-                        "layer_bits": {str(i): b for i, b in cache.regions.layer_bits},
                         "seconds": result.seconds}  # fmt: skip
+                if not calibrated:  # (a calibrated row's are in its calibration file)
+                    row["layer_bits"] = {str(i): b for i, b in cache.regions.layer_bits}
                 record(row)
                 tqdm.write(f"{model_name} {Path(text).name} {row['spec']} {row['defaults']} seed {row['seed']}: "
                            f"{row['delta_pct']:+.3f}% +- {row['se_pct']:.3f} at {row['bits']:.3f} bits, "

@@ -141,9 +141,32 @@ GEMMA3 = "gemma3_text-l18-kv1-d256-h640-v262144"
 
 
 def test_the_package_ships_both_models_artifacts():
-    assert fitted.shipped() == [f"{GEMMA3}/calibration/k4v2", f"{GEMMA3}/kvzap", f"{SMOLLM2}/calibration/k2v2",
+    assert fitted.shipped() == [f"{GEMMA3}/calibration/k2v2", f"{GEMMA3}/calibration/k3v2",
+                                f"{GEMMA3}/calibration/k4v2", f"{GEMMA3}/kvzap", f"{SMOLLM2}/calibration/k2v2",
                                 f"{SMOLLM2}/calibration/k3v2", f"{SMOLLM2}/calibration/k4v2", f"{SMOLLM2}/kvzap"]
     assert set(fitted.PACKAGED_MODELS) == {SMOLLM2, GEMMA3}
+
+
+@pytest.mark.parametrize("bits", ["k2v2", "k3v2", "k4v2"])
+def test_gemma3s_calibrations_are_found_for_it_and_for_no_other_model(bits, monkeypatch, tmp_path):
+    """`calibration="auto"` on Gemma 3 270M's config (an empty user folder) finds the package's k2v2, k3v2 and k4v2
+    calibrations and takes their layer formats; Gemma 3 4B, the same family with another model key, finds none."""
+    from hf_kvplus.planning.configs import load_config
+
+    monkeypatch.setenv("KVPLUS_CACHE", str(tmp_path))
+    gemma = load_config("gemma3-270m")
+    path = fitted.find(gemma, f"calibration/{bits}", "calibration.json")
+    assert path == fitted.PACKAGED / GEMMA3 / "calibration" / bits / "calibration.json"
+    shipped = json.loads(path.read_text())
+    assert (shipped["model"], shipped["model_type"], shipped["bits"]) == ("gemma3-270m", "gemma3_text", bits)
+    cache = QuantizedCache(gemma, bits=bits, calibration="auto")
+    assert dict(cache.regions.layer_bits) == {int(k): v for k, v in shipped["layer_bits"].items()}
+    assert dict(parse_cache_spec(f"quantized:{bits}:calibration=auto").build(gemma).regions.layer_bits) == dict(
+        cache.regions.layer_bits)
+    other = load_config("gemma3-4b")
+    assert fitted.find(other, f"calibration/{bits}", "calibration.json") is None
+    with pytest.raises(ArtifactNotFoundError, match=f"--bits {bits}"):
+        QuantizedCache(other, bits=bits, calibration="auto")
 
 
 @pytest.mark.parametrize("name, key", [("smollm2-135m", SMOLLM2), ("gemma3-270m", GEMMA3)])
