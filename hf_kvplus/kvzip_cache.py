@@ -213,6 +213,8 @@ def reconstruct(
             policy.scoring = False
         for layer in windowed:
             layer.record_past = False
+            with layer.placement.using(layer.storage):
+                layer.storage.shrink_to_fit()  # the repeat's chunks grew the window's buffers
     shares = global_budgets(layers) if budgets == "global" else [None] * len(layers)
     for layer, share in zip(layers, shares, strict=True):
         with layer.placement.using(layer.storage):

@@ -108,6 +108,12 @@ class KVStorage(ABC):
     def drop_back(self, count: int) -> None:
         """Forgets the `count` newest tokens."""
 
+    def shrink_to_fit(self) -> None:
+        """Gives back the headroom beyond what the held tokens' growth step needs (a pass that grew the buffers and
+        then dropped what it appended, as KVzip's repeat through a sliding window does). Storages whose buffers
+        do not grow ahead of their tokens have none to give back."""
+        return None
+
     @abstractmethod
     def index_batch(self, indices: torch.Tensor) -> None:
         """Keeps batch rows `indices` (in that order, repeats allowed): beam reorder, selection, fan-out."""

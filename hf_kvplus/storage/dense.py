@@ -202,6 +202,10 @@ class DenseStorage(KVStorage):
             capacity = _grown(needed)
         self._move_to_front(capacity)
 
+    def shrink_to_fit(self) -> None:
+        if self.keys is not None and self.max_tokens is None and self.capacity > _grown(self.length):
+            self._move_to_front(_grown(self.length))
+
     def _shrink(self) -> None:
         """Gives back headroom far larger than what is held (after a long prefill through a window)."""
         if self.max_tokens is None and self.capacity > 2 * _grown(self.length):
