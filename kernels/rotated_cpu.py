@@ -42,7 +42,8 @@ from hf_kvplus.kernels.rotated_format import (
     turning_key_center,
 )
 
-__all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "supports"]
+__all__ = ["available", "encodes", "encodes_into", "rotated_decode_cpu", "rotated_encode_cpu", "rotated_encode_into_cpu",
+           "supports"]
 
 #: One library: the rotated formats' operators and the KIVI and paged decode of `kivi_cpu` (built, or not, together).
 _SOURCES = [
@@ -105,6 +106,37 @@ def rotated_encode_cpu(
                                                   rotated_format.RENORMALIZE)  # (an ablation may turn it off)
 
 
+def encodes_into(x: torch.Tensor, center) -> bool:
+    """Whether `rotated_encode_into_cpu` codes `x` relative to `center` (a layer's key centre, or None): `encodes`,
+    and a centre that is set and does not turn (an unset one is set from the keys as they are coded, which a range
+    guard must have cleaned first; a turning one is taken at positions, which slots do not code by)."""
+    return encodes(x) and (center is None or (center.mu is not None and center.turns is None))
+
+
+#: The `bad` counter of an unguarded `rotated_encode_into_cpu` call (the operator leaves it untouched).
+_UNCOUNTED = torch.zeros((), dtype=torch.long)
+
+
+def rotated_encode_into_cpu(
+    x: torch.Tensor, fmt: RotatedFormat, side: str, out, start: int = 0, slots: torch.Tensor | None = None,
+    limit: float | None = None, bad: torch.Tensor | None = None, center=None,
+) -> None:  # fmt: skip
+    """`rotated_encode_cpu`'s codes of x [B, H, T, D] written into `out` = (codes, norms, None) [B, H, N, ...] at
+    rows `slots` [B, H, T] int64 (None: rows `start` .. `start` + T - 1), bit for bit. With `limit`, a vector
+    whose length exceeds it (or is not finite) is coded as the zero vector and counted into `bad` (0-d int64), as
+    `RangeGuard` zeroes it before coding: the guard, the coding and the copies of an evicting cache's decode step in
+    one call. `center`: as `encodes_into` says (a set centre that does not turn)."""
+    D = x.shape[-1]
+    bits = fmt.bits_of(side)
+    centroids, boundaries = codebook(D, bits, x.device)
+    turn = None if fmt.inputs_rotated else rotation(D, fmt.seed, x.device)
+    mu = None if center is None else coding_center(x, fmt, None, center)
+    torch.ops.hf_kvplus_cpu.rotated_encode_into(
+        x.float(), turn, boundaries, centroids, mu, bits, rotated_format.RENORMALIZE, -1.0 if limit is None else
+        float(limit), out[0], out[1], start, slots, _UNCOUNTED if bad is None else bad,
+    )  # fmt: skip
+
+
 def rotated_decode_cpu(
     q: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
     residual_k: torch.Tensor | None, residual_v: torch.Tensor | None, mask: torch.Tensor | None, with_mass: bool,
@@ -160,6 +192,7 @@ def _load() -> bool:
         return False
     torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
     torch.library.register_fake("hf_kvplus_cpu::rotated_encode")(_fake_encode)
+    torch.library.register_fake("hf_kvplus_cpu::rotated_encode_into")(_fake_encode_into)
     for register in _ON_LOAD:
         register()
     return True
@@ -189,6 +222,11 @@ def _fake(
 def _fake_encode(x, rotation, boundaries, centroids, center, bits, renormalize):
     B, H, T, D = x.shape
     return x.new_empty(B, H, T, D * bits // 8, dtype=torch.uint8), x.new_empty(B, H, T, 1, dtype=torch.float16)
+
+
+def _fake_encode_into(x, rotation, boundaries, centroids, center, bits, renormalize, limit, codes, norms, start, slots,
+                      bad):  # fmt: skip
+    return None
 
 
 def _cpu_flags() -> str:

@@ -92,6 +92,16 @@ class RotatedKernels(FormatKernels):
             return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions, state), None)
         return super().encode(x, fmt, side, positions, state)
 
+    def codes_into(self, x, state=None) -> bool:
+        """Eager CPU floats, the operators built, and a key centre that is set and does not turn
+        (`rotated_cpu.encodes_into`)."""
+        return path_of(x, False) == "twin" and rotated_cpu.encodes_into(x, state)
+
+    def encode_into(self, x, fmt, out, start, slots, limit, bad, state=None) -> None:
+        """The values side's bits (an evicting cache's slots code keys with a format of the key bits on both sides:
+        `side_formats`); `limit` bounds each vector's length (`RotatedFormat.code_limit`)."""
+        rotated_cpu.rotated_encode_into_cpu(x, fmt, "values", out, start, slots, limit, bad, state)
+
     def quantize(self, x, fmt, out, side, check, positions=None, state=None):
         path = path_of(x, check)
         if path in TWINS:
