@@ -27,12 +27,11 @@ class RotatedKernels(FormatKernels):
         """q . k and the softmax are unchanged by an orthogonal rotation: q and the residual rotated in (float32; a
         residual of a format with `inputs_rotated` comes rotated), the output (a weighted sum of rotated values)
         rotated back once."""
-        D, kw = q.shape[-1], dict(kw)
         if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
             raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
-        Dv = fmt.channels(packed.v.shape[-1], "values")
-        if rotated_cpu.supports(q, kw["block_table"]):
+        if rotated_cpu.supports(q, kw["block_table"]):  # (first: every eager CPU layer and step takes it)
             return self._cpu(q, packed, fmt, kw, with_mass)
+        D, Dv, kw = q.shape[-1], fmt.channels(packed.v.shape[-1], "values"), dict(kw)
         # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
         # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
         # output unchanged, so the rotations' columns are permuted to match.

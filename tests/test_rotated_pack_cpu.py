@@ -237,3 +237,31 @@ def test_coding_into_slots_is_refused_where_it_cannot_run_and_names_bad_rows():
         dispatch.quantize_values_into(x, fmt, (out[0], out[1].float(), None), 0)
     with pytest.raises(RuntimeError, match=r"uint8 \[2, 3, N, 8\] with unit last stride, got Byte \[2, 3, 4, 16\]"):
         dispatch.quantize_values_into(x, fmt, (torch.zeros(2, 3, 4, 16, dtype=torch.uint8), norms, None), 0)
+
+
+def test_the_operators_tables_go_with_a_cleared_codebook(monkeypatch):
+    # The operators read a format's rotation, codebook and byte tables through one lookup a call (derived tables); an
+    # evaluation that swaps a codebook clears its table, and the next call must code with the new one.
+    from hf_kvplus.kernels import rotated_format
+
+    fmt = RotatedFormat(4, 4, seed=1)
+    x = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(0))
+
+    def coded() -> torch.Tensor:
+        out = (torch.zeros(1, 2, 1, 16, dtype=torch.uint8), torch.zeros(1, 2, 1, 1, dtype=torch.float16), None)
+        dispatch.quantize_values_into(x, fmt, out, 0)
+        return out[0]
+
+    before = coded()
+    assert rotated_cpu._CODERS._kept
+    wide = [2 * c for c in rotated_format._centroids(32, 4)]  # boundaries twice as far out: other codes
+    monkeypatch.setattr(rotated_format, "_centroids", lambda head_dim, bits: wide)
+    rotated_format._CODEBOOKS.clear()
+    assert not rotated_cpu._CODERS._kept and not rotated_cpu._DECODERS._kept
+    try:
+        assert torch.equal(coded(), rotated_cpu.rotated_encode_cpu(x, fmt, "values")[0])
+        assert not torch.equal(coded(), before)
+    finally:
+        monkeypatch.undo()
+        rotated_format._CODEBOOKS.clear()
+    assert torch.equal(coded(), before)
