@@ -193,7 +193,8 @@ void rotated_encode_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
   } else {
     TORCH_CHECK(start >= 0 && start + T <= N, "rotated_encode_into: rows ", start, "..", start + T - 1, " of ", N);
   }
-  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1, "rotated_encode_into: bad must be one int64");
+  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1 && bad.device().is_cpu(),
+              "rotated_encode_into: bad must be one int64 on the CPU");
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   const int64_t* slp = by_slot ? sl.data_ptr<int64_t>() : nullptr;
@@ -221,7 +222,7 @@ void rotated_encode_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
     }
     count += refused;
   });
-  if (guard) bad.add_(count.load());
+  if (guard && count.load()) *bad.data_ptr<int64_t>() += count.load();  // (in place, no operator call)
 }
 
 }  // namespace kvplus_rotated_pack

@@ -8,6 +8,7 @@ import torch
 from ..kernels.dispatch import quantize_values, quantize_values_at, quantize_values_into, takes_values_into
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..kernels.rotated_format import RotatedFormat
+from .eager_memo import EagerMemo
 
 #: The formats whose kernels code a decode token straight into the slots (`dispatch.quantize_values_into`): exactly
 #: these classes (a subclass may code differently from the operator its base's kernels run).
@@ -82,8 +83,15 @@ class TokenQuantCodec:
 
     def guards(self, x: torch.Tensor) -> bool:
         """Whether `write`/`write_at`/`write_keys` of `x` code it straight into the slots, a `RangeGuard` given to them
-        folded into the same call (`dispatch.quantize_values_into`); else the caller guards first."""
-        return self._into and takes_values_into(x, self.fmt, self.state)
+        folded into the same call (`dispatch.quantize_values_into`); else the caller guards first. Asked once per
+        input dtype, device and dims and whether a key centre is set (`EagerMemo`: every layer and step asks)."""
+        if not self._into:
+            return False
+        memo = self.__dict__.get("_guards")
+        if memo is None:  # (made on first use: a codec saved before has none)
+            memo = self._guards = EagerMemo()
+        key = (x.dtype, x.device, x.dim(), getattr(self.state, "mu", None) is not None)
+        return memo.get(key, takes_values_into, x, self.fmt, self.state)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
