@@ -165,7 +165,8 @@ class KVLayer(CacheLayerMixin):
         if self._codes is not None and new > 1 and not torch.compiler.is_compiling():
             guard = self.storage.range_guard
             check_prompt(self.spec.index, *self._codes, key_states, value_states, guard and guard.take())
-        self.placement.acquire(self.storage)
+        if self.placement.moves:  # (one that does not has nothing to acquire: a call saved every layer and step)
+            self.placement.acquire(self.storage)
         if self._pending is not None:
             self._evict(self._pending)
         # (A static read spans its whole buffer.)

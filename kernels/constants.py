@@ -16,10 +16,19 @@ T = TypeVar("T")
 
 
 class Constants(Generic[T]):
-    """A table of constants by key: `get(key, make)` returns the kept value or `make()`, kept if made eagerly."""
+    """A table of constants by key: `get(key, make)` returns the kept value or `make()`, kept if made eagerly.
 
-    def __init__(self) -> None:
+    `derived=True`: a table whose values are made of other tables' constants (a call's rotations, codebook and byte
+    tables in one lookup, where looking each up cost a decode step more than the lookup saves): emptied whenever any
+    table is cleared, so that it never keeps what a cleared table no longer holds."""
+
+    #: Every derived table (module-level tables: they live as long as the process).
+    _derived: list[Constants] = []
+
+    def __init__(self, derived: bool = False) -> None:
         self._kept: dict[Hashable, T] = {}
+        if derived:
+            Constants._derived.append(self)
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         value = self._kept.get(key)
@@ -30,5 +39,8 @@ class Constants(Generic[T]):
         return value
 
     def clear(self) -> None:
-        """Forgets every kept constant (an evaluation that swaps what `make` computes, such as a codebook)."""
+        """Forgets every kept constant (an evaluation that swaps what `make` computes, such as a codebook), and what the
+        derived tables made of them."""
         self._kept.clear()
+        for table in Constants._derived:
+            table._kept.clear()

@@ -236,16 +236,19 @@ def quantize_values_at(x, fmt, out, slots, *, check: bool = True, state=None):
     return kernels_for(fmt).quantize_at(x, fmt, out, slots, check, state)
 
 
-def takes_values_into(x, fmt) -> bool:
-    """Whether :func:`quantize_values_into` codes `x` in `fmt` here: KIVI codes of CPU floats in an eager call, with
-    the C++ operators built (elsewhere the caller guards and codes with :func:`quantize_values` and its ``out``)."""
-    return kernels_for(fmt).codes_into(x)
+def takes_values_into(x, fmt, state=None) -> bool:
+    """Whether :func:`quantize_values_into` codes `x` in `fmt` (with the layer's `state`) here: KIVI or rotated codes
+    of CPU floats in an eager call, with the C++ operators built (a rotated format's key centre set and not turning);
+    elsewhere the caller guards and codes with :func:`quantize_values` and its ``out``."""
+    return kernels_for(fmt).codes_into(x, state)
 
 
-def quantize_values_into(x, fmt, out, start: int = 0, slots=None, *, limit=None, bad=None) -> None:
+def quantize_values_into(x, fmt, out, start: int = 0, slots=None, *, limit=None, bad=None, state=None) -> None:
     """Values x [B, H, T, D] coded per token (as :func:`quantize_values`, bit for bit) straight into ``out`` =
     (codes, scale, zero or None) [B, H, N, ...] at rows ``start ..`` (or ``slots`` [B, H, T] int64), where
-    :func:`takes_values_into` says so. With ``limit``, a value of larger magnitude (or NaN) is coded as 0 and counted
-    into ``bad`` (0-d int64), as ``RangeGuard`` does before coding: one operator call where guarding, coding and
-    copying into the slots' views took a dozen tensor operations (an evicting cache's decode step, every layer)."""
-    kernels_for(fmt).encode_into(x, fmt, out, start, slots, limit, bad)
+    :func:`takes_values_into` says so. With ``limit``, a value of larger magnitude (or NaN; for a format whose codes
+    bound each vector's norm, `KVFormat.code_limit`, a vector of larger length) is coded as 0 and counted into ``bad``
+    (0-d int64), as ``RangeGuard`` does before coding: one operator call where guarding, coding and copying into the
+    slots' views took a dozen tensor operations (an evicting cache's decode step, every layer). `state`: as
+    :func:`quantize_values`."""
+    kernels_for(fmt).encode_into(x, fmt, out, start, slots, limit, bad, state)

@@ -77,11 +77,12 @@ class FormatKernels:
             _check_at(x, fmt, out, slots)
         return quantize_values_at_torch(x, fmt, out, slots, state)
 
-    def codes_into(self, x) -> bool:
-        """Whether `encode_into` codes `x` here (see `dispatch.takes_values_into`): not with the twins alone."""
+    def codes_into(self, x, state=None) -> bool:
+        """Whether `encode_into` codes `x` here, with the layer's `state` (see `dispatch.takes_values_into`): not
+        with the twins alone."""
         return False
 
-    def encode_into(self, x, fmt: KVFormat, out, start: int, slots, limit, bad) -> None:
+    def encode_into(self, x, fmt: KVFormat, out, start: int, slots, limit, bad, state=None) -> None:
         """Values x coded per token, guarded by `limit`, straight into `out` (see `dispatch.quantize_values_into`)."""
         raise NotImplementedError(f"{type(fmt).__name__} has no operator that codes values into their slots")
 

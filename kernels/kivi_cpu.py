@@ -83,14 +83,17 @@ def kivi_decode_cpu(
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
     from the same arguments."""
     if residual_k is not None:
-        residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
+        residual_k, residual_v = _rows(residual_k.float()), _rows(residual_v.float())
     p = packed
+    parts = [p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero]
+    for i, t in enumerate(parts):  # (`_rows` of each, inline: every layer and step)
+        if t is not None and t.stride(-1) != 1:
+            parts[i] = t.contiguous()
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.int()
     out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
-        q.float().contiguous(), _rows(p.k), _rows(p.k_scale), _rows(p.k_zero), _rows(p.v), _rows(p.v_scale),
-        _rows(p.v_zero), 0 if fmt.is_float else fmt.bits, fmt.group_size, keys_per_token, start, length, block_table,
-        residual_k, residual_v, mask, float(scale), with_mass,
+        q.float().contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        keys_per_token, start, length, block_table, residual_k, residual_v, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
 

@@ -72,10 +72,10 @@ class KiviKernels(FormatKernels):
             return codes, scale, zero
         return (quantize_keys_triton if side == "keys" else quantize_values_triton)(x, fmt, out=out, check=check)
 
-    def codes_into(self, x) -> bool:
+    def codes_into(self, x, state=None) -> bool:
         return path_of(x, False) == "twin" and kivi_cpu.encodes(x)
 
-    def encode_into(self, x, fmt, out, start, slots, limit, bad) -> None:
+    def encode_into(self, x, fmt, out, start, slots, limit, bad, state=None) -> None:
         kivi_cpu.kivi_encode_into_cpu(x, fmt, out, start, slots, limit, bad)
 
     def quantize_at(self, x, fmt, out, slots, check, state=None):

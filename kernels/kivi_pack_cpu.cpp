@@ -201,7 +201,8 @@ void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, doub
   } else {
     TORCH_CHECK(start >= 0 && start + T <= N, "kivi_encode_into: rows ", start, "..", start + T - 1, " of ", N);
   }
-  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1, "kivi_encode_into: bad must be one int64");
+  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1 && bad.device().is_cpu(),
+              "kivi_encode_into: bad must be one int64 on the CPU");
   const at::Tensor xs = x.contiguous();
   const at::Tensor sl = by_slot ? slots->contiguous() : at::Tensor();
   const float* xp = xs.data_ptr<float>();
@@ -247,7 +248,7 @@ void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, doub
     }
     pack(q.data(), D, int(bits), cp + b * c0 + h * c1 + row * c2);
   }
-  if (guard) bad.add_(count);
+  if (guard && count) *bad.data_ptr<int64_t>() += count;  // (in place, no operator call: one every layer and step)
 }
 
 }  // namespace kvplus_kivi_pack

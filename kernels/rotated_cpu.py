@@ -33,16 +33,17 @@ from pathlib import Path
 import torch
 
 from hf_kvplus.kernels import rotated_format
+from hf_kvplus.kernels.constants import Constants
 from hf_kvplus.kernels.rotated_format import (
     RotatedFormat,
     byte_table,
     codebook,
     coding_center,
     rotation,
-    turning_key_center,
 )
 
-__all__ = ["available", "encodes", "rotated_decode_cpu", "rotated_encode_cpu", "supports"]
+__all__ = ["available", "encodes", "encodes_into", "rotated_decode_cpu", "rotated_encode_cpu", "rotated_encode_into_cpu",
+           "supports"]
 
 #: One library: the rotated formats' operators and the KIVI and paged decode of `kivi_cpu` (built, or not, together).
 _SOURCES = [
@@ -105,6 +106,60 @@ def rotated_encode_cpu(
                                                   rotated_format.RENORMALIZE)  # (an ablation may turn it off)
 
 
+def encodes_into(x: torch.Tensor, center) -> bool:
+    """Whether `rotated_encode_into_cpu` codes `x` relative to `center` (a layer's key centre, or None): `encodes`,
+    and a centre that is set and does not turn (an unset one is set from the keys as they are coded, which a range
+    guard must have cleaned first; a turning one is taken at positions, which slots do not code by)."""
+    return encodes(x) and (center is None or (center.mu is not None and center.turns is None))
+
+
+#: The `bad` counter of an unguarded `rotated_encode_into_cpu` call (the operator leaves it untouched).
+_UNCOUNTED = torch.zeros((), dtype=torch.long)
+
+
+def rotated_encode_into_cpu(
+    x: torch.Tensor, fmt: RotatedFormat, side: str, out, start: int = 0, slots: torch.Tensor | None = None,
+    limit: float | None = None, bad: torch.Tensor | None = None, center=None,
+) -> None:  # fmt: skip
+    """`rotated_encode_cpu`'s codes of x [B, H, T, D] written into `out` = (codes, norms, None) [B, H, N, ...] at
+    rows `slots` [B, H, T] int64 (None: rows `start` .. `start` + T - 1), bit for bit. With `limit`, a vector
+    whose length exceeds it (or is not finite) is coded as the zero vector and counted into `bad` (0-d int64), as
+    `RangeGuard` zeroes it before coding: the guard, the coding and the copies of an evicting cache's decode step in
+    one call. `center`: as `encodes_into` says (a set centre that does not turn)."""
+    bits = fmt.key_bits if side == "keys" else fmt.value_bits
+    device = x.device
+    key = (x.shape[-1], bits, fmt.seed, fmt.inputs_rotated, device)
+    coder = _CODERS.get(key, lambda: _coder(fmt, x.shape[-1], bits, device))
+    if center is not None:  # a set centre that does not turn is read as it is; else as `coding_center` says
+        mu = center.mu if center.mu is not None and center.turns is None and not fmt.inputs_rotated else None
+        if mu is None:
+            mu = coding_center(x, fmt, None, center)
+    else:
+        mu = None
+    torch.ops.hf_kvplus_cpu.rotated_encode_into(
+        x.float(), *coder, mu, bits, rotated_format.RENORMALIZE, -1.0 if limit is None else float(limit), out[0],
+        out[1], start, slots, _UNCOUNTED if bad is None else bad,
+    )  # fmt: skip
+
+
+#: What the operators read of a format's side, a vector size and a device, in one lookup (a decode step's calls are
+#: its host cost): derived from the rotations, codebooks and byte tables, so forgotten with them.
+_CODERS: Constants[tuple] = Constants(derived=True)
+_DECODERS: Constants[tuple] = Constants(derived=True)
+
+
+def _coder(fmt: RotatedFormat, D: int, bits: int, device) -> tuple:
+    """The encode operators' rotation (None: inputs come rotated), decision boundaries and centroids."""
+    centroids, boundaries = codebook(D, bits, device)
+    return None if fmt.inputs_rotated else rotation(D, fmt.seed, device), boundaries, centroids
+
+
+def _decoder(fmt: RotatedFormat, D: int, Dv: int, device) -> tuple:
+    """The decode operator's byte tables and rotations of keys and values."""
+    return (byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device), rotation(D, fmt.seed, device),
+            rotation(Dv, fmt.seed, device))  # fmt: skip
+
+
 def rotated_decode_cpu(
     q: torch.Tensor, packed, fmt: RotatedFormat, start: int, length: int, scale: float,
     residual_k: torch.Tensor | None, residual_v: torch.Tensor | None, mask: torch.Tensor | None, with_mass: bool,
@@ -114,19 +169,22 @@ def rotated_decode_cpu(
     + length`` of `packed` and the ring `residual_k`/`residual_v` (rotated when `fmt.inputs_rotated`), as
     `quant_attention`'s twin computes it (`center`: the layer's key centre); the rotations of q and of the output
     happen inside."""
-    D, Dv = q.shape[-1], fmt.channels(packed.v.shape[-1], "values")
-    turning = turning_key_center(center) is not None and center.mu is not None
-    k_center = center.rotated if center is not None and center.mu is not None and not turning else None
+    k_codes, k_norms, v_codes, v_norms = packed.k, packed.k_scale, packed.v, packed.v_scale
+    D, device = q.shape[-1], q.device
+    Dv = v_codes.shape[-1] * 8 // fmt.value_bits  # (`fmt.channels`)
+    key = (D, Dv, fmt.key_bits, fmt.value_bits, fmt.seed, device)
+    tables = _DECODERS.get(key, lambda: _decoder(fmt, D, Dv, device))
+    set_center = center is not None and center.mu is not None
+    turning = set_center and center.turns is not None
+    if start or length != k_codes.shape[2]:  # (a read of every code, as slots and a growing segment make: no views)
+        k_codes, k_norms = k_codes.narrow(2, start, length), k_norms.narrow(2, start, length)
+        v_codes, v_norms = v_codes.narrow(2, start, length), v_norms.narrow(2, start, length)
     if residual_k is not None:
-        residual_k, residual_v = (_rows(t.float()) for t in (residual_k, residual_v))
-    end, device = start + length, q.device
+        residual_k, residual_v = _rows(residual_k.float()), _rows(residual_v.float())
+    turn = center.block_basis(start, length, device) if turning else (None, None)
     out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
-        q.float().contiguous(), packed.k[:, :, start:end], packed.k_scale[:, :, start:end],
-        packed.v[:, :, start:end], packed.v_scale[:, :, start:end],
-        byte_table(D, fmt.key_bits, device), byte_table(Dv, fmt.value_bits, device),
-        rotation(D, fmt.seed, device), rotation(Dv, fmt.seed, device), k_center,
-        center.weights if turning else None, *(center.block_basis(start, length, device) if turning
-                                               else (None, None)),
+        q.float().contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
+        center.rotated if set_center and not turning else None, center.weights if turning else None, *turn,
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -160,6 +218,7 @@ def _load() -> bool:
         return False
     torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
     torch.library.register_fake("hf_kvplus_cpu::rotated_encode")(_fake_encode)
+    torch.library.register_fake("hf_kvplus_cpu::rotated_encode_into")(_fake_encode_into)
     for register in _ON_LOAD:
         register()
     return True
@@ -189,6 +248,11 @@ def _fake(
 def _fake_encode(x, rotation, boundaries, centroids, center, bits, renormalize):
     B, H, T, D = x.shape
     return x.new_empty(B, H, T, D * bits // 8, dtype=torch.uint8), x.new_empty(B, H, T, 1, dtype=torch.float16)
+
+
+def _fake_encode_into(x, rotation, boundaries, centroids, center, bits, renormalize, limit, codes, norms, start, slots,
+                      bad):  # fmt: skip
+    return None
 
 
 def _cpu_flags() -> str:

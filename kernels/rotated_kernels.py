@@ -27,12 +27,11 @@ class RotatedKernels(FormatKernels):
         """q . k and the softmax are unchanged by an orthogonal rotation: q and the residual rotated in (float32; a
         residual of a format with `inputs_rotated` comes rotated), the output (a weighted sum of rotated values)
         rotated back once."""
-        D, kw = q.shape[-1], dict(kw)
         if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
             raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
-        Dv = fmt.channels(packed.v.shape[-1], "values")
-        if rotated_cpu.supports(q, kw["block_table"]):
+        if rotated_cpu.supports(q, kw["block_table"]):  # (first: every eager CPU layer and step takes it)
             return self._cpu(q, packed, fmt, kw, with_mass)
+        D, Dv, kw = q.shape[-1], fmt.channels(packed.v.shape[-1], "values"), dict(kw)
         # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
         # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
         # output unchanged, so the rotations' columns are permuted to match.
@@ -91,6 +90,16 @@ class RotatedKernels(FormatKernels):
         if rotated_cpu.encodes(x):
             return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions, state), None)
         return super().encode(x, fmt, side, positions, state)
+
+    def codes_into(self, x, state=None) -> bool:
+        """Eager CPU floats, the operators built, and a key centre that is set and does not turn
+        (`rotated_cpu.encodes_into`)."""
+        return path_of(x, False) == "twin" and rotated_cpu.encodes_into(x, state)
+
+    def encode_into(self, x, fmt, out, start, slots, limit, bad, state=None) -> None:
+        """The values side's bits (an evicting cache's slots code keys with a format of the key bits on both sides:
+        `side_formats`); `limit` bounds each vector's length (`RotatedFormat.code_limit`)."""
+        rotated_cpu.rotated_encode_into_cpu(x, fmt, "values", out, start, slots, limit, bad, state)
 
     def quantize(self, x, fmt, out, side, check, positions=None, state=None):
         path = path_of(x, check)

@@ -182,3 +182,86 @@ def test_bad_input_names_the_numbers():
         op(x, r, boundaries, centroids, torch.zeros(3, 32), 4, True)
     with pytest.raises(RuntimeError, match=r"or \[2, 3, 32\], got \[2, 4, 32\]"):  # a centre per token: T of them
         op(x, r, boundaries, centroids, torch.zeros(2, 4, 32), 4, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("centre", [False, True])
+def test_coding_into_slots_equals_guard_then_operator(bits, centre, dtype):
+    # What an evicting cache's rotated slots code a decode token with: at given rows or a span, the vectors RangeGuard
+    # zeroes (a NaN, an inf, a length past the limit) coded as zero vectors and counted, every other bit the encode
+    # operator's followed by the copies into the slots.
+    from hf_kvplus.storage.value_range import RangeGuard
+
+    fmt = RotatedFormat(bits, bits, seed=2)
+    center = KeyCenter() if centre else None
+    if center is not None:
+        quantize_rotated(keys_like(D=32), fmt, "keys", None, center)  # set, as a cache's prompt sets it
+    B, H, T, N, D = 2, 3, 8, 12, 32
+    x = keys_like(B, H, T, D, seed=bits).to(dtype)
+    x[0, 1, 1, 5], x[1, 2, 0, 7] = float("nan"), float("inf")
+    x[1, 0, 1] = 3e4  # a length of 1.7e5, each element within the limit
+    assert dispatch.takes_values_into(x, fmt, center)
+    guard = RangeGuard(*fmt.code_limit())
+    want = rotated_cpu.rotated_encode_cpu(guard(x), fmt, "values", None, center)
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    for rows in (slots, None):
+        out = tuple(torch.full((B, H, N, w), 7, dtype=t) for w, t in ((D * bits // 8, torch.uint8), (1, torch.float16)))
+        counted = torch.zeros((), dtype=torch.long)
+        dispatch.quantize_values_into(x, fmt, (*out, None), 3, rows, limit=guard.limit, bad=counted, state=center)
+        at = (slots if rows is not None else torch.arange(3, 3 + T).expand(B, H, T))[..., None]
+        for got, ref in zip(out, want, strict=True):
+            assert torch.equal(got.gather(2, at.expand(*at.shape[:3], ref.shape[-1])), ref), f"{fmt} {dtype}"
+            untouched = torch.ones(B, H, N, dtype=torch.bool).scatter(2, at[..., 0], False)
+            assert (got[untouched] == 7).all()
+        assert int(counted) == int(guard.pending) == 3
+    unguarded = tuple(torch.zeros_like(t) for t in want)
+    dispatch.quantize_values_into(x[:, :, :1].float().nan_to_num(0, 0, 0), fmt, (*unguarded, None), 0, state=center)
+    assert torch.equal(unguarded[0][:, :, :1], rotated_cpu.rotated_encode_cpu(
+        x[:, :, :1].float().nan_to_num(0, 0, 0), fmt, "values", None, center)[0])  # fmt: skip
+
+
+def test_coding_into_slots_is_refused_where_it_cannot_run_and_names_bad_rows():
+    fmt = RotatedFormat(4, 2, seed=0)
+    x = torch.randn(2, 3, 1, 32)
+    assert dispatch.takes_values_into(x, fmt, None)
+    assert not dispatch.takes_values_into(x, fmt, KeyCenter())  # unset: set from keys the guard has not cleaned
+    assert not dispatch.takes_values_into(x.to("meta"), fmt, None)
+    codes, norms = torch.zeros(2, 3, 4, 8, dtype=torch.uint8), torch.zeros(2, 3, 4, 1, dtype=torch.float16)
+    out = (codes, norms, None)  # 2-bit values: 8 bytes a vector
+    with pytest.raises(RuntimeError, match="rows 4..4 of 4"):
+        dispatch.quantize_values_into(x, fmt, out, 4)
+    with pytest.raises(RuntimeError, match="slot 9 outside 0..3"):
+        dispatch.quantize_values_into(x, fmt, out, 0, torch.full((2, 3, 1), 9))
+    with pytest.raises(RuntimeError, match=r"norms must be float16 \[2, 3, 4, 1\], got Float"):
+        dispatch.quantize_values_into(x, fmt, (out[0], out[1].float(), None), 0)
+    with pytest.raises(RuntimeError, match=r"uint8 \[2, 3, N, 8\] with unit last stride, got Byte \[2, 3, 4, 16\]"):
+        dispatch.quantize_values_into(x, fmt, (torch.zeros(2, 3, 4, 16, dtype=torch.uint8), norms, None), 0)
+
+
+def test_the_operators_tables_go_with_a_cleared_codebook(monkeypatch):
+    # The operators read a format's rotation, codebook and byte tables through one lookup a call (derived tables); an
+    # evaluation that swaps a codebook clears its table, and the next call must code with the new one.
+    from hf_kvplus.kernels import rotated_format
+
+    fmt = RotatedFormat(4, 4, seed=1)
+    x = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(0))
+
+    def coded() -> torch.Tensor:
+        out = (torch.zeros(1, 2, 1, 16, dtype=torch.uint8), torch.zeros(1, 2, 1, 1, dtype=torch.float16), None)
+        dispatch.quantize_values_into(x, fmt, out, 0)
+        return out[0]
+
+    before = coded()
+    assert rotated_cpu._CODERS._kept
+    wide = [2 * c for c in rotated_format._centroids(32, 4)]  # boundaries twice as far out: other codes
+    monkeypatch.setattr(rotated_format, "_centroids", lambda head_dim, bits: wide)
+    rotated_format._CODEBOOKS.clear()
+    assert not rotated_cpu._CODERS._kept and not rotated_cpu._DECODERS._kept
+    try:
+        assert torch.equal(coded(), rotated_cpu.rotated_encode_cpu(x, fmt, "values")[0])
+        assert not torch.equal(coded(), before)
+    finally:
+        monkeypatch.undo()
+        rotated_format._CODEBOOKS.clear()
+    assert torch.equal(coded(), before)

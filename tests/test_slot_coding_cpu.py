@@ -1,6 +1,6 @@
 """An evicting cache's quantized slots on the CPU code each decode token with one operator call per side, the range
-guard folded in (`TokenQuantCodec.guards`, `dispatch.quantize_values_into`): chosen there, and bit for bit what the
-guard followed by the quantize kernel and the copies into the slots gave."""
+guard folded in (`TokenQuantCodec.guards`, `dispatch.quantize_values_into`), KIVI and rotated formats alike: chosen
+there, and bit for bit what the guard followed by the quantize kernel and the copies into the slots gave."""
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.specs import parse_cache_spec
 from hf_kvplus.storage import slot_codecs
 
-SPECS = ["sink:4:40:bits=int4", "h2o:40:bits=int4", "h2o:40:bits=fp8", "sink:4:40:bits=int2", "snapkv:40:bits=int8"]
+SPECS = ["sink:4:40:bits=int4", "h2o:40:bits=int4", "h2o:40:bits=fp8", "sink:4:40:bits=int2", "snapkv:40:bits=int8",
+         "sink:4:40:bits=k4v2", "h2o:40:bits=k3v2"]
 
 
 def model():
@@ -45,7 +46,7 @@ def test_slots_code_decode_tokens_in_one_call_and_equal_the_guarded_kernel(spec,
     got, held = decode(net, spec, batch)
     assert len(calls) >= 12 * 2 * 2, spec  # every decode step, both layers, keys and values
     assert any(limit is not None for limit in calls), "the range guard was not folded into the coding"
-    monkeypatch.setattr(slot_codecs, "takes_values_into", lambda x, fmt: False)
+    monkeypatch.setattr(slot_codecs, "takes_values_into", lambda x, fmt, state=None: False)
     calls.clear()
     want, held_before = decode(net, spec, batch)
     assert not calls

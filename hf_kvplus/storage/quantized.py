@@ -186,23 +186,34 @@ class QuantizedStorage(KVStorage):
     def batch_size(self) -> int:
         return self.recent.batch_size or self.segment.batch_size
 
+    #: The head dim `fmt.check_head_dim` passed, and the segment's `flush_tokens(window)`: fixed once the first append
+    #: has seen them (a decode step's calls are its host cost; None until then, and in a storage saved before).
+    _checked_dim: int | None = None
+    _flush_unit: int | None = None
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.fmt.check_head_dim(keys.shape[-1])
+        segment, recent = self.segment, self.recent
+        if keys.shape[-1] != self._checked_dim:
+            segment.fmt.check_head_dim(keys.shape[-1])
+            self._checked_dim = keys.shape[-1]
         new = keys.shape[2]
-        if self.segment.shares_rows and self.length == 0 and keys.shape[0] > 1:
+        if segment.shares_rows and self.length == 0 and keys.shape[0] > 1:
             # Read once, at the prompt, so that a decode step that first fills the segment need not compare rows.
             self._prompt = (identical_rows(keys), keys.shape[2])
-        self.segment.begin_update()
+        segment.begin_update()
         head = self.head
-        self.recent.append(keys, values)
+        recent.append(keys, values)
         if head < self.first and self.length == head + new:  # nothing held after the head yet: it takes the first
             self.head = min(self.first, head + new)
         self._left = None
-        unit = self.segment.flush_tokens(self.window)
+        unit = self._flush_unit
+        if unit is None:
+            unit = self._flush_unit = segment.flush_tokens(self.window)
         h = self.head
-        flush = (self.recent.length - h - self.window) // unit * unit
+        held = recent.length
+        flush = (held - h - self.window) // unit * unit
         if flush > 0:
-            old_k, old_v = self.recent.view(self.recent.length)
+            old_k, old_v = recent.view(held)
             old_k, old_v = old_k[:, :, h : h + flush], old_v[:, :, h : h + flush]
             left = min(flush, self.window + new - 1 - (self.recent.length - h - flush))
             if new > 1 and left > 0:  # slices of the buffer; copied where the head moves over them

@@ -7,6 +7,12 @@ import torch
 
 from ..kernels.dispatch import quantize_values, quantize_values_at, quantize_values_into, takes_values_into
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
+from ..kernels.rotated_format import RotatedFormat
+from .eager_memo import EagerMemo
+
+#: The formats whose kernels code a decode token straight into the slots (`dispatch.quantize_values_into`): exactly
+#: these classes (a subclass may code differently from the operator its base's kernels run).
+_CODED_INTO = (QuantFormat, RotatedFormat)
 
 
 class DenseCodec:
@@ -73,12 +79,19 @@ class TokenQuantCodec:
         self.key_fields = ("k", "k_scale", "k_zero")
         self._fields = {name: (name, f"{name}_scale", f"{name}_zero") for name in self.payload}  # per quantize call
         # Both sides in formats whose coding the CPU operator writes straight into the slots, guard folded in.
-        self._into = all(type(f) is QuantFormat for f in self._formats.values())
+        self._into = all(type(f) in _CODED_INTO for f in self._formats.values())
 
     def guards(self, x: torch.Tensor) -> bool:
         """Whether `write`/`write_at`/`write_keys` of `x` code it straight into the slots, a `RangeGuard` given to them
-        folded into the same call (`dispatch.quantize_values_into`); else the caller guards first."""
-        return self._into and takes_values_into(x, self.fmt)
+        folded into the same call (`dispatch.quantize_values_into`); else the caller guards first. Asked once per
+        input dtype, device and dims and whether a key centre is set (`EagerMemo`: every layer and step asks)."""
+        if not self._into:
+            return False
+        memo = self.__dict__.get("_guards")
+        if memo is None:  # (made on first use: a codec saved before has none)
+            memo = self._guards = EagerMemo()
+        key = (x.dtype, x.device, x.dim(), getattr(self.state, "mu", None) is not None)
+        return memo.get(key, takes_values_into, x, self.fmt, self.state)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Both quantized by one call when they have the same shape and format, keys without a centre (tokens
@@ -120,8 +133,8 @@ class TokenQuantCodec:
               guard=None) -> None:  # fmt: skip
         """Keys and values quantized straight into slots `span` of `fields`: the quantize kernel writes the slots'
         codes, scales and zeros, so nothing is copied after it (a decode step's ops are its host cost). `guard`: a
-        `RangeGuard` to code through, where `guards` said so."""
-        if self.guards(keys):
+        `RangeGuard` to code through, where `guards` said so (so it is not asked again)."""
+        if guard is not None or self.guards(keys):
             for name, x in (("k", keys), ("v", values)):
                 self._into_rows(fields, name, x, span.start, None, guard)
             return
@@ -139,7 +152,7 @@ class TokenQuantCodec:
                  guard=None) -> None:  # fmt: skip
         """Keys and values quantized straight into slots `slots` [batch, kv_heads, 1]: one kernel each writes the
         codes, scales and zeros at the slot (a decode step's ops are its host cost). `guard`: as in `write`."""
-        if self.guards(keys):
+        if guard is not None or self.guards(keys):
             for name, x in (("k", keys), ("v", values)):
                 self._into_rows(fields, name, x, 0, slots, guard)
             return
@@ -152,7 +165,7 @@ class TokenQuantCodec:
         codes, scale, zero = self._fields[name]
         out = (fields[codes], fields[scale], fields.get(zero))
         limit, bad = (None, None) if guard is None else guard.folded(x.dtype)
-        quantize_values_into(x, self._formats[name], out, start, slots, limit=limit, bad=bad)
+        quantize_values_into(x, self._formats[name], out, start, slots, limit=limit, bad=bad, state=self._states[name])
 
     def _quantize_into(self, fields, span, name, x) -> None:
         codes, scale, zero = self._fields[name]

@@ -97,12 +97,13 @@ class RangeGuard:
         return torch.where(ok[..., None] if self.by_norm else ok, x, 0)
 
     def folded(self, dtype: torch.dtype) -> tuple[float, torch.Tensor]:
-        """What an operator that codes and guards in one call takes (`dispatch.quantize_values_into`, per element
-        only): the limit for values of `dtype` (as `_ok` compares) and the counter it adds to in place, made here
-        when nothing is pending (what `take` handed out is never added to)."""
+        """What an operator that codes and guards in one call takes (`dispatch.quantize_values_into`, which bounds
+        elements or, for a format whose codes bound norms, vectors, as this guard's `by_norm` says): the limit for
+        values of `dtype` (as `_ok` compares) and the counter it adds to in place, made here when nothing is pending
+        (what `take` handed out is never added to)."""
         if self.pending is None:
             self.pending = torch.zeros((), dtype=torch.long)
-        return min(self.limit, torch.finfo(dtype).max), self.pending
+        return (self.limit if self.by_norm else min(self.limit, torch.finfo(dtype).max)), self.pending
 
     def clean(self, x: torch.Tensor) -> torch.Tensor:
         """`x` with what the format cannot hold as 0, not counted (a static storage counts a token once, as it is
