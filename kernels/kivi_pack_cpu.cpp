@@ -87,6 +87,18 @@ struct Coder {
   }
 };
 
+// The smallest, the largest and the largest magnitude of a group's `n` values (what a group's scale and zero are
+// made from).
+inline void group_range(const float* x, int64_t n, float& lo, float& hi, float& mag) {
+  lo = hi = x[0];
+  mag = std::fabs(x[0]);
+  for (int64_t c = 1; c < n; ++c) {
+    lo = std::min(lo, x[c]);
+    hi = std::max(hi, x[c]);
+    mag = std::max(mag, std::fabs(x[c]));
+  }
+}
+
 // Codes of one token [D] (channel order) packed: byte j holds channels i * P + j in bits i * bits ...
 inline void pack(const uint8_t* codes, int64_t D, int bits, uint8_t* out) {
   if (bits == 0 || bits == 8) {
@@ -150,12 +162,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kivi_encode_cpu(const at::Tensor&
         const int64_t groups = D / group;
         for (int64_t k = 0; k < groups; ++k) {
           const float* xg = xu + k * group;
-          float l = xg[0], h = xg[0], a = std::fabs(xg[0]);
-          for (int64_t c = 1; c < group; ++c) {
-            l = std::min(l, xg[c]);
-            h = std::max(h, xg[c]);
-            a = std::max(a, std::fabs(xg[c]));
-          }
+          float l, h, a;
+          group_range(xg, group, l, h, a);
           at::Half s, z;
           coder.params(l, h, a, s, z);
           sp[u * groups + k] = s;
@@ -233,12 +241,8 @@ void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, doub
     }
     for (int64_t k = 0; k < groups; ++k) {
       const float* xg = v.data() + k * group;
-      float l = xg[0], hi = xg[0], a = std::fabs(xg[0]);
-      for (int64_t c = 1; c < group; ++c) {
-        l = std::min(l, xg[c]);
-        hi = std::max(hi, xg[c]);
-        a = std::max(a, std::fabs(xg[c]));
-      }
+      float l, hi, a;
+      group_range(xg, group, l, hi, a);
       at::Half s, z;
       coder.params(l, hi, a, s, z);
       sp[b * s0 + h * s1 + row * s2 + k * s3] = s;

@@ -9,6 +9,9 @@ naming the numbers, and that without it the twin runs.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from test_rotated_attention_cpu import needs_operator
@@ -265,3 +268,11 @@ def test_the_operators_tables_go_with_a_cleared_codebook(monkeypatch):
         monkeypatch.undo()
         rotated_format._CODEBOOKS.clear()
     assert torch.equal(coded(), before)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+@pytest.mark.skipif(os.environ.get("HF_KVPLUS_CPU_KERNELS") == "0", reason="HF_KVPLUS_CPU_KERNELS=0 turns them off")
+def test_the_cpu_operators_build_where_there_is_a_compiler():
+    """The operators' tests skip where they cannot be built (no toolchain): with a compiler here, a compile error in
+    kernels/*.cpp must fail, not skip them all."""
+    assert rotated_cpu.available()

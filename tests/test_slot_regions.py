@@ -258,3 +258,19 @@ def test_bad_regions_are_refused(make, match):
 def test_bad_region_specs_are_refused(spec, match):
     with pytest.raises(ConfigError, match=match):
         parse_cache_spec(spec)
+
+
+def test_a_rotated_slot_store_centres_its_keys_on_every_prompt_token(seed):
+    """The key centre is the mean of the keys first coded: every token of the prompt, not only the first one that
+    the slots' buffers are shaped from (that one is often the attention sink, the outlier the centre should not
+    follow)."""
+    from hf_kvplus.kernels.rotated_format import RotatedFormat
+
+    fmt = RotatedFormat(4, 2)
+    state = fmt.make_state()
+    slots = SlotStore(TokenQuantCodec(fmt, state), scores=True)
+    keys, values = kv(2, 24, dim=32)
+    keys[:, :, 0] += 40.0  # a sink-like first token
+    slots.append(keys, values)
+    assert state.mu is not None
+    torch.testing.assert_close(state.mu, keys.float().mean(dim=(0, 2)))

@@ -206,7 +206,9 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
             slot_fields = {"pos": keys.new_empty(keys.shape[:3], dtype=torch.int64)}
             if self.keeps_scores:
                 slot_fields["score"] = keys.new_empty(keys.shape[:3], dtype=torch.float32)
-            self._allocate({**self.codec.encode(keys[:, :, :1], values[:, :, :1]), **slot_fields}, _grown(new))
+            # Shaped from every new token's codes, not the first one's: a layer's state (a rotated format's key
+            # centre) is set by the first keys coded, and the first token alone is often the attention sink.
+            self._allocate({**self.codec.encode(keys, values), **slot_fields}, _grown(new))
             if self.first and self.codec.packed(self.fields) is not None:  # full precision is exact already
                 batch, heads = keys.shape[:2]
                 self.exact = {name: x.new_zeros(batch, heads, self.first + 1, x.shape[3])
