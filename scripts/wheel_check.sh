@@ -6,10 +6,10 @@
 # every extra, where the test suite runs). Kept short: pip's cache and the local wheels serve the install, the demo
 # runs three caches at 256 tokens.
 #
-# The demo and the snippets use the embedded model converted into the user cache folder ($KVPLUS_CACHE): converting
-# needs `gguf`, from the eval extra, so .ci/run converts it in the project's venv before starting this. The C++
-# operators are built into a folder of this run's own (TORCH_EXTENSIONS_DIR): a build from the wheel's sources, which
-# neither reuses nor disturbs the project venv's build when the test suite runs beside this.
+# The demo and the snippets use the embedded model converted into the user cache folder ($KVPLUS_CACHE): the test
+# suite converts it first (converting needs `gguf`, from the eval extra), so .ci/run calls this after the suite. The
+# C++ operators are built into a folder of this run's own (TORCH_EXTENSIONS_DIR): a build from the wheel's sources
+# that neither reuses nor disturbs the project venv's build.
 # Usage: bash scripts/wheel_check.sh [REPO] (default: this clone; REPO may be any checkout of the project).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,7 +53,7 @@ check "kvplus --version" kvplus --version
 check "the C++ CPU operators build from the wheel's sources" \
     "$PY" -W error::RuntimeWarning -c "import sys; from hf_kvplus.kernels import rotated_cpu; sys.exit(not rotated_cpu.available())"
 check "kvplus demo, three caches at 256 tokens (quanto's extra is missing: skipped)" \
-    kvplus demo --context 256 --rounds 2 --new-tokens 4 --threads 1 --out "$WORK/user/demo" \
+    kvplus demo --context 256 --rounds 2 --new-tokens 4 --threads 2 --out "$WORK/user/demo" \
     --cache dynamic --cache quantized:k4v2 --cache hf-quantized:quanto:4 --cache sink:4:60
 # The checker is this clone's; the snippets are REPO's.
 check "README snippets" "$PY" "$HERE/scripts/snippets.py" --root "$REPO" "$REPO/README.md"
