@@ -57,23 +57,37 @@ constexpr int64_t kBlock = 16;
 // basis columns are read: RoPE's angles add, so a later block's term is the first block's sums with each query's
 // weights turned by the block's offset (`turned_weights`), and the [D, kTurnBlock] columns stay in L1.
 constexpr int64_t kTurnBlock = 64;
-typedef float Lanes16 __attribute__((vector_size(64)));  // GCC/Clang vectors: one AVX-512 or two AVX registers
-constexpr int kTurnVecs = kTurnBlock / 16;
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));  // GCC/Clang vectors: one register
+constexpr int64_t kTurnTile = 2 * kLanes;  // columns of `turn_rows`' tile
+static_assert(kTurnBlock % kTurnTile == 0, "a block's columns are whole tiles");
 
-// out[g, j] = dot(u[g], local[:, j]) for j < n, `GB` queries' sums held in registers over the D rows of `local`
-// ([D, kTurnBlock] contiguous).
-template <int GB>
-void turn_block(const float* u, int64_t D, const float* local, float* out, int64_t ld, int64_t n) {
-  Lanes16 acc[GB][kTurnVecs] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    Lanes16 e[kTurnVecs];
-    std::memcpy(e, local + d * kTurnBlock, sizeof(e));
-    for (int g = 0; g < GB; ++g) {
-      const float w = u[g * D + d];
-      for (int v = 0; v < kTurnVecs; ++v) acc[g][v] += w * e[v];
+// out[r, j] = dot(u[r], local[:, j]) for r < Rows and j < kTurnBlock (out and local: kTurnBlock floats a row), two
+// vectors of columns at a time: Rows x 2 sums, the two basis vectors and a weight fit AVX2's 16 registers (wider
+// tiles spill every sum, and 64-byte vectors on AVX2 went through memory: 2.2x the whole call's time at 4K tokens).
+template <int Rows>
+void turn_rows(const float* u, int64_t D, const float* local, float* out) {
+  for (int64_t c = 0; c < kTurnBlock; c += kTurnTile) {
+    Lanes acc[Rows][2] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      Lanes e0, e1;
+      std::memcpy(&e0, local + d * kTurnBlock + c, sizeof e0);
+      std::memcpy(&e1, local + d * kTurnBlock + c + kLanes, sizeof e1);
+      for (int r = 0; r < Rows; ++r) {
+        const float w = u[r * D + d];
+        acc[r][0] += w * e0;
+        acc[r][1] += w * e1;
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      std::memcpy(out + r * kTurnBlock + c, &acc[r][0], sizeof(Lanes));
+      std::memcpy(out + r * kTurnBlock + c + kLanes, &acc[r][1], sizeof(Lanes));
     }
   }
-  for (int g = 0; g < GB; ++g) std::memcpy(out + g * ld, acc[g], n * sizeof(float));
 }
 
 // A query's basis weights u [D] turned by an offset's angles (cs [2, pairs]: cos, then sin): dot(u', e(p)) equals
@@ -83,6 +97,28 @@ inline void turned_weights(const float* u, const float* cs, int64_t pairs, int64
   for (int64_t i = 0; i < pairs; ++i) out[i] = a[i] * c[i] + b[i] * s[i];
   for (int64_t i = 0; i < pairs; ++i) out[pairs + i] = b[i] * c[i] - a[i] * s[i];
   for (int64_t d = 2 * pairs; d < D; ++d) out[d] = u[d];
+}
+
+// The turning centre's term of every code: turn[g K + k, j] = dot(W q_g, e(kTurnBlock k + j)) for each query g of
+// the group (qw [G, D]: W q_g) and block k < K (cs [K, 2, pairs]: its angles), rows [G K, kTurnBlock] (columns past
+// the last code unused). The rows are taken four at a time whatever G is, each with its weights turned to its block;
+// `u` is scratch [4, D].
+void turning_term(const float* qw, int64_t G, int64_t D, const float* local, const float* cs, int64_t pairs,
+                  int64_t K, float* u, float* turn) {
+  for (int64_t r0 = 0; r0 < G * K; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, G * K - r0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t g = (r0 + i) / K, k = (r0 + i) % K;
+      turned_weights(qw + g * D, cs + k * 2 * pairs, pairs, D, u + i * D);
+    }
+    float* out = turn + r0 * kTurnBlock;
+    switch (rows) {
+      case 1: turn_rows<1>(u, D, local, out); break;
+      case 2: turn_rows<2>(u, D, local, out); break;
+      case 3: turn_rows<3>(u, D, local, out); break;
+      default: turn_rows<4>(u, D, local, out);
+    }
+  }
 }
 
 // `n` tokens' codes, `stride` bytes apart, to floats `[n, channels]`.
@@ -297,6 +333,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   const float* mu = k_center.has_value() ? k_center->data_ptr<float>() : nullptr;
   const float* turn_w = turning ? k_turn_weights->data_ptr<float>() : nullptr;
   const int64_t turn_blocks = turning ? (N + kTurnBlock - 1) / kTurnBlock : 0, P2 = turning ? k_turn_steps->size(2) : 0;
+  const int64_t turn_row = turn_blocks * kTurnBlock;  // floats per query in `turn`
   const float* turn_local = turning ? k_turn_basis->data_ptr<float>() : nullptr;
   const float* turn_cs = turning ? k_turn_steps->data_ptr<float>() : nullptr;
   const float* rk = R ? ring_k->data_ptr<float>() : nullptr;
@@ -309,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), plain(G * Dv), qr(G * D);
-    std::vector<float> qmu(G, 0.f), lut, ut, turn(turning ? G * N : 0), uq(turning ? G * D : 0),
+    std::vector<float> qmu(G, 0.f), lut, ut, turn(G * turn_row), uq(turning ? 4 * D : 0),
         qw(turning ? G * D : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
@@ -321,24 +358,10 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
       const float* q_ring = ring_rotated ? qg : q_in;
       if (mu != nullptr)
         for (int64_t g = 0; g < G; ++g) qmu[g] = dot(qg + g * D, mu + h * D, D);
-      if (turning) {  // turn[g, t] = dot(W q_g, e(t)): per block, the weights turned to it over the first columns
-        for (int64_t g = 0; g < G; ++g)  // the query's weights W q (q as the model gives it)
+      if (turning) {  // turn[g, t] = dot(W q_g, e(t)), W q_g with q as the model gives it
+        for (int64_t g = 0; g < G; ++g)
           for (int64_t e = 0; e < D; ++e) qw[g * D + e] = dot(turn_w + (h * D + e) * D, q_in + g * D, D);
-        const float* qe = qw.data();
-        for (int64_t k = 0; k < turn_blocks; ++k) {
-          const int64_t t0 = k * kTurnBlock, n = std::min(kTurnBlock, N - t0);
-          for (int64_t g = 0; g < G; ++g) turned_weights(qe + g * D, turn_cs + k * P2 * 2, P2, D, uq.data() + g * D);
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const float *u = uq.data() + g0 * D, *local = turn_local;
-            float* o = turn.data() + g0 * N + t0;
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: turn_block<1>(u, D, local, o, N, n); break;
-              case 2: turn_block<2>(u, D, local, o, N, n); break;
-              case 3: turn_block<3>(u, D, local, o, N, n); break;
-              default: turn_block<4>(u, D, local, o, N, n);
-            }
-          }
-        }
+        turning_term(qw.data(), G, D, turn_local, turn_cs, P2, turn_blocks, uq.data(), turn.data());
       }
       auto attended = [&](int64_t t) { return mk == nullptr || mk[b * mk_s0 + t * mk_s1]; };
       // Scores: the codes, a block at a time, then the ring.
@@ -363,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
         const float coef = centred ? std::fabs(norm) : norm;
         const bool add_mu = centred && norm >= 0.f;
         if (turning && add_mu) {
-          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = s * (coef * scores[g * L + t] + turn[g * N + t]);
+          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = s * (coef * scores[g * L + t] + turn[g * turn_row + t]);
         } else {
           for (int64_t g = 0; g < G; ++g)
             scores[g * L + t] = s * (coef * scores[g * L + t] + (add_mu ? qmu[g] : 0.f));

@@ -134,15 +134,20 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
 
 
 @needs_operator
-@pytest.mark.parametrize("G,start,origin", [(5, 6, 3), (3, 0, 40_000), (1, 61, 7)])
-def test_a_turning_centre_over_many_blocks_of_positions(G, start, origin):
+@pytest.mark.parametrize(
+    "G,N,start,origin",
+    [(5, 300, 6, 3), (3, 300, 0, 40_000), (1, 300, 61, 7), (2, 300, 6, 3), (4, 131, 2, 3), (8, 200, 0, 5),
+     (5, 50, 3, 3)],
+)  # fmt: skip
+def test_a_turning_centre_over_many_blocks_of_positions(G, N, start, origin):
     """The operator sums a turning centre's term over blocks of positions, each block's from the first block's
-    basis turned by its offset (angle addition, in float32): over several blocks and a ragged last one, query
-    groups past the four summed at once, a window starting inside a block and positions far from 0."""
-    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=300, start=start,
+    basis turned by its offset (angle addition, in float32), four rows (query, block) at a time: over several
+    blocks and a ragged last one, row counts that leave 0 to 3 rows to a last tile (G = 1 .. 8), a window starting
+    inside a block, positions far from 0, and a window under one block (whose keys are decoded, not tabled)."""
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=N, start=start,
                                                             origin=origin)  # fmt: skip
     want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
-    out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 300 - start, 0.3, ring_k,
+    out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, N - start, 0.3, ring_k,
                                                ring_v, mask, True, center)  # fmt: skip
     torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
