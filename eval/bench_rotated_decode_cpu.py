@@ -1,12 +1,12 @@
 """Time of one call of the rotated formats' C++ decode operator (`hf_kvplus_cpu::rotated_decode`), per layer, on
 the CPU: keys with no centre, a fixed centre and a turning centre (kernels/turning_center.py), at model shapes.
 
-The inputs are made as a `QuantizedCache(bits="k4v2")` makes them: keys around a common offset coded with
+The inputs are made as a `QuantizedCache(bits="k4v2")` makes them: keys around a common mean before RoPE, coded with
 `quantize_rotated` (relative to the centre, at their indices for a turning one), values coded, a full-precision
 window of `--window` tokens after the codes, q of one decode step, no mask; the operator's arguments are those
 `rotated_cpu.rotated_decode_cpu` passes (checked once against it). Each variant is timed `--repeats` times in
-alternation (a repeat: `--calls` calls), and the table shows the median time per call and each centre's time as a
-ratio of no centre's. With `--against REV` the operator's source at git revision REV is built too, under another
+alternation (a repeat: `--calls` calls; the calling thread's CPU time unless `--wall`), and the table shows the
+median time per call and each centre's time as a ratio of no centre's. With `--against REV` the operator's source at git revision REV is built too, under another
 name, and timed in the same alternation (the ratio new / REV per row).
 
     python eval/bench_rotated_decode_cpu.py --tokens 4096 16384 --against fb6e0a3
@@ -42,14 +42,17 @@ def make_args(shape: str, tokens: int, centre: str, bits: str, window: int, seed
     Hkv, G, D, theta = SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
     fmt = RotatedFormat(int(bits[1]), int(bits[3]), seed=3)
-    keys = torch.randn(1, Hkv, tokens, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
+    rope = RotaryBasis(1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D), D)
+    origin = 4  # keys after RoPE at positions origin + index, around a common mean before it
+    before = torch.randn(1, Hkv, tokens, D, generator=g) + 2 * torch.randn(Hkv, 1, D, generator=g)
+    keys = rope.unturned(before, -(torch.arange(tokens) + origin))
     values = torch.randn(1, Hkv, tokens, D, generator=g)
     positions = torch.arange(tokens)
     center = None
     if centre == "fixed":
         center = KeyCenter()
     elif centre == "turning":
-        center = KeyCenter(RotaryBasis(1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D), D), origin=4)
+        center = KeyCenter(rope, origin)
     kc, kn = quantize_rotated(keys, fmt, "keys", positions if centre == "turning" else None, center)
     vc, vn = quantize_rotated(values, fmt, "values")
     tables = rotated_cpu._decoder(fmt, D, D, torch.device("cpu"))
@@ -57,7 +60,8 @@ def make_args(shape: str, tokens: int, centre: str, bits: str, window: int, seed
     ring_k, ring_v = torch.randn(1, Hkv, window, D, generator=g), torch.randn(1, Hkv, window, D, generator=g)
     turn = center.block_basis(0, tokens, torch.device("cpu")) if centre == "turning" else (None, None)
     args = (q, kc, kn, vc, vn, *tables, center.rotated if centre == "fixed" else None,
-            center.weights if centre == "turning" else None, *turn, ring_k, ring_v, False, None, D**-0.5, False)  # fmt: skip
+            center.weights if centre == "turning" else None, *turn, ring_k, ring_v, False, None, D**-0.5,
+            False)  # fmt: skip
     want, _ = rotated_cpu.rotated_decode_cpu(q, PackedKV(kc, kn, None, vc, vn, None), fmt, 0, tokens, D**-0.5, ring_k,
                                              ring_v, None, False, center)  # fmt: skip
     got, _ = torch.ops.hf_kvplus_cpu.rotated_decode(*args)
@@ -80,11 +84,11 @@ def build_against(rev: str):
     return torch.ops.hf_kvplus_cpu_ref.rotated_decode
 
 
-def per_call(op, args: tuple, calls: int) -> float:
-    start = time.perf_counter()
+def per_call(op, args: tuple, calls: int, clock) -> float:
+    start = clock()
     for _ in range(calls):
         op(*args)
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def main() -> None:
@@ -96,9 +100,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="alternating repeats per variant (default 7)")
     parser.add_argument("--calls", type=int, default=20, help="calls per repeat (default 20)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--wall", action="store_true", help="wall-clock time (default: this thread's CPU time, which "
+                        "time slices given to other processes on a shared machine do not count in)")
     parser.add_argument("--against", metavar="REV", help="also time the operator's source at git revision REV")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    if opts.threads > 1 and not opts.wall:
+        raise SystemExit("--threads > 1 needs --wall (the CPU time counted is the calling thread's)")
+    clock = time.perf_counter if opts.wall else time.thread_time
     if not rotated_cpu.available():
         raise SystemExit("the C++ CPU operators could not be built")
     ops = {"this": torch.ops.hf_kvplus_cpu.rotated_decode}
@@ -110,12 +119,13 @@ def main() -> None:
             variants = [(name, c) for c in CENTRES for name in ops]
             times = {v: [] for v in variants}
             for name, c in variants:  # warm-up
-                per_call(ops[name], cases[c], 2)
+                per_call(ops[name], cases[c], 2, clock)
             for _ in range(opts.repeats):
                 for name, c in variants:
-                    times[name, c].append(per_call(ops[name], cases[c], opts.calls))
+                    times[name, c].append(per_call(ops[name], cases[c], opts.calls, clock))
             med = {v: statistics.median(t) for v, t in times.items()}
-            print(f"\n{shape} {opts.bits}, {tokens} codes + {opts.window} exact, {opts.threads} thread(s): ms per call")
+            what = "wall-clock" if opts.wall else "CPU"
+            print(f"\n{shape} {opts.bits}, {tokens} codes + {opts.window} exact, {opts.threads} thread(s): {what} ms a call")
             head = "".join(f"{name:>12}{'/none':>8}" for name in ops)
             ratio = f"{'this/' + opts.against:>14}" if opts.against else ""
             print(f"{'centre':<10}{head}{ratio}")

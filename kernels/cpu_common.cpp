@@ -32,21 +32,49 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-// exp(x[i] - m) in place: 2**y as 2**round(y) times a degree-6 polynomial of 2**f on [-0.5, 0.5] (relative error
-// under 2e-7), which the compiler vectorizes (libm's expf is a call per element); 0 below 2**-126 (a masked key's
-// -inf among them).
+typedef float Floats8 __attribute__((vector_size(8 * sizeof(float))));  // GCC/Clang vectors: one AVX register
+typedef int32_t Ints8 __attribute__((vector_size(8 * sizeof(int32_t))));
+
+inline int32_t bits_of(float x) {
+  int32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+inline Ints8 bits_of(Floats8 x) { return (Ints8)x; }
+inline float float_of(int32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+inline Floats8 float_of(Ints8 b) { return (Floats8)b; }
+
+// 2**y for y <= 0, of a float or of 8 (F: float or Floats8, the same arithmetic): 2**round(y) times a degree-6
+// polynomial of 2**f on [-0.5, 0.5] (relative error under 2e-7); 0 at and below 2**-126 (a masked key's -inf among
+// them). round(y) is read off y + 1.5 * 2**23 (round to nearest even, as nearbyint), and what is below 2**-126
+// selected away as an integer: the float select and conversion that GCC 12 left scalar (the FP operations may trap,
+// so it does not speculate them) cost 3x this.
+template <typename F>
+inline F exp2_nonpositive(F y) {
+  constexpr float kRound = 12582912.f;
+  y = y < -127.f ? F{} - 127.f : y;
+  const F r = y + kRound, e = r - kRound, f = y - e;
+  const F p = 1.f + f * (0.6931471806f + f * (0.2402265070f + f * (0.0555041087f + f * (0.0096181291f +
+              f * (0.0013333558f + f * 0.0001540353f)))));
+  const auto bits = bits_of(r);
+  return p * float_of(y > -126.f ? (bits - (bits_of(kRound) - 127)) << 23 : decltype(bits){});
+}
+
+// exp(x[i] - m) in place (x[i] <= m), 8 at a time.
 inline void exp_shifted(float* x, int64_t n, float m) {
   constexpr float kLog2e = 1.4426950408889634f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float y = std::max((x[i] - m) * kLog2e, -127.f);
-    const float e = std::nearbyint(y), f = y - e;
-    const float p = 1.f + f * (0.6931471806f + f * (0.2402265070f + f * (0.0555041087f + f * (0.0096181291f +
-                    f * (0.0013333558f + f * 0.0001540353f)))));
-    const int32_t bits = (int32_t(e) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = y > -126.f ? p * scale : 0.f;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    Floats8 v;
+    std::memcpy(&v, x + i, sizeof v);
+    v = exp2_nonpositive((v - m) * kLog2e);
+    std::memcpy(x + i, &v, sizeof v);
   }
+  for (; i < n; ++i) x[i] = exp2_nonpositive((x[i] - m) * kLog2e);
 }
 
 // acc [channels] += sum_i w[i] * x[i, :] over n rows, `Width` channels at a time held in registers over the rows

@@ -55,7 +55,8 @@ inline void decode_token(const uint8_t* codes, int64_t nbytes, const float* tabl
 constexpr int64_t kBlock = 16;
 // Positions per block of a turning centre's term (kernels/rotated_format.py's TURN_BLOCK). Only the first block's
 // basis columns are read: RoPE's angles add, so a later block's term is the first block's sums with each query's
-// weights turned by the block's offset (`turned_weights`), and the [D, kTurnBlock] columns stay in L1.
+// weights turned by the block's offset (`turned_weights`), and the [D, kTurnBlock] columns stay in cache (16 KB at
+// head dim 64: L1).
 constexpr int64_t kTurnBlock = 64;
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -67,8 +68,10 @@ constexpr int64_t kTurnTile = 2 * kLanes;  // columns of `turn_rows`' tile
 static_assert(kTurnBlock % kTurnTile == 0, "a block's columns are whole tiles");
 
 // out[r, j] = dot(u[r], local[:, j]) for r < Rows and j < kTurnBlock (out and local: kTurnBlock floats a row), two
-// vectors of columns at a time: Rows x 2 sums, the two basis vectors and a weight fit AVX2's 16 registers (wider
-// tiles spill every sum, and 64-byte vectors on AVX2 went through memory: 2.2x the whole call's time at 4K tokens).
+// vectors of columns at a time: 6 x 2 sums, the two basis vectors and a weight fit AVX2's 16 registers. Measured on
+// AVX2 at head dims 64 and 256: 4 rows ran at half the speed (GCC then read the basis from memory at every
+// multiply-add), and 64-byte vectors went through memory (2.2x the whole call's time at 4K tokens).
+constexpr int64_t kTurnRows = 6;
 template <int Rows>
 void turn_rows(const float* u, int64_t D, const float* local, float* out) {
   for (int64_t c = 0; c < kTurnBlock; c += kTurnTile) {
@@ -101,12 +104,12 @@ inline void turned_weights(const float* u, const float* cs, int64_t pairs, int64
 
 // The turning centre's term of every code: turn[g K + k, j] = dot(W q_g, e(kTurnBlock k + j)) for each query g of
 // the group (qw [G, D]: W q_g) and block k < K (cs [K, 2, pairs]: its angles), rows [G K, kTurnBlock] (columns past
-// the last code unused). The rows are taken four at a time whatever G is, each with its weights turned to its block;
-// `u` is scratch [4, D].
+// the last code unused). The rows are taken kTurnRows at a time whatever G is, each with its weights turned to its
+// block; `u` is scratch [kTurnRows, D].
 void turning_term(const float* qw, int64_t G, int64_t D, const float* local, const float* cs, int64_t pairs,
                   int64_t K, float* u, float* turn) {
-  for (int64_t r0 = 0; r0 < G * K; r0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, G * K - r0);
+  for (int64_t r0 = 0; r0 < G * K; r0 += kTurnRows) {
+    const int64_t rows = std::min(kTurnRows, G * K - r0);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t g = (r0 + i) / K, k = (r0 + i) % K;
       turned_weights(qw + g * D, cs + k * 2 * pairs, pairs, D, u + i * D);
@@ -116,7 +119,9 @@ void turning_term(const float* qw, int64_t G, int64_t D, const float* local, con
       case 1: turn_rows<1>(u, D, local, out); break;
       case 2: turn_rows<2>(u, D, local, out); break;
       case 3: turn_rows<3>(u, D, local, out); break;
-      default: turn_rows<4>(u, D, local, out);
+      case 4: turn_rows<4>(u, D, local, out); break;
+      case 5: turn_rows<5>(u, D, local, out); break;
+      default: turn_rows<6>(u, D, local, out);
     }
   }
 }
@@ -173,12 +178,70 @@ int64_t channels(int64_t P, const at::Tensor& table) {
 // Fewest code positions whose key scores go through per-query tables (`scores_by_table`: its build amortized).
 constexpr int64_t kTableMin = 64;
 
+// Queries of a group as the lanes of one vector in `scores_by_table`'s tables (more than 8: 8 at a time).
+typedef float Group4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float Group8 __attribute__((vector_size(8 * sizeof(float))));
+
+template <typename V>
+inline V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// `scores_by_table` for up to W = lanes of V queries q [G, D]: the table T [pieces, E, W] holds each piece's and
+// value's dot products of all of them, so that a token's scores are one vector read per piece, not G reads.
+template <typename V>
+void table_scores(const float* q, int64_t G, int64_t D, const float* ut, int64_t E, int64_t kc, bool wide,
+                  const uint8_t* codes, int64_t stride, int64_t Pk, int64_t N, float* rows, int64_t L,
+                  std::vector<float>& lut) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  const int64_t pieces = D / kc;
+  lut.resize((pieces * E + D) * W);
+  float *T = lut.data(), *qt = T + pieces * E * W;  // qt [D, W]: q's channels, a query a lane (0 past G)
+  for (int64_t d = 0; d < D; ++d)
+    for (int j = 0; j < W; ++j) qt[d * W + j] = j < G ? q[j * D + d] : 0.f;
+  for (int64_t p = 0; p < pieces; ++p)
+    for (int64_t e = 0; e < E; ++e) {
+      V sum = {};
+      for (int64_t i = 0; i < kc; ++i) sum += load<V>(qt + (p * kc + i) * W) * ut[i * E + e];
+      std::memcpy(T + (p * E + e) * W, &sum, sizeof sum);
+    }
+  for (int64_t t = 0; t < N; ++t) {
+    const uint8_t* c = codes + t * stride;
+    V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    if (wide) {
+      for (int64_t w = 0; w < Pk / 3; ++w) {
+        const uint32_t word = uint32_t(c[3 * w]) | (uint32_t(c[3 * w + 1]) << 8) | (uint32_t(c[3 * w + 2]) << 16);
+        const float* Tw = T + 4 * w * E * W;
+        a0 += load<V>(Tw + (word & 63u) * W);
+        a1 += load<V>(Tw + (E + ((word >> 6) & 63u)) * W);
+        a2 += load<V>(Tw + (2 * E + ((word >> 12) & 63u)) * W);
+        a3 += load<V>(Tw + (3 * E + (word >> 18)) * W);
+      }
+    } else {
+      int64_t p = 0;
+      for (; p + 4 <= pieces; p += 4) {
+        a0 += load<V>(T + (p * E + c[p]) * W);
+        a1 += load<V>(T + ((p + 1) * E + c[p + 1]) * W);
+        a2 += load<V>(T + ((p + 2) * E + c[p + 2]) * W);
+        a3 += load<V>(T + ((p + 3) * E + c[p + 3]) * W);
+      }
+      for (; p < pieces; ++p) a0 += load<V>(T + (p * E + c[p]) * W);
+    }
+    const V sum = (a0 + a1) + (a2 + a3);
+    for (int64_t g = 0; g < G; ++g) rows[g * L + t] = sum[g];
+  }
+}
+
 // Key scores before norms, q_g . (centroids of token t's codes), into rows[g * L + t] for t < N, by tables: for
 // each piece of a token's codes (a byte of 1-, 2- or 4-bit codes; 6 bits, two codes, of 3-bit ones) and each value
-// it can take, the dot product of those codes' centroids with q's channels there, made once per call (a few
-// vector operations per entry); a token's score is then one table read per piece, where decoding reads and
+// it can take, the dot products of those codes' centroids with the group's queries' channels there, made once per
+// call (a few vector operations per entry); a token's scores are then one vector read per piece (the queries as
+// lanes: SmolLM2's 3 at 4K tokens, 1.3 ms a call before, one read per piece and query), where decoding reads and
 // writes every channel. With AVX-512 and byte pieces, a multiple of 16 of them, one gather reads 16 pieces' entries
-// (a call at 1K tokens and 32-channel heads went from 95 to 78 us). `lut` and `ut` are scratch.
+// of one query instead (a call at 1K tokens and 32-channel heads went from 95 to 78 us against one read per piece
+// and query; not measured against the lanes). `lut` and `ut` are scratch.
 void scores_by_table(const float* q, int64_t G, int64_t D, const at::Tensor& table, const uint8_t* codes,
                      int64_t stride, int64_t Pk, int64_t N, float* rows, int64_t L, std::vector<float>& lut,
                      std::vector<float>& ut) {
@@ -188,61 +251,44 @@ void scores_by_table(const float* q, int64_t G, int64_t D, const at::Tensor& tab
   ut.resize(kc * E);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t i = 0; i < kc; ++i) ut[i * E + e] = U[e * per + i];
-  lut.assign(G * pieces * E, 0.f);  // [g, piece, value]
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t p = 0; p < pieces; ++p) {
-      float* row = lut.data() + (g * pieces + p) * E;
-      for (int64_t i = 0; i < kc; ++i) {
-        const float qv = q[g * D + p * kc + i];
-        const float* u = ut.data() + i * E;
-        for (int64_t e = 0; e < E; ++e) row[e] += qv * u[e];
-      }
-    }
 #if defined(__AVX512F__)
-  // Pieces of one byte, 16 at a time: a gather of their entries (the entry of piece p and value e is p * E + e).
-  const bool gathered = !wide && pieces % 16 == 0;
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(int32_t(E)));
-#else
-  constexpr bool gathered = false;
-#endif
-  for (int64_t t = 0; t < N; ++t) {
-    const uint8_t* c = codes + t * stride;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* T = lut.data() + g * pieces * E;
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-      if (wide) {
-        for (int64_t w = 0; w < Pk / 3; ++w) {
-          const uint32_t word = uint32_t(c[3 * w]) | (uint32_t(c[3 * w + 1]) << 8) | (uint32_t(c[3 * w + 2]) << 16);
-          const float* Tw = T + 4 * w * E;
-          a0 += Tw[word & 63u];
-          a1 += Tw[E + ((word >> 6) & 63u)];
-          a2 += Tw[2 * E + ((word >> 12) & 63u)];
-          a3 += Tw[3 * E + (word >> 18)];
+  if (!wide && pieces % 16 == 0) {
+    // Pieces of one byte, 16 at a time: a gather of their entries (the entry of piece p and value e is p * E + e).
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(int32_t(E)));
+    lut.assign(G * pieces * E, 0.f);  // [g, piece, value]
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t p = 0; p < pieces; ++p) {
+        float* row = lut.data() + (g * pieces + p) * E;
+        for (int64_t i = 0; i < kc; ++i) {
+          const float qv = q[g * D + p * kc + i];
+          const float* u = ut.data() + i * E;
+          for (int64_t e = 0; e < E; ++e) row[e] += qv * u[e];
         }
-      } else if (gathered) {
-#if defined(__AVX512F__)
+      }
+    for (int64_t t = 0; t < N; ++t) {
+      const uint8_t* c = codes + t * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* T = lut.data() + g * pieces * E;
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pieces; p += 16) {  // 16 pieces' table entries in one gather
+        for (int64_t p = 0; p < pieces; p += 16) {
           const __m512i index = _mm512_add_epi32(
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p))), offsets);
           sum = _mm512_add_ps(sum, _mm512_i32gather_ps(index, T + p * E, 4));
         }
-        a0 = _mm512_reduce_add_ps(sum);
-#endif
-      } else {
-        int64_t p = 0;
-        for (; p + 4 <= pieces; p += 4) {
-          a0 += T[p * E + c[p]];
-          a1 += T[(p + 1) * E + c[p + 1]];
-          a2 += T[(p + 2) * E + c[p + 2]];
-          a3 += T[(p + 3) * E + c[p + 3]];
-        }
-        for (; p < pieces; ++p) a0 += T[p * E + c[p]];
+        rows[g * L + t] = _mm512_reduce_add_ps(sum);
       }
-      rows[g * L + t] = (a0 + a1) + (a2 + a3);
     }
+    return;
   }
+#endif
+  if (G <= 4) {
+    table_scores<Group4>(q, G, D, ut.data(), E, kc, wide, codes, stride, Pk, N, rows, L, lut);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += 8)
+    table_scores<Group8>(q + g0 * D, std::min<int64_t>(8, G - g0), D, ut.data(), E, kc, wide, codes, stride, Pk, N,
+                         rows + g0 * L, L, lut);
 }
 
 void check_codes(const at::Tensor& codes, const at::Tensor& norms, const char* side) {
@@ -346,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L), kf(kBlock * D), vf(kBlock * Dv), acc(G * Dv), plain(G * Dv), qr(G * D);
-    std::vector<float> qmu(G, 0.f), lut, ut, turn(G * turn_row), uq(turning ? 4 * D : 0),
+    std::vector<float> qmu(G, 0.f), lut, ut, turn(G * turn_row), uq(turning ? kTurnRows * D : 0),
         qw(turning ? G * D : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;

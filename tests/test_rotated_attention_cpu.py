@@ -141,8 +141,8 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
 )  # fmt: skip
 def test_a_turning_centre_over_many_blocks_of_positions(G, N, start, origin):
     """The operator sums a turning centre's term over blocks of positions, each block's from the first block's
-    basis turned by its offset (angle addition, in float32), four rows (query, block) at a time: over several
-    blocks and a ragged last one, row counts that leave 0 to 3 rows to a last tile (G = 1 .. 8), a window starting
+    basis turned by its offset (angle addition, in float32), six rows (query, block) at a time: over several
+    blocks and a ragged last one, row counts that leave 0 to 5 rows to a last tile (G = 1 .. 8), a window starting
     inside a block, positions far from 0, and a window under one block (whose keys are decoded, not tabled)."""
     fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=N, start=start,
                                                             origin=origin)  # fmt: skip
