@@ -423,12 +423,13 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
             for (int64_t g = 0; g < G; ++g) scores[g * L + t0 + i] = dot(qg + g * D, kf.data() + i * D, D);
         }
       }
+      const int64_t kn_s = k_norms.stride(2);  // (an out-of-line call: not made per code)
       for (int64_t t = 0; t < N; ++t) {  // the norms, the centre, the scale and the mask
         if (!attended(t)) {
           for (int64_t g = 0; g < G; ++g) scores[g * L + t] = neg_inf;
           continue;
         }
-        const float norm = half_to_float(kn_bh[t * k_norms.stride(2)]);
+        const float norm = half_to_float(kn_bh[t * kn_s]);
         const float coef = centred ? std::fabs(norm) : norm;
         const bool add_mu = centred && norm >= 0.f;
         if (turning && add_mu) {
@@ -468,6 +469,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
       std::fill(plain.begin(), plain.end(), 0.f);
       const uint8_t* vc_bh = vc + b * v_codes.stride(0) + h * v_codes.stride(1);
       const at::Half* vn_bh = vn + b * v_norms.stride(0) + h * v_norms.stride(1);
+      const int64_t vn_s = v_norms.stride(2);
       for (int64_t t0 = 0; t0 < N; t0 += kBlock) {
         const int64_t n = std::min(kBlock, N - t0);
         bool any = false;
@@ -476,7 +478,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
         if (!any) continue;
         decode_v(vc_bh + t0 * v_codes.stride(2), v_codes.stride(2), n, Pv, vt, vf.data(), Dv);
         float norm[kBlock];
-        for (int64_t i = 0; i < n; ++i) norm[i] = half_to_float(vn_bh[(t0 + i) * v_norms.stride(2)]);
+        for (int64_t i = 0; i < n; ++i) norm[i] = half_to_float(vn_bh[(t0 + i) * vn_s]);
         for (int64_t g = 0; g < G; ++g) {
           float w[kBlock];
           for (int64_t i = 0; i < n; ++i) {  // an unattended token's norm is never read into the sum (it may be NaN)
