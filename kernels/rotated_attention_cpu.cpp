@@ -1,5 +1,5 @@
 // Decode attention over a rotated format's codes on the CPU, never writing the decoded codes out: key scores come
-// from per-query tables of each code byte's dot products (`scores_by_table`), values are decoded a block of tokens
+// from tables of each code byte's dot products with the query group (`scores_by_table`), values are decoded a block of tokens
 // at a time into a small buffer and summed at once. The plain-torch twin decodes every code position to float32 in
 // memory first, which costs about half of its attention (rotated_attention_cpu.py says where this runs).
 //

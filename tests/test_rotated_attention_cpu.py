@@ -112,7 +112,7 @@ def test_the_operator_builds_where_there_is_a_toolchain():
     [(4, 2, 32, True), (3, 2, 32, True), (4, 4, 64, False), (2, 3, 64, True), (8, 1, 32, False), (1, 8, 40, True),
      (3, 3, 48, False), (4, 2, 64, "turning"), (3, 2, 32, "turning"), (8, 4, 48, "turning")],
 )  # fmt: skip
-@pytest.mark.parametrize("G,ring_rotated", [(1, False), (3, True)])
+@pytest.mark.parametrize("G,ring_rotated", [(1, False), (3, True), (6, False)])
 def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G,
                                                                         ring_rotated):  # fmt: skip
     fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G)
@@ -137,13 +137,14 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
 @pytest.mark.parametrize(
     "G,N,start,origin",
     [(5, 300, 6, 3), (3, 300, 0, 40_000), (1, 300, 61, 7), (2, 300, 6, 3), (4, 131, 2, 3), (8, 200, 0, 5),
-     (5, 50, 3, 3)],
+     (5, 50, 3, 3), (10, 200, 0, 3)],
 )  # fmt: skip
 def test_a_turning_centre_over_many_blocks_of_positions(G, N, start, origin):
     """The operator sums a turning centre's term over blocks of positions, each block's from the first block's
     basis turned by its offset (angle addition, in float32), six rows (query, block) at a time: over several
     blocks and a ragged last one, row counts that leave 0 to 5 rows to a last tile (G = 1 .. 8), a window starting
-    inside a block, positions far from 0, and a window under one block (whose keys are decoded, not tabled)."""
+    inside a block, positions far from 0, and a window under one block (whose keys are decoded, not tabled); G = 10
+    also takes the key tables' queries in two vectors (8, then 2)."""
     fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 64, centred="turning", G=G, N=N, start=start,
                                                             origin=origin)  # fmt: skip
     want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
