@@ -75,7 +75,7 @@ class KiviKernels(FormatKernels):
         kivi_cpu.kivi_encode_into_cpu(x, fmt, out, start, slots, limit, bad)
 
     def encode_kv_into(self, k, v, fmts, out_k, out_v, start, slots, limit, bad, state=None) -> None:
-        if fmts[0] != fmts[1]:  # (one operator call codes one format)
+        if fmts[0] is not fmts[1] and fmts[0] != fmts[1]:  # (one operator call codes one format)
             return super().encode_kv_into(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
         kivi_cpu.kivi_encode_kv_into_cpu(k, v, fmts[0], out_k, out_v, start, slots, limit, bad)
 

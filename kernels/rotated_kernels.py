@@ -103,7 +103,7 @@ class RotatedKernels(FormatKernels):
 
     def encode_kv_into(self, k, v, fmts, out_k, out_v, start, slots, limit, bad, state=None) -> None:
         """Both sides in one operator call where both are rotated formats (each side its bits, as `encode_into`)."""
-        if not all(isinstance(f, RotatedFormat) for f in fmts):
+        if not isinstance(fmts[1], RotatedFormat):  # (the keys' format chose these kernels)
             return super().encode_kv_into(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
         rotated_cpu.rotated_encode_kv_into_cpu(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
 
