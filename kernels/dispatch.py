@@ -52,6 +52,7 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "quantize_values_at",
+    "quantize_kv_into",
     "quantize_values_into",
     "quantized_decode_attention",
     "takes_values_into",
@@ -185,12 +186,7 @@ def quantized_decode_attention(
         start=start, length=length, scale=scale, residual_k=residual_k, residual_v=residual_v, mask=mask,
         block_table=block_table, num_splits=num_splits, keys_per_token=keys_per_token, check=check, state=state,
     )  # fmt: skip
-    return _quantized(q, packed, fmt, kw, with_mass)
-
-
-def _quantized(q, packed, fmt, kw: dict, with_mass: bool):
-    """The format's registered kernels (`kv_format.kernels_for`)."""
-    return kernels_for(fmt).attend(q, packed, fmt, kw, with_mass)
+    return kernels_for(fmt).attend(q, packed, fmt, kw, with_mass)  # the format's registered kernels
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -252,3 +248,11 @@ def quantize_values_into(x, fmt, out, start: int = 0, slots=None, *, limit=None,
     slots' views took a dozen tensor operations (an evicting cache's decode step, every layer). `state`: as
     :func:`quantize_values`."""
     kernels_for(fmt).encode_into(x, fmt, out, start, slots, limit, bad, state)
+
+
+def quantize_kv_into(k, v, fmts, out_k, out_v, start: int = 0, slots=None, *, limit=None, bad=None, state=None) -> None:
+    """:func:`quantize_values_into` of a token's keys `k` in ``fmts[0]`` (with the layer's `state`) into ``out_k`` and
+    its values `v` in ``fmts[1]`` into ``out_v``, at the same rows, where :func:`takes_values_into` says so for both:
+    one operator call where the keys' format's kernels code both sides (an evicting cache's decode step, every
+    layer), else one per side."""
+    kernels_for(fmts[0]).encode_kv_into(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)

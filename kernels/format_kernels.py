@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvplus.kernels.kv_format import KVFormat, register_kernels
+from hf_kvplus.kernels.kv_format import KVFormat, kernels_for, register_kernels
 from hf_kvplus.kernels.paged_attention import _check_block_ids
 from hf_kvplus.kernels.quant_attention import _twin
 from hf_kvplus.kernels.quant_format import quantize_keys, quantize_values
@@ -85,6 +85,12 @@ class FormatKernels:
     def encode_into(self, x, fmt: KVFormat, out, start: int, slots, limit, bad, state=None) -> None:
         """Values x coded per token, guarded by `limit`, straight into `out` (see `dispatch.quantize_values_into`)."""
         raise NotImplementedError(f"{type(fmt).__name__} has no operator that codes values into their slots")
+
+    def encode_kv_into(self, k, v, fmts, out_k, out_v, start: int, slots, limit, bad, state=None) -> None:
+        """`encode_into` of keys `k` (format ``fmts[0]``, with the layer's `state`) into `out_k` and values `v`
+        (``fmts[1]``) into `out_v`, at the same rows; one call where the format's operator codes both sides."""
+        self.encode_into(k, fmts[0], out_k, start, slots, limit, bad, state)
+        kernels_for(fmts[1]).encode_into(v, fmts[1], out_v, start, slots, limit, bad)
 
 
 register_kernels(KVFormat, FormatKernels())

@@ -2,7 +2,7 @@
 float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``) and over float K/V with each key's attention mass
 (``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; and KIVI's quantize-and-pack
 (``torch.ops.hf_kvplus_cpu.kivi_encode``, and ``kivi_encode_into``, which codes a decode step's token straight into
-an evicting cache's slots with the range guard folded in).
+an evicting cache's slots with the range guard folded in; ``kivi_encode_kv_into``, its key and value in one call).
 
 Why: the plain-torch twins dequantize every code (or gather every block) of the cache into float32 tensors at each
 step, then multiply: on a CPU that copy costs more than the attention, and more the longer the context, where the
@@ -26,7 +26,8 @@ from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.errors import ShapeError
 
 __all__ = [
-    "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "paged_decode_cpu", "supports",
+    "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "kivi_encode_kv_into_cpu",
+    "paged_decode_cpu", "supports",
 ]  # fmt: skip
 
 #: What the encode operator takes (the twin refuses other dtypes with its typed error).
@@ -76,14 +77,29 @@ def kivi_encode_into_cpu(x: torch.Tensor, fmt, out, start: int = 0, slots: torch
     )  # fmt: skip
 
 
+def kivi_encode_kv_into_cpu(k: torch.Tensor, v: torch.Tensor, fmt, out_k, out_v, start: int = 0,
+                            slots: torch.Tensor | None = None, limit: float | None = None,
+                            bad: torch.Tensor | None = None) -> None:  # fmt: skip
+    """`kivi_encode_into_cpu` of a token's keys `k` into `out_k` and values `v` into `out_v` (one format, the same rows)
+    in one operator call: at a decode step an operator call costs more than its compute."""
+    (kc, ks, kz), (vc, vs, vz) = out_k, out_v
+    torch.ops.hf_kvplus_cpu.kivi_encode_kv_into(
+        k.float(), v.float(), 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit),
+        kc, ks, _NO_ZERO if kz is None else kz, vc, vs, _NO_ZERO if vz is None else vz, start, slots,
+        _UNCOUNTED if bad is None else bad,
+    )  # fmt: skip
+
+
 def kivi_decode_cpu(
     q: torch.Tensor, packed, fmt, start: int, length: int, scale: float, residual_k, residual_v, mask, block_table,
     keys_per_token: bool, with_mass: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
     from the same arguments."""
-    if residual_k is not None:
-        residual_k, residual_v = _rows(residual_k.float()), _rows(residual_v.float())
+    if residual_k is not None:  # (float32 with unit last stride, as `_rows`, inline: every layer and step)
+        residual_k, residual_v = residual_k.float(), residual_v.float()
+        if residual_k.stride(-1) != 1 or residual_v.stride(-1) != 1:
+            residual_k, residual_v = residual_k.contiguous(), residual_v.contiguous()
     p = packed
     parts = [p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero]
     for i, t in enumerate(parts):  # (`_rows` of each, inline: every layer and step)
@@ -126,6 +142,7 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::paged_decode")(_fake_paged)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode")(_fake_encode)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_into")(_fake_encode_into)
+    torch.library.register_fake("hf_kvplus_cpu::kivi_encode_kv_into")(_fake_encode_kv_into)
     torch.library.register_fake("hf_kvplus_cpu::dense_decode")(_fake_dense)
 
 
@@ -155,6 +172,11 @@ def _fake_encode(x, bits, group, per_channel):
 
 
 def _fake_encode_into(x, bits, group, limit, codes, scale, zero, start, slots, bad):
+    return None
+
+
+def _fake_encode_kv_into(k, v, bits, group, limit, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, start, slots,
+                         bad):  # fmt: skip
     return None
 
 

@@ -28,8 +28,17 @@ class KiviKernels(FormatKernels):
 
     def attend(self, q, packed, fmt, kw, with_mass):
         kw.pop("state", None)  # (a KIVI format keeps no layer state; `kw` is the dispatcher's, made for this call)
-        if kivi_cpu.supports(q):
-            return self._cpu(q, packed, fmt, kw, with_mass)
+        if kivi_cpu.supports(q):  # (inline, not a method: every layer and step)
+            if kw["check"]:
+                info = _check_inputs(q, packed, fmt, *(kw[k] for k in TWIN_ARGS[:-1]))
+                if info.paged and kw["length"] > 0:
+                    check_used_blocks(kw["block_table"], info.num_blocks, info.T, kw["start"], kw["length"])
+            out, mass = kivi_cpu.kivi_decode_cpu(
+                q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
+                kw["block_table"], kw["keys_per_token"], with_mass,
+            )  # fmt: skip
+            out = out.to(q.dtype)
+            return (out, mass) if with_mass else out
         path = path_of(q, kw["check"])
         if path == "op":
             p, args = packed, [kw[k] for k in ("start", "length", "scale", "residual_k", "residual_v", "mask")]
@@ -42,19 +51,6 @@ class KiviKernels(FormatKernels):
             fn = quantized_decode_attention_with_mass_triton if with_mass else quantized_decode_attention_triton
             return fn(q, packed, fmt, **kw)
         return super().attend(q, packed, fmt, kw, with_mass)
-
-    @staticmethod
-    def _cpu(q, packed, fmt, kw: dict, with_mass: bool):
-        if kw["check"]:
-            info = _check_inputs(q, packed, fmt, *(kw[k] for k in TWIN_ARGS[:-1]))
-            if info.paged and kw["length"] > 0:
-                check_used_blocks(kw["block_table"], info.num_blocks, info.T, kw["start"], kw["length"])
-        out, mass = kivi_cpu.kivi_decode_cpu(
-            q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
-            kw["block_table"], kw["keys_per_token"], with_mass,
-        )  # fmt: skip (named, not a generator: every layer and step)
-        out = out.to(q.dtype)
-        return (out, mass) if with_mass else out
 
     def encode(self, x, fmt, side, positions=None, state=None):
         if kivi_cpu.encodes(x):
@@ -77,6 +73,11 @@ class KiviKernels(FormatKernels):
 
     def encode_into(self, x, fmt, out, start, slots, limit, bad, state=None) -> None:
         kivi_cpu.kivi_encode_into_cpu(x, fmt, out, start, slots, limit, bad)
+
+    def encode_kv_into(self, k, v, fmts, out_k, out_v, start, slots, limit, bad, state=None) -> None:
+        if fmts[0] is not fmts[1] and fmts[0] != fmts[1]:  # (one operator call codes one format)
+            return super().encode_kv_into(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
+        kivi_cpu.kivi_encode_kv_into_cpu(k, v, fmts[0], out_k, out_v, start, slots, limit, bad)
 
     def quantize_at(self, x, fmt, out, slots, check, state=None):
         path = path_of(x, check)

@@ -14,6 +14,8 @@
 // same bits as kivi_encode's. With `limit` >= 0 a value whose magnitude exceeds it (NaN included) is coded as 0 and
 // counted into `bad` (a 0-d int64 tensor): storage/value_range.RangeGuard's rule, folded in. What an evicting
 // cache's decode step runs per layer in one call, where guarding, coding and copying into the slots took a dozen.
+// kivi_encode_kv_into: the same for a token's key and value (one format; fields of each side, one `slots` or
+// `start` and one `bad` for both) in one call: an operator call costs more than its compute at a decode step.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -179,9 +181,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kivi_encode_cpu(const at::Tensor&
 }
 
 
-void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, double limit, at::Tensor codes,
-                          at::Tensor scale, at::Tensor zero, int64_t start, const c10::optional<at::Tensor>& slots,
-                          at::Tensor bad) {
+// The coding of kivi_encode_into into one side's fields; returns how many values the guard zeroed.
+int64_t encode_rows(const at::Tensor& x, int64_t bits, int64_t group, double limit, const at::Tensor& codes,
+                    const at::Tensor& scale, const at::Tensor& zero, int64_t start,
+                    const c10::optional<at::Tensor>& slots) {
   TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat, "kivi_encode_into: x must be float32 [B, H, T, D]");
   TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "kivi_encode_into: bits must be 8, 4, 2 or 0 (fp8)");
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
@@ -209,8 +212,6 @@ void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, doub
   } else {
     TORCH_CHECK(start >= 0 && start + T <= N, "kivi_encode_into: rows ", start, "..", start + T - 1, " of ", N);
   }
-  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1 && bad.device().is_cpu(),
-              "kivi_encode_into: bad must be one int64 on the CPU");
   const at::Tensor xs = x.contiguous();
   const at::Tensor sl = by_slot ? slots->contiguous() : at::Tensor();
   const float* xp = xs.data_ptr<float>();
@@ -252,7 +253,31 @@ void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, doub
     }
     pack(q.data(), D, int(bits), cp + b * c0 + h * c1 + row * c2);
   }
-  if (guard && count) *bad.data_ptr<int64_t>() += count;  // (in place, no operator call: one every layer and step)
+  return count;
+}
+
+void check_bad(const at::Tensor& bad) {
+  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1 && bad.device().is_cpu(),
+              "kivi_encode_into: bad must be one int64 on the CPU");
+}
+
+void kivi_encode_into_cpu(const at::Tensor& x, int64_t bits, int64_t group, double limit, at::Tensor codes,
+                          at::Tensor scale, at::Tensor zero, int64_t start, const c10::optional<at::Tensor>& slots,
+                          at::Tensor bad) {
+  check_bad(bad);
+  const int64_t count = encode_rows(x, bits, group, limit, codes, scale, zero, start, slots);
+  if (count) *bad.data_ptr<int64_t>() += count;  // (in place, no operator call: one every layer and step)
+}
+
+// Keys and values (one format, per token) into their fields in one call: a decode step's token of an evicting cache.
+void kivi_encode_kv_into_cpu(const at::Tensor& k, const at::Tensor& v, int64_t bits, int64_t group, double limit,
+                             at::Tensor k_codes, at::Tensor k_scale, at::Tensor k_zero, at::Tensor v_codes,
+                             at::Tensor v_scale, at::Tensor v_zero, int64_t start,
+                             const c10::optional<at::Tensor>& slots, at::Tensor bad) {
+  check_bad(bad);
+  const int64_t count = encode_rows(k, bits, group, limit, k_codes, k_scale, k_zero, start, slots) +
+                        encode_rows(v, bits, group, limit, v_codes, v_scale, v_zero, start, slots);
+  if (count) *bad.data_ptr<int64_t>() += count;
 }
 
 }  // namespace kvplus_kivi_pack
@@ -262,9 +287,14 @@ TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
   m.def(
       "kivi_encode_into(Tensor x, int bits, int group, float limit, Tensor(a!) codes, Tensor(b!) scale, "
       "Tensor(c!) zero, int start, Tensor? slots, Tensor(d!) bad) -> ()");
+  m.def(
+      "kivi_encode_kv_into(Tensor k, Tensor v, int bits, int group, float limit, Tensor(a!) k_codes, "
+      "Tensor(b!) k_scale, Tensor(c!) k_zero, Tensor(d!) v_codes, Tensor(e!) v_scale, Tensor(f!) v_zero, int start, "
+      "Tensor? slots, Tensor(g!) bad) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) {
   m.impl("kivi_encode", &kvplus_kivi_pack::kivi_encode_cpu);
   m.impl("kivi_encode_into", &kvplus_kivi_pack::kivi_encode_into_cpu);
+  m.impl("kivi_encode_kv_into", &kvplus_kivi_pack::kivi_encode_kv_into_cpu);
 }

@@ -43,7 +43,7 @@ from hf_kvplus.kernels.rotated_format import (
 )
 
 __all__ = ["available", "encodes", "encodes_into", "rotated_decode_cpu", "rotated_encode_cpu", "rotated_encode_into_cpu",
-           "supports"]
+           "rotated_encode_kv_into_cpu", "supports"]
 
 #: One library: the rotated formats' operators and the KIVI and paged decode of `kivi_cpu` (built, or not, together).
 _SOURCES = [
@@ -127,19 +127,43 @@ def rotated_encode_into_cpu(
     `RangeGuard` zeroes it before coding: the guard, the coding and the copies of an evicting cache's decode step in
     one call. `center`: as `encodes_into` says (a set centre that does not turn)."""
     bits = fmt.key_bits if side == "keys" else fmt.value_bits
-    device = x.device
-    key = (x.shape[-1], bits, fmt.seed, fmt.inputs_rotated, device)
-    coder = _CODERS.get(key, lambda: _coder(fmt, x.shape[-1], bits, device))
-    if center is not None:  # a set centre that does not turn is read as it is; else as `coding_center` says
-        mu = center.mu if center.mu is not None and center.turns is None and not fmt.inputs_rotated else None
-        if mu is None:
-            mu = coding_center(x, fmt, None, center)
-    else:
-        mu = None
+    coder = _coder_of(x, fmt, bits)
     torch.ops.hf_kvplus_cpu.rotated_encode_into(
-        x.float(), *coder, mu, bits, rotated_format.RENORMALIZE, -1.0 if limit is None else float(limit), out[0],
-        out[1], start, slots, _UNCOUNTED if bad is None else bad,
+        x.float(), *coder, _center_of(x, fmt, center), bits, rotated_format.RENORMALIZE,
+        -1.0 if limit is None else float(limit), out[0], out[1], start, slots, _UNCOUNTED if bad is None else bad,
     )  # fmt: skip
+
+
+def rotated_encode_kv_into_cpu(
+    k: torch.Tensor, v: torch.Tensor, fmts, out_k, out_v, start: int = 0, slots: torch.Tensor | None = None,
+    limit: float | None = None, bad: torch.Tensor | None = None, center=None,
+) -> None:  # fmt: skip
+    """`rotated_encode_into_cpu` of a token's keys `k` (values side of ``fmts[0]``, relative to `center`) into `out_k`
+    and values `v` (values side of ``fmts[1]``) into `out_v`, at the same rows, in one operator call: at a decode step
+    an operator call costs more than its compute."""
+    k_fmt, v_fmt = fmts
+    k_bits, v_bits = k_fmt.value_bits, v_fmt.value_bits
+    torch.ops.hf_kvplus_cpu.rotated_encode_kv_into(
+        k.float(), v.float(), *_coder_of(k, k_fmt, k_bits), _center_of(k, k_fmt, center), k_bits,
+        *_coder_of(v, v_fmt, v_bits), v_bits, rotated_format.RENORMALIZE, -1.0 if limit is None else float(limit),
+        out_k[0], out_k[1], out_v[0], out_v[1], start, slots, _UNCOUNTED if bad is None else bad,
+    )  # fmt: skip
+
+
+def _coder_of(x: torch.Tensor, fmt: RotatedFormat, bits: int) -> tuple:
+    """(rotation or None, boundaries, centroids) the encode operators read for `x`'s head dim in `fmt` at `bits`."""
+    device = x.device
+    return _CODERS.get((x.shape[-1], bits, fmt.seed, fmt.inputs_rotated, device),
+                       lambda: _coder(fmt, x.shape[-1], bits, device))  # fmt: skip
+
+
+def _center_of(x: torch.Tensor, fmt: RotatedFormat, center) -> torch.Tensor | None:
+    """The centre the encode operators code `x` relative to: a set centre that does not turn as it is; else as
+    `coding_center` says (None: no centre)."""
+    if center is None:
+        return None
+    mu = center.mu if center.mu is not None and center.turns is None and not fmt.inputs_rotated else None
+    return coding_center(x, fmt, None, center) if mu is None else mu
 
 
 #: What the operators read of a format's side, a vector size and a device, in one lookup (a decode step's calls are
@@ -219,6 +243,7 @@ def _load() -> bool:
     torch.library.register_fake("hf_kvplus_cpu::rotated_decode")(_fake)
     torch.library.register_fake("hf_kvplus_cpu::rotated_encode")(_fake_encode)
     torch.library.register_fake("hf_kvplus_cpu::rotated_encode_into")(_fake_encode_into)
+    torch.library.register_fake("hf_kvplus_cpu::rotated_encode_kv_into")(_fake_encode_kv_into)
     for register in _ON_LOAD:
         register()
     return True
@@ -252,6 +277,12 @@ def _fake_encode(x, rotation, boundaries, centroids, center, bits, renormalize):
 
 def _fake_encode_into(x, rotation, boundaries, centroids, center, bits, renormalize, limit, codes, norms, start, slots,
                       bad):  # fmt: skip
+    return None
+
+
+def _fake_encode_kv_into(k, v, k_rotation, k_boundaries, k_centroids, center, k_bits, v_rotation, v_boundaries,
+                         v_centroids, v_bits, renormalize, limit, k_codes, k_norms, v_codes, v_norms, start, slots,
+                         bad):  # fmt: skip
     return None
 
 

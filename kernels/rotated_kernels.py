@@ -101,6 +101,12 @@ class RotatedKernels(FormatKernels):
         `side_formats`); `limit` bounds each vector's length (`RotatedFormat.code_limit`)."""
         rotated_cpu.rotated_encode_into_cpu(x, fmt, "values", out, start, slots, limit, bad, state)
 
+    def encode_kv_into(self, k, v, fmts, out_k, out_v, start, slots, limit, bad, state=None) -> None:
+        """Both sides in one operator call where both are rotated formats (each side its bits, as `encode_into`)."""
+        if not isinstance(fmts[1], RotatedFormat):  # (the keys' format chose these kernels)
+            return super().encode_kv_into(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
+        rotated_cpu.rotated_encode_kv_into_cpu(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
+
     def quantize(self, x, fmt, out, side, check, positions=None, state=None):
         path = path_of(x, check)
         if path in TWINS:

@@ -19,6 +19,8 @@
 // exceeds it (NaN and inf included) is coded as the zero vector and counted into `bad` (a 0-d int64 tensor):
 // storage/value_range.RangeGuard's rule for norm-coded formats, folded in. What an evicting cache's decode step runs
 // per layer and side in one call, where guarding, coding and copying into the slots took a dozen tensor operations.
+// rotated_encode_kv_into: a token's key (relative to the centre) and value (none), each side its codebook and bits,
+// at the same rows and one `bad` for both, in one call (an operator call costs more than its compute).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -164,11 +166,11 @@ std::tuple<at::Tensor, at::Tensor> rotated_encode_cpu(const at::Tensor& x, const
   return {codes, norms};
 }
 
-void rotated_encode_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& rotation,
-                             const at::Tensor& boundaries, const at::Tensor& centroids,
-                             const std::optional<at::Tensor>& center, int64_t bits, bool renormalize, double limit,
-                             at::Tensor codes, at::Tensor norms, int64_t start, const std::optional<at::Tensor>& slots,
-                             at::Tensor bad) {
+// The coding of rotated_encode_into into one side's fields; returns how many vectors the guard zeroed.
+int64_t encode_rows(const at::Tensor& x, const std::optional<at::Tensor>& rotation, const at::Tensor& boundaries,
+                    const at::Tensor& centroids, const std::optional<at::Tensor>& center, int64_t bits,
+                    bool renormalize, double limit, const at::Tensor& codes, const at::Tensor& norms, int64_t start,
+                    const std::optional<at::Tensor>& slots) {
   const Coder coder("rotated_encode_into", x, rotation, boundaries, centroids, center, bits, renormalize);
   const int64_t B = x.size(0), H = coder.H, T = coder.T, D = coder.D, P = coder.P;
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(0) == B && codes.size(1) == H &&
@@ -193,8 +195,6 @@ void rotated_encode_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
   } else {
     TORCH_CHECK(start >= 0 && start + T <= N, "rotated_encode_into: rows ", start, "..", start + T - 1, " of ", N);
   }
-  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1 && bad.device().is_cpu(),
-              "rotated_encode_into: bad must be one int64 on the CPU");
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   const int64_t* slp = by_slot ? sl.data_ptr<int64_t>() : nullptr;
@@ -222,7 +222,40 @@ void rotated_encode_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
     }
     count += refused;
   });
-  if (guard && count.load()) *bad.data_ptr<int64_t>() += count.load();  // (in place, no operator call)
+  return guard ? count.load() : 0;
+}
+
+void check_bad(const at::Tensor& bad) {
+  TORCH_CHECK(bad.scalar_type() == at::kLong && bad.numel() == 1 && bad.device().is_cpu(),
+              "rotated_encode_into: bad must be one int64 on the CPU");
+}
+
+void rotated_encode_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& rotation,
+                             const at::Tensor& boundaries, const at::Tensor& centroids,
+                             const std::optional<at::Tensor>& center, int64_t bits, bool renormalize, double limit,
+                             at::Tensor codes, at::Tensor norms, int64_t start, const std::optional<at::Tensor>& slots,
+                             at::Tensor bad) {
+  check_bad(bad);
+  const int64_t count =
+      encode_rows(x, rotation, boundaries, centroids, center, bits, renormalize, limit, codes, norms, start, slots);
+  if (count) *bad.data_ptr<int64_t>() += count;  // (in place, no operator call)
+}
+
+// A token's key (with the centre) and value, each side with its own codebook and bits, at the same rows in one call.
+void rotated_encode_kv_into_cpu(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_rotation,
+                                const at::Tensor& k_boundaries, const at::Tensor& k_centroids,
+                                const std::optional<at::Tensor>& center, int64_t k_bits,
+                                const std::optional<at::Tensor>& v_rotation, const at::Tensor& v_boundaries,
+                                const at::Tensor& v_centroids, int64_t v_bits,
+                                bool renormalize, double limit, at::Tensor k_codes, at::Tensor k_norms,
+                                at::Tensor v_codes, at::Tensor v_norms, int64_t start,
+                                const std::optional<at::Tensor>& slots, at::Tensor bad) {
+  check_bad(bad);
+  const int64_t count = encode_rows(k, k_rotation, k_boundaries, k_centroids, center, k_bits, renormalize, limit,
+                                    k_codes, k_norms, start, slots) +
+                        encode_rows(v, v_rotation, v_boundaries, v_centroids, std::nullopt, v_bits, renormalize, limit,
+                                    v_codes, v_norms, start, slots);
+  if (count) *bad.data_ptr<int64_t>() += count;
 }
 
 }  // namespace kvplus_rotated_pack
@@ -235,9 +268,16 @@ TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
       "rotated_encode_into(Tensor x, Tensor? rotation, Tensor boundaries, Tensor centroids, Tensor? center, int bits, "
       "bool renormalize, float limit, Tensor(a!) codes, Tensor(b!) norms, int start, Tensor? slots, Tensor(c!) bad) "
       "-> ()");
+  m.def(
+      "rotated_encode_kv_into(Tensor k, Tensor v, Tensor? k_rotation, Tensor k_boundaries, Tensor k_centroids, "
+      "Tensor? center, int k_bits, Tensor? v_rotation, Tensor v_boundaries, Tensor v_centroids, int v_bits, "
+      "bool renormalize, float limit, "
+      "Tensor(a!) k_codes, Tensor(b!) k_norms, Tensor(c!) v_codes, Tensor(d!) v_norms, int start, Tensor? slots, "
+      "Tensor(e!) bad) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvplus_cpu, CPU, m) {
   m.impl("rotated_encode", &kvplus_rotated_pack::rotated_encode_cpu);
   m.impl("rotated_encode_into", &kvplus_rotated_pack::rotated_encode_into_cpu);
+  m.impl("rotated_encode_kv_into", &kvplus_rotated_pack::rotated_encode_kv_into_cpu);
 }

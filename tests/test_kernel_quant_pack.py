@@ -595,3 +595,44 @@ def test_values_into_equals_guard_then_twin(seed, bits, dtype):
     with pytest.raises(RuntimeError, match="rows 8..9 of 9"):
         quantize_values_into(x.float(), fmt, _slot_buffers(fmt, B, H, N, D), 8)
     assert not takes_values_into(x.to("meta"), fmt)
+
+
+@pytest.mark.usefixtures("encode_op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k_bits", "v_bits"), [(8, 8), (4, 4), (2, 2), ("fp8", "fp8"), (4, 2)])
+@pytest.mark.parametrize(("T", "Dk", "Dv"), [(1, 48, 48), (3, 64, 32)])
+def test_kv_into_equals_guard_then_twin_per_side(seed, k_bits, v_bits, dtype, T, Dk, Dv, monkeypatch):
+    # Keys and values coded into their slots by one operator call (one format) or one per side (two): at given rows or
+    # a span, each side's bits the guarded twin's, and what the guard zeroes on both sides counted once each.
+    from hf_kvplus.kernels import kivi_cpu
+    from hf_kvplus.kernels.dispatch import quantize_kv_into
+    from hf_kvplus.storage.value_range import RangeGuard
+
+    fk, fv = QuantFormat(k_bits, 16), QuantFormat(v_bits, 16)
+    B, H, N = 2, 3, 9
+    k, v = (torch.randn(B, H, T, Dk) * 3).to(dtype), (torch.randn(B, H, T, Dv) * 3).to(dtype)
+    k[0, 1, 0, 5], v[1, 2, T - 1, 7], v[1, 0, 0, 20] = float("nan"), float("inf"), -1e30
+    guard = RangeGuard(*fk.code_limit())
+    want_k, want_v = qf.quantize_values(guard(k), fk), qf.quantize_values(guard(v), fv)
+    ops = []
+    real = kivi_cpu.kivi_encode_kv_into_cpu
+    monkeypatch.setattr(kivi_cpu, "kivi_encode_kv_into_cpu", lambda *a, **kw: ops.append(1) or real(*a, **kw))
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    for rows in (slots, None):
+        out_k, out_v = _slot_buffers(fk, B, H, N, Dk), _slot_buffers(fv, B, H, N, Dv)
+        counted = torch.zeros((), dtype=torch.long)
+        limit = min(guard.limit, torch.finfo(dtype).max)
+        quantize_kv_into(k, v, (fk, fv), out_k, out_v, 5, rows, limit=limit, bad=counted)
+        at = (slots if rows is not None else torch.arange(5, 5 + T).expand(B, H, T))[..., None]
+        for out, want in ((out_k, want_k), (out_v, want_v)):
+            for got, ref in zip(out, want, strict=True):
+                if ref is None:
+                    assert got is None
+                    continue
+                got = got.gather(2, at.expand(*at.shape[:3], ref.shape[-1]))
+                assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), f"{fk}/{fv} {dtype} (seed {seed})"
+        assert int(counted) == 3
+    assert len(ops) == (2 if fk == fv else 0)
+    with pytest.raises(RuntimeError, match=f"rows {N - T + 1}..{N} of {N}"):
+        out_k, out_v = _slot_buffers(fk, B, H, N, Dk), _slot_buffers(fk, B, H, N, Dv)
+        quantize_kv_into(k.float(), v.float(), (fk, fk), out_k, out_v, N - T + 1)

@@ -224,6 +224,45 @@ def test_coding_into_slots_equals_guard_then_operator(bits, centre, dtype):
         x[:, :, :1].float().nan_to_num(0, 0, 0), fmt, "values", None, center)[0])  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k_bits", "v_bits"), [(4, 2), (3, 2), (2, 4), (8, 8)])
+@pytest.mark.parametrize(("T", "Dk", "Dv"), [(1, 32, 32), (3, 64, 32)])
+def test_key_and_value_in_one_call_equal_one_call_per_side(k_bits, v_bits, T, Dk, Dv, dtype, monkeypatch):
+    # An evicting cache's decode token: its key (centred) and value coded into their slots by one operator call, each
+    # side the bits of one `quantize_values_into` call of its own format (keys at the key bits on both sides), the
+    # vectors the guard zeroes on either side counted once each.
+    from hf_kvplus.storage.value_range import RangeGuard
+
+    k_fmt, v_fmt = RotatedFormat(k_bits, k_bits, seed=5), RotatedFormat(v_bits, v_bits, seed=5)
+    center = KeyCenter()
+    quantize_rotated(keys_like(D=Dk), k_fmt, "keys", None, center)  # set, as a cache's prompt sets it
+    B, H, N = 2, 3, 7
+    k = keys_like(B, H, 8, Dk, seed=k_bits)[:, :, 8 - T :].to(dtype)  # (the zero vector among them at T = 3)
+    v = keys_like(B, H, 8, Dv, seed=v_bits + 9)[:, :, :T].to(dtype)
+    k[0, 1, 0, 5], v[1, 2, T - 1, 7] = float("nan"), float("inf")
+    guard = RangeGuard(*k_fmt.code_limit())
+    calls = []
+    real = rotated_cpu.rotated_encode_kv_into_cpu
+    monkeypatch.setattr(rotated_cpu, "rotated_encode_kv_into_cpu", lambda *a: calls.append(1) or real(*a))
+
+    def buffers(D, bits):
+        return tuple(torch.full((B, H, N, w), 7, dtype=t) for w, t in ((D * bits // 8, torch.uint8), (1, torch.float16)))
+
+    slots = torch.stack([torch.randperm(N)[:T] for _ in range(B * H)]).view(B, H, T)
+    for rows in (slots, None):
+        got_k, got_v, counted = buffers(Dk, k_bits), buffers(Dv, v_bits), torch.zeros((), dtype=torch.long)
+        dispatch.quantize_kv_into(k, v, (k_fmt, v_fmt), (*got_k, None), (*got_v, None), 2, rows, limit=guard.limit,
+                                  bad=counted, state=center)  # fmt: skip
+        want_k, want_v, separate = buffers(Dk, k_bits), buffers(Dv, v_bits), torch.zeros((), dtype=torch.long)
+        dispatch.quantize_values_into(k, k_fmt, (*want_k, None), 2, rows, limit=guard.limit, bad=separate,
+                                      state=center)  # fmt: skip
+        dispatch.quantize_values_into(v, v_fmt, (*want_v, None), 2, rows, limit=guard.limit, bad=separate)
+        for got, want in zip((*got_k, *got_v), (*want_k, *want_v), strict=True):
+            assert torch.equal(got, want), f"{k_fmt}/{v_fmt} {dtype}"
+        assert int(counted) == int(separate) == 2
+    assert len(calls) == 2  # one call per coding, both sides
+
+
 def test_coding_into_slots_is_refused_where_it_cannot_run_and_names_bad_rows():
     fmt = RotatedFormat(4, 2, seed=0)
     x = torch.randn(2, 3, 1, 32)

@@ -129,7 +129,7 @@ def _kernel_sites() -> list[tuple[object, str]]:
         (route, "decode_attention"), (route, "paged_decode_attention"), (route, "quantized_decode_attention"),
         (route, "sdpa_attention_forward"), (slots, "decode_attention"), (slots, "quantized_decode_attention"),
         (dispatch, "_fallback"), (slot_store, "quantize_values"), (slot_store, "quantize_values_at"),
-        (slot_store, "quantize_values_into"), *quantizing,
+        (slot_store, "quantize_values_into"), (slot_store, "quantize_kv_into"), *quantizing,
     ]  # fmt: skip
 
 
@@ -187,6 +187,7 @@ def _stub_outputs() -> dict[str, Callable]:
         "quantize_keys": quantize("keys"), "quantize_values": quantize("values"),
         "quantize_values_at": lambda x, fmt, out, slots, **kwargs: out,  # writes the given buffers: returns them
         "quantize_values_into": lambda *args, **kwargs: None,  # writes the given buffers
+        "quantize_kv_into": lambda *args, **kwargs: None,  # writes the given buffers
     }  # fmt: skip
 
 

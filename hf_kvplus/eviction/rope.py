@@ -121,28 +121,28 @@ class RotaryShift(RotaryBasis):
 
     def _factors(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on
-        `device`: each angle twice (both halves), then 1 and 0 on the channels that do not rotate."""
+        `device`: each angle twice (both halves), then 1 and 0 on the channels that do not rotate (angle 0)."""
         if isinstance(shift, torch.Tensor):
-            cos, sin = self._full(shift.to(device, torch.float64)[:, None] * self._inv_freq(device)[None, :])
-            return cos[:, None, None, :], sin[:, None, None, :]
+            angles = shift.to(device, torch.float64)[:, None] * self._wide_freq(device)
+            return angles.cos().float()[:, None, None, :], angles.sin().float()[:, None, None, :]
         if self._last is None or self._last[:2] != (shift, device):  # made on the device: no host-to-device copy
-            cos, sin = self._full(shift * self._inv_freq(device)[None, :])
-            self._last = (shift, device, cos[:, None, None, :], sin[:, None, None, :])
+            angles = (shift * self._wide_freq(device)).view(1, 1, 1, -1)  # (every layer of a step asks for the same)
+            self._last = (shift, device, angles.cos().float(), angles.sin().float())
         return self._last[2], self._last[3]
-
-    def _full(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[..., head_dim]` float32 of `angles` `[..., rotary_dim / 2]` (float64): each angle twice, then
-        1 and 0 on the channels that do not rotate."""
-        rest = self.head_dim - self.rotary_dim
-        cos, sin = angles.cos(), angles.sin()
-        cos = torch.cat((cos, cos, angles.new_ones(*angles.shape[:-1], rest)), dim=-1)
-        sin = torch.cat((sin, sin, angles.new_zeros(*angles.shape[:-1], rest)), dim=-1)
-        return cos.float(), sin.float()
 
     def place(self, device: torch.device) -> None:
         """Moves the inverse frequencies to `device` now, eagerly: a compiled step that moved them would hold a CPU
         tensor, which keeps its graph from CUDA graphs."""
-        self._inv_freq(device)
+        self._wide_freq(device)
+
+    def _wide_freq(self, device: torch.device) -> torch.Tensor:
+        """float64 `[head_dim]` on `device`: each inverse frequency twice (both halves), then 0 where channels do not
+        rotate, so that a shift's factors are three operations (`_factors`, once per step: every layer asks)."""
+        wide = self.__dict__.get("_wide")
+        if wide is None or wide.device != device:
+            inv = self._inv_freq(device)
+            wide = self._wide = torch.cat((inv, inv, inv.new_zeros(self.head_dim - self.rotary_dim)))
+        return wide
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         if self.inv_freq.device != device:  # once; queued, not waited on

@@ -197,7 +197,7 @@ class QuantizedStorage(KVStorage):
             segment.fmt.check_head_dim(keys.shape[-1])
             self._checked_dim = keys.shape[-1]
         new = keys.shape[2]
-        if segment.shares_rows and self.length == 0 and keys.shape[0] > 1:
+        if keys.shape[0] > 1 and segment.shares_rows and self.length == 0:
             # Read once, at the prompt, so that a decode step that first fills the segment need not compare rows.
             self._prompt = (identical_rows(keys), keys.shape[2])
         segment.begin_update()
@@ -233,19 +233,20 @@ class QuantizedStorage(KVStorage):
             if self._prompt is not None and h + self._flushed >= self._prompt[1]:
                 self._prompt = None  # the whole prompt is quantized: nothing left to share
 
-    def _parts(self, last: int) -> tuple[int, int, int]:
-        """How many of the `last` newest tokens are in the head, the segment and the window (token order)."""
+    def _parts(self, last: int) -> tuple[int, int, int, int]:
+        """How many of the `last` newest tokens are in the head, the segment and the window (token order), and the
+        segment's length."""
+        n = self.segment.length
         window = min(last, self.recent.length - self.head)
-        coded = min(last - window, self.segment.length)
-        return last - window - coded, coded, window
+        coded = min(last - window, n)
+        return last - window - coded, coded, window, n
 
     def view(self, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        head, coded, window = self._parts(last)
+        head, coded, window, n = self._parts(last)
         if coded == 0:  # in token order in the buffer
             return self.recent.view(head + window)
         k, v = self.recent.view(window)
         hk, hv = self._head_view(head)
-        n = self.segment.length
         old_k, old_v = self.segment.dequantized(n - coded, n, k.dtype)
         return torch.cat([hk, old_k, k], dim=2), torch.cat([hv, old_v, v], dim=2)
 
@@ -259,13 +260,11 @@ class QuantizedStorage(KVStorage):
         stay readable until its next append); `dense()` gathers the same tokens in token order, those the forward
         pushed out of the window exact."""
         left, self._left = self._left, None
-        head, coded, window = self._parts(last)
+        head, coded, window, n = self._parts(last)
         if coded == 0:  # only full-precision tokens in view, in token order in the buffer
             return DenseRead(*self.recent.view(head + window))
         rk, rv = self.recent.view(head + window)
-        read = self.segment.read(
-            self.segment.length - coded, coded, rk, rv, partial(self._gather, coded, rk, rv, head, left)
-        )
+        read = self.segment.read(n - coded, coded, rk, rv, partial(self._gather, coded, rk, rv, head, left))
         if head == 0 or type(read) is DenseRead:  # (a segment without a kernel gathers in token order)
             return read
         return read._replace(mask=partial(_head_after_codes, head, coded))

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import quantize_values, quantize_values_at, quantize_values_into, takes_values_into
+from ..kernels.dispatch import (
+    quantize_kv_into,
+    quantize_values,
+    quantize_values_at,
+    quantize_values_into,
+    takes_values_into,
+)
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_values
 from ..kernels.rotated_format import RotatedFormat
 from .eager_memo import EagerMemo
@@ -135,8 +141,7 @@ class TokenQuantCodec:
         codes, scales and zeros, so nothing is copied after it (a decode step's ops are its host cost). `guard`: a
         `RangeGuard` to code through, where `guards` said so (so it is not asked again)."""
         if guard is not None or self.guards(keys):
-            for name, x in (("k", keys), ("v", values)):
-                self._into_rows(fields, name, x, span.start, None, guard)
+            self._both_into_rows(fields, keys, values, span.start, None, guard)
             return
         self._quantize_into(fields, span, "k", keys)
         self._quantize_into(fields, span, "v", values)
@@ -153,8 +158,7 @@ class TokenQuantCodec:
         """Keys and values quantized straight into slots `slots` [batch, kv_heads, 1]: one kernel each writes the
         codes, scales and zeros at the slot (a decode step's ops are its host cost). `guard`: as in `write`."""
         if guard is not None or self.guards(keys):
-            for name, x in (("k", keys), ("v", values)):
-                self._into_rows(fields, name, x, 0, slots, guard)
+            self._both_into_rows(fields, keys, values, 0, slots, guard)
             return
         for name, x in (("k", keys), ("v", values)):
             out = tuple(fields.get(field) for field in self._fields[name])
@@ -166,6 +170,14 @@ class TokenQuantCodec:
         out = (fields[codes], fields[scale], fields.get(zero))
         limit, bad = (None, None) if guard is None else guard.folded(x.dtype)
         quantize_values_into(x, self._formats[name], out, start, slots, limit=limit, bad=bad, state=self._states[name])
+
+    def _both_into_rows(self, fields, keys, values, start, slots, guard) -> None:
+        """`_into_rows` of both sides, in one operator call where one format codes both (`dispatch.quantize_kv_into`)."""
+        out_k = (fields["k"], fields["k_scale"], fields.get("k_zero"))
+        out_v = (fields["v"], fields["v_scale"], fields.get("v_zero"))
+        limit, bad = (None, None) if guard is None else guard.folded(keys.dtype)
+        fmts = (self._formats["k"], self._formats["v"])
+        quantize_kv_into(keys, values, fmts, out_k, out_v, start, slots, limit=limit, bad=bad, state=self._states["k"])
 
     def _quantize_into(self, fields, span, name, x) -> None:
         codes, scale, zero = self._fields[name]
