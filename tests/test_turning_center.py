@@ -1,4 +1,4 @@
-"""The turning key centre (issue 46): the position basis against RoPE computed independently (pairs as complex
+"""The turning key centre: the position basis against RoPE computed independently (pairs as complex
 numbers), the twins' codes relative to it against a format without a centre coding ``k - c(p)`` by hand, the
 dispatcher's codes at a buffer index against the twin's, what it gains over a fixed centre on keys with a pre-RoPE
 offset, and its typed errors. The decode kernels are checked with it beside the other centres
