@@ -52,30 +52,6 @@ def _share_cores_between_workers() -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-#: Tests of 20 s to 2 minutes each on 2 cores (CI's --durations), longest first. They run first: pytest-xdist hands
-#: tests out in collection order, and one of them started last would leave the other worker idle to the end. (The
-#: first quanto case, 76 s, was its C++ build, which scripts/test.sh now runs before the suite.)
-LONG_FIRST = (
-    "tests/test_gpu_pass.py::test_dry_run_of_the_whole_pass_on_the_cpu",
-    "tests/test_notebooks.py::test_notebook_runs",
-    "tests/test_kernels_aot.py::test_covering_subset_compiles_for_sm90",
-    "tests/test_snippets.py::test_every_readme_and_docs_snippet_runs",
-    "tests/test_compile_fullgraph.py::test_decode_step_compiles_as_one_graph",
-    "tests/test_prefix_tiers.py::test_processes_",
-    "tests/test_resolve_models.py::test_real_smollm2_from_pypi",
-    "tests/test_compare_scripts.py",
-    "tests/test_tensor_parallel.py",
-    "tests/test_plugin_isolation.py::test_dynamic_static_and_no_cache_are_bit_identical_with_the_plugin",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item) -> int:
-        return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
-
-    items.sort(key=rank)  # stable: the rest keep their order
-
-
 def pytest_report_header(config):
     import transformers
 
