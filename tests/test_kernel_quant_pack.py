@@ -585,16 +585,21 @@ def test_values_into_equals_guard_then_twin(seed, bits, dtype):
         limit = min(guard.limit, torch.finfo(dtype).max)
         quantize_values_into(x, fmt, out, 3, rows, limit=limit, bad=counted)
         at = (slots if rows is not None else torch.arange(3, 3 + T).expand(B, H, T))[..., None]
-        for got, ref in zip(out, want, strict=True):
-            if ref is None:
-                assert got is None
-                continue
-            got = got.gather(2, at.expand(*at.shape[:3], ref.shape[-1]))
-            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), f"{fmt} {dtype} (seed {seed})"
+        _assert_slots_hold(out, want, at, f"{fmt} {dtype} (seed {seed})")
         assert int(counted) == int(guard.pending) >= 2
     with pytest.raises(RuntimeError, match="rows 8..9 of 9"):
         quantize_values_into(x.float(), fmt, _slot_buffers(fmt, B, H, N, D), 8)
     assert not takes_values_into(x.to("meta"), fmt)
+
+
+def _assert_slots_hold(out, want, at, message):
+    """Each coded tensor of `out`, read at slots `at` [B, H, T, 1], holds the bytes of `want`'s (None where it has none)."""
+    for got, ref in zip(out, want, strict=True):
+        if ref is None:
+            assert got is None
+            continue
+        got = got.gather(2, at.expand(*at.shape[:3], ref.shape[-1]))
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), message
 
 
 @pytest.mark.usefixtures("encode_op")
@@ -625,12 +630,7 @@ def test_kv_into_equals_guard_then_twin_per_side(seed, k_bits, v_bits, dtype, T,
         quantize_kv_into(k, v, (fk, fv), out_k, out_v, 5, rows, limit=limit, bad=counted)
         at = (slots if rows is not None else torch.arange(5, 5 + T).expand(B, H, T))[..., None]
         for out, want in ((out_k, want_k), (out_v, want_v)):
-            for got, ref in zip(out, want, strict=True):
-                if ref is None:
-                    assert got is None
-                    continue
-                got = got.gather(2, at.expand(*at.shape[:3], ref.shape[-1]))
-                assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), f"{fk}/{fv} {dtype} (seed {seed})"
+            _assert_slots_hold(out, want, at, f"{fk}/{fv} {dtype} (seed {seed})")
         assert int(counted) == 3
     assert len(ops) == (2 if fk == fv else 0)
     with pytest.raises(RuntimeError, match=f"rows {N - T + 1}..{N} of {N}"):
