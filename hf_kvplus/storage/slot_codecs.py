@@ -166,22 +166,28 @@ class TokenQuantCodec:
 
     def _into_rows(self, fields, name, x, start, slots, guard) -> None:
         """`x` coded by the CPU operator into rows `start ..` (or `slots`) of side `name`'s fields, through `guard`."""
-        codes, scale, zero = self._fields[name]
-        out = (fields[codes], fields[scale], fields.get(zero))
         limit, bad = (None, None) if guard is None else guard.folded(x.dtype)
-        quantize_values_into(x, self._formats[name], out, start, slots, limit=limit, bad=bad, state=self._states[name])
+        quantize_values_into(
+            x, self._formats[name], self._out(fields, name), start, slots, limit=limit, bad=bad,
+            state=self._states[name],
+        )  # fmt: skip
 
     def _both_into_rows(self, fields, keys, values, start, slots, guard) -> None:
         """`_into_rows` of both sides, in one operator call where one format codes both (`dispatch.quantize_kv_into`)."""
-        out_k = (fields["k"], fields["k_scale"], fields.get("k_zero"))
-        out_v = (fields["v"], fields["v_scale"], fields.get("v_zero"))
         limit, bad = (None, None) if guard is None else guard.folded(keys.dtype)
         fmts = (self._formats["k"], self._formats["v"])
-        quantize_kv_into(keys, values, fmts, out_k, out_v, start, slots, limit=limit, bad=bad, state=self._states["k"])
+        quantize_kv_into(
+            keys, values, fmts, self._out(fields, "k"), self._out(fields, "v"), start, slots, limit=limit, bad=bad,
+            state=self._states["k"],
+        )  # fmt: skip
+
+    def _out(self, fields, name) -> tuple:
+        """Side `name`'s (codes, scale, zero or None) among `fields`, which the operators code into."""
+        codes, scale, zero = self._fields[name]
+        return fields[codes], fields[scale], fields.get(zero)
 
     def _quantize_into(self, fields, span, name, x) -> None:
-        codes, scale, zero = self._fields[name]
-        codes, scale, zero = fields[codes], fields[scale], fields.get(zero)
+        codes, scale, zero = self._out(fields, name)
         if span is not None:
             codes, scale, zero = codes[:, :, span], scale[:, :, span], None if zero is None else zero[:, :, span]
         quantize_values(x.contiguous(), self._formats[name], out=(codes, scale, zero), check=False,
