@@ -8,9 +8,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-# --no-compile: pip would byte-compile every installed module (torch alone: about 30 s); Python compiles the ones
-# imported, on first import.
-pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check --no-compile "$@"; }
+# uv where it can be had, else pip (scripts/install_packages.sh). Neither byte-compiles what it installs (pip's
+# --no-compile: torch alone took about 30 s); Python compiles the modules imported, on first import.
+source scripts/install_packages.sh
+pip_install() { install_packages "$PY" "$PY" "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0
 fi

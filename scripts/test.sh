@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv if needed, then runs the linters (ruff, then the import contracts), checks that BENCHMARKS.md is
 # what eval/report.py writes from eval/results/, and runs the whole test suite (CPU; Triton kernels run under the
-# Triton interpreter). Extra arguments go to pytest. With none (CI), the conformance tests then run again on the
-# lowest Transformers pyproject.toml supports.
+# Triton interpreter). Extra arguments go to pytest. With none (CI: .ci/run), the conformance tests then run again
+# on the lowest Transformers pyproject.toml supports, beside the check of the wheel as a pip user gets it
+# (scripts/wheel_check.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
@@ -38,11 +39,20 @@ if ! compgen -G "$LOWEST/transformers-$LOWEST_VERSION.*.dist-info" >/dev/null; t
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps --target "$LOWEST" \
         "transformers==$LOWEST_VERSION.*" "huggingface-hub>=1.5,<2" "httpx<1" httpcore
 fi
-echo "conformance on transformers $LOWEST_VERSION.*"
+# The wheel check runs beside them: it is mostly one process at a time (pip, one compiler, the demo, the snippets),
+# and the conformance run leaves a core idle while it starts its workers and collects, so each fills the other's
+# idle core. The check's output comes after the tests' (from its log), in one piece.
+WHEEL_LOG=$(mktemp /tmp/kvplus-wheel-check.XXXXXX.log)
+bash scripts/wheel_check.sh </dev/null >"$WHEEL_LOG" 2>&1 &
+wheel=$!
+echo "conformance on transformers $LOWEST_VERSION.*, beside the wheel check"
 start=$(date +%s)
 status=0
 PYTHONPATH="$LOWEST" KVPLUS_EXPECT_TRANSFORMERS="$LOWEST_VERSION" "$VENV/bin/pytest" -p no:cacheprovider \
     -n "${KVPLUS_TEST_WORKERS:-auto}" \
     tests/test_conformance.py tests/test_transformers_compat.py || status=$?
 echo "conformance on transformers $LOWEST_VERSION.*: $(( $(date +%s) - start )) s"
+wait "$wheel" || status=$?
+cat "$WHEEL_LOG"
+rm -f "$WHEEL_LOG"
 exit "$status"

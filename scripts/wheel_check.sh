@@ -32,7 +32,9 @@ WHEEL=$(ls "$WORK"/dist/hf_kvplus-*.whl)
 step "a fresh venv: torch 2.13.0 (CPU), then $(basename "$WHEEL") without extras"
 python3 -m venv "$WORK/venv"
 PY="$WORK/venv/bin/python"
-"$PY" -m pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0
+# torch as scripts/setup.sh installs it (uv, else pip); the wheel itself with pip, as a pip user installs it.
+source "$HERE/scripts/install_packages.sh"
+install_packages "$BUILD_PY" "$PY" torch==2.13.0
 "$PY" -m pip install --quiet --disable-pip-version-check --no-compile "$WHEEL"
 
 # Outside the clone, with nothing of it on the path: what runs is the installed wheel. Every check runs; the step
