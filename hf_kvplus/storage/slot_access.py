@@ -70,11 +70,12 @@ class SlotAccess:
         lead = self._lead
         if lead is None or lead[0] != n or lead[1] is not self.fields:  # the same slots every step: cut once
             cut = {name: self.fields[name][:, :, :n] for name in self.codec.key_fields if name in self.fields}
-            lead = self._lead = (n, self.fields, cut)
-        self.codec.write_keys(lead[2], None, keys)
+            exact = None if self.exact is None else self.exact["k"][:, :, : min(n, self.first)]
+            lead = self._lead = (n, self.fields, cut, exact)
+        if self.exact is None or n > self.first:  # (codes of the region's slots are never read: not coded)
+            self.codec.write_keys(lead[2], None, keys)
         if self.exact is not None:  # (slots 0 .. n - 1 hold positions 0 .. n - 1 here: `SinkPolicy._shift_unpadded`)
-            m = min(n, self.first)
-            self.exact["k"][:, :, :m] = keys[:, :, :m]
+            lead[3].copy_(keys if n <= self.first else keys[:, :, : self.first])
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],
