@@ -48,6 +48,7 @@ __all__ = [
     "decode_attention",
     "paged_decode_attention",
     "paged_store",
+    "paged_store_token",
     "prepare",
     "quantize_keys",
     "quantize_values",
@@ -135,6 +136,19 @@ def paged_decode_attention(
     return paged_decode_attention_torch(
         q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask, check=check
     )
+
+
+def paged_store_token(k_pool, v_pool, keys, values, block_table, column: int, offset: int) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] written at offset `offset` of the blocks that column `column` of
+    `block_table` [B, columns] names, every row's block in the pool (the caller's table: unchecked). Eager CPU steps
+    take one C++ call for both pools (`kivi_cpu.paged_write_cpu`), where indexing took two `index_put` calls; elsewhere
+    the indexing, which a compiled graph traces."""
+    if path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and keys.dtype == k_pool.dtype == v_pool.dtype:
+        kivi_cpu.paged_write_cpu(k_pool, v_pool, keys, values, block_table, column, offset)
+        return
+    blocks = block_table[:, column]
+    k_pool[blocks, :, offset] = keys[:, :, 0]
+    v_pool[blocks, :, offset] = values[:, :, 0]
 
 
 def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:

@@ -1,6 +1,7 @@
 """Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``), over a paged pool's
 float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``) and over float K/V with each key's attention mass
-(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; and KIVI's quantize-and-pack
+(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; a decode step's token written into a paged pool
+(``torch.ops.hf_kvplus_cpu.paged_write``); and KIVI's quantize-and-pack
 (``torch.ops.hf_kvplus_cpu.kivi_encode``, and ``kivi_encode_into``, which codes a decode step's token straight into
 an evicting cache's slots with the range guard folded in; ``kivi_encode_kv_into``, its key and value in one call).
 
@@ -27,7 +28,7 @@ from hf_kvplus.kernels.errors import ShapeError
 
 __all__ = [
     "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "kivi_encode_kv_into_cpu",
-    "paged_decode_cpu", "supports",
+    "paged_decode_cpu", "paged_write_cpu", "supports",
 ]  # fmt: skip
 
 #: What the encode operator takes (the twin refuses other dtypes with its typed error).
@@ -123,6 +124,12 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     )
 
 
+def paged_write_cpu(k_pool, v_pool, keys, values, block_table, column: int, offset: int) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] (the pools' dtype) written at offset `offset` of the blocks
+    that column `column` of the int32 `block_table` names (``paged_store_cpu.cpp``): one call for both pools."""
+    torch.ops.hf_kvplus_cpu.paged_write(k_pool, v_pool, _rows(keys), _rows(values), block_table, column, offset)
+
+
 def dense_decode_cpu(q, k, v, scale: float, mask, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output [B, Hq, Dv] float32, mass [B, Hkv, N] float32 or None) of `decode_attention`'s decode over float K/V
     [B, Hkv, N, D] read in place (views of a layer's slots: the twin with the mass copies them to float32 first)."""
@@ -144,6 +151,7 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_into")(_fake_encode_into)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_kv_into")(_fake_encode_kv_into)
     torch.library.register_fake("hf_kvplus_cpu::dense_decode")(_fake_dense)
+    torch.library.register_fake("hf_kvplus_cpu::paged_write")(_fake_paged_write)
 
 
 rotated_cpu.when_loaded(register_fakes)
@@ -177,6 +185,10 @@ def _fake_encode_into(x, bits, group, limit, codes, scale, zero, start, slots, b
 
 def _fake_encode_kv_into(k, v, bits, group, limit, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, start, slots,
                          bad):  # fmt: skip
+    return None
+
+
+def _fake_paged_write(k_pool, v_pool, keys, values, block_table, column, offset):
     return None
 
 

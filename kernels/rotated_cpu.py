@@ -49,7 +49,7 @@ __all__ = ["available", "encodes", "encodes_into", "rotated_decode_cpu", "rotate
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("cpu_common.cpp", "rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp", "kivi_attention_cpu.cpp",
-                 "kivi_pack_cpu.cpp")  # fmt: skip
+                 "kivi_pack_cpu.cpp", "paged_store_cpu.cpp")  # fmt: skip
 ]
 #: OpenMP on Linux: `at::parallel_for` is inline OpenMP code in torch's headers (sequential without it), and the
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
