@@ -48,7 +48,6 @@ __all__ = [
     "decode_attention",
     "paged_decode_attention",
     "paged_store",
-    "paged_store_token",
     "prepare",
     "quantize_keys",
     "quantize_values",
@@ -56,6 +55,7 @@ __all__ = [
     "quantize_kv_into",
     "quantize_values_into",
     "quantized_decode_attention",
+    "store_token",
     "takes_values_into",
 ]
 
@@ -97,7 +97,7 @@ def decode_attention(
         if check:
             _check_inputs(q, k, v, scale, mask, None)
         out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, True)
-        return out.to(q.dtype), mass
+        return rotated_cpu.as_dtype(out, q.dtype), mass
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 
@@ -120,7 +120,7 @@ def paged_decode_attention(
             _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits)
             check_used_blocks(block_table, k_pool.shape[0], k_pool.shape[2], start, length)
         out = kivi_cpu.paged_decode_cpu(q, k_pool, v_pool, block_table, start, length, scale, mask)
-        return out.to(q.dtype)
+        return rotated_cpu.as_dtype(out, q.dtype)
     path = path_of(q, check)
     if path == "op":
         return custom_ops.paged_decode_attention(
@@ -138,17 +138,22 @@ def paged_decode_attention(
     )
 
 
-def paged_store_token(k_pool, v_pool, keys, values, block_table, column: int, offset: int) -> None:
-    """A decode step's keys and values [B, Hkv, 1, D] written at offset `offset` of the blocks that column `column` of
-    `block_table` [B, columns] names, every row's block in the pool (the caller's table: unchecked). Eager CPU steps
-    take one C++ call for both pools (`kivi_cpu.paged_write_cpu`), where indexing took two `index_put` calls; elsewhere
-    the indexing, which a compiled graph traces."""
-    if path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and keys.dtype == k_pool.dtype == v_pool.dtype:
-        kivi_cpu.paged_write_cpu(k_pool, v_pool, keys, values, block_table, column, offset)
-        return
-    blocks = block_table[:, column]
-    k_pool[blocks, :, offset] = keys[:, :, 0]
-    v_pool[blocks, :, offset] = values[:, :, 0]
+def store_token(k_buf, v_buf, keys, values, offset: int, block_table=None, column: int = 0) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] written at `offset` of each row's buffer row (`k_buf`/`v_buf`
+    [B, Hkv, T, D]: a dense storage), or, with `block_table` [B, columns], of the blocks its column `column` names in a
+    pool (the caller's table and offset: unchecked). Eager CPU steps take one C++ call for both sides
+    (`kivi_cpu.write_token_cpu`), where a slice assignment took two ops per side and a pool's indexing two `index_put`
+    calls; elsewhere the assignments, which a compiled graph traces."""
+    if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_buf.is_cpu and v_buf.is_cpu
+            and keys.dtype == k_buf.dtype and values.dtype == v_buf.dtype and k_buf.stride(-1) == v_buf.stride(-1) == 1):  # fmt: skip
+        kivi_cpu.write_token_cpu(k_buf, v_buf, keys, values, offset, block_table, column)
+    elif block_table is None:
+        k_buf[:, :, offset : offset + 1] = keys
+        v_buf[:, :, offset : offset + 1] = values
+    else:
+        blocks = block_table[:, column]
+        k_buf[blocks, :, offset] = keys[:, :, 0]
+        v_buf[blocks, :, offset] = values[:, :, 0]
 
 
 def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:

@@ -1,7 +1,7 @@
 """Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``), over a paged pool's
 float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``) and over float K/V with each key's attention mass
-(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; a decode step's token written into a paged pool
-(``torch.ops.hf_kvplus_cpu.paged_write``); and KIVI's quantize-and-pack
+(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; a decode step's token written into a storage's
+buffers or a paged pool (``torch.ops.hf_kvplus_cpu.write_token``); and KIVI's quantize-and-pack
 (``torch.ops.hf_kvplus_cpu.kivi_encode``, and ``kivi_encode_into``, which codes a decode step's token straight into
 an evicting cache's slots with the range guard folded in; ``kivi_encode_kv_into``, its key and value in one call).
 
@@ -25,10 +25,11 @@ import torch
 
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.errors import ShapeError
+from hf_kvplus.kernels.rotated_cpu import as_dtype
 
 __all__ = [
     "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "kivi_encode_kv_into_cpu",
-    "paged_decode_cpu", "paged_write_cpu", "supports",
+    "paged_decode_cpu", "supports", "write_token_cpu",
 ]  # fmt: skip
 
 #: What the encode operator takes (the twin refuses other dtypes with its typed error).
@@ -37,12 +38,12 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 def supports(q) -> bool:
     """Whether a call with query `q` can take an operator here: a CPU tensor, and the operators built."""
-    return isinstance(q, torch.Tensor) and q.device.type == "cpu" and rotated_cpu.available()
+    return isinstance(q, torch.Tensor) and q.is_cpu and rotated_cpu.available()
 
 
 def encodes(x) -> bool:
     """Whether `x` can be coded by the encode operator: floats [B, H, T, D] on the CPU, and the operator built."""
-    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 4 and x.dtype in _FLOATS
+    return (isinstance(x, torch.Tensor) and x.is_cpu and x.dim() == 4 and x.dtype in _FLOATS
             and rotated_cpu.available())  # fmt: skip
 
 
@@ -85,8 +86,9 @@ def kivi_encode_kv_into_cpu(k: torch.Tensor, v: torch.Tensor, fmt, out_k, out_v,
     in one operator call: at a decode step an operator call costs more than its compute."""
     (kc, ks, kz), (vc, vs, vz) = out_k, out_v
     torch.ops.hf_kvplus_cpu.kivi_encode_kv_into(
-        k.float(), v.float(), 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit),
-        kc, ks, _NO_ZERO if kz is None else kz, vc, vs, _NO_ZERO if vz is None else vz, start, slots,
+        as_dtype(k, torch.float32), as_dtype(v, torch.float32), 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        -1.0 if limit is None else float(limit), kc, ks, _NO_ZERO if kz is None else kz, vc, vs,
+        _NO_ZERO if vz is None else vz, start, slots,
         _UNCOUNTED if bad is None else bad,
     )  # fmt: skip
 
@@ -98,7 +100,7 @@ def kivi_decode_cpu(
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
     from the same arguments."""
     if residual_k is not None:  # (float32 with unit last stride, as `_rows`, inline: every layer and step)
-        residual_k, residual_v = residual_k.float(), residual_v.float()
+        residual_k, residual_v = as_dtype(residual_k, torch.float32), as_dtype(residual_v, torch.float32)
         if residual_k.stride(-1) != 1 or residual_v.stride(-1) != 1:
             residual_k, residual_v = residual_k.contiguous(), residual_v.contiguous()
     p = packed
@@ -109,7 +111,7 @@ def kivi_decode_cpu(
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.int()
     out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
-        q.float().contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        as_dtype(q, torch.float32).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
         keys_per_token, start, length, block_table, residual_k, residual_v, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -120,21 +122,23 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     if block_table.dtype != torch.int32:
         block_table = block_table.int()
     return torch.ops.hf_kvplus_cpu.paged_decode(
-        q.float().contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask, float(scale)
+        as_dtype(q, torch.float32).contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask,
+        float(scale),
     )
 
 
-def paged_write_cpu(k_pool, v_pool, keys, values, block_table, column: int, offset: int) -> None:
-    """A decode step's keys and values [B, Hkv, 1, D] (the pools' dtype) written at offset `offset` of the blocks
-    that column `column` of the int32 `block_table` names (``paged_store_cpu.cpp``): one call for both pools."""
-    torch.ops.hf_kvplus_cpu.paged_write(k_pool, v_pool, _rows(keys), _rows(values), block_table, column, offset)
+def write_token_cpu(k_buf, v_buf, keys, values, offset: int, block_table=None, column: int = 0) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] (the buffers' dtypes) written at `offset` of each row's buffer row
+    [B, Hkv, T, D], or of the blocks that column `column` of the int32 `block_table` names in a pool
+    (``token_write_cpu.cpp``): one call for both sides."""
+    torch.ops.hf_kvplus_cpu.write_token(k_buf, v_buf, _rows(keys), _rows(values), block_table, column, offset)
 
 
 def dense_decode_cpu(q, k, v, scale: float, mask, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output [B, Hq, Dv] float32, mass [B, Hkv, N] float32 or None) of `decode_attention`'s decode over float K/V
     [B, Hkv, N, D] read in place (views of a layer's slots: the twin with the mass copies them to float32 first)."""
-    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q.float().contiguous(), _rows(k), _rows(v), mask, float(scale),
-                                                     with_mass)  # fmt: skip
+    q = as_dtype(q, torch.float32).contiguous()
+    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q, _rows(k), _rows(v), mask, float(scale), with_mass)
     return out, (mass if with_mass else None)
 
 
@@ -151,7 +155,7 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_into")(_fake_encode_into)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_kv_into")(_fake_encode_kv_into)
     torch.library.register_fake("hf_kvplus_cpu::dense_decode")(_fake_dense)
-    torch.library.register_fake("hf_kvplus_cpu::paged_write")(_fake_paged_write)
+    torch.library.register_fake("hf_kvplus_cpu::write_token")(_fake_write_token)
 
 
 rotated_cpu.when_loaded(register_fakes)
@@ -188,7 +192,7 @@ def _fake_encode_kv_into(k, v, bits, group, limit, k_codes, k_scale, k_zero, v_c
     return None
 
 
-def _fake_paged_write(k_pool, v_pool, keys, values, block_table, column, offset):
+def _fake_write_token(k_buf, v_buf, keys, values, block_table, column, offset):
     return None
 
 
