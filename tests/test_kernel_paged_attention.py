@@ -418,7 +418,7 @@ def test_store_token_writes_each_rows_block_at_the_offset(seed, monkeypatch, dty
     """A decode step's token (`store_token`): the C++ operator (eager CPU) and the assignments it replaces (what a
     traced step runs, forced here) write the same bits, every row into the block its table column names (`paged`), or
     into its own buffer row; keys as a model hands them (a transposed view), buffers that are views (a spare head),
-    nothing else touched; a table naming a block past the pool is refused by the operator, naming it."""
+    nothing else touched, their version counters moved; a table naming a block past the pool is refused by the operator, naming it."""
     calls, write = [], dispatch.kivi_cpu.write_token_cpu
     monkeypatch.setattr(dispatch.kivi_cpu, "write_token_cpu", lambda *a: calls.append(1) or write(*a))
     if not operator:
@@ -436,8 +436,11 @@ def test_store_token_writes_each_rows_block_at_the_offset(seed, monkeypatch, dty
     for b in range(B):
         k_ref[rows[b], 1:, offset] = keys[b, :, 0]
         v_ref[rows[b], 1:, offset] = values[b, :, 0]
+    versions = kbuf._version, vbuf._version
     dispatch.store_token(k_pool, v_pool, keys, values, offset, table if paged else None, column)
     assert torch.equal(bits(kbuf), bits(k_ref)) and torch.equal(bits(vbuf), bits(v_ref)), f"seed {seed}"
+    # Written in place as far as torch knows (an offloaded layer's placement reads the version counters).
+    assert kbuf._version > versions[0] and vbuf._version > versions[1]
     assert calls == ([1] if operator else [])
     if operator and paged:
         with pytest.raises(RuntimeError, match="names block 9 of 9"):

@@ -115,14 +115,12 @@ class RotaryShift(RotaryBasis):
 
     def rotate_prepared(self, prepared: tuple[torch.Tensor, torch.Tensor], shift, dtype: torch.dtype,
                         out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """`rotate` of keys already `prepare`d: x * cos + partner * sin (three ops per call); with `out` (of `dtype`),
-        written into it (two ops where it is float32, as the prepared keys)."""
+        """`rotate` of keys already `prepare`d: x * cos + partner * sin (three ops per call); with `out`, copied into it
+        in its dtype (a view of a buffer: not `out=`, which dynamo refuses for a non-contiguous tensor)."""
         x, partner = prepared
         cos, sin = self._factors(shift, x.device)
-        if out is not None and out.dtype == x.dtype:
-            return torch.addcmul(x * cos, partner, sin, out=out)
-        rotated = torch.addcmul(x * cos, partner, sin).to(dtype)
-        return rotated if out is None else out.copy_(rotated)
+        rotated = torch.addcmul(x * cos, partner, sin)
+        return rotated.to(dtype) if out is None else out.copy_(rotated)
 
     def _factors(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on

@@ -119,7 +119,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
         self._fits = EagerMemo()  # `check_fits` passed for the fields' `pos` and new tokens of these shapes
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
-        self._exact_mask: tuple | None = None  # (the layout it was made for, `exact_mask`'s mask)
+        self._exact_mask = EagerMemo()  # `exact_mask`'s mask, for a layout of the slots
         self._carry: dict[str, torch.Tensor] = {}  # a compileable store's buffers for `hole`, `fresh`, `first_real`
         fmt = getattr(self.codec, "fmt", None)
         #: What a decode step's token holds that the codes cannot: coded as 0, counted on the device (`value_range`).
@@ -130,7 +130,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
     def __getstate__(self) -> dict:
         """The memos of views travel empty (made again on use): a stale one holds the buffers it cut, e.g. a prompt's
         from before eviction, which a pickle or a saved cache would otherwise carry."""
-        return {**self.__dict__, "_used": None, "_read": None, "_lead": None, "_exact_mask": None}
+        return {**self.__dict__, "_used": None, "_read": None, "_lead": None}
 
     def seen_now(self) -> int | torch.Tensor:
         """`seen` as a step computes with it: a compileable store's device count (once placed: a compiled step reads
@@ -318,7 +318,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
             self.range_guard.take()  # (what it counted goes with the tokens)
         self.fields = {}
         self.exact = None
-        self._used = self._read = self._lead = self._exact_mask = None  # (views of the old buffers would keep them)
+        self._used = self._read = self._lead = None  # (views of the old buffers would keep them)
         self.length = self.seen = 0
         self.first_real = self.hidden = None
         self.hole = None
