@@ -78,8 +78,9 @@ def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
 def decode_attention(
     q, k, v, *, scale, mask=None, num_splits=None, with_mass: bool = False, check: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin. `with_mass`: returns
-    `(out, mass)`, each key's attention mass [B, Hkv, N] float32 too (what a scored eviction ranks by).
+    """Decode attention; CUDA tensors run the Triton kernel, eager CPU ones the C++ operator
+    (`kivi_cpu.dense_decode_cpu`: K/V read in place, where the twin copies them for the mass and reshapes them), others
+    the torch twin. `with_mass`: returns `(out, mass)`, each key's attention mass [B, Hkv, N] float32 too (what a scored eviction ranks by).
 
     ``num_splits`` only affects the Triton path (None = automatic, see ``decode_attention.pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see ``decode_attention``'s module docstring).
@@ -93,11 +94,11 @@ def decode_attention(
         return fn(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
     if check:
         _check_num_splits(num_splits)
-    if with_mass and path == "twin" and kivi_cpu.supports(q):  # eager: K/V read in place (the twin copies them)
+    if path == "twin" and kivi_cpu.supports(q) and k.dtype in kivi_cpu.FLOATS:  # eager: K/V read in place
         if check:
             _check_inputs(q, k, v, scale, mask, None)
-        out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, True)
-        return rotated_cpu.as_dtype(out, q.dtype), mass
+        out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, with_mass)
+        return (rotated_cpu.as_dtype(out, q.dtype), mass) if with_mass else rotated_cpu.as_dtype(out, q.dtype)
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 
@@ -145,7 +146,8 @@ def store_token(k_buf, v_buf, keys, values, offset: int, block_table=None, colum
     (`kivi_cpu.write_token_cpu`), where a slice assignment took two ops per side and a pool's indexing two `index_put`
     calls; elsewhere the assignments, which a compiled graph traces."""
     if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_buf.is_cpu and v_buf.is_cpu
-            and keys.dtype == k_buf.dtype and values.dtype == v_buf.dtype and k_buf.stride(-1) == v_buf.stride(-1) == 1):  # fmt: skip
+            and keys.dtype == k_buf.dtype and values.dtype == v_buf.dtype
+            and k_buf.stride(-1) == v_buf.stride(-1) == 1):  # fmt: skip
         kivi_cpu.write_token_cpu(k_buf, v_buf, keys, values, offset, block_table, column)
     elif block_table is None:
         k_buf[:, :, offset : offset + 1] = keys

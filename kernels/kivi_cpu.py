@@ -28,12 +28,12 @@ from hf_kvplus.kernels.errors import ShapeError
 from hf_kvplus.kernels.rotated_cpu import as_dtype
 
 __all__ = [
-    "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "kivi_encode_kv_into_cpu",
-    "paged_decode_cpu", "supports", "write_token_cpu",
+    "FLOATS", "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu",
+    "kivi_encode_kv_into_cpu", "paged_decode_cpu", "supports", "write_token_cpu",
 ]  # fmt: skip
 
-#: What the encode operator takes (the twin refuses other dtypes with its typed error).
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: What the encode and dense decode operators take (the twins refuse other dtypes with typed errors, or take them).
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def supports(q) -> bool:
@@ -43,7 +43,7 @@ def supports(q) -> bool:
 
 def encodes(x) -> bool:
     """Whether `x` can be coded by the encode operator: floats [B, H, T, D] on the CPU, and the operator built."""
-    return (isinstance(x, torch.Tensor) and x.is_cpu and x.dim() == 4 and x.dtype in _FLOATS
+    return (isinstance(x, torch.Tensor) and x.is_cpu and x.dim() == 4 and x.dtype in FLOATS
             and rotated_cpu.available())  # fmt: skip
 
 
