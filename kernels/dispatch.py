@@ -98,7 +98,8 @@ def decode_attention(
         if check:
             _check_inputs(q, k, v, scale, mask, None)
         out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, with_mass)
-        return (rotated_cpu.as_dtype(out, q.dtype), mass) if with_mass else rotated_cpu.as_dtype(out, q.dtype)
+        out = out if out.dtype == q.dtype else out.to(q.dtype)  # (inline, no call: every layer and step)
+        return (out, mass) if with_mass else out
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 
@@ -121,7 +122,7 @@ def paged_decode_attention(
             _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits)
             check_used_blocks(block_table, k_pool.shape[0], k_pool.shape[2], start, length)
         out = kivi_cpu.paged_decode_cpu(q, k_pool, v_pool, block_table, start, length, scale, mask)
-        return rotated_cpu.as_dtype(out, q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     path = path_of(q, check)
     if path == "op":
         return custom_ops.paged_decode_attention(
@@ -147,7 +148,7 @@ def store_token(k_buf, v_buf, keys, values, offset: int, block_table=None, colum
     calls; elsewhere the assignments, which a compiled graph traces."""
     if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_buf.is_cpu and v_buf.is_cpu
             and keys.dtype == k_buf.dtype and values.dtype == v_buf.dtype
-            and k_buf.stride(-1) == v_buf.stride(-1) == 1):  # fmt: skip
+            and k_buf.stride(-1) == v_buf.stride(-1) == keys.stride(-1) == values.stride(-1) == 1):  # fmt: skip
         kivi_cpu.write_token_cpu(k_buf, v_buf, keys, values, offset, block_table, column)
     elif block_table is None:
         k_buf[:, :, offset : offset + 1] = keys

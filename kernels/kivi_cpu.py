@@ -25,13 +25,13 @@ import torch
 
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.errors import ShapeError
-from hf_kvplus.kernels.rotated_cpu import as_dtype
 
 __all__ = [
     "FLOATS", "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu",
     "kivi_encode_kv_into_cpu", "paged_decode_cpu", "supports", "write_token_cpu",
 ]  # fmt: skip
 
+_F32 = torch.float32
 #: What the encode and dense decode operators take (the twins refuse other dtypes with typed errors, or take them).
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,7 +86,8 @@ def kivi_encode_kv_into_cpu(k: torch.Tensor, v: torch.Tensor, fmt, out_k, out_v,
     in one operator call: at a decode step an operator call costs more than its compute."""
     (kc, ks, kz), (vc, vs, vz) = out_k, out_v
     torch.ops.hf_kvplus_cpu.kivi_encode_kv_into(
-        as_dtype(k, torch.float32), as_dtype(v, torch.float32), 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        k if k.dtype == _F32 else k.float(), v if v.dtype == _F32 else v.float(), 0 if fmt.is_float else fmt.bits,
+        fmt.group_size,
         -1.0 if limit is None else float(limit), kc, ks, _NO_ZERO if kz is None else kz, vc, vs,
         _NO_ZERO if vz is None else vz, start, slots,
         _UNCOUNTED if bad is None else bad,
@@ -100,7 +101,8 @@ def kivi_decode_cpu(
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
     from the same arguments."""
     if residual_k is not None:  # (float32 with unit last stride, as `_rows`, inline: every layer and step)
-        residual_k, residual_v = as_dtype(residual_k, torch.float32), as_dtype(residual_v, torch.float32)
+        if residual_k.dtype != _F32 or residual_v.dtype != _F32:  # (`.float()` is a call into torch even then)
+            residual_k, residual_v = residual_k.float(), residual_v.float()
         if residual_k.stride(-1) != 1 or residual_v.stride(-1) != 1:
             residual_k, residual_v = residual_k.contiguous(), residual_v.contiguous()
     p = packed
@@ -111,7 +113,7 @@ def kivi_decode_cpu(
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.int()
     out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
-        as_dtype(q, torch.float32).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        (q if q.dtype == _F32 else q.float()).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
         keys_per_token, start, length, block_table, residual_k, residual_v, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -122,7 +124,7 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     if block_table.dtype != torch.int32:
         block_table = block_table.int()
     return torch.ops.hf_kvplus_cpu.paged_decode(
-        as_dtype(q, torch.float32).contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask,
+        (q if q.dtype == _F32 else q.float()).contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask,
         float(scale),
     )
 
@@ -130,14 +132,14 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
 def write_token_cpu(k_buf, v_buf, keys, values, offset: int, block_table=None, column: int = 0) -> None:
     """A decode step's keys and values [B, Hkv, 1, D] (the buffers' dtypes) written at `offset` of each row's buffer row
     [B, Hkv, T, D], or of the blocks that column `column` of the int32 `block_table` names in a pool
-    (``token_write_cpu.cpp``): one call for both sides."""
-    torch.ops.hf_kvplus_cpu.write_token(k_buf, v_buf, _rows(keys), _rows(values), block_table, column, offset)
+    (``token_write_cpu.cpp``): one call for both sides. Every tensor with unit stride in its last dim."""
+    torch.ops.hf_kvplus_cpu.write_token(k_buf, v_buf, keys, values, block_table, column, offset)
 
 
 def dense_decode_cpu(q, k, v, scale: float, mask, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output [B, Hq, Dv] float32, mass [B, Hkv, N] float32 or None) of `decode_attention`'s decode over float K/V
     [B, Hkv, N, D] read in place (views of a layer's slots: the twin with the mass copies them to float32 first)."""
-    q = as_dtype(q, torch.float32).contiguous()
+    q = (q if q.dtype == _F32 else q.float()).contiguous()
     out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q, _rows(k), _rows(v), mask, float(scale), with_mass)
     return out, (mass if with_mass else None)
 

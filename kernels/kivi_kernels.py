@@ -4,7 +4,7 @@ kernels on CUDA (`quant_attention`, `quant_pack`), their custom operators while 
 
 from __future__ import annotations
 
-from hf_kvplus.kernels import custom_ops, kivi_cpu, rotated_cpu
+from hf_kvplus.kernels import custom_ops, kivi_cpu
 from hf_kvplus.kernels.format_kernels import TWIN_ARGS, TWINS, FormatKernels, check_used_blocks, path_of
 from hf_kvplus.kernels.kv_format import register_kernels
 from hf_kvplus.kernels.quant_attention import (
@@ -37,7 +37,7 @@ class KiviKernels(FormatKernels):
                 q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
                 kw["block_table"], kw["keys_per_token"], with_mass,
             )  # fmt: skip
-            out = rotated_cpu.as_dtype(out, q.dtype)
+            out = out if out.dtype == q.dtype else out.to(q.dtype)  # (no call into torch when it is)
             return (out, mass) if with_mass else out
         path = path_of(q, kw["check"])
         if path == "op":

@@ -204,20 +204,16 @@ def rotated_decode_cpu(
         k_codes, k_norms = k_codes.narrow(2, start, length), k_norms.narrow(2, start, length)
         v_codes, v_norms = v_codes.narrow(2, start, length), v_norms.narrow(2, start, length)
     if residual_k is not None:
-        residual_k, residual_v = (_rows(as_dtype(r, torch.float32)) for r in (residual_k, residual_v))
+        if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:  # (a call into torch even then)
+            residual_k, residual_v = residual_k.float(), residual_v.float()
+        residual_k, residual_v = _rows(residual_k), _rows(residual_v)
     turn = center.block_basis(start, length, device) if turning else (None, None)
     out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
-        as_dtype(q, torch.float32).contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
+        (q if q.dtype == torch.float32 else q.float()).contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
         center.rotated if set_center and not turning else None, center.weights if turning else None, *turn,
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
-
-
-def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t` in `dtype`: itself when it is (`Tensor.to` and `.float()` are calls into torch even then, of about a
-    microsecond: the operators' inputs and outputs at every layer and step)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
