@@ -48,6 +48,7 @@ __all__ = [
     "decode_attention",
     "paged_decode_attention",
     "paged_store",
+    "paged_store_token",
     "prepare",
     "quantize_keys",
     "quantize_values",
@@ -55,7 +56,6 @@ __all__ = [
     "quantize_kv_into",
     "quantize_values_into",
     "quantized_decode_attention",
-    "store_token",
     "takes_values_into",
 ]
 
@@ -140,23 +140,19 @@ def paged_decode_attention(
     )
 
 
-def store_token(k_buf, v_buf, keys, values, offset: int, block_table=None, column: int = 0) -> None:
-    """A decode step's keys and values [B, Hkv, 1, D] written at `offset` of each row's buffer row (`k_buf`/`v_buf`
-    [B, Hkv, T, D]: a dense storage), or, with `block_table` [B, columns], of the blocks its column `column` names in a
-    pool (the caller's table and offset: unchecked). Eager CPU steps take one C++ call for both sides
-    (`kivi_cpu.write_token_cpu`), where a slice assignment took two ops per side and a pool's indexing two `index_put`
-    calls; elsewhere the assignments, which a compiled graph traces."""
-    if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_buf.is_cpu and v_buf.is_cpu
-            and keys.dtype == k_buf.dtype and values.dtype == v_buf.dtype
-            and k_buf.stride(-1) == v_buf.stride(-1) == keys.stride(-1) == values.stride(-1) == 1):  # fmt: skip
-        kivi_cpu.write_token_cpu(k_buf, v_buf, keys, values, offset, block_table, column)
-    elif block_table is None:
-        k_buf[:, :, offset : offset + 1] = keys
-        v_buf[:, :, offset : offset + 1] = values
+def paged_store_token(k_pool, v_pool, keys, values, offset: int, block_table, column: int) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] written at `offset` of the blocks that column `column` of
+    `block_table` [B, columns] names in the pools (the caller's table and offset: unchecked). Eager CPU steps take one
+    C++ call for both sides (`kivi_cpu.write_token_cpu`), where indexing took two `index_put` calls; elsewhere the
+    indexing, which a compiled graph traces. (A dense buffer's slice assignments measured no slower than this call.)"""
+    if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_pool.is_cpu and v_pool.is_cpu
+            and keys.dtype == k_pool.dtype and values.dtype == v_pool.dtype
+            and k_pool.stride(-1) == v_pool.stride(-1) == keys.stride(-1) == values.stride(-1) == 1):  # fmt: skip
+        kivi_cpu.write_token_cpu(k_pool, v_pool, keys, values, offset, block_table, column)
     else:
         blocks = block_table[:, column]
-        k_buf[blocks, :, offset] = keys[:, :, 0]
-        v_buf[blocks, :, offset] = values[:, :, 0]
+        k_pool[blocks, :, offset] = keys[:, :, 0]
+        v_pool[blocks, :, offset] = values[:, :, 0]
 
 
 def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:

@@ -1,7 +1,7 @@
 """Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``), over a paged pool's
 float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``) and over float K/V with each key's attention mass
-(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; a decode step's token written into a storage's
-buffers or a paged pool (``torch.ops.hf_kvplus_cpu.write_token``); and KIVI's quantize-and-pack
+(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; a decode step's token written into a paged pool
+(``torch.ops.hf_kvplus_cpu.write_token``); and KIVI's quantize-and-pack
 (``torch.ops.hf_kvplus_cpu.kivi_encode``, and ``kivi_encode_into``, which codes a decode step's token straight into
 an evicting cache's slots with the range guard folded in; ``kivi_encode_kv_into``, its key and value in one call).
 
@@ -129,10 +129,10 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     )
 
 
-def write_token_cpu(k_buf, v_buf, keys, values, offset: int, block_table=None, column: int = 0) -> None:
-    """A decode step's keys and values [B, Hkv, 1, D] (the buffers' dtypes) written at `offset` of each row's buffer row
-    [B, Hkv, T, D], or of the blocks that column `column` of the int32 `block_table` names in a pool
-    (``token_write_cpu.cpp``): one call for both sides. Every tensor with unit stride in its last dim."""
+def write_token_cpu(k_buf, v_buf, keys, values, offset: int, block_table, column: int) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] (the pools' dtypes) written at `offset` of the blocks that
+    column `column` of the int32 `block_table` names in pools [blocks, Hkv, T, D] (``token_write_cpu.cpp``): one call
+    for both sides. Every tensor with unit stride in its last dim."""
     torch.ops.hf_kvplus_cpu.write_token(k_buf, v_buf, keys, values, block_table, column, offset)
 
 

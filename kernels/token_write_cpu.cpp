@@ -1,22 +1,21 @@
-// A decode step's token written on the CPU, keys and values in one call: at `offset` of each row's buffer row (a dense
-// storage), or of the block its table names in one column (a paged pool). Python's slice or index assignment took two
-// ops per side (a view and a copy; a paged pool's two index_put calls converting the index, building an iterator):
-// several times this copy of a few hundred bytes, at every layer and step.
+// A decode step's token written into a paged pool on the CPU, keys and values in one call: at `offset` of the block
+// each row's table names in one column. Indexing the pools with the table's column in Python took two index_put calls,
+// each converting the index and building an iterator: several times this copy of a few hundred bytes, at every layer
+// and step.
 //
-// write_token: k_buf [X, Hkv, T, D], v_buf [X, Hkv, T, Dv] (X: batch rows, or a pool's blocks; unit last stride),
-// keys [B, Hkv, 1, D] and values [B, Hkv, 1, Dv] of the buffers' dtypes (unit last stride), block_table int32 [B,
-// columns] or none (row b's buffer row is b); writes row b's token at (block_table[b, column] or b, :, offset).
+// write_token: k_buf [blocks, Hkv, T, D], v_buf [blocks, Hkv, T, Dv] (unit last stride), keys [B, Hkv, 1, D] and
+// values [B, Hkv, 1, Dv] of the pools' dtypes (unit last stride), block_table int32 [B, columns]; writes row b's token
+// at (block_table[b, column], :, offset).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstring>
-#include <optional>
 
 namespace kvplus_token {
 
 void write_token_cpu(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& keys, const at::Tensor& values,
-                     const std::optional<at::Tensor>& block_table, int64_t column, int64_t offset) {
+                     const at::Tensor& block_table, int64_t column, int64_t offset) {
   TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && keys.size(2) == 1 &&
                   values.size(2) == 1,
               "write_token_cpu: buffers [X, Hkv, T, D] and one token's keys and values [B, Hkv, 1, D]");
@@ -30,24 +29,17 @@ void write_token_cpu(const at::Tensor& k_buf, const at::Tensor& v_buf, const at:
                   offset >= 0 && offset < k_buf.size(2) && offset < v_buf.size(2),
               "write_token_cpu: keys ", keys.sizes(), " and values ", values.sizes(), " at offset ", offset,
               " do not fit buffers ", k_buf.sizes(), " and ", v_buf.sizes());
-  const int32_t* table = nullptr;
-  int64_t ts0 = 0, ts1 = 0;
-  if (block_table.has_value()) {
-    TORCH_CHECK(block_table->dim() == 2 && block_table->scalar_type() == at::kInt && block_table->size(0) == B &&
-                    column >= 0 && column < block_table->size(1),
-                "write_token_cpu: column ", column, " outside a table of ", block_table->sizes());
-    table = block_table->data_ptr<int32_t>();
-    ts0 = block_table->stride(0);
-    ts1 = block_table->stride(1);
-  } else {
-    TORCH_CHECK(B <= rows, "write_token_cpu: ", B, " rows of keys for buffers of ", rows);
-  }
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.size(0) == B &&
+                  column >= 0 && column < block_table.size(1),
+              "write_token_cpu: column ", column, " outside a table of ", block_table.sizes());
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t ts0 = block_table.stride(0), ts1 = block_table.stride(1);
   const auto write = [&](const at::Tensor& buf, const at::Tensor& x) {
     const int64_t size = buf.element_size(), row = x.size(3) * size;
     char* p = static_cast<char*>(buf.data_ptr());
     const char* s = static_cast<const char*>(x.data_ptr());
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t r = table != nullptr ? table[b * ts0 + column * ts1] : b;
+      const int64_t r = table[b * ts0 + column * ts1];
       TORCH_CHECK(r >= 0 && r < rows, "write_token_cpu: row ", b, " names block ", r, " of ", rows);
       for (int64_t h = 0; h < H; ++h)
         std::memcpy(p + (r * buf.stride(0) + h * buf.stride(1) + offset * buf.stride(2)) * size,
@@ -66,7 +58,7 @@ void write_token_cpu(const at::Tensor& k_buf, const at::Tensor& v_buf, const at:
 
 TORCH_LIBRARY_FRAGMENT(hf_kvplus_cpu, m) {
   m.def(
-      "write_token(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor keys, Tensor values, Tensor? block_table, int column, "
+      "write_token(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor keys, Tensor values, Tensor block_table, int column, "
       "int offset) -> ()");
 }
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
-from ..kernels.dispatch import store_token
 from ..memory import MemoryReport
 from ..static_address import mark_static
 from .base import KVStorage, Region, check_fits, widened
@@ -89,11 +88,8 @@ class DenseStorage(KVStorage):
         if end + new > self.capacity:
             self._make_room(new)
             end = self.end
-        if new == 1:  # a decode step: one call for both sides on the CPU
-            store_token(self.keys, self.values, keys, values, end)
-        else:
-            self.keys[:, :, end : end + new] = keys
-            self.values[:, :, end : end + new] = values
+        self.keys[:, :, end : end + new] = keys
+        self.values[:, :, end : end + new] = values
         self._note_written(end, end + new)
         self.end = end + new
 
