@@ -78,9 +78,10 @@ def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
 def decode_attention(
     q, k, v, *, scale, mask=None, num_splits=None, with_mass: bool = False, check: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention; CUDA tensors run the Triton kernel, eager CPU ones the C++ operator
-    (`kivi_cpu.dense_decode_cpu`: K/V read in place, where the twin copies them for the mass and reshapes them), others
-    the torch twin. `with_mass`: returns `(out, mass)`, each key's attention mass [B, Hkv, N] float32 too (what a scored eviction ranks by).
+    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin (a mass-reporting eager CPU
+    call the C++ operator, `kivi_cpu.dense_decode_cpu`: K/V read in place, where the twin copies them to get the
+    weights out; without the mass the operator measured faster alone and slower in real steps). `with_mass`: returns
+    `(out, mass)`, each key's attention mass [B, Hkv, N] float32 too (what a scored eviction ranks by).
 
     ``num_splits`` only affects the Triton path (None = automatic, see ``decode_attention.pick_num_splits``).
     ``check=False``: the caller guarantees the contract (see ``decode_attention``'s module docstring).
@@ -94,12 +95,11 @@ def decode_attention(
         return fn(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
     if check:
         _check_num_splits(num_splits)
-    if path == "twin" and kivi_cpu.supports(q) and k.dtype in kivi_cpu.FLOATS:  # eager: K/V read in place
+    if with_mass and path == "twin" and kivi_cpu.supports(q) and k.dtype in kivi_cpu.FLOATS:  # K/V read in place
         if check:
             _check_inputs(q, k, v, scale, mask, None)
-        out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, with_mass)
-        out = out if out.dtype == q.dtype else out.to(q.dtype)  # (inline, no call: every layer and step)
-        return (out, mass) if with_mass else out
+        out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, True)
+        return (out if out.dtype == q.dtype else out.to(q.dtype)), mass
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 

@@ -29,14 +29,12 @@ from hf_kvplus.errors import (
     KVPlusError,
     ShapeError,
 )
-from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.decode_attention import (
     decode_attention_torch,
     decode_attention_triton,
     pick_num_splits,
 )
 from hf_kvplus.kernels.dispatch import decode_attention
-from hf_kvplus.kernels.kivi_cpu import dense_decode_cpu
 
 #: The device the tests make their tensors on (torch's default: see conftest.py).
 HOME = torch.get_default_device().type
@@ -204,37 +202,24 @@ def test_torch_twin_zeros_where_sdpa_gives_nan(seed, monkeypatch):
 
 
 @pytest.mark.usefixtures("on_cpu")
-@pytest.mark.parametrize("built", [True, False])
-def test_dispatcher_on_cpu_runs_the_operator_where_built_else_the_twin(seed, monkeypatch, built):
+def test_dispatcher_uses_torch_twin_on_cpu(seed, monkeypatch):
     q, k, v = make(2, 2, 4, 50, 64, 64, torch.float32)
     mask = left_padding(2, 50, (0, 7))
     expected = decode_attention_torch(q, k, v, scale=0.125, mask=mask)
     calls = []
 
     def twin(*args, **kwargs):
-        calls.append("twin")
+        calls.append(1)
         return decode_attention_torch(*args, **kwargs)
-
-    def operator(*args, **kwargs):
-        calls.append("operator")
-        return dense_decode_cpu(*args, **kwargs)
 
     def boom(*args, **kwargs):
         raise AssertionError("the Triton path must not run for CPU tensors")
 
-    if built and not rotated_cpu.available():
-        pytest.skip("no C++ toolchain here: the CPU operators cannot be built (the twin's case covers this path)")
-    if not built:
-        monkeypatch.setattr(dispatch.kivi_cpu, "supports", lambda q: False)
     monkeypatch.setattr(dispatch, "decode_attention_triton", boom)
     monkeypatch.setattr(dispatch, "decode_attention_torch", twin)
-    monkeypatch.setattr(dispatch.kivi_cpu, "dense_decode_cpu", operator)
     out = decode_attention(q, k, v, scale=0.125, mask=mask, num_splits=3)
-    assert calls == (["operator"] if built else ["twin"])
-    if built:
-        check(out, q, v.shape[-1], reference(q, k, v, 0.125, mask), seed)
-    else:
-        assert torch.equal(out, expected)
+    assert calls == [1]
+    assert torch.equal(out, expected)
 
 
 # ---------------------------------------------------------------------------------------------------
