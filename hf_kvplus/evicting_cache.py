@@ -327,14 +327,20 @@ class SinkCache(EvictingCache, policy=SinkPolicy):
 
     `compress="prefill"` compresses only after multi-token forwards (each prompt), as kvpress's presses do,
     and lets decode steps append: the budget then bounds what a prompt leaves, not the cache.
+
+    With `bits`, the sinks stay exact (`first_tokens=None` is `num_sinks` there, 0 without bits; `first_tokens=0` codes
+    them too): they take the most attention, so coding them costs the most quality, and exact they cost a few tokens'
+    bytes; nor are they re-coded at every step as they move.
     """
 
     def __init__(self, config: PreTrainedConfig, *, num_sinks: int = 4, window: int | None = None,
-                 budget: int | float | None = None, **options):  # fmt: skip
+                 budget: int | float | None = None, first_tokens: int | None = None, **options):  # fmt: skip
         if window is not None and budget is not None:
             raise ConfigError(f"give window={window} or budget={budget} (the sinks and the window together), not both")
         budget = num_sinks + (1020 if window is None else window) if budget is None else check_budget(budget)
-        super().__init__(config, budget=budget, num_sinks=num_sinks, **options)
+        if first_tokens is None:
+            first_tokens = num_sinks if options.get("bits") is not None else 0
+        super().__init__(config, budget=budget, num_sinks=num_sinks, first_tokens=first_tokens, **options)
 
 
 class H2OCache(EvictingCache, policy=HeavyHitterPolicy):

@@ -34,8 +34,9 @@
                             `sink:4:20%` (or `sink:4:0.2`): the sinks and the window together a fifth of the prompt;
                             every evicting cache takes `bits=int8|int4|int2|fp8` (and `group=N`) storage, and
                             with it the precision regions of `quantized`: `first=N` (positions 0..N-1 exact and
-                            never evicted: N <= the sinks, budget - recent, budget - observation), `boundary=N`,
-                            `boundary_bits=...`, `calibration=PATH` (e.g. `sink:4:1020:bits=k4v2:first=4:boundary=1`)
+                            never evicted: N <= the sinks, budget - recent, budget - observation; a sink cache's
+                            sinks are exact by default with bits, `first=0` codes them), `boundary=N`,
+                            `boundary_bits=...`, `calibration=PATH` (e.g. `sink:4:1020:bits=k4v2:boundary=1`)
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget); every
                             evicting cache's budget may be a share of the prompt instead, `h2o:20%` or `h2o:0.2`
                             (a fifth kept: kvpress's compression_ratio 0.8; sized at the prompt, `EvictingCache`);
@@ -504,10 +505,13 @@ def _offloaded(config, args, kwargs, max_length):
 
 
 def _storage(config, kwargs) -> dict:
-    """An evicting cache's storage arguments: bits, group size and precision regions (its slots have no preset first
-    tokens: `first=` absent is 0), with a calibration's `layer_bits`."""
+    """An evicting cache's storage arguments: bits, group size and precision regions (`first=` absent: the cache's
+    default, 0 but for a sink cache's quantized slots, whose sinks stay exact), with a calibration's `layer_bits`."""
+    regions = _regions(kwargs, preset=False)
+    if "first" not in kwargs:
+        del regions["first_tokens"]
     return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-            **_regions(kwargs, preset=False), **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
+            **regions, **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:

@@ -48,6 +48,7 @@ __all__ = [
     "decode_attention",
     "paged_decode_attention",
     "paged_store",
+    "paged_store_token",
     "prepare",
     "quantize_keys",
     "quantize_values",
@@ -77,7 +78,9 @@ def prepare(fmt, key_dim: int, value_dim: int, device) -> None:
 def decode_attention(
     q, k, v, *, scale, mask=None, num_splits=None, with_mass: bool = False, check: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin. `with_mass`: returns
+    """Decode attention; CUDA tensors run the Triton kernel, other devices the torch twin (a mass-reporting eager CPU
+    call the C++ operator, `kivi_cpu.dense_decode_cpu`: K/V read in place, where the twin copies them to get the
+    weights out; without the mass the operator measured faster alone and slower in real steps). `with_mass`: returns
     `(out, mass)`, each key's attention mass [B, Hkv, N] float32 too (what a scored eviction ranks by).
 
     ``num_splits`` only affects the Triton path (None = automatic, see ``decode_attention.pick_num_splits``).
@@ -92,11 +95,11 @@ def decode_attention(
         return fn(q, k, v, scale=scale, mask=mask, num_splits=num_splits, check=check)
     if check:
         _check_num_splits(num_splits)
-    if with_mass and path == "twin" and kivi_cpu.supports(q):  # eager: K/V read in place (the twin copies them)
+    if with_mass and path == "twin" and kivi_cpu.supports(q) and k.dtype in kivi_cpu.FLOATS:  # K/V read in place
         if check:
             _check_inputs(q, k, v, scale, mask, None)
         out, mass = kivi_cpu.dense_decode_cpu(q, k, v, scale, mask, True)
-        return out.to(q.dtype), mass
+        return (out if out.dtype == q.dtype else out.to(q.dtype)), mass
     fn = decode_attention_with_mass_torch if with_mass else decode_attention_torch
     return fn(q, k, v, scale=scale, mask=mask, check=check)
 
@@ -119,7 +122,7 @@ def paged_decode_attention(
             _check_attention_inputs(q, k_pool, v_pool, block_table, start, length, scale, mask, num_splits)
             check_used_blocks(block_table, k_pool.shape[0], k_pool.shape[2], start, length)
         out = kivi_cpu.paged_decode_cpu(q, k_pool, v_pool, block_table, start, length, scale, mask)
-        return out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     path = path_of(q, check)
     if path == "op":
         return custom_ops.paged_decode_attention(
@@ -135,6 +138,21 @@ def paged_decode_attention(
     return paged_decode_attention_torch(
         q, k_pool, v_pool, block_table, start=start, length=length, scale=scale, mask=mask, check=check
     )
+
+
+def paged_store_token(k_pool, v_pool, keys, values, offset: int, block_table, column: int) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] written at `offset` of the blocks that column `column` of
+    `block_table` [B, columns] names in the pools (the caller's table and offset: unchecked). Eager CPU steps take one
+    C++ call for both sides (`kivi_cpu.write_token_cpu`), where indexing took two `index_put` calls; elsewhere the
+    indexing, which a compiled graph traces. (A dense buffer's slice assignments measured no slower than this call.)"""
+    if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_pool.is_cpu and v_pool.is_cpu
+            and keys.dtype == k_pool.dtype and values.dtype == v_pool.dtype
+            and k_pool.stride(-1) == v_pool.stride(-1) == keys.stride(-1) == values.stride(-1) == 1):  # fmt: skip
+        kivi_cpu.write_token_cpu(k_pool, v_pool, keys, values, offset, block_table, column)
+    else:
+        blocks = block_table[:, column]
+        k_pool[blocks, :, offset] = keys[:, :, 0]
+        v_pool[blocks, :, offset] = values[:, :, 0]
 
 
 def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:

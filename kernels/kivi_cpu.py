@@ -1,6 +1,7 @@
 """Decode attention on the CPU over KIVI codes (``torch.ops.hf_kvplus_cpu.kivi_decode``), over a paged pool's
 float blocks (``torch.ops.hf_kvplus_cpu.paged_decode``) and over float K/V with each key's attention mass
-(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; and KIVI's quantize-and-pack
+(``torch.ops.hf_kvplus_cpu.dense_decode``), read in place; a decode step's token written into a paged pool
+(``torch.ops.hf_kvplus_cpu.write_token``); and KIVI's quantize-and-pack
 (``torch.ops.hf_kvplus_cpu.kivi_encode``, and ``kivi_encode_into``, which codes a decode step's token straight into
 an evicting cache's slots with the range guard folded in; ``kivi_encode_kv_into``, its key and value in one call).
 
@@ -26,22 +27,23 @@ from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.errors import ShapeError
 
 __all__ = [
-    "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu", "kivi_encode_kv_into_cpu",
-    "paged_decode_cpu", "supports",
+    "FLOATS", "dense_decode_cpu", "encodes", "kivi_decode_cpu", "kivi_encode_cpu", "kivi_encode_into_cpu",
+    "kivi_encode_kv_into_cpu", "paged_decode_cpu", "supports", "write_token_cpu",
 ]  # fmt: skip
 
-#: What the encode operator takes (the twin refuses other dtypes with its typed error).
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_F32 = torch.float32
+#: What the encode and dense decode operators take (the twins refuse other dtypes with typed errors, or take them).
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def supports(q) -> bool:
     """Whether a call with query `q` can take an operator here: a CPU tensor, and the operators built."""
-    return isinstance(q, torch.Tensor) and q.device.type == "cpu" and rotated_cpu.available()
+    return isinstance(q, torch.Tensor) and q.is_cpu and rotated_cpu.available()
 
 
 def encodes(x) -> bool:
     """Whether `x` can be coded by the encode operator: floats [B, H, T, D] on the CPU, and the operator built."""
-    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 4 and x.dtype in _FLOATS
+    return (isinstance(x, torch.Tensor) and x.is_cpu and x.dim() == 4 and x.dtype in FLOATS
             and rotated_cpu.available())  # fmt: skip
 
 
@@ -84,8 +86,10 @@ def kivi_encode_kv_into_cpu(k: torch.Tensor, v: torch.Tensor, fmt, out_k, out_v,
     in one operator call: at a decode step an operator call costs more than its compute."""
     (kc, ks, kz), (vc, vs, vz) = out_k, out_v
     torch.ops.hf_kvplus_cpu.kivi_encode_kv_into(
-        k.float(), v.float(), 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit),
-        kc, ks, _NO_ZERO if kz is None else kz, vc, vs, _NO_ZERO if vz is None else vz, start, slots,
+        k if k.dtype == _F32 else k.float(), v if v.dtype == _F32 else v.float(), 0 if fmt.is_float else fmt.bits,
+        fmt.group_size,
+        -1.0 if limit is None else float(limit), kc, ks, _NO_ZERO if kz is None else kz, vc, vs,
+        _NO_ZERO if vz is None else vz, start, slots,
         _UNCOUNTED if bad is None else bad,
     )  # fmt: skip
 
@@ -97,7 +101,8 @@ def kivi_decode_cpu(
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
     from the same arguments."""
     if residual_k is not None:  # (float32 with unit last stride, as `_rows`, inline: every layer and step)
-        residual_k, residual_v = residual_k.float(), residual_v.float()
+        if residual_k.dtype != _F32 or residual_v.dtype != _F32:  # (`.float()` is a call into torch even then)
+            residual_k, residual_v = residual_k.float(), residual_v.float()
         if residual_k.stride(-1) != 1 or residual_v.stride(-1) != 1:
             residual_k, residual_v = residual_k.contiguous(), residual_v.contiguous()
     p = packed
@@ -108,7 +113,7 @@ def kivi_decode_cpu(
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.int()
     out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
-        q.float().contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        (q if q.dtype == _F32 else q.float()).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
         keys_per_token, start, length, block_table, residual_k, residual_v, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -119,15 +124,23 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     if block_table.dtype != torch.int32:
         block_table = block_table.int()
     return torch.ops.hf_kvplus_cpu.paged_decode(
-        q.float().contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask, float(scale)
+        (q if q.dtype == _F32 else q.float()).contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask,
+        float(scale),
     )
+
+
+def write_token_cpu(k_buf, v_buf, keys, values, offset: int, block_table, column: int) -> None:
+    """A decode step's keys and values [B, Hkv, 1, D] (the pools' dtypes) written at `offset` of the blocks that
+    column `column` of the int32 `block_table` names in pools [blocks, Hkv, T, D] (``token_write_cpu.cpp``): one call
+    for both sides. Every tensor with unit stride in its last dim."""
+    torch.ops.hf_kvplus_cpu.write_token(k_buf, v_buf, keys, values, block_table, column, offset)
 
 
 def dense_decode_cpu(q, k, v, scale: float, mask, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output [B, Hq, Dv] float32, mass [B, Hkv, N] float32 or None) of `decode_attention`'s decode over float K/V
     [B, Hkv, N, D] read in place (views of a layer's slots: the twin with the mass copies them to float32 first)."""
-    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q.float().contiguous(), _rows(k), _rows(v), mask, float(scale),
-                                                     with_mass)  # fmt: skip
+    q = (q if q.dtype == _F32 else q.float()).contiguous()
+    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q, _rows(k), _rows(v), mask, float(scale), with_mass)
     return out, (mass if with_mass else None)
 
 
@@ -144,6 +157,7 @@ def register_fakes() -> None:
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_into")(_fake_encode_into)
     torch.library.register_fake("hf_kvplus_cpu::kivi_encode_kv_into")(_fake_encode_kv_into)
     torch.library.register_fake("hf_kvplus_cpu::dense_decode")(_fake_dense)
+    torch.library.register_fake("hf_kvplus_cpu::write_token")(_fake_write_token)
 
 
 rotated_cpu.when_loaded(register_fakes)
@@ -177,6 +191,10 @@ def _fake_encode_into(x, bits, group, limit, codes, scale, zero, start, slots, b
 
 def _fake_encode_kv_into(k, v, bits, group, limit, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, start, slots,
                          bad):  # fmt: skip
+    return None
+
+
+def _fake_write_token(k_buf, v_buf, keys, values, block_table, column, offset):
     return None
 
 

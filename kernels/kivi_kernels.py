@@ -37,7 +37,7 @@ class KiviKernels(FormatKernels):
                 q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
                 kw["block_table"], kw["keys_per_token"], with_mass,
             )  # fmt: skip
-            out = out.to(q.dtype)
+            out = out if out.dtype == q.dtype else out.to(q.dtype)  # (no call into torch when it is)
             return (out, mass) if with_mass else out
         path = path_of(q, kw["check"])
         if path == "op":

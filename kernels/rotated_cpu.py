@@ -49,7 +49,7 @@ __all__ = ["available", "encodes", "encodes_into", "rotated_decode_cpu", "rotate
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("cpu_common.cpp", "rotated_attention_cpu.cpp", "rotated_pack_cpu.cpp", "kivi_attention_cpu.cpp",
-                 "kivi_pack_cpu.cpp")  # fmt: skip
+                 "kivi_pack_cpu.cpp", "token_write_cpu.cpp")  # fmt: skip
 ]
 #: OpenMP on Linux: `at::parallel_for` is inline OpenMP code in torch's headers (sequential without it), and the
 #: library then shares the libgomp that torch has loaded (as inductor's kernels do).
@@ -81,13 +81,13 @@ def available() -> bool:
 def supports(q: torch.Tensor, block_table) -> bool:
     """Whether this call can take the attention operator: CPU tensors, codes in one buffer (not a pool of blocks),
     and the operators built."""
-    return q.device.type == "cpu" and block_table is None and available()
+    return q.is_cpu and block_table is None and available()
 
 
 def encodes(x: torch.Tensor) -> bool:
     """Whether `x` can be coded by the encode operator: floats [B, H, T, D] on the CPU, and the operator built (other
     input goes to the twin, which says what is wrong with it)."""
-    return x.device.type == "cpu" and x.dim() == 4 and x.is_floating_point() and available()
+    return x.is_cpu and x.dim() == 4 and x.is_floating_point() and available()
 
 
 def rotated_encode_cpu(
@@ -204,10 +204,12 @@ def rotated_decode_cpu(
         k_codes, k_norms = k_codes.narrow(2, start, length), k_norms.narrow(2, start, length)
         v_codes, v_norms = v_codes.narrow(2, start, length), v_norms.narrow(2, start, length)
     if residual_k is not None:
-        residual_k, residual_v = _rows(residual_k.float()), _rows(residual_v.float())
+        if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:  # (a call into torch even then)
+            residual_k, residual_v = residual_k.float(), residual_v.float()
+        residual_k, residual_v = _rows(residual_k), _rows(residual_v)
     turn = center.block_basis(start, length, device) if turning else (None, None)
     out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
-        q.float().contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
+        (q if q.dtype == torch.float32 else q.float()).contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
         center.rotated if set_center and not turning else None, center.weights if turning else None, *turn,
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip

@@ -83,7 +83,7 @@ class RotatedKernels(FormatKernels):
             q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
             with_mass, kw.get("state"),
         )  # fmt: skip
-        out = out.to(q.dtype)
+        out = out if out.dtype == q.dtype else out.to(q.dtype)  # (no call into torch when it is)
         return (out, mass) if with_mass else out
 
     def encode(self, x, fmt, side, positions=None, state=None):

@@ -222,17 +222,23 @@ def test_quantized_slots_stay_within_the_format_bound(bits, group, seed):
 def test_a_sink_cache_with_int4_storage_holds_an_eighth_of_the_float32_payload():
     model = get_model("llama")
     sizes = {}
-    for bits in (None, 4):
-        cache = SinkCache(model.config, num_sinks=2, window=30, bits=bits, group_size=None if bits is None else 16)
+    for bits, first in ((None, None), (4, 0), (4, None)):  # (int4 with the default: its 2 sinks exact)
+        cache = SinkCache(model.config, num_sinks=2, window=30, bits=bits, group_size=None if bits is None else 16,
+                          first_tokens=first)  # fmt: skip
         with torch.no_grad():
             model(make_prompt(60), **cache_kwargs(cache))
             for t in range(10):
                 model(make_prompt(1, seed=t), **cache_kwargs(cache))
-        sizes[bits] = cache.memory_report()
-    assert sizes[4].tokens_held == sizes[None].tokens_held == 32
+        sizes[bits, first] = cache.memory_report()
+    full, coded, exact_sinks = sizes[None, None], sizes[4, 0], sizes[4, None]
+    assert coded.tokens_held == full.tokens_held == exact_sinks.tokens_held == 32
     # float32 K/V of 16 channels -> 8 bytes of int4 codes + one float16 scale and zero per token and tensor.
-    assert sizes[4].payload_bytes * 64 == sizes[None].payload_bytes * 8
-    assert sizes[4].total_bytes < 0.3 * sizes[None].total_bytes
+    assert coded.payload_bytes * 64 == full.payload_bytes * 8
+    assert coded.total_bytes < 0.3 * full.total_bytes
+    # Exact sinks add their float32 keys and values (2 sinks and a spare entry per head and layer), nothing else.
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert exact_sinks.payload_bytes - coded.payload_bytes == layers * heads * (2 + 1) * 2 * 16 * 4
+    assert exact_sinks.total_bytes < 0.4 * full.total_bytes
 
 
 QUANTIZED_SLOTS = {

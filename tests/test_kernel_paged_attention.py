@@ -410,6 +410,42 @@ def test_store_dispatcher_uses_torch_twin_on_cpu(monkeypatch):
     assert torch.equal(args["k_pool"][1, :, 1], args["keys"][0, :, 1])
 
 
+@pytest.mark.usefixtures("cpu_op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("operator", [True, False])
+def test_store_token_writes_each_rows_block_at_the_offset(seed, monkeypatch, dtype, operator):
+    """A decode step's token (`paged_store_token`): the C++ operator (eager CPU) and the indexing it replaces (what a
+    traced step runs, forced here) write the same bits, every row into the block its table column names; keys as a
+    model hands them (a transposed view), pools that are views (a spare head), nothing else touched, their version
+    counters moved; a table naming a block past the pool is refused by the operator, naming it."""
+    calls, write = [], dispatch.kivi_cpu.write_token_cpu
+    monkeypatch.setattr(dispatch.kivi_cpu, "write_token_cpu", lambda *a: calls.append(1) or write(*a))
+    if not operator:
+        monkeypatch.setattr(dispatch.kivi_cpu, "supports", lambda x: False)
+    Hkv, bs, D, Dv, B = 2, 8, 32, 48, 3
+    nb = 9
+    kbuf, vbuf = torch.randn(nb, Hkv + 1, bs, D).to(dtype), torch.randn(nb, Hkv + 1, bs, Dv).to(dtype)
+    k_pool, v_pool = kbuf[:, 1:], vbuf[:, 1:]
+    keys = torch.randn(B, 1, Hkv, D).to(dtype).transpose(1, 2)
+    values = torch.randn(B, Hkv, 1, Dv).to(dtype)
+    table = torch.tensor([[0, 4, 2], [1, 7, 3], [8, 5, 6]], dtype=torch.int32)
+    column, offset = 1, 5
+    rows = table[:, column]
+    k_ref, v_ref = kbuf.clone(), vbuf.clone()
+    for b in range(B):
+        k_ref[rows[b], 1:, offset] = keys[b, :, 0]
+        v_ref[rows[b], 1:, offset] = values[b, :, 0]
+    versions = kbuf._version, vbuf._version
+    dispatch.paged_store_token(k_pool, v_pool, keys, values, offset, table, column)
+    assert torch.equal(bits(kbuf), bits(k_ref)) and torch.equal(bits(vbuf), bits(v_ref)), f"seed {seed}"
+    # Written in place as far as torch knows (an offloaded layer's placement reads the version counters).
+    assert kbuf._version > versions[0] and vbuf._version > versions[1]
+    assert calls == ([1] if operator else [])
+    if operator:
+        with pytest.raises(RuntimeError, match="names block 9 of 9"):
+            dispatch.paged_store_token(k_pool, v_pool, keys, values, 0, table.masked_fill(table == 8, 9), 0)
+
+
 @pytest.mark.parametrize("fn", [paged_store_triton, paged_store_torch])
 def test_store_into_pool_views_and_nothing(seed, fn):
     # Pools that are views (a spare head): the write lands in the buffer. All slots -1, and n = 0,

@@ -154,6 +154,36 @@ def test_moved_sinks_are_exact_too(seed):
     torch.testing.assert_close(region, full, atol=1e-6, rtol=0)
 
 
+def test_a_sink_cache_with_bits_keeps_its_sinks_exact_unless_told_first_0(seed):
+    """The default region of a quantized SinkCache is its sinks (`first_tokens=None`, spec without `first=`); `first=0`
+    codes them; without bits there is no region. The exact sinks move as a full-precision SinkCache's do, and every
+    decode step's attention (the codes, with the sinks' slots masked, then the exact sinks: the mask kept between
+    steps) is attention over the held tokens as the store reads them back."""
+    config = llama().config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    built = {"full": SinkCache(config, num_sinks=FIRST, window=8),
+             "default": SinkCache(config, num_sinks=FIRST, window=8, bits=4, group_size=8),
+             "spec": parse_cache_spec(f"sink:{FIRST}:8:bits=int4:group=8").build(config),
+             "coded": parse_cache_spec(f"sink:{FIRST}:8:bits=int4:group=8:first=0").build(config)}  # fmt: skip
+    firsts = {name: {layer.storage.first for layer in cache.layers} for name, cache in built.items()}
+    assert firsts == {"full": {0}, "default": {FIRST}, "spec": {FIRST}, "coded": {0}}
+    k, v = kv(2, 30, heads, dim)
+    for cache in built.values():
+        feed(cache, [0], k[:, :, :20], v[:, :, :20], steps=6)
+    sinks = {name: held_keys(cache, 0)[0][:, :, :FIRST] for name, cache in built.items()}
+    torch.testing.assert_close(sinks["default"], sinks["full"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sinks["spec"], sinks["full"], atol=1e-6, rtol=0)
+    assert (sinks["coded"] - sinks["full"]).abs().max() > 1e-2, "first=0 codes the sinks"
+    cache = built["default"]
+    for t in range(20, 30):  # steady steps: the exact mask is made once, then kept
+        keys, values = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+        q = torch.randn(2, 4, 1, dim)
+        dense_k, dense_v = cache.layers[0].storage.slots()  # (what the step attends to: it evicts after)
+        out = cache.layers[0].attend(None, q, keys, values, None, 0.25)
+        ref = reference(q[:, :, 0], dense_k, dense_v, 0.25)
+        torch.testing.assert_close(out[:, 0].double(), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_bits_per_coordinate_count_the_exact_region():
     config = llama().config  # float32
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads

@@ -113,11 +113,14 @@ class RotaryShift(RotaryBasis):
         x1, x2, rest = x[..., :half], x[..., half : self.rotary_dim], x[..., self.rotary_dim :]
         return x, torch.cat((-x2, x1, torch.zeros_like(rest)), dim=-1)
 
-    def rotate_prepared(self, prepared: tuple[torch.Tensor, torch.Tensor], shift, dtype: torch.dtype) -> torch.Tensor:
-        """`rotate` of keys already `prepare`d: x * cos + partner * sin (three ops per call)."""
+    def rotate_prepared(self, prepared: tuple[torch.Tensor, torch.Tensor], shift, dtype: torch.dtype,
+                        out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`rotate` of keys already `prepare`d: x * cos + partner * sin (three ops per call); with `out`, copied into it
+        in its dtype (a view of a buffer: not `out=`, which dynamo refuses for a non-contiguous tensor)."""
         x, partner = prepared
         cos, sin = self._factors(shift, x.device)
-        return torch.addcmul(x * cos, partner, sin).to(dtype)
+        rotated = torch.addcmul(x * cos, partner, sin)
+        return rotated.to(dtype) if out is None else out.copy_(rotated)
 
     def _factors(self, shift: torch.Tensor | int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the shift's angles over the whole head, `[batch or 1, 1, 1, head_dim]` float32 on

@@ -130,7 +130,11 @@ class SinkPolicy(EvictionPolicy, name="sink"):
             self.captured = torch.ones(store.batch_size, dtype=torch.bool, device=store.device)
         if self._prepared is None:
             self._prepared = self.rotary.prepare(self.sink_keys)
-        store.write_leading_keys(self.rotary.rotate_prepared(self._prepared, shift, self.sink_keys.dtype))
+        exact = store.leading_exact(self.num_sinks)
+        if exact is not None:  # exact sinks alone (quantized slots' default): rotated straight into their copies
+            self.rotary.rotate_prepared(self._prepared, shift, exact.dtype, out=exact)
+        else:
+            store.write_leading_keys(self.rotary.rotate_prepared(self._prepared, shift, self.sink_keys.dtype))
 
     def _shift_padded(self, store: SlotStore, first_real: torch.Tensor) -> None:
         """Rows differ in where their real tokens start: the same rule per row, on the device."""

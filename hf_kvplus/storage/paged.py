@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from ..errors import CacheMismatchError, ConfigError
-from ..kernels.dispatch import paged_store
+from ..kernels.dispatch import paged_store, paged_store_token
 from ..memory import MemoryReport
 from ..paging.group import BlockGroup, identical_rows
 from ..paging.layer_pool import LayerPool
@@ -93,9 +93,8 @@ class PagedStorage(KVStorage):
         if new == 1:  # a decode step: each row's block of the token, at one offset in all of them (Python ints)
             token, bs = self.end - self.group.base, self.group.block_size
             column, offset = token // bs, token % bs  # (dynamo cannot trace divmod)
-            blocks = self.group.table_tensor(keys.device)[:, column]
-            self.k_pool[blocks, :, offset] = keys[:, :, 0]
-            self.v_pool[blocks, :, offset] = values[:, :, 0]
+            pool = self.pool
+            paged_store_token(pool.k, pool.v, keys, values, offset, self.group.table_tensor(keys.device), column)
         else:
             slots = self.group.slot_mapping(self.end, self.end + new, keys.device)
             paged_store(self.k_pool, self.v_pool, keys, values, slots, check=False)

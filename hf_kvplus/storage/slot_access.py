@@ -67,14 +67,27 @@ class SlotAccess:
     def write_leading_keys(self, keys: torch.Tensor) -> None:
         """Overwrites the keys of slots 0 .. n - 1 of every row and head with `keys` [batch, kv_heads, n, head_dim]."""
         n = keys.shape[2]
-        lead = self._lead
-        if lead is None or lead[0] != n or lead[1] is not self.fields:  # the same slots every step: cut once
-            cut = {name: self.fields[name][:, :, :n] for name in self.codec.key_fields if name in self.fields}
-            lead = self._lead = (n, self.fields, cut)
-        self.codec.write_keys(lead[2], None, keys)
+        lead = self._leading(n)
+        if self.exact is None or n > self.first:  # (codes of the region's slots are never read: not coded)
+            self.codec.write_keys(lead[2], None, keys)
         if self.exact is not None:  # (slots 0 .. n - 1 hold positions 0 .. n - 1 here: `SinkPolicy._shift_unpadded`)
-            m = min(n, self.first)
-            self.exact["k"][:, :, :m] = keys[:, :, :m]
+            lead[3].copy_(keys if n <= self.first else keys[:, :, : self.first])
+
+    def leading_exact(self, n: int) -> torch.Tensor | None:
+        """The exact keys of slots 0 .. n - 1 `[batch, kv_heads, n, head_dim]` (positions 0 .. n - 1, as
+        `write_leading_keys` says), where they alone hold those tokens (a first-tokens region over them): what writing
+        into them writes, so a policy can compute the keys straight into it; else None."""
+        return self._leading(n)[3] if self.exact is not None and n <= self.first else None
+
+    def _leading(self, n: int) -> tuple:
+        """(n, fields, the key fields cut to slots 0 .. n - 1, the exact keys of those in the region or None), cut once
+        per buffers: the same slots every step."""
+        lead = self._lead
+        if lead is None or lead[0] != n or lead[1] is not self.fields:
+            cut = {name: self.fields[name][:, :, :n] for name in self.codec.key_fields if name in self.fields}
+            exact = None if self.exact is None else self.exact["k"][:, :, : min(n, self.first)]
+            lead = self._lead = (n, self.fields, cut, exact)
+        return lead
 
     def write_keys(self, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Overwrites the keys of slots `slots` [batch, kv_heads, k] with `keys` [batch, kv_heads, k, head_dim],

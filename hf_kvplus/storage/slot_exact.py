@@ -35,7 +35,17 @@ class SlotExact:
     def exact_mask(self) -> torch.Tensor:
         """The decode kernel's `[batch, slots + first]` mask over the codes then the exact region (`SlotRead.decode_mask`): a
         slot's codes where it holds a real token past the region; region entry i where a slot holds position i. Per
-        head, `[batch, kv_heads, slots + first]`, once the heads are not `aligned` (as `valid`)."""
+        head, `[batch, kv_heads, slots + first]`, once the heads are not `aligned` (as `valid`).
+
+        Kept between eager decode steps (`EagerMemo`) while no mask has come, no slot is freed and the slots have not moved
+        (`version`, the used slots, the buffers): the region's tokens are all held then (never evicted while real), at
+        the same slots, and a refill puts a token past the region where one past it was."""
+        if self.first_real is None and self.hole is None and not self.device_count and self.seen >= self.first:
+            layout = (self.version, self.length, self.aligned)
+            return self._exact_mask.get(layout, self._make_exact_mask, anchor=self.fields["pos"])
+        return self._make_exact_mask()
+
+    def _make_exact_mask(self) -> torch.Tensor:
         pos = self.positions if not self.aligned else self.positions[:, 0]
         region = torch.arange(self.first, device=pos.device)
         return torch.cat([pos >= self.first, (pos[..., None] == region).any(-2)], dim=-1)

@@ -119,6 +119,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
         self._fits = EagerMemo()  # `check_fits` passed for the fields' `pos` and new tokens of these shapes
         self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
+        self._exact_mask = EagerMemo()  # `exact_mask`'s mask, for a layout of the slots
         self._carry: dict[str, torch.Tensor] = {}  # a compileable store's buffers for `hole`, `fresh`, `first_real`
         fmt = getattr(self.codec, "fmt", None)
         #: What a decode step's token holds that the codes cannot: coded as 0, counted on the device (`value_range`).
@@ -190,7 +191,8 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
             self._check_compatible(keys, values)
         guard = None
         if new == 1 and self.range_guard is not None:  # (a prompt was checked whole: `KVLayer.update`)
-            if self.fields and self.exact is None and not self.device_count and self.codec.guards(keys):
+            past_region = self.exact is None or (isinstance(first_pos, int) and first_pos >= self.first)
+            if self.fields and past_region and not self.device_count and self.codec.guards(keys):
                 guard = self.range_guard  # folded into the coding: one operator call per side, no guarded copies
             else:
                 keys, values = self._guarded(keys, values)
