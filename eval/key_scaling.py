@@ -1,0 +1,210 @@
+"""Query-aware key scaling, probed on a model whose attention normalizes queries and keys per channel (QK-norm:
+Gemma 3): can a per-layer, per-RoPE-pair key scale make the rotated formats' coded keys cost less?
+
+    python eval/key_scaling.py gains gemma3-270m austen:persuasion austen:prideprejudice 2048 --save /tmp/s.pt
+    python eval/key_scaling.py runs gemma3-270m /tmp/s.pt --texts austen:prideprejudice --specs k2v2 k3v2 k4v2 \
+        --out /tmp/key_scaling/runs.jsonl
+
+Why it can: scaling a RoPE pair's two key coordinates (i and i + D/2, rotated together by rotate_half) by s and the
+query's by 1/s leaves every logit q.k unchanged and commutes with RoPE. A rotated format's coding error is about
+isotropic, its variance proportional to the coded key's squared norm (the key less its centre), so a logit's error
+variance goes as (sum_p rms(q_p)^2 / s_p^2) (sum_p rms(k_p)^2 s_p^2): least at s_p^2 = rms(q_p) / rms(k_p), where it
+is (sum_p rms(q_p) rms(k_p))^2 (Cauchy-Schwarz). The gain, the factor that variance can fall by, is
+(sum rms(q_p)^2)(sum rms(k_p)^2) / (sum rms(q_p) rms(k_p))^2 (1: no gain).
+
+- `gains`: one cache-free forward on each text (the first TOKENS tokens), queries and keys taken after the norms and
+  before RoPE (a pair's RMS is the same after it); per layer the pairs' RMS (queries pooled over the KV head's query
+  heads), the gain with raw keys and with keys less their mean (the full layers' turning centre is the keys' pre-RoPE
+  mean), the scales fitted on FIT_TEXT (centred keys on full-attention layers, raw on sliding ones, whose fixed centre
+  goes stale), and the factor those scales change the variance by on EVAL_TEXT; then the largest change of a token's
+  log-likelihood on EVAL_TEXT when the scales are folded in (float precision: the model is the same). `--save` keeps
+  the scales.
+- `runs`: the scales folded into the model (each layer's key norm's effective scale, 1 + weight, times s; the query
+  norm's divided by s), then perplexity against DynamicCache (chunks of CHUNK, window 128, rotation seed 0) of
+  `QuantizedCache(bits=SPEC)` as it ships (family defaults) and with one format on every layer, the unfolded and the
+  folded model alternately; first DynamicCache on both, whose perplexities must agree to float precision. One JSON
+  line per run into `--out`.
+
+1 torch thread; run one at a time on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from hf_kvplus import QuantizedCache
+from hf_kvplus.cli.common import tokenize
+from hf_kvplus.evaluation.perplexity import cache_free_nll, perplexity
+from hf_kvplus.resolve import load_model, load_text
+
+
+def normed(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (queries [N, D] pooled over heads and tokens, keys [H, T, D]) after QK-norm, before RoPE."""
+    held, hooks = {}, []
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        for side, norm in (("q", attention.q_norm), ("k", attention.k_norm)):
+            hooks.append(norm.register_forward_hook(
+                lambda _m, _i, out, index=index, side=side: held.setdefault(index, {}).__setitem__(side, out[0].float())
+            ))  # fmt: skip
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids[None], use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {i: (h["q"].reshape(-1, h["q"].shape[-1]), h["k"]) for i, h in held.items()}
+
+
+def pair_rms(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [D/2]: the RMS of each rotate_half pair (coordinates p and p + D/2) over every other axis."""
+    x = x.reshape(-1, x.shape[-1])
+    half = x.shape[-1] // 2
+    return ((x[:, :half] ** 2 + x[:, half:] ** 2) / 2).mean(0).sqrt()
+
+
+def gain(rq: torch.Tensor, rk: torch.Tensor) -> float:
+    return float((rq**2).sum() * (rk**2).sum() / (rq * rk).sum() ** 2)
+
+
+def variance_factor(rq: torch.Tensor, rk: torch.Tensor, s: torch.Tensor) -> float:
+    """How much the scales `s` [D/2] change the logit error variance, for pairs with these RMS."""
+    return float((rq**2 / s**2).sum() * (rk**2 * s**2).sum() / ((rq**2).sum() * (rk**2).sum()))
+
+
+def key_rms(k: torch.Tensor, centred: bool) -> torch.Tensor:
+    """k [H, T, D] (one KV head here: the scale is per layer and pair) -> the pairs' RMS, less the mean if `centred`."""
+    return pair_rms(k - k.mean(dim=-2, keepdim=True) if centred else k)
+
+
+def fit(model, ids) -> dict[int, torch.Tensor]:
+    """Per layer, s [D/2] from the pairs' RMS on `ids`, the keys' mean square kept. Some pairs are exactly zero in the
+    queries or keys (their norm's 1 + weight is 0): a floor on the RMS makes s tiny or large there, and the zero side
+    stays exactly zero, so the logits stay the same."""
+    types = model.config.layer_types
+    out = {}
+    for index, (q, k) in normed(model, ids).items():
+        rq, rk = pair_rms(q), key_rms(k, types[index] == "full_attention")
+        rq, rk = rq.clamp_min(1e-6 * float(rq.max())), rk.clamp_min(1e-6 * float(rk.max()))
+        s = (rq / rk).sqrt()
+        out[index] = s / ((rk**2 * s**2).sum() / (rk**2).sum()).sqrt()
+    return out
+
+
+def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
+    types, scales = model.config.layer_types, fit(model, fit_ids)
+    for index, (q, k) in sorted(normed(model, eval_ids).items()):
+        full = types[index] == "full_attention"
+        rq, raw, centred = pair_rms(q), key_rms(k, False), key_rms(k, True)
+        used = centred if full else raw
+        print(json.dumps({"layer": index, "kind": "full" if full else "sliding",
+                          "gain_raw": round(gain(rq, raw), 3), "gain_centred": round(gain(rq, centred), 3),
+                          "fitted_factor": round(variance_factor(rq, used, scales[index]), 3),
+                          "zero_pairs": int(((rq == 0) | (used == 0)).sum()),
+                          "s_range": [round(float(x), 3) for x in scales[index][(rq > 0) & (used > 0)].aminmax()],
+                          "q_rms": round(float(rq.square().mean().sqrt()), 2),
+                          "k_rms": round(float(used.square().mean().sqrt()), 2)}), flush=True)  # fmt: skip
+    plain = cache_free_nll(model, eval_ids)
+    with folded(model, scales):
+        moved = cache_free_nll(model, eval_ids)
+    print(json.dumps({"folded_max_nll_difference": float((moved - plain).abs().max()),
+                      "perplexity": float(plain.double().mean().exp()),
+                      "folded_perplexity": float(moved.double().mean().exp())}), flush=True)  # fmt: skip
+    return scales
+
+
+@contextmanager
+def folded(model, scales: dict[int, torch.Tensor]):
+    """The model with each layer's key norm scaled by s per pair and its query norm by 1/s (logits unchanged)."""
+    kept = {}
+    with torch.no_grad():
+        for index, s in scales.items():
+            attention, full = model.model.layers[index].self_attn, torch.cat([s, s]).double()
+            kept[index] = (attention.q_norm.weight.clone(), attention.k_norm.weight.clone())
+            q, k = (w.double() for w in kept[index])
+            attention.q_norm.weight.copy_((1 + q) / full - 1)
+            attention.k_norm.weight.copy_((1 + k) * full - 1)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for index, (q, k) in kept.items():
+                model.model.layers[index].self_attn.q_norm.weight.copy_(q)
+                model.model.layers[index].self_attn.k_norm.weight.copy_(k)
+
+
+def runs(model, tokenizer, scales, args) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with args.out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+    for text in args.texts:
+        ids = tokenize(tokenizer, load_text(text), args.tokens)
+        base = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=args.chunk, progress=False)
+        record({"text": text, "spec": "dynamic", "folded": False, "perplexity": base.perplexity,
+                "seconds": round(base.seconds)})  # fmt: skip
+        if args.check_dynamic:
+            with folded(model, scales):
+                same = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=args.chunk, progress=False)
+            record({"text": text, "spec": "dynamic", "folded": True, "perplexity": same.perplexity,
+                    "max_nll_difference": float((same.nll - base.nll).abs().max()), "seconds": round(same.seconds)})
+        for spec in args.specs:
+            for defaults in (True, False):
+                for fold in (False, True):
+                    cache = QuantizedCache(model.config, bits=spec, window=args.window, rotation_seed=args.seed,
+                                           family_defaults=defaults)  # fmt: skip
+                    with folded(model, scales if fold else {}):
+                        result = perplexity(model, ids, cache, chunk_size=args.chunk, progress=False)
+                    ratio = result.perplexity / base.perplexity
+                    difference = result.nll.double() - base.nll.double()
+                    record({"text": text, "spec": spec, "defaults": "family" if defaults else "one format",
+                            "folded": fold, "delta_pct": round(100 * (ratio - 1), 3),
+                            "se_pct": round(100 * ratio * float(difference.std() / difference.numel() ** 0.5), 3),
+                            "bits": round(cache.quantized_report()["bits_per_coordinate"], 3),
+                            "seconds": round(result.seconds)})  # fmt: skip
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="probe", required=True)
+    g = sub.add_parser("gains")
+    g.add_argument("model")
+    g.add_argument("fit_text")
+    g.add_argument("eval_text")
+    g.add_argument("tokens", type=int)
+    g.add_argument("--save", type=Path)
+    r = sub.add_parser("runs")
+    r.add_argument("model")
+    r.add_argument("scales", type=Path)
+    r.add_argument("--texts", nargs="+", default=["austen:prideprejudice"])
+    r.add_argument("--specs", nargs="+", default=["k2v2", "k3v2", "k4v2"])
+    r.add_argument("--tokens", type=int, default=4096)
+    r.add_argument("--chunk", type=int, default=32)
+    r.add_argument("--window", type=int, default=128)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--check-dynamic", action="store_true", help="DynamicCache on the folded model too")
+    r.add_argument("--out", type=Path, required=True)
+    for p in (g, r):
+        p.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    if args.probe == "gains":
+        scales = gains(model, *(tokenize(tokenizer, load_text(t), args.tokens) for t in (args.fit_text, args.eval_text)))
+        if args.save:
+            torch.save(scales, args.save)
+    else:
+        runs(model, tokenizer, torch.load(args.scales), args)
+
+
+if __name__ == "__main__":
+    main()
