@@ -20,10 +20,12 @@ is (sum_p rms(q_p) rms(k_p))^2 (Cauchy-Schwarz). The gain, the factor that varia
   log-likelihood on EVAL_TEXT when the scales are folded in (float precision: the model is the same). `--save` keeps
   the scales.
 - `runs`: the scales folded into the model (each layer's key norm's effective scale, 1 + weight, times s; the query
-  norm's divided by s), then perplexity against DynamicCache (chunks of CHUNK, window 128, rotation seed 0) of
+  norm's divided by s), then perplexity against DynamicCache (chunks of CHUNK, window 128, rotation `--seeds`) of
   `QuantizedCache(bits=SPEC)` as it ships (family defaults) and with one format on every layer, the unfolded and the
-  folded model alternately; first DynamicCache on both, whose perplexities must agree to float precision. One JSON
-  line per run into `--out`.
+  folded model alternately; first DynamicCache (`--check-dynamic`: on both, whose perplexities must agree to float
+  precision). `--configs NAME=JSON` adds caches (`QuantizedCache` keyword arguments, `layer_bits` keys as strings,
+  e.g. 'full k3v2={"bits": "k2v2", "layer_bits": {"5": "k3v2", "11": "k3v2", "17": "k3v2"}}'). One JSON line per
+  run into `--out`.
 
 1 torch thread; run one at a time on a shared machine.
 """
@@ -36,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from lowbit_probes import layer_types
 from transformers import DynamicCache
 
 from hf_kvplus import QuantizedCache
@@ -45,60 +48,68 @@ from hf_kvplus.resolve import load_model, load_text
 
 
 def normed(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (queries [N, D] pooled over heads and tokens, keys [H, T, D]) after QK-norm, before RoPE."""
-    held, hooks = {}, []
+    """Per layer, (queries [KV heads, N, D], each KV head's query heads pooled over tokens, keys [KV heads, T, D])
+    before RoPE: after QK-norm where the model has it, else the projections' outputs."""
+    held, hooks, d = {}, [], model.config.head_dim
+
+    def keep(index, side):
+        def hook(_module, _inputs, out):
+            out = out if out.ndim == 4 else out.view(*out.shape[:2], -1, d).transpose(1, 2)  # a projection's
+            held.setdefault(index, {})[side] = out[0].float()
+
+        return hook
+
     for index, layer in enumerate(model.model.layers):
         attention = layer.self_attn
-        for side, norm in (("q", attention.q_norm), ("k", attention.k_norm)):
-            hooks.append(norm.register_forward_hook(
-                lambda _m, _i, out, index=index, side=side: held.setdefault(index, {}).__setitem__(side, out[0].float())
-            ))  # fmt: skip
+        sides = (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else (attention.q_proj,
+                                                                                             attention.k_proj)
+        hooks += [module.register_forward_hook(keep(index, side)) for side, module in zip("qk", sides, strict=True)]
     try:
         with torch.inference_mode():
             model(input_ids=ids[None], use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return {i: (h["q"].reshape(-1, h["q"].shape[-1]), h["k"]) for i, h in held.items()}
+    return {i: (h["q"].reshape(h["k"].shape[0], -1, d), h["k"]) for i, h in held.items()}
 
 
 def pair_rms(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [D/2]: the RMS of each rotate_half pair (coordinates p and p + D/2) over every other axis."""
-    x = x.reshape(-1, x.shape[-1])
+    """[H, N, D] -> [H, D/2]: the RMS of each rotate_half pair (coordinates p and p + D/2) over N."""
     half = x.shape[-1] // 2
-    return ((x[:, :half] ** 2 + x[:, half:] ** 2) / 2).mean(0).sqrt()
+    return ((x[..., :half] ** 2 + x[..., half:] ** 2) / 2).mean(1).sqrt()
 
 
 def gain(rq: torch.Tensor, rk: torch.Tensor) -> float:
-    return float((rq**2).sum() * (rk**2).sum() / (rq * rk).sum() ** 2)
+    """The gain of the best scales, the mean over KV heads."""
+    return float(((rq**2).sum(-1) * (rk**2).sum(-1) / (rq * rk).sum(-1) ** 2).mean())
 
 
 def variance_factor(rq: torch.Tensor, rk: torch.Tensor, s: torch.Tensor) -> float:
-    """How much the scales `s` [D/2] change the logit error variance, for pairs with these RMS."""
-    return float((rq**2 / s**2).sum() * (rk**2 * s**2).sum() / ((rq**2).sum() * (rk**2).sum()))
+    """How much the scales `s` [H, D/2] change the logit error variance, for pairs with these RMS (mean over heads)."""
+    return float(((rq**2 / s**2).sum(-1) * (rk**2 * s**2).sum(-1) / ((rq**2).sum(-1) * (rk**2).sum(-1))).mean())
 
 
 def key_rms(k: torch.Tensor, centred: bool) -> torch.Tensor:
-    """k [H, T, D] (one KV head here: the scale is per layer and pair) -> the pairs' RMS, less the mean if `centred`."""
-    return pair_rms(k - k.mean(dim=-2, keepdim=True) if centred else k)
+    """k [H, T, D] -> the pairs' RMS [H, D/2], less the keys' mean if `centred`."""
+    return pair_rms(k - k.mean(dim=1, keepdim=True) if centred else k)
 
 
 def fit(model, ids) -> dict[int, torch.Tensor]:
-    """Per layer, s [D/2] from the pairs' RMS on `ids`, the keys' mean square kept. Some pairs are exactly zero in the
-    queries or keys (their norm's 1 + weight is 0): a floor on the RMS makes s tiny or large there, and the zero side
-    stays exactly zero, so the logits stay the same."""
-    types = model.config.layer_types
+    """Per layer, s [KV heads, D/2] from the pairs' RMS on `ids`, the keys' mean square kept. Some pairs are exactly
+    zero in the queries or keys (their norm's 1 + weight is 0): a floor on the RMS makes s tiny or large there, and the
+    zero side stays exactly zero, so the logits stay the same."""
+    types = layer_types(model.config)
     out = {}
     for index, (q, k) in normed(model, ids).items():
         rq, rk = pair_rms(q), key_rms(k, types[index] == "full_attention")
         rq, rk = rq.clamp_min(1e-6 * float(rq.max())), rk.clamp_min(1e-6 * float(rk.max()))
         s = (rq / rk).sqrt()
-        out[index] = s / ((rk**2 * s**2).sum() / (rk**2).sum()).sqrt()
+        out[index] = s / ((rk**2 * s**2).sum(-1, keepdim=True) / (rk**2).sum(-1, keepdim=True)).sqrt()
     return out
 
 
 def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
-    types, scales = model.config.layer_types, fit(model, fit_ids)
+    types, scales = layer_types(model.config), fit(model, fit_ids)
     for index, (q, k) in sorted(normed(model, eval_ids).items()):
         full = types[index] == "full_attention"
         rq, raw, centred = pair_rms(q), key_rms(k, False), key_rms(k, True)
@@ -110,6 +121,8 @@ def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
                           "s_range": [round(float(x), 3) for x in scales[index][(rq > 0) & (used > 0)].aminmax()],
                           "q_rms": round(float(rq.square().mean().sqrt()), 2),
                           "k_rms": round(float(used.square().mean().sqrt()), 2)}), flush=True)  # fmt: skip
+    if not all(hasattr(layer.self_attn, "q_norm") for layer in model.model.layers):
+        return scales
     plain = cache_free_nll(model, eval_ids)
     with folded(model, scales):
         moved = cache_free_nll(model, eval_ids)
@@ -123,9 +136,11 @@ def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
 def folded(model, scales: dict[int, torch.Tensor]):
     """The model with each layer's key norm scaled by s per pair and its query norm by 1/s (logits unchanged)."""
     kept = {}
+    if any(s.shape[0] != 1 for s in scales.values()):
+        raise ValueError("the norms are shared by a layer's heads: folding takes one KV head's scales")
     with torch.no_grad():
         for index, s in scales.items():
-            attention, full = model.model.layers[index].self_attn, torch.cat([s, s]).double()
+            attention, full = model.model.layers[index].self_attn, torch.cat([s[0], s[0]]).double()
             kept[index] = (attention.q_norm.weight.clone(), attention.k_norm.weight.clone())
             q, k = (w.double() for w in kept[index])
             attention.q_norm.weight.copy_((1 + q) / full - 1)
@@ -157,17 +172,24 @@ def runs(model, tokenizer, scales, args) -> None:
                 same = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=args.chunk, progress=False)
             record({"text": text, "spec": "dynamic", "folded": True, "perplexity": same.perplexity,
                     "max_nll_difference": float((same.nll - base.nll).abs().max()), "seconds": round(same.seconds)})
-        for spec in args.specs:
-            for defaults in (True, False):
-                for fold in (False, True):
-                    cache = QuantizedCache(model.config, bits=spec, window=args.window, rotation_seed=args.seed,
-                                           family_defaults=defaults)  # fmt: skip
+        cases = [(f"{spec} {'family' if d else 'one format'}", {"bits": spec, "family_defaults": d})
+                 for spec in args.specs for d in (True, False)]  # fmt: skip
+        for arg in args.configs:
+            name, _, kwargs = arg.partition("=")
+            kwargs = json.loads(kwargs)
+            if "layer_bits" in kwargs:
+                kwargs["layer_bits"] = {int(k): v for k, v in kwargs["layer_bits"].items()}
+            cases.append((name, kwargs))
+        for seed in args.seeds:
+            for name, kwargs in cases:
+                for fold in (False, True)[1 if args.folded_only else 0 :]:
+                    cache = QuantizedCache(model.config, window=args.window, rotation_seed=seed, **kwargs)
                     with folded(model, scales if fold else {}):
                         result = perplexity(model, ids, cache, chunk_size=args.chunk, progress=False)
                     ratio = result.perplexity / base.perplexity
                     difference = result.nll.double() - base.nll.double()
-                    record({"text": text, "spec": spec, "defaults": "family" if defaults else "one format",
-                            "folded": fold, "delta_pct": round(100 * (ratio - 1), 3),
+                    record({"text": text, "cache": name, "seed": seed, "folded": fold,
+                            "delta_pct": round(100 * (ratio - 1), 3),
                             "se_pct": round(100 * ratio * float(difference.std() / difference.numel() ** 0.5), 3),
                             "bits": round(cache.quantized_report()["bits_per_coordinate"], 3),
                             "seconds": round(result.seconds)})  # fmt: skip
@@ -186,11 +208,14 @@ def main(argv=None) -> None:
     r.add_argument("model")
     r.add_argument("scales", type=Path)
     r.add_argument("--texts", nargs="+", default=["austen:prideprejudice"])
-    r.add_argument("--specs", nargs="+", default=["k2v2", "k3v2", "k4v2"])
+    r.add_argument("--specs", nargs="*", default=["k2v2", "k3v2", "k4v2"])
     r.add_argument("--tokens", type=int, default=4096)
     r.add_argument("--chunk", type=int, default=32)
     r.add_argument("--window", type=int, default=128)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
+    r.add_argument("--configs", nargs="*", default=[], help="NAME=JSON: more caches, QuantizedCache keyword arguments "
+                   "(layer_bits keys as strings)")  # fmt: skip
+    r.add_argument("--folded-only", action="store_true", help="the folded model only (its unfolded runs done before)")
     r.add_argument("--check-dynamic", action="store_true", help="DynamicCache on the folded model too")
     r.add_argument("--out", type=Path, required=True)
     for p in (g, r):
