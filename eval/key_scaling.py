@@ -132,29 +132,68 @@ def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
     return scales
 
 
+def value_fit(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
+    """Per layer, t [KV heads, D]: value channel c scaled by t_c in v_proj and its o_proj columns by 1/t_c (exact: no
+    norm on Gemma 3's values). The output error variance of isotropic value errors goes as (sum_c w_c^2 / t_c^2)
+    (sum_c rms(v_c)^2 t_c^2), w_c the norm of channel c's o_proj columns over the KV head's query heads: least at
+    t_c^2 = w_c / rms(v_c). Prints the gain and the fitted scales' factor on `eval_ids`."""
+    d, kv = model.config.head_dim, model.config.num_key_value_heads
+
+    def rms(ids):
+        held, hooks = {}, []
+        for index, layer in enumerate(model.model.layers):
+            hooks.append(layer.self_attn.v_proj.register_forward_hook(
+                lambda _m, _i, out, index=index: held.__setitem__(index, out[0].float().view(-1, kv, d))))  # fmt: skip
+        try:
+            with torch.inference_mode():
+                model(input_ids=ids[None], use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return {i: v.square().mean(0).sqrt() for i, v in held.items()}
+
+    out = {}
+    fitted, measured = rms(fit_ids), rms(eval_ids)
+    for index, layer in enumerate(model.model.layers):
+        w = layer.self_attn.o_proj.weight.detach().float().square().sum(0).view(kv, -1, d).sum(1).sqrt()
+        rv = fitted[index].clamp_min(1e-6 * float(fitted[index].max()))
+        t = (w.clamp_min(1e-6 * float(w.max())) / rv).sqrt()
+        out[index] = t / ((rv**2 * t**2).sum(-1, keepdim=True) / (rv**2).sum(-1, keepdim=True)).sqrt()
+        print(json.dumps({"layer": index, "value_gain": round(gain(w, measured[index]), 3),
+                          "value_fitted_factor": round(variance_factor(w, measured[index], out[index]), 3)}),
+              flush=True)  # fmt: skip
+    return out
+
+
 @contextmanager
-def folded(model, scales: dict[int, torch.Tensor]):
-    """The model with each layer's key norm scaled by s per pair and its query norm by 1/s (logits unchanged)."""
-    kept = {}
+def folded(model, scales: dict[int, torch.Tensor], values: dict[int, torch.Tensor] | None = None):
+    """The model with each layer's key norm scaled by s per pair and its query norm by 1/s (logits unchanged); with
+    `values`, v_proj's rows scaled by t and o_proj's columns by 1/t (outputs unchanged)."""
     if any(s.shape[0] != 1 for s in scales.values()):
         raise ValueError("the norms are shared by a layer's heads: folding takes one KV head's scales")
+    kept = []
     with torch.no_grad():
         for index, s in scales.items():
             attention, full = model.model.layers[index].self_attn, torch.cat([s[0], s[0]]).double()
-            kept[index] = (attention.q_norm.weight.clone(), attention.k_norm.weight.clone())
-            q, k = (w.double() for w in kept[index])
-            attention.q_norm.weight.copy_((1 + q) / full - 1)
-            attention.k_norm.weight.copy_((1 + k) * full - 1)
+            for weight, factor in ((attention.q_norm.weight, 1 / full), (attention.k_norm.weight, full)):
+                kept.append((weight, weight.clone()))
+                weight.copy_((1 + weight.double()) * factor - 1)
+        for index, t in (values or {}).items():
+            attention = model.model.layers[index].self_attn
+            group = model.config.num_attention_heads // t.shape[0]
+            for weight, factor in ((attention.v_proj.weight, t.reshape(-1, 1)),
+                                   (attention.o_proj.weight, 1 / t.repeat_interleave(group, 0).reshape(1, -1))):
+                kept.append((weight, weight.clone()))
+                weight.copy_(weight.double() * factor.double())
     try:
         yield model
     finally:
         with torch.no_grad():
-            for index, (q, k) in kept.items():
-                model.model.layers[index].self_attn.q_norm.weight.copy_(q)
-                model.model.layers[index].self_attn.k_norm.weight.copy_(k)
+            for weight, original in kept:
+                weight.copy_(original)
 
 
-def runs(model, tokenizer, scales, args) -> None:
+def runs(model, tokenizer, scales, values, args) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def record(row: dict) -> None:
@@ -168,7 +207,7 @@ def runs(model, tokenizer, scales, args) -> None:
         record({"text": text, "spec": "dynamic", "folded": False, "perplexity": base.perplexity,
                 "seconds": round(base.seconds)})  # fmt: skip
         if args.check_dynamic:
-            with folded(model, scales):
+            with folded(model, scales, values):
                 same = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=args.chunk, progress=False)
             record({"text": text, "spec": "dynamic", "folded": True, "perplexity": same.perplexity,
                     "max_nll_difference": float((same.nll - base.nll).abs().max()), "seconds": round(same.seconds)})
@@ -184,11 +223,12 @@ def runs(model, tokenizer, scales, args) -> None:
             for name, kwargs in cases:
                 for fold in (False, True)[1 if args.folded_only else 0 :]:
                     cache = QuantizedCache(model.config, window=args.window, rotation_seed=seed, **kwargs)
-                    with folded(model, scales if fold else {}):
+                    with folded(model, scales if fold else {}, values if fold else None):
                         result = perplexity(model, ids, cache, chunk_size=args.chunk, progress=False)
                     ratio = result.perplexity / base.perplexity
                     difference = result.nll.double() - base.nll.double()
                     record({"text": text, "cache": name, "seed": seed, "folded": fold,
+                            "values_folded": fold and values is not None,
                             "delta_pct": round(100 * (ratio - 1), 3),
                             "se_pct": round(100 * ratio * float(difference.std() / difference.numel() ** 0.5), 3),
                             "bits": round(cache.quantized_report()["bits_per_coordinate"], 3),
@@ -204,6 +244,7 @@ def main(argv=None) -> None:
     g.add_argument("eval_text")
     g.add_argument("tokens", type=int)
     g.add_argument("--save", type=Path)
+    g.add_argument("--save-values", type=Path, help="fit value scales too (v_proj rows, o_proj columns) and keep them")
     r = sub.add_parser("runs")
     r.add_argument("model")
     r.add_argument("scales", type=Path)
@@ -217,6 +258,7 @@ def main(argv=None) -> None:
                    "(layer_bits keys as strings)")  # fmt: skip
     r.add_argument("--folded-only", action="store_true", help="the folded model only (its unfolded runs done before)")
     r.add_argument("--check-dynamic", action="store_true", help="DynamicCache on the folded model too")
+    r.add_argument("--value-scales", type=Path, help="value scales to fold too (`gains --save-values`)")
     r.add_argument("--out", type=Path, required=True)
     for p in (g, r):
         p.add_argument("--threads", type=int, default=1)
@@ -227,8 +269,17 @@ def main(argv=None) -> None:
         scales = gains(model, *(tokenize(tokenizer, load_text(t), args.tokens) for t in (args.fit_text, args.eval_text)))
         if args.save:
             torch.save(scales, args.save)
+        if args.save_values:
+            ids = [tokenize(tokenizer, load_text(t), args.tokens) for t in (args.fit_text, args.eval_text)]
+            values = value_fit(model, *ids)
+            plain = cache_free_nll(model, ids[1])
+            with folded(model, scales, values):
+                moved = cache_free_nll(model, ids[1])
+            print(json.dumps({"keys_and_values_folded_max_nll_difference": float((moved - plain).abs().max())}))
+            torch.save(values, args.save_values)
     else:
-        runs(model, tokenizer, torch.load(args.scales), args)
+        values = torch.load(args.value_scales) if args.value_scales else None
+        runs(model, tokenizer, torch.load(args.scales), values, args)
 
 
 if __name__ == "__main__":
