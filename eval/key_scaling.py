@@ -64,13 +64,18 @@ def normed(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         sides = (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else (attention.q_proj,
                                                                                              attention.k_proj)
         hooks += [module.register_forward_hook(keep(index, side)) for side, module in zip("qk", sides, strict=True)]
+    forward_with(model, ids, hooks)
+    return {i: (h["q"].reshape(h["k"].shape[0], -1, d), h["k"]) for i, h in held.items()}
+
+
+def forward_with(model, ids: torch.Tensor, hooks: list) -> None:
+    """One cache-free forward of `ids` [N] with `hooks` registered (removed after it, whatever happens)."""
     try:
         with torch.inference_mode():
             model(input_ids=ids[None], use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return {i: (h["q"].reshape(h["k"].shape[0], -1, d), h["k"]) for i, h in held.items()}
 
 
 def pair_rms(x: torch.Tensor) -> torch.Tensor:
@@ -144,12 +149,7 @@ def value_fit(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
         for index, layer in enumerate(model.model.layers):
             hooks.append(layer.self_attn.v_proj.register_forward_hook(
                 lambda _m, _i, out, index=index: held.__setitem__(index, out[0].float().view(-1, kv, d))))  # fmt: skip
-        try:
-            with torch.inference_mode():
-                model(input_ids=ids[None], use_cache=False)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        forward_with(model, ids, hooks)
         return {i: v.square().mean(0).sqrt() for i, v in held.items()}
 
     out = {}
