@@ -144,8 +144,10 @@ def paged_store_token(k_pool, v_pool, keys, values, offset: int, block_table, co
     """A decode step's keys and values [B, Hkv, 1, D] written at `offset` of the blocks that column `column` of
     `block_table` [B, columns] names in the pools (the caller's table and offset: unchecked). Eager CPU steps take one
     C++ call for both sides (`kivi_cpu.write_token_cpu`), where indexing took two `index_put` calls; elsewhere the
-    indexing, which a compiled graph traces. (A dense buffer's slice assignments measured no slower than this call.)"""
+    indexing, which a compiled graph traces and autograd records (the operator's copy has no backward: a step in grad
+    mode indexes). (A dense buffer's slice assignments measured no slower than this call.)"""
     if (path_of(keys, False) == "twin" and kivi_cpu.supports(keys) and k_pool.is_cpu and v_pool.is_cpu
+            and not (keys.requires_grad or values.requires_grad or k_pool.requires_grad or v_pool.requires_grad)
             and keys.dtype == k_pool.dtype and values.dtype == v_pool.dtype
             and k_pool.stride(-1) == v_pool.stride(-1) == keys.stride(-1) == values.stride(-1) == 1):  # fmt: skip
         kivi_cpu.write_token_cpu(k_pool, v_pool, keys, values, offset, block_table, column)
