@@ -118,7 +118,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
         self._read: tuple | None = None  # (the views of `_used`, the read made of them)
         self._grid: tuple | None = None  # ((batch, heads, device), row and head indices for `_write_slots`)
         self._fits = EagerMemo()  # `check_fits` passed for the fields' `pos` and new tokens of these shapes
-        self._lead: tuple | None = None  # (n, fields, the key fields cut to slots 0 .. n - 1) for `write_leading_keys`
+        self._lead: tuple | None = None  # (n, fields, slots 0 .. n - 1's key fields, exact keys): `SlotAccess._leading`
         self._exact_mask = EagerMemo()  # `exact_mask`'s mask, for a layout of the slots
         self._carry: dict[str, torch.Tensor] = {}  # a compileable store's buffers for `hole`, `fresh`, `first_real`
         fmt = getattr(self.codec, "fmt", None)
