@@ -31,7 +31,6 @@ __all__ = [
     "kivi_encode_kv_into_cpu", "paged_decode_cpu", "supports", "write_token_cpu",
 ]  # fmt: skip
 
-_F32 = torch.float32
 #: What the encode and dense decode operators take (the twins refuse other dtypes with typed errors, or take them).
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,11 +85,9 @@ def kivi_encode_kv_into_cpu(k: torch.Tensor, v: torch.Tensor, fmt, out_k, out_v,
     in one operator call: at a decode step an operator call costs more than its compute."""
     (kc, ks, kz), (vc, vs, vz) = out_k, out_v
     torch.ops.hf_kvplus_cpu.kivi_encode_kv_into(
-        k if k.dtype == _F32 else k.float(), v if v.dtype == _F32 else v.float(), 0 if fmt.is_float else fmt.bits,
-        fmt.group_size,
+        rotated_cpu.float32(k), rotated_cpu.float32(v), 0 if fmt.is_float else fmt.bits, fmt.group_size,
         -1.0 if limit is None else float(limit), kc, ks, _NO_ZERO if kz is None else kz, vc, vs,
-        _NO_ZERO if vz is None else vz, start, slots,
-        _UNCOUNTED if bad is None else bad,
+        _NO_ZERO if vz is None else vz, start, slots, _UNCOUNTED if bad is None else bad,
     )  # fmt: skip
 
 
@@ -100,20 +97,20 @@ def kivi_decode_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
     from the same arguments."""
-    if residual_k is not None:  # (float32 with unit last stride, as `_rows`, inline: every layer and step)
-        if residual_k.dtype != _F32 or residual_v.dtype != _F32:  # (`.float()` is a call into torch even then)
+    if residual_k is not None:  # (`rows` of `float32`, inline: every layer and step)
+        if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:
             residual_k, residual_v = residual_k.float(), residual_v.float()
         if residual_k.stride(-1) != 1 or residual_v.stride(-1) != 1:
             residual_k, residual_v = residual_k.contiguous(), residual_v.contiguous()
     p = packed
     parts = [p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero]
-    for i, t in enumerate(parts):  # (`_rows` of each, inline: every layer and step)
+    for i, t in enumerate(parts):  # (`rows` of each, inline: every layer and step)
         if t is not None and t.stride(-1) != 1:
             parts[i] = t.contiguous()
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.int()
     out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
-        (q if q.dtype == _F32 else q.float()).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        rotated_cpu.float32(q).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
         keys_per_token, start, length, block_table, residual_k, residual_v, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -124,8 +121,8 @@ def paged_decode_cpu(q, k_pool, v_pool, block_table, start: int, length: int, sc
     if block_table.dtype != torch.int32:
         block_table = block_table.int()
     return torch.ops.hf_kvplus_cpu.paged_decode(
-        (q if q.dtype == _F32 else q.float()).contiguous(), _rows(k_pool), _rows(v_pool), block_table, start, length, mask,
-        float(scale),
+        rotated_cpu.float32(q).contiguous(), rotated_cpu.rows(k_pool), rotated_cpu.rows(v_pool), block_table, start,
+        length, mask, float(scale),
     )
 
 
@@ -139,14 +136,10 @@ def write_token_cpu(k_buf, v_buf, keys, values, offset: int, block_table, column
 def dense_decode_cpu(q, k, v, scale: float, mask, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output [B, Hq, Dv] float32, mass [B, Hkv, N] float32 or None) of `decode_attention`'s decode over float K/V
     [B, Hkv, N, D] read in place (views of a layer's slots: the twin with the mass copies them to float32 first)."""
-    q = (q if q.dtype == _F32 else q.float()).contiguous()
-    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(q, _rows(k), _rows(v), mask, float(scale), with_mass)
+    out, mass = torch.ops.hf_kvplus_cpu.dense_decode(
+        rotated_cpu.float32(q).contiguous(), rotated_cpu.rows(k), rotated_cpu.rows(v), mask, float(scale), with_mass
+    )
     return out, (mass if with_mass else None)
-
-
-def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
-    """`t` with unit stride along its last dim (what the operators read), a copy only where it is not."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def register_fakes() -> None:

@@ -42,8 +42,8 @@ from hf_kvplus.kernels.rotated_format import (
     rotation,
 )
 
-__all__ = ["available", "encodes", "encodes_into", "rotated_decode_cpu", "rotated_encode_cpu", "rotated_encode_into_cpu",
-           "rotated_encode_kv_into_cpu", "supports"]
+__all__ = ["available", "encodes", "encodes_into", "float32", "rotated_decode_cpu", "rotated_encode_cpu",
+           "rotated_encode_into_cpu", "rotated_encode_kv_into_cpu", "rows", "supports"]
 
 #: One library: the rotated formats' operators and the KIVI and paged decode of `kivi_cpu` (built, or not, together).
 _SOURCES = [
@@ -204,21 +204,25 @@ def rotated_decode_cpu(
         k_codes, k_norms = k_codes.narrow(2, start, length), k_norms.narrow(2, start, length)
         v_codes, v_norms = v_codes.narrow(2, start, length), v_norms.narrow(2, start, length)
     if residual_k is not None:
-        if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:  # (a call into torch even then)
-            residual_k, residual_v = residual_k.float(), residual_v.float()
-        residual_k, residual_v = _rows(residual_k), _rows(residual_v)
+        residual_k, residual_v = rows(float32(residual_k)), rows(float32(residual_v))
     turn = center.block_basis(start, length, device) if turning else (None, None)
     out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
-        (q if q.dtype == torch.float32 else q.float()).contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
+        float32(q).contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
         center.rotated if set_center and not turning else None, center.weights if turning else None, *turn,
         residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` with unit stride along its last dim (what the operator reads), a copy only where it is not."""
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with unit stride along its last dim (what the operators read), a copy only where it is not."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def float32(t: torch.Tensor) -> torch.Tensor:
+    """`t` as float32 (what the operators read): itself when it is one, where `.float()` is a call into torch even
+    then (several per layer and decode step)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _load() -> bool:
