@@ -6,6 +6,7 @@ import torch
 
 from ..errors import CacheMismatchError, ConfigError
 from ..kernels.dispatch import quantize_keys, quantize_values
+from ..kernels.quant_attention import gather_blocks
 from ..kernels.quant_format import PACKED_NAMES, PackedKV, QuantFormat, dequantize_keys, dequantize_values
 from .block_pool import BlockPool
 from .layer_pool import BlockTensors
@@ -102,7 +103,7 @@ class QuantLayerPool(BlockTensors):
     def dequantized(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks `ids` (int64 `[batch, columns]`) dequantized to `[batch, kv_heads, columns * block_size, dim]`."""
         k, k_scale, k_zero, v, v_scale, v_zero = (
-            None if t is None else _gather(t, ids) for t in (getattr(self, name) for name in PACKED_NAMES)
+            None if t is None else gather_blocks(t, ids) for t in (getattr(self, name) for name in PACKED_NAMES)
         )
         return (
             dequantize_keys(k, k_scale, k_zero, self.fmt, dtype, state=self.state),
@@ -139,9 +140,3 @@ def _block_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t[0].numel() * t.element_size()
 
 
-def _gather(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Blocks `ids` (int64 `[batch, columns]`) of `pool` `[blocks, heads, rows, dim]` as `[batch, heads, columns * rows, dim]`."""
-    batch, columns = ids.shape
-    _, heads, rows, dim = pool.shape
-    picked = pool.index_select(0, ids.reshape(-1)).view(batch, columns, heads, rows, dim)
-    return picked.transpose(1, 2).reshape(batch, heads, columns * rows, dim)
