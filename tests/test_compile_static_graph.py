@@ -42,7 +42,7 @@ STATIC_SPECS = [
     "sink:2:6:bits=k3v2:compile=on",
     "h2o:8:compile=on",
     "h2o:8:bits=fp8:compile=on",
-    "sink:2:6:bits=int4:group=8:first=2:compile=on",  # a first-tokens region beside the codes
+    "sink:2:6:bits=int4:group=8:first=0:compile=on",  # the sinks coded too (the default keeps them exact)
     "h2o:8:recent=4:bits=k4v2:first=2:compile=on",
 ]
 
