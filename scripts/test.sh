@@ -30,7 +30,10 @@ bash scripts/lint_imports.sh
 [ $# -eq 0 ] || exit 0
 
 # The lowest supported Transformers (pyproject's `transformers>=X.Y`, as X.Y.*), installed apart in $LOWEST and put
-# first on the path, so that it shadows the venv's newest for the conformance tests and the cache keyword's tests.
+# first on the path, so that it shadows the venv's newest for the conformance tests and the cache keyword's tests:
+# every cache and generate mode on two of the four architectures, Llama (full attention) and Gemma 3 (sliding and
+# full layers, QK-norm); what differs between Transformers versions is the cache contract and the generate paths,
+# which those two exercise (Mistral and Qwen2 add sliding layers Gemma 3 has; the suite runs all four on the newest).
 # --no-deps: the venv has the rest; 5.17 differs in wanting huggingface-hub < 2, which imports httpx.
 LOWEST_VERSION=$(sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 LOWEST="$VENV/transformers-$LOWEST_VERSION"
@@ -50,7 +53,7 @@ start=$(date +%s)
 status=0
 PYTHONPATH="$LOWEST" KVPLUS_EXPECT_TRANSFORMERS="$LOWEST_VERSION" "$VENV/bin/pytest" -p no:cacheprovider \
     -n "${KVPLUS_TEST_WORKERS:-auto}" \
-    tests/test_conformance.py tests/test_transformers_compat.py || status=$?
+    -k "not mistral and not qwen2" tests/test_conformance.py tests/test_transformers_compat.py || status=$?
 echo "conformance on transformers $LOWEST_VERSION.*: $(( $(date +%s) - start )) s"
 wait "$wheel" || status=$?
 cat "$WHEEL_LOG"
