@@ -253,6 +253,11 @@ int64_t encode_rows(const at::Tensor& x, int64_t bits, int64_t group, double lim
     }
     pack(q.data(), D, int(bits), cp + b * c0 + h * c1 + row * c2);
   }
+  // Written through raw pointers: the fields' version counters move as an in-place op's (an offloaded layer's
+  // placement writes back a slot field whose counter moved; without this, a decode step's codes never reached disk).
+  kvplus_cpu::mark_written(codes);
+  kvplus_cpu::mark_written(scale);
+  if (has_zero) kvplus_cpu::mark_written(zero);
   return count;
 }
 
