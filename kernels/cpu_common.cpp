@@ -1,5 +1,6 @@
 // What the CPU decode operators share (kivi_attention_cpu.cpp, rotated_attention_cpu.cpp): float16 to float, a dot
-// product, exp of shifted logits and the weighted sum of value rows. Built first, in the same library
+// product, exp of shifted logits and the weighted sum of value rows; and what every operator that writes in place
+// does after (`mark_written`). Built first, in the same library
 // (rotated_cpu._SOURCES), so that each operator's source reads one copy of each.
 
 #include <ATen/ATen.h>
@@ -86,6 +87,13 @@ inline void accumulate_span(const float* w, const float* x, int64_t n, float* ac
   for (int64_t i = 0; i < n; ++i)
     for (int j = 0; j < Width; ++j) a[j] += w[i] * x[i * channels + j];
   for (int j = 0; j < Width; ++j) acc[j] = a[j];
+}
+
+// A tensor an operator wrote through its data pointer: its version counter moves, as an in-place op's does (what tells
+// an offloaded layer's placement that a tensor at rest changed, and autograd that a saved tensor did). Inference
+// tensors keep no counter.
+inline void mark_written(const at::Tensor& t) {
+  if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
 }
 
 inline void accumulate(const float* w, const float* x, int64_t n, float* acc, int64_t channels) {

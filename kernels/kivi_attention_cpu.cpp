@@ -466,6 +466,16 @@ std::tuple<at::Tensor, at::Tensor> attend(const Call& c, const Src& proto, bool 
   return {result, mass};
 }
 
+// `t` with unit stride in its last dim (a copy only where it has not), and of an optional one.
+at::Tensor unit_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+std::optional<at::Tensor> unit_rows(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(unit_rows(*t)) : std::nullopt;
+}
+// An optional ring as float32.
+std::optional<at::Tensor> floats(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->scalar_type() != at::kFloat ? std::optional<at::Tensor>(t->to(at::kFloat)) : t;
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "kivi_decode_cpu: ", name, " must be 4-d with unit stride in its last dim");
 }
@@ -527,41 +537,48 @@ std::tuple<at::Tensor, at::Tensor> kivi_decode_cpu(
     int64_t group, bool keys_per_token, int64_t start, int64_t length, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& ring_k, const std::optional<at::Tensor>& ring_v,
     const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
-  for (auto [t, name] : {std::pair{&k_codes, "k_codes"}, {&v_codes, "v_codes"}, {&k_scale, "k_scale"},
-                         {&v_scale, "v_scale"}})
+  // What the wrapper took as it is (a decode step's inputs already are: a call saved per input) made so here: q
+  // float32 and contiguous, the ring float32, every input unit-stride in its last dim, the table int32.
+  const at::Tensor qf = q.scalar_type() == at::kFloat && q.is_contiguous() ? q : q.to(at::kFloat).contiguous();
+  const at::Tensor kc = unit_rows(k_codes), ks = unit_rows(k_scale), vc = unit_rows(v_codes), vs = unit_rows(v_scale);
+  const std::optional<at::Tensor> kz = unit_rows(k_zero), vz = unit_rows(v_zero);
+  const std::optional<at::Tensor> rk = unit_rows(floats(ring_k)), rv = unit_rows(floats(ring_v));
+  std::optional<at::Tensor> table = block_table;
+  if (table.has_value() && table->scalar_type() != at::kInt) table = table->to(at::kInt);
+  for (auto [t, name] : {std::pair{&kc, "k_codes"}, {&vc, "v_codes"}, {&ks, "k_scale"}, {&vs, "v_scale"}})
     check_rows(*t, name);
   TORCH_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte &&
                   k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf,
               "kivi_decode_cpu: codes must be uint8 and scales float16");
   TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "kivi_decode_cpu: bits must be 8, 4, 2 or 0 (fp8), got ",
               bits);
-  TORCH_CHECK((bits == 0) == !k_zero.has_value() && (bits == 0) == !v_zero.has_value(),
+  TORCH_CHECK((bits == 0) == !kz.has_value() && (bits == 0) == !vz.has_value(),
               "kivi_decode_cpu: zeros go with integer codes, and only with them");
-  for (const auto* z : {&k_zero, &v_zero})
+  for (const auto* z : {&kz, &vz})
     if (z->has_value()) {
       check_rows(**z, "a zero");
       TORCH_CHECK((*z)->scalar_type() == at::kHalf, "kivi_decode_cpu: zeros must be float16");
     }
-  const int64_t per = bits == 0 ? 1 : 8 / bits, Hkv = k_codes.size(1), T = k_codes.size(2);
-  const int64_t D = k_codes.size(3) * per, Dv = v_codes.size(3) * per;
+  const int64_t per = bits == 0 ? 1 : 8 / bits, Hkv = kc.size(1), T = kc.size(2);
+  const int64_t D = kc.size(3) * per, Dv = vc.size(3) * per;
   TORCH_CHECK(group > 0 && D % group == 0 && Dv % group == 0 && (keys_per_token || T % group == 0),
               "kivi_decode_cpu: group ", group, " must divide the head dims ", D, ", ", Dv, " and the block ", T);
-  TORCH_CHECK(q.size(-1) == D, "kivi_decode_cpu: q has ", q.size(-1), " channels, the keys' codes ", D);
-  TORCH_CHECK(length >= 0 && start >= 0 && (block_table.has_value() || start + length <= T),
+  TORCH_CHECK(qf.size(-1) == D, "kivi_decode_cpu: q has ", qf.size(-1), " channels, the keys' codes ", D);
+  TORCH_CHECK(length >= 0 && start >= 0 && (table.has_value() || start + length <= T),
               "kivi_decode_cpu: tokens ", start, " .. ", start + length, " outside the buffers' ", T);
-  Call c = make_call(q, Hkv, Dv, length, start, T, block_table, ring_k, ring_v, mask, scale);
+  Call c = make_call(qf, Hkv, Dv, length, start, T, table, rk, rv, mask, scale);
   auto run = [&](auto src) {
-    src.kc = View<uint8_t>(k_codes);
-    src.vc = View<uint8_t>(v_codes);
-    src.ks = View<at::Half>(k_scale);
-    src.kz = View<at::Half>(k_zero);
-    src.vs = View<at::Half>(v_scale);
-    src.vz = View<at::Half>(v_zero);
+    src.kc = View<uint8_t>(kc);
+    src.vc = View<uint8_t>(vc);
+    src.ks = View<at::Half>(ks);
+    src.kz = View<at::Half>(kz);
+    src.vs = View<at::Half>(vs);
+    src.vz = View<at::Half>(vz);
     src.group = group;
     src.D = D;
     src.Dv = Dv;
-    src.Pk = k_codes.size(3);
-    src.Pv = v_codes.size(3);
+    src.Pk = kc.size(3);
+    src.Pv = vc.size(3);
     src.per_token_keys = keys_per_token;
     return attend(c, src, with_mass);
   };

@@ -73,7 +73,7 @@ def kivi_encode_into_cpu(x: torch.Tensor, fmt, out, start: int = 0, slots: torch
     in one call. The caller keeps the contract (a quantize call with ``check=False``)."""
     codes, scale, zero = out
     torch.ops.hf_kvplus_cpu.kivi_encode_into(
-        x.float(), 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit), codes,
+        x, 0 if fmt.is_float else fmt.bits, fmt.group_size, -1.0 if limit is None else float(limit), codes,
         scale, _NO_ZERO if zero is None else zero, start, slots, _UNCOUNTED if bad is None else bad,
     )  # fmt: skip
 
@@ -85,7 +85,7 @@ def kivi_encode_kv_into_cpu(k: torch.Tensor, v: torch.Tensor, fmt, out_k, out_v,
     in one operator call: at a decode step an operator call costs more than its compute."""
     (kc, ks, kz), (vc, vs, vz) = out_k, out_v
     torch.ops.hf_kvplus_cpu.kivi_encode_kv_into(
-        rotated_cpu.float32(k), rotated_cpu.float32(v), 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        k, v, 0 if fmt.is_float else fmt.bits, fmt.group_size,
         -1.0 if limit is None else float(limit), kc, ks, _NO_ZERO if kz is None else kz, vc, vs,
         _NO_ZERO if vz is None else vz, start, slots, _UNCOUNTED if bad is None else bad,
     )  # fmt: skip
@@ -96,21 +96,11 @@ def kivi_decode_cpu(
     keys_per_token: bool, with_mass: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(output [B, Hq, Dv] float32, mass [B, Hkv, length + R] or None), as `quant_attention`'s twin computes them
-    from the same arguments."""
-    if residual_k is not None:  # (`rows` of `float32`, inline: every layer and step)
-        if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:
-            residual_k, residual_v = residual_k.float(), residual_v.float()
-        if residual_k.stride(-1) != 1 or residual_v.stride(-1) != 1:
-            residual_k, residual_v = residual_k.contiguous(), residual_v.contiguous()
+    from the same arguments. The inputs go to the operator as they are: it makes q and the ring float32, and what is
+    not unit-stride in its last dim contiguous, itself (a decode step's are already: no Python call per input)."""
     p = packed
-    parts = [p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero]
-    for i, t in enumerate(parts):  # (`rows` of each, inline: every layer and step)
-        if t is not None and t.stride(-1) != 1:
-            parts[i] = t.contiguous()
-    if block_table is not None and block_table.dtype != torch.int32:
-        block_table = block_table.int()
     out, mass = torch.ops.hf_kvplus_cpu.kivi_decode(
-        rotated_cpu.float32(q).contiguous(), *parts, 0 if fmt.is_float else fmt.bits, fmt.group_size,
+        q, p.k, p.k_scale, p.k_zero, p.v, p.v_scale, p.v_zero, 0 if fmt.is_float else fmt.bits, fmt.group_size,
         keys_per_token, start, length, block_table, residual_k, residual_v, mask, float(scale), with_mass,
     )  # fmt: skip
     return out, (mass if with_mass else None)
@@ -162,7 +152,8 @@ def _fake_kivi(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, grou
     Hkv = k_codes.shape[1]
     Dv = v_codes.shape[-1] * (1 if bits == 0 else 8 // bits)
     L = length + (0 if ring_k is None else ring_k.shape[2])
-    return q.new_empty(B, Hq, Dv), q.new_empty(B if with_mass else 0, Hkv, L)
+    f32 = torch.float32  # (whatever q's dtype: the operator computes and returns float32)
+    return q.new_empty(B, Hq, Dv, dtype=f32), q.new_empty(B if with_mass else 0, Hkv, L, dtype=f32)
 
 
 def _fake_paged(q, k_pool, v_pool, block_table, start, length, mask, scale):

@@ -185,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kivi_encode_cpu(const at::Tensor&
 int64_t encode_rows(const at::Tensor& x, int64_t bits, int64_t group, double limit, const at::Tensor& codes,
                     const at::Tensor& scale, const at::Tensor& zero, int64_t start,
                     const c10::optional<at::Tensor>& slots) {
-  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat, "kivi_encode_into: x must be float32 [B, H, T, D]");
+  TORCH_CHECK(x.dim() == 4 && at::isFloatingType(x.scalar_type()), "kivi_encode_into: x must be floats [B, H, T, D]");
   TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "kivi_encode_into: bits must be 8, 4, 2 or 0 (fp8)");
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   const int per = bits == 0 ? 1 : 8 / int(bits);
@@ -212,7 +212,7 @@ int64_t encode_rows(const at::Tensor& x, int64_t bits, int64_t group, double lim
   } else {
     TORCH_CHECK(start >= 0 && start + T <= N, "kivi_encode_into: rows ", start, "..", start + T - 1, " of ", N);
   }
-  const at::Tensor xs = x.contiguous();
+  const at::Tensor xs = x.to(at::kFloat).contiguous();  // (float32 as coded; no copy for a float32 decode token)
   const at::Tensor sl = by_slot ? slots->contiguous() : at::Tensor();
   const float* xp = xs.data_ptr<float>();
   const int64_t* slp = by_slot ? sl.data_ptr<int64_t>() : nullptr;
@@ -253,6 +253,11 @@ int64_t encode_rows(const at::Tensor& x, int64_t bits, int64_t group, double lim
     }
     pack(q.data(), D, int(bits), cp + b * c0 + h * c1 + row * c2);
   }
+  // Written through raw pointers: the fields' version counters move as an in-place op's (an offloaded layer's
+  // placement writes back a slot field whose counter moved; without this, a decode step's codes never reached disk).
+  kvplus_cpu::mark_written(codes);
+  kvplus_cpu::mark_written(scale);
+  if (has_zero) kvplus_cpu::mark_written(zero);
   return count;
 }
 

@@ -222,6 +222,9 @@ int64_t encode_rows(const at::Tensor& x, const std::optional<at::Tensor>& rotati
     }
     count += refused;
   });
+  // Written through raw pointers: the version counters move as an in-place op's (`kivi_pack_cpu.cpp`'s encode_rows).
+  kvplus_cpu::mark_written(codes);
+  kvplus_cpu::mark_written(norms);
   return guard ? count.load() : 0;
 }
 

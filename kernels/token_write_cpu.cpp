@@ -48,10 +48,8 @@ void write_token_cpu(const at::Tensor& k_buf, const at::Tensor& v_buf, const at:
   };
   write(k_buf, keys);
   write(v_buf, values);
-  // Written in place: their version counters move, as an in-place op's do (what tells an offloaded layer's placement
-  // that its tensors changed, and autograd that a saved tensor did).
-  for (const at::Tensor* buf : {&k_buf, &v_buf})
-    if (!buf->is_inference()) buf->unsafeGetTensorImpl()->bump_version();
+  kvplus_cpu::mark_written(k_buf);  // (as an in-place op's: `mark_written` says why)
+  kvplus_cpu::mark_written(v_buf);
 }
 
 }  // namespace kvplus_token

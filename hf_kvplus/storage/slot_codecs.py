@@ -176,10 +176,9 @@ class TokenQuantCodec:
         """`_into_rows` of both sides, in one operator call where one format codes both (`dispatch.quantize_kv_into`)."""
         limit, bad = (None, None) if guard is None else guard.folded(keys.dtype)
         fmts = (self._formats["k"], self._formats["v"])
-        quantize_kv_into(
-            keys, values, fmts, self._out(fields, "k"), self._out(fields, "v"), start, slots, limit=limit, bad=bad,
-            state=self._states["k"],
-        )  # fmt: skip
+        (kc, ks, kz), (vc, vs, vz) = self._fields["k"], self._fields["v"]  # (`_out` of each, inline: every step)
+        out_k, out_v = (fields[kc], fields[ks], fields.get(kz)), (fields[vc], fields[vs], fields.get(vz))
+        quantize_kv_into(keys, values, fmts, out_k, out_v, start, slots, limit=limit, bad=bad, state=self._states["k"])
 
     def _out(self, fields, name) -> tuple:
         """Side `name`'s (codes, scale, zero or None) among `fields`, which the operators code into."""

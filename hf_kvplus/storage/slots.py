@@ -245,8 +245,8 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
             return
         span = slice(lo, lo + new)
         self.codec.write(self.fields, span, keys, values, guard)
-        if new == 1:  # a decode step: fill in place, no index tensor
-            self.fields["pos"][:, :, span].fill_(first_pos)
+        if new == 1:  # a decode step: fill in place, no index tensor (a select: cheaper than a slice)
+            self.fields["pos"].select(2, lo).fill_(first_pos)
         else:
             self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
         if self.keeps_scores:
