@@ -211,3 +211,45 @@ def test_a_cache_with_the_scale_is_the_model_with_it_folded_into_its_qk_norm():
     built, folded, plain = logits("auto", False), logits("off", True), logits("off", False)
     assert float((built - folded).abs().max()) < 2e-3  # measured 1.4e-4; the scale moves them by 21
     assert float((built - plain).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_a_scaled_cache_fitted_on_a_model_saves_loads_and_decodes_as_it_did(static, tmp_path):
+    # The tiny Gemma 3 (QK-norm, sliding and full layers): a scale fitted on it by the package's fit, a k3v2 cache
+    # holding it (a static storage's ring too) decodes as the scale-free cache does not, its dense keys are the keys
+    # that came in to the format's error, and a saved copy continues with the same logits.
+    from conformance.models import get_model
+    from hf_kvplus import load_cache
+    from hf_kvplus.evaluation.key_scale_fit import fit_key_scale
+
+    model = get_model("gemma3")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    fitted_here = fit_key_scale(model, ids[0], "tiny gemma3")
+    assert set(fitted_here.scales) == set(range(model.config.num_hidden_layers))
+    # (the tiny model's fitted scales are all near 1: a wide one of the same shape shows a missing division)
+    g = torch.Generator().manual_seed(4)
+    scale = KeyScale("tiny gemma3", fitted_here.model_type, fitted_here.num_layers,
+                     {i: pair_scale(*s.shape, g) for i, s in fitted_here.scales.items()})  # fmt: skip
+    kw = dict(bits="k3v2", window=8, family_defaults=False, max_tokens=64 if static else None)
+    caches = [QuantizedCache(model.config, key_scale=s, **kw) for s in (scale, "off")]
+    token = torch.tensor([[7]])
+    with torch.no_grad():
+        logits = [(model(input_ids=ids, **cache_kwargs(c)), model(input_ids=token, **cache_kwargs(c)).logits)[1]
+                  for c in caches]  # fmt: skip
+    assert not torch.equal(logits[0], logits[1])  # (a prompt attends to its own keys exact: a decode step reads codes)
+    keys = caches[0].layers[2].storage.view(41)[0]  # a full layer's keys, read back divided
+    exact = QuantizedCache(model.config, bits="k8v8", window=8, family_defaults=False, first_tokens=0)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(exact))
+        model(input_ids=token, **cache_kwargs(exact))
+    near = exact.layers[2].storage.view(41)[0]
+    s2 = scale.scales[2][:, None, :]  # divided back, the keys to 3 bits' error where they were coded (times s)
+    assert float(((keys - near) * s2).norm() / (near * s2).norm()) < 0.3
+    assert float((keys * s2 - near).norm() / near.norm()) > 0.5  # (not divided back: far from them)
+    caches[0].save(tmp_path / "cache.safetensors")
+    loaded = load_cache(tmp_path / "cache.safetensors", model.config)
+    assert loaded.layers[2].storage.states()[0].scale is not None
+    with torch.no_grad():
+        want = model(input_ids=token, **cache_kwargs(caches[0])).logits
+        got = model(input_ids=token, **cache_kwargs(loaded)).logits
+    assert torch.equal(got, want)
