@@ -65,7 +65,7 @@
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
 - `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 or rotated codes (`group=N`, `window=N`,
-                            `seed=N`, and the precision regions of `quantized`)
+                            `seed=N`, `key_scale=auto|off|PATH` and the precision regions of `quantized`)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -369,7 +369,7 @@ def _validate(spec: CacheSpec) -> None:
     elif name in ("offloaded", "offloaded-quantized"):
         quantized = name == "offloaded-quantized"
         _check_arity(
-            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed"} | REGION_OPTIONS | CALIBRATION_OPTION if quantized else set())
+            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed", "key_scale"} | REGION_OPTIONS | CALIBRATION_OPTION if quantized else set())
         )
         if quantized and len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected {name}:<int8|int4|int2|fp8>, e.g. {name}:int4")
@@ -502,7 +502,7 @@ def _offloaded(config, args, kwargs, max_length):
     if args:
         options |= {"bits": args[0], "group_size": int(kwargs["group"]) if "group" in kwargs else None,
                     "window": int(kwargs.get("window", DEFAULT_WINDOW)), "rotation_seed": _seed(kwargs),
-                    **_regions(kwargs), **_calibrated(config, args[0], kwargs)}
+                    "key_scale": kwargs.get("key_scale", "auto"), **_regions(kwargs), **_calibrated(config, args[0], kwargs)}
     return OffloadedCache(config, **options)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kernel_checks import reference
 
-from hf_kvplus import QuantizedCache, cache_kwargs, fitted
+from hf_kvplus import OffloadedCache, QuantizedCache, cache_kwargs, fitted
 from hf_kvplus.errors import CacheMismatchError, ConfigError, ShapeError
 from hf_kvplus.kernels import rotated_cpu
 from hf_kvplus.kernels.dispatch import quantized_decode_attention
@@ -168,17 +168,22 @@ def test_the_shipped_scale_is_taken_by_gemma3s_rotated_caches_and_no_others(name
     monkeypatch.setenv("KVPLUS_CACHE", str(tmp_path))  # an empty user folder: the package data alone
     config = load_config(name)
     gemma = name == "gemma3-270m"
-    for build in (lambda: QuantizedCache(config, bits="k4v2"), lambda: parse_cache_spec("quantized:k3v2").build(config)):
+    for build in (lambda: QuantizedCache(config, bits="k4v2"), lambda: parse_cache_spec("quantized:k3v2").build(config),
+                  lambda: OffloadedCache(config, bits="k2v2"),
+                  lambda: parse_cache_spec("offloaded-quantized:k4v2").build(config)):  # fmt: skip
         cache = build()
         held = [layer.storage.states()[0].scale for layer in cache.layers]
-        assert (cache.quantized_report()["key_scale"] == "gemma3-270m") == gemma
+        if not isinstance(cache, OffloadedCache):
+            assert (cache.quantized_report()["key_scale"] == "gemma3-270m") == gemma
         assert all((s is not None) == gemma for s in held)
     for off in (lambda: QuantizedCache(config, bits="k4v2", key_scale="off"),
                 lambda: QuantizedCache(config, bits="k4v2", key_scale=None),
                 lambda: parse_cache_spec("quantized:k4v2:key_scale=off").build(config),
+                lambda: OffloadedCache(config, bits="k4v2", key_scale="off"),
+                lambda: parse_cache_spec("offloaded-quantized:k3v2:key_scale=off").build(config),
                 lambda: QuantizedCache(config, bits=4)):  # fmt: skip
         cache = off()
-        assert cache.quantized_report()["key_scale"] is None
+        assert isinstance(cache, OffloadedCache) or cache.quantized_report()["key_scale"] is None
         assert all(getattr(layer.storage.states()[0], "scale", None) is None for layer in cache.layers)
 
 
