@@ -19,7 +19,7 @@ from kernel_checks import reference
 
 from hf_kvplus import OffloadedCache, QuantizedCache, cache_kwargs, fitted
 from hf_kvplus.errors import CacheMismatchError, ConfigError, ShapeError
-from hf_kvplus.kernels import rotated_cpu
+from hf_kvplus.kernels import rotated_cpu, rotated_kernels
 from hf_kvplus.kernels.dispatch import quantized_decode_attention
 from hf_kvplus.kernels.quant_format import PackedKV
 from hf_kvplus.kernels.rotated_format import (
@@ -29,6 +29,7 @@ from hf_kvplus.kernels.rotated_format import (
     dequantize_rotated,
     quantize_rotated,
 )
+from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 from hf_kvplus.key_scale import KeyScale
 from hf_kvplus.planning.configs import load_config
 from hf_kvplus.specs import parse_cache_spec
@@ -49,13 +50,15 @@ def keys_and_queries(B, Hkv, G, T, D, generator):
     return k, torch.randn(B, Hkv * G, D, generator=generator)
 
 
-@pytest.mark.parametrize("path", ["cpu-operator", "twin", "compiled"])
+@pytest.mark.parametrize("path", ["cpu-operator", "twin", "compiled", "triton"])
 @pytest.mark.parametrize("ring", ["as-it-came", "rotated"])
 def test_attention_with_a_scale_is_attention_over_the_keys_divided_back(path, ring, monkeypatch):
     if path != "cpu-operator":
         monkeypatch.setattr(rotated_cpu, "_LOADED", False)
     elif not rotated_cpu.available():
         pytest.skip("the C++ operators do not build here")
+    if path == "triton":  # the Triton kernels, interpreted on the CPU where no GPU is (conftest's TRITON_INTERPRET)
+        monkeypatch.setattr(rotated_kernels, "path_of", lambda *_args: "triton")
     g = torch.Generator().manual_seed(11)
     B, Hkv, G, T, R, D = 2, 2, 2, 40, 6, 64
     fmt = RotatedFormat(3, 2, 5)
@@ -63,6 +66,9 @@ def test_attention_with_a_scale_is_attention_over_the_keys_divided_back(path, ri
     k, q = keys_and_queries(B, Hkv, G, T + R, D, g)
     v = torch.randn(B, Hkv, T + R, D, generator=g)
     kc, kn = quantize_rotated(k[:, :, :T], fmt, "keys", center=center)
+    if path == "triton":  # its encoder codes the scaled keys as the twin does
+        tc, tn, _ = quantize_rotated_triton(k[:, :, :T], fmt, "keys", center=center)
+        assert torch.equal(tc, kc) and torch.allclose(tn.float(), kn.float(), rtol=1e-3)
     vc, vn = quantize_rotated(v[:, :, :T], fmt, "values")
     packed = PackedKV(kc, kn, None, vc, vn, None)
     k_hat = dequantize_rotated(kc, kn, fmt, "keys", torch.float64, center=center)  # divided back
