@@ -255,6 +255,8 @@ def shipped(model, tokenizer, args) -> None:
         record({"text": text, "spec": "dynamic", "perplexity": base.perplexity, "seconds": round(base.seconds)})
         cases = [(f"{spec} {'family' if d else 'one format'}", {"bits": spec, "family_defaults": d})
                  for spec in args.specs for d in (True, False)]  # fmt: skip
+        if args.cases:  # these, in this order
+            cases = [next(case for case in cases if case[0] == name) for name in args.cases]
         for seed in args.seeds:
             for name, kwargs in cases:
                 for key_scale in ("off", scaled):
@@ -305,6 +307,8 @@ def main(argv=None) -> None:
     sh.add_argument("--window", type=int, default=128)
     sh.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
     sh.add_argument("--key-scale", type=Path, help="a key scale file (default: the model's shipped one)")
+    sh.add_argument("--cases", nargs="*", default=[], help="only these caches, in this order (e.g. 'k4v2 family' "
+                    "'k2v2 one format')")  # fmt: skip
     sh.add_argument("--out", type=Path, required=True)
     for p in (g, r, sh):
         p.add_argument("--threads", type=int, default=1)
