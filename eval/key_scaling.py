@@ -4,6 +4,7 @@ Gemma 3): can a per-layer, per-RoPE-pair key scale make the rotated formats' cod
     python eval/key_scaling.py gains gemma3-270m austen:persuasion austen:prideprejudice 2048 --save /tmp/s.pt
     python eval/key_scaling.py runs gemma3-270m /tmp/s.pt --texts austen:prideprejudice --specs k2v2 k3v2 k4v2 \
         --out /tmp/key_scaling/runs.jsonl
+    python eval/key_scaling.py shipped gemma3-270m --texts austen:prideprejudice --out /tmp/key_scaling/shipped.jsonl
 
 Why it can: scaling a RoPE pair's two key coordinates (i and i + D/2, rotated together by rotate_half) by s and the
 query's by 1/s leaves every logit q.k unchanged and commutes with RoPE. A rotated format's coding error is about
@@ -26,6 +27,9 @@ is (sum_p rms(q_p) rms(k_p))^2 (Cauchy-Schwarz). The gain, the factor that varia
   precision). `--configs NAME=JSON` adds caches (`QuantizedCache` keyword arguments, `layer_bits` keys as strings,
   e.g. 'full k3v2={"bits": "k2v2", "layer_bits": {"5": "k3v2", "11": "k3v2", "17": "k3v2"}}'). One JSON line per
   run into `--out`.
+- `shipped`: the scale as the rotated format holds it (`QuantizedCache(key_scale=...)`, the model unchanged): each
+  cache of `runs` with `key_scale="off"` and then as it ships (`"auto"`: the model's fitted scale, if one ships; the
+  record says which it took), same seeds; `--key-scale PATH` takes a scale file instead of the shipped one.
 
 1 torch thread; run one at a time on a shared machine.
 """
@@ -235,6 +239,40 @@ def runs(model, tokenizer, scales, values, args) -> None:
                             "seconds": round(result.seconds)})  # fmt: skip
 
 
+def shipped(model, tokenizer, args) -> None:
+    """Perplexity change of each cache without the key scale and with it, alternately (see the module doc)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with args.out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+    scaled = "auto" if args.key_scale is None else str(args.key_scale)
+    for text in args.texts:
+        ids = tokenize(tokenizer, load_text(text), args.tokens)
+        base = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=args.chunk, progress=False)
+        record({"text": text, "spec": "dynamic", "perplexity": base.perplexity, "seconds": round(base.seconds)})
+        cases = [(f"{spec} {'family' if d else 'one format'}", {"bits": spec, "family_defaults": d})
+                 for spec in args.specs for d in (True, False)]  # fmt: skip
+        if args.cases:  # these, in this order
+            cases = [next(case for case in cases if case[0] == name) for name in args.cases]
+        for seed in args.seeds:
+            for name, kwargs in cases:
+                for key_scale in ("off", scaled):
+                    cache = QuantizedCache(model.config, window=args.window, rotation_seed=seed, key_scale=key_scale,
+                                           **kwargs)  # fmt: skip
+                    result = perplexity(model, ids, cache, chunk_size=args.chunk, progress=False)
+                    ratio = result.perplexity / base.perplexity
+                    difference = result.nll.double() - base.nll.double()
+                    report = cache.quantized_report()
+                    record({"text": text, "cache": name, "seed": seed, "key_scale_asked": key_scale,
+                            "key_scale": report["key_scale"], "delta_pct": round(100 * (ratio - 1), 3),
+                            "se_pct": round(100 * ratio * float(difference.std() / difference.numel() ** 0.5), 3),
+                            "perplexity": result.perplexity, "bits": round(report["bits_per_coordinate"], 3),
+                            "seconds": round(result.seconds)})  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="probe", required=True)
@@ -260,12 +298,26 @@ def main(argv=None) -> None:
     r.add_argument("--check-dynamic", action="store_true", help="DynamicCache on the folded model too")
     r.add_argument("--value-scales", type=Path, help="value scales to fold too (`gains --save-values`)")
     r.add_argument("--out", type=Path, required=True)
-    for p in (g, r):
+    sh = sub.add_parser("shipped")
+    sh.add_argument("model")
+    sh.add_argument("--texts", nargs="+", default=["austen:prideprejudice"])
+    sh.add_argument("--specs", nargs="*", default=["k2v2", "k3v2", "k4v2"])
+    sh.add_argument("--tokens", type=int, default=4096)
+    sh.add_argument("--chunk", type=int, default=32)
+    sh.add_argument("--window", type=int, default=128)
+    sh.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
+    sh.add_argument("--key-scale", type=Path, help="a key scale file (default: the model's shipped one)")
+    sh.add_argument("--cases", nargs="*", default=[], help="only these caches, in this order (e.g. 'k4v2 family' "
+                    "'k2v2 one format')")  # fmt: skip
+    sh.add_argument("--out", type=Path, required=True)
+    for p in (g, r, sh):
         p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    if args.probe == "gains":
+    if args.probe == "shipped":
+        shipped(model, tokenizer, args)
+    elif args.probe == "gains":
         scales = gains(model, *(tokenize(tokenizer, load_text(t), args.tokens) for t in (args.fit_text, args.eval_text)))
         if args.save:
             torch.save(scales, args.save)

@@ -1,4 +1,4 @@
-"""Artifacts fitted to one model (a KVzap surrogate, a low-bit calibration), found from the model's config.
+"""Artifacts fitted to one model (a KVzap surrogate, a low-bit calibration, a key scale), found from the model's config.
 
 `KVzapCache(model.config, budget=0.2)`, the spec `kvzap:20%` and `quantized:k4v2:calibration=auto` need no path: the
 model's key (`model_key`: its type, layers, KV heads, head size, hidden size and vocabulary, read off the config) names
@@ -12,6 +12,10 @@ Layout, the same in both places::
 
     <root>/<model key>/kvzap/surrogate.safetensors
     <root>/<model key>/calibration/<bits>/calibration.json
+    <root>/<model key>/key_scale/key_scale.safetensors
+
+A key scale (`key_scale.KeyScale`) is the one artifact a cache takes by default where it is found (a rotated format's
+keys, `QuantizedCache(key_scale="auto")`): a model without one keeps its keys unscaled, with no error.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from transformers import PreTrainedConfig
 from .calibration import Calibration
 from .errors import ArtifactNotFoundError, ConfigError
 from .formats import parse_bits
+from .key_scale import KeyScale
 from .model_spec import ModelSpec
 from .surrogate import Surrogate
 from .user_cache import cache_root
@@ -37,6 +42,7 @@ COSTS = {
     "kvzap": "Gemma 3 270M, the command's defaults: KVzip scores of 12,288 tokens (6 chunks of 2,048 from three Austen "
     "novels, three with numbers added) and 2,048 held out, 198 s of CPU time (30 min wall where it got a tenth of a "
     "core), 2.5 GB resident",
+    "key_scale": "Gemma 3 270M, 2,048 tokens of Persuasion: one cache-free forward, under a minute",
     "calibration": "Gemma 3 270M, k4v2 with one candidate per layer (--up k4v3) over 512 tokens (--tokens 512): 21 "
     "perplexity passes, 190 s of CPU time (17 min wall where it got a fifth of a core), 3.7 GB resident",
 }
@@ -98,9 +104,29 @@ def calibration_for(config: PreTrainedConfig, bits: int | str) -> Calibration:
     return calibration
 
 
+def key_scale_for(config: PreTrainedConfig, key_scale="auto") -> KeyScale | None:
+    """The key scale a rotated cache of this model takes: `key_scale` "auto" (this model's, `find`, or None where it
+    has none), None or "off" (none), a `KeyScale` or the path of its file; checked against the config."""
+    if key_scale is None or (isinstance(key_scale, str) and key_scale in ("off", "auto")):
+        if key_scale != "auto":
+            return None
+        path = find(config, "key_scale", "key_scale.safetensors")
+        if path is None:
+            return None
+        key_scale = path
+    if not isinstance(key_scale, KeyScale):
+        if not isinstance(key_scale, (str, Path)):
+            raise ConfigError(f"key_scale must be 'auto', 'off', None, a KeyScale or the path of its file, got "
+                              f"{key_scale!r}")  # fmt: skip
+        key_scale = KeyScale.load(key_scale)
+    key_scale.check(config)
+    return key_scale
+
+
 def shipped() -> list[str]:
     """The artifacts in the package data, as "<model key>/<kind>" (e.g. "llama-l30-kv3-d64-h576-v49152/kvzap")."""
-    files = [*PACKAGED.glob("*/kvzap/surrogate.safetensors"), *PACKAGED.glob("*/calibration/*/calibration.json")]
+    files = [*PACKAGED.glob("*/kvzap/surrogate.safetensors"), *PACKAGED.glob("*/calibration/*/calibration.json"),
+             *PACKAGED.glob("*/key_scale/key_scale.safetensors")]
     return sorted(str(path.parent.relative_to(PACKAGED)) for path in files)
 
 

@@ -9,6 +9,8 @@ from transformers import PreTrainedConfig
 
 from .cache import KVCache
 from .errors import ConfigError
+from .fitted import key_scale_for
+from .formats import is_rotated
 from .placement.offloaded import Offloaded
 from .precision import PrecisionRegions
 from .quantized_cache import preset_first_tokens, quantized_storage
@@ -23,6 +25,8 @@ class OffloadedCache(KVCache):
     (8, 4, 2, "fp8" or a rotated "k4v2" with its `rotation_seed`, as `QuantizedCache`) the packed codes rest on the host and cross the bus, a
     quarter of the bytes at int4. `host_budget` (bytes) and `folder` add a disk tier: layers beyond the
     budget go to memory-mapped files in `folder`, read back ahead of use and removed with the cache.
+    `key_scale` ("auto"): a rotated format's keys scaled as `QuantizedCache`'s are (the model's fitted scale, where
+    one ships; "off" or None: none).
     Works without CUDA (the host is then the compute device: only the disk tier moves bytes).
     `tier_bytes()` tells where the bytes are. Other caches take the same placement:
     `QuantizedCache(config, placement=Offloaded())`, `PagedCache(config, placement=Offloaded())`,
@@ -48,6 +52,7 @@ class OffloadedCache(KVCache):
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
         rotation_seed: int = 0,
+        key_scale="auto",
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
         first_tokens = preset_first_tokens(bits, first_tokens)  # a rotated preset's exact first tokens, as QuantizedCache
@@ -57,8 +62,9 @@ class OffloadedCache(KVCache):
                 raise ConfigError(f"precision regions ({regions}) need bits: a full-precision cache is exact everywhere")
             storage = lambda spec: DenseStorage()  # noqa: E731
         else:
+            scale = key_scale_for(config, key_scale) if is_rotated(bits) else None  # (QuantizedCache's `key_scale`)
             storage = quantized_storage(config, bits=bits, group_size=group_size, regions=regions,
-                                        rotation_seed=rotation_seed)
+                                        rotation_seed=rotation_seed, key_scale=scale)
         super().__init__(config, storage=storage, placement=placement)
 
     def close(self) -> None:

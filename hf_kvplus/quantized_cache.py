@@ -11,10 +11,12 @@ from .cache import KVCache
 from .calibration import Calibration
 from .errors import ConfigError, UnsupportedModelError
 from .eviction.rope import RotaryShift
-from .fitted import calibrated_layer_bits
+from .fitted import calibrated_layer_bits, key_scale_for
 from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
 from .kernels.quant_format import QuantFormat
+from .kernels.rotated_format import RotatedFormat
 from .kernels.turning_center import RotaryBasis
+from .key_scale import KeyScale
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .precision import PrecisionRegions, family_of, family_regions, precision_report
@@ -50,6 +52,7 @@ def quantized_storage(
     regions: PrecisionRegions | None = None,
     turning_keys: bool | None = None,
     family_defaults: bool = True,
+    key_scale: KeyScale | None = None,
 ) -> Callable[[LayerSpec], KVStorage]:
     """A `KVCache` storage factory holding K/V quantized: combine it with any retention.
 
@@ -58,7 +61,8 @@ def quantized_storage(
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
     `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
     boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives `layer_bits`'s layers
-    their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`.
+    their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`. `key_scale` (checked against the
+    config): the key scale of each layer held in a rotated format (`KeyCenter.scale`).
     """
     regions = regions or PrecisionRegions(window=window)
     if family_defaults:
@@ -101,18 +105,26 @@ def quantized_storage(
         if layer_fmt is None:  # a layer at full precision
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
+        scaled = {} if key_scale is None or not isinstance(layer_fmt, RotatedFormat) else {
+            "key_scale": key_scale.of(spec.index)}  # fmt: skip
         if turns is not None and layer_fmt.turns_keys and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
-            state = layer_fmt.make_state(turns=turns, origin=0 if static else first)
+            state = layer_fmt.make_state(turns=turns, origin=0 if static else first, **scaled)
         else:
-            state = layer_fmt.make_state()
+            state = layer_fmt.make_state(**scaled)
         layer_fmt = layer_fmt.for_layer(spec.index)
         if static:
             return StaticQuantizedStorage(layer_fmt, window, max_tokens, first, state)
         return QuantizedStorage(segment(layer_fmt, state), window=window, first=first)
 
     return storage
+
+
+def _rotated_anywhere(bits, regions: PrecisionRegions) -> bool:
+    """Whether a cache of preset `bits` (None: int4) and these regions holds any layer in a rotated format."""
+    own = [b for b in (bits, regions.boundary_bits, *(b for _, b in regions.layer_bits)) if b is not None]
+    return any(is_rotated(b) for b in own)
 
 
 def turning_basis(config: PreTrainedConfig, turning_keys: bool | None, rotated: bool) -> RotaryBasis | None:
@@ -165,6 +177,11 @@ class QuantizedCache(KVCache):
     a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
     full-attention layers at k4v1, measured in docs/benchmarks-lowbit.md); `quantized_report()["family_defaults"]`
     names the family; False: the preset's format on every layer.
+    `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
+    divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
+    queries read): "auto" takes this model's, found from the config as calibrations are (the package data holds
+    Gemma 3 270M's; a model without one is not scaled), None or "off" none (spec `key_scale=off`), or a `KeyScale`
+    or the path of its file; `quantized_report()["key_scale"]` names the model it was fitted on.
     `turning_keys`: a rotated format's keys are coded relative to a centre per KV head; by default (None) on
     full-attention layers (growing or `max_tokens`'s static storage) that centre turns with RoPE, the keys' pre-RoPE
     mean at each key's position (`kernels/turning_center.py`; spec `center=turning`), which codes a model's keys with
@@ -212,6 +229,7 @@ class QuantizedCache(KVCache):
         turning_keys: bool | None = None,
         calibration: Calibration | str | Path | None = None,
         family_defaults: bool = True,
+        key_scale: KeyScale | str | Path | None = "auto",
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -224,10 +242,12 @@ class QuantizedCache(KVCache):
         self.regions = family_regions(config, bits, asked) if family_defaults else asked
         #: The model family whose defaults gave the layer formats (`precision.FAMILY_DEFAULTS`), or None.
         self.family = family_of(config) if self.regions != asked else None
+        #: The keys' scale (`KeyScale`) where a rotated format codes them, or None.
+        self.key_scale = key_scale_for(config, key_scale) if _rotated_anywhere(bits, self.regions) else None
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,
             max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions, turning_keys=turning_keys,
-            family_defaults=False,
+            family_defaults=False, key_scale=self.key_scale,
         )  # fmt: skip
         super().__init__(config, storage=storage, placement=placement, compileable=compileable)
         self.format = resolve_format(self.model_spec, 4 if bits is None else bits, group_size, rotation_seed)
@@ -239,4 +259,6 @@ class QuantizedCache(KVCache):
         over every token outside the window, the full-precision regions (first tokens, boundary layers) included at
         their dtype's bits."""
         family = None if self.family is None else self.family.family
-        return precision_report(self, str(self.format), self.window) | {"backend": self.backend, "family_defaults": family}
+        scale = None if self.key_scale is None else self.key_scale.model
+        return precision_report(self, str(self.format), self.window) | {
+            "backend": self.backend, "family_defaults": family, "key_scale": scale}

@@ -26,7 +26,9 @@
                             `calibration=PATH` holds some layers at other bits, as `kvplus calibrate` chose
                             for this model and format (also for `paged-quantized` and `offloaded-quantized`);
                             `calibration=auto`: the model's own, found from its config (`fitted`: SmolLM2-135M's
-                            k4v2, k3v2, k2v2 and Gemma 3 270M's k4v2 ship)
+                            k4v2, k3v2, k2v2 and Gemma 3 270M's k4v2 ship); `key_scale=auto|off|PATH`: a
+                            rotated format's keys scaled per RoPE pair as fitted for the model (`auto`, the
+                            default: the model's own where one ships, Gemma 3 270M's; `off`: none)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N` and the precision regions of `quantized`
                             (`first=N`, `boundary=N`: full-precision blocks, `boundary_bits=...`) may follow
@@ -63,7 +65,7 @@
                             `disk=FOLDER` (`tmp`: the system's temporary folder) adds the disk tier beyond
                             `host=SIZE` bytes of host memory (default 0; K/M/G suffixes)
 - `offloaded-quantized:int4`  the same holding int8/int4/int2/fp8 or rotated codes (`group=N`, `window=N`,
-                            `seed=N`, and the precision regions of `quantized`)
+                            `seed=N`, `key_scale=auto|off|PATH` and the precision regions of `quantized`)
 
 Later caches register themselves with `register_cache_spec`.
 """
@@ -333,8 +335,8 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
-        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed", "center"} | REGION_OPTIONS
-                     | CALIBRATION_OPTION)
+        _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed", "center", "key_scale"}
+                     | REGION_OPTIONS | CALIBRATION_OPTION)
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
@@ -367,7 +369,7 @@ def _validate(spec: CacheSpec) -> None:
     elif name in ("offloaded", "offloaded-quantized"):
         quantized = name == "offloaded-quantized"
         _check_arity(
-            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed"} | REGION_OPTIONS | CALIBRATION_OPTION if quantized else set())
+            spec, int(quantized), {"lookahead", "host", "disk"} | ({"group", "window", "seed", "key_scale"} | REGION_OPTIONS | CALIBRATION_OPTION if quantized else set())
         )
         if quantized and len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected {name}:<int8|int4|int2|fp8>, e.g. {name}:int4")
@@ -500,7 +502,7 @@ def _offloaded(config, args, kwargs, max_length):
     if args:
         options |= {"bits": args[0], "group_size": int(kwargs["group"]) if "group" in kwargs else None,
                     "window": int(kwargs.get("window", DEFAULT_WINDOW)), "rotation_seed": _seed(kwargs),
-                    **_regions(kwargs), **_calibrated(config, args[0], kwargs)}
+                    "key_scale": kwargs.get("key_scale", "auto"), **_regions(kwargs), **_calibrated(config, args[0], kwargs)}
     return OffloadedCache(config, **options)
 
 
@@ -556,6 +558,7 @@ def _quantized(config, args, kwargs, max_length):
         backend=kwargs.get("backend", "kvplus"),
         rotation_seed=_seed(kwargs),
         turning_keys={"turning": True, "fixed": False}.get(kwargs.get("center")),
+        key_scale=kwargs.get("key_scale", "auto"),
         **_static_options(kwargs, max_length),
         **_regions(kwargs),
         **_calibrated(config, args[0], kwargs),

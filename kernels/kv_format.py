@@ -158,8 +158,8 @@ class KVFormat:
         `state`: the layer's (a key centre set from these keys if not yet)."""
         return keys, values
 
-    def from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inverse of :meth:`to_ring`."""
+    def from_ring(self, keys: torch.Tensor, values: torch.Tensor, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of :meth:`to_ring` (`state`: the layer's, as given to it)."""
         return keys, values
 
 

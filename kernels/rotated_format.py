@@ -57,6 +57,7 @@ from hf_kvplus.kernels.turning_center import TURN_BLOCK, PositionTables, RotaryB
 __all__ = [
     "ROTATED_BITS",
     "TURN_BLOCK",
+    "checked_key_scale",
     "KeyCenter",
     "RotatedFormat",
     "byte_table",
@@ -68,6 +69,7 @@ __all__ = [
     "pack_bits",
     "quantize_rotated",
     "rotation",
+    "scaled_keys",
     "turning_key_center",
     "unpack_bits",
 ]
@@ -103,11 +105,20 @@ class KeyCenter:
     key at index i (a storage's buffer index) that mean turned to position ``origin + i`` (``at``); its codes are made
     and read with the tokens' indices, and attention adds ``e(origin + i) . (W q)`` (``basis``, ``query_weights``; the
     C++ operator reads ``block_basis`` and ``weights``). The basis tables are the basis's own
-    (`RotaryBasis.tables`), one copy for every layer of a cache, not this centre's."""
+    (`RotaryBasis.tables`), one copy for every layer of a cache, not this centre's.
 
-    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights")
+    `scale` (optional, float32 [H, D]): a per-channel key scale s, equal on the two channels of each RoPE pair (i and
+    i + D/2), so that it commutes with RoPE; keys are coded as ``k * s`` (centre and codes in that space), attention
+    reads the query as ``q / s`` (logits unchanged), and a dense read gives ``k^ / s``. Fitted per model so that a
+    pair's share of the coding error follows how much the queries read it (``s**2 = rms(q) / rms(k)``:
+    `evaluation/key_scale_fit.py`). None: no scale, no extra operation anywhere."""
 
-    def __init__(self, turns: RotaryBasis | None = None, origin: int = 0):
+    __slots__ = ("mu", "rotated", "in_planes", "turns", "origin", "weights", "rotated_weights", "scale", "_folded")
+
+    def __init__(self, turns: RotaryBasis | None = None, origin: int = 0, scale: torch.Tensor | None = None):
+        self.scale = None if scale is None else checked_key_scale(scale)
+        #: The rotations with the scale folded in, per (plane order, device): what the twin and Triton paths multiply by.
+        self._folded: dict = {}
         self.mu: torch.Tensor | None = None
         self.rotated: torch.Tensor | None = None
         #: ``rotated`` with its channels in plane order, per bit width (what a compiled twin adds to its planes).
@@ -120,8 +131,18 @@ class KeyCenter:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the centre keeps (what a memory report counts as the layer's state, and a saved cache holds);
         not the shared basis tables (:attr:`tables`), which are derived."""
-        kept = (self.mu, self.rotated, *self.in_planes.values(), self.weights, self.rotated_weights)
+        kept = (self.mu, self.rotated, *self.in_planes.values(), self.weights, self.rotated_weights, self.scale)
         return tuple(t for t in kept if t is not None)
+
+    def __getstate__(self) -> dict:
+        """Without the folded rotations (derived from the scale); a centre saved before scales existed loads with
+        none."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "_folded"}
+
+    def __setstate__(self, state: dict) -> None:
+        for name in self.__slots__:
+            setattr(self, name, state.get(name, {} if name in ("in_planes", "_folded") else None))
+        self.origin = state.get("origin", 0)
 
     @property
     def tables(self) -> PositionTables:
@@ -169,6 +190,44 @@ class KeyCenter:
         H = w.shape[0]
         return torch.einsum("bhgd,hed->bhge", q.float().view(B, H, Hq // H, D), w).reshape(B, Hq, D).contiguous()
 
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys x [B, H, T, D] as they are coded: ``x * s`` in float32 (x itself without a scale)."""
+        return x if self.scale is None else x.float() * self._scale_on(x.device)[:, None, :]
+
+    def unscaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Decoded keys [..., H, T, D] back in the model's space: ``x / s`` (x itself without a scale)."""
+        return x if self.scale is None else x / self._scale_on(x.device)[:, None, :]
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """The query [B, Hq, D] as the scaled keys are read with: ``q / s`` per KV head's query heads, float32."""
+        if self.scale is None:
+            return q
+        B, Hq, D = q.shape
+        scale = self._scale_on(q.device)
+        return (q.float().view(B, scale.shape[0], -1, D) / scale[None, :, None, :]).view(B, Hq, D)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale on `device` (moved there once, eagerly: a loaded scale starts on the CPU)."""
+        scale = self.scale
+        if scale.device != device:
+            scale = scale.to(device)
+            if not torch.compiler.is_compiling():
+                self.scale = scale
+        return scale
+
+    def folded(self, r: torch.Tensor, plane_bits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``diag(s) R``, ``diag(1 / s)`` R) per KV head, [H, D, D], for the rotation `r` (in the plane order of
+        `plane_bits`): scaled keys' and the query's rotations in one product each. Kept per order and device (made
+        eagerly; a traced step makes its own)."""
+        key = (plane_bits, r.device)
+        made = self._folded.get(key)
+        if made is None:
+            s = self._scale_on(r.device)[:, :, None]
+            made = (s * r, r / s)
+            if not torch.compiler.is_compiling():
+                self._folded[key] = made
+        return made
+
     def _positions(self, positions: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         if positions is None:
             raise ConfigError("a turning key centre codes and reads keys at their positions: none were given")
@@ -193,7 +252,31 @@ class KeyCenter:
 
     def __repr__(self) -> str:
         kind = "KeyCenter" if self.turns is None else "KeyCenter(turning)"
+        kind += "" if self.scale is None else "[scaled]"
         return f"{kind}({'unset' if self.mu is None else tuple(self.mu.shape)})"
+
+
+def checked_key_scale(scale) -> torch.Tensor:
+    """A key scale (`KeyCenter`'s) as float32 [H, D], or a `ConfigError`/`ShapeError` naming what is wrong: a 2-d
+    tensor of finite, positive numbers, the same on channels i and i + D/2 (a RoPE pair, which RoPE turns together:
+    a scale that differs there would not commute with it)."""
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 2 or scale.shape[-1] % 2:
+        shape = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ShapeError(f"a key scale must be a tensor [KV heads, head_dim] with an even head_dim, got {shape}")
+    scale = scale.detach().float()
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bad.any():
+        head, channel = (int(i) for i in bad.nonzero()[0])
+        raise ConfigError(f"a key scale must be finite and positive: {int(bad.sum())} of its {scale.numel()} numbers "
+                          f"are not (first: head {head}, channel {channel}: {float(scale[head, channel])})")
+    half = scale.shape[-1] // 2
+    apart = (scale[:, :half] != scale[:, half:]).nonzero()
+    if apart.numel():
+        head, channel = (int(i) for i in apart[0])
+        raise ConfigError(f"a key scale must be the same on each RoPE pair's channels (i and i + {half}): head {head} "
+                          f"has {float(scale[head, channel])} on channel {channel} and "
+                          f"{float(scale[head, channel + half])} on {channel + half}")
+    return scale
 
 
 def turning_key_center(state) -> KeyCenter | None:
@@ -299,16 +382,22 @@ class RotatedFormat(KVFormat):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (``x @ R`` in the model's dtype: one rounding), so that a decode step rotates only the query and
         the output; the key centre (`state`), if not set yet, set from these keys as they were (at their indices)."""
-        center = state
+        center, dtype = state, keys.dtype
+        keys = scaled_keys(keys, self, center)  # (a ring holds keys rotated and scaled, as attention reads them)
         if center is not None and center.mu is None:
             start = first()
             center.observe(keys, self.seed, torch.arange(start, start + keys.shape[2], device=keys.device))
         r_k, r_v = (rotation(x.shape[-1], self.seed, x.device) for x in (keys, values))
-        return rotated(keys, r_k).to(keys.dtype), rotated(values, r_v).to(values.dtype)
+        return rotated(keys, r_k).to(dtype), rotated(values, r_v).to(values.dtype)
 
-    def from_ring(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def from_ring(
+        self, keys: torch.Tensor, values: torch.Tensor, state: KeyCenter | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `to_ring` (the keys' scale, `state`'s, taken off)."""
         r_k, r_v = (rotation(x.shape[-1], self.seed, x.device) for x in (keys, values))
-        return (keys.float() @ r_k.T).to(keys.dtype), (values.float() @ r_v.T).to(values.dtype)
+        k = keys.float() @ r_k.T
+        k = k if state is None or state.scale is None else state.unscaled(k)
+        return k.to(keys.dtype), (values.float() @ r_v.T).to(values.dtype)
 
     def prepare_indices(self, count: int, device, state: KeyCenter | None = None) -> None:
         center = turning_key_center(state)
@@ -328,10 +417,12 @@ class RotatedFormat(KVFormat):
         """This format with the rotation seed of layer `index` (each layer rotates differently)."""
         return RotatedFormat(self.key_bits, self.value_bits, self.seed + index)
 
-    def make_state(self, *, turns: RotaryBasis | None = None, origin: int = 0) -> KeyCenter | None:
-        """A layer's key centre, unset (with `CENTER_KEYS`; else None): turning with `turns`, index 0 at position
-        `origin`."""
-        return KeyCenter(turns, origin) if CENTER_KEYS else None
+    def make_state(
+        self, *, turns: RotaryBasis | None = None, origin: int = 0, key_scale: torch.Tensor | None = None
+    ) -> KeyCenter | None:
+        """A layer's key centre, unset (with `CENTER_KEYS` or a `key_scale`; else None): turning with `turns`, index 0
+        at position `origin`; `key_scale` [H, D]: the keys' scale (`KeyCenter`)."""
+        return KeyCenter(turns, origin, key_scale) if CENTER_KEYS or key_scale is not None else None
 
     def side_formats(self) -> tuple[RotatedFormat, RotatedFormat]:
         """(keys, values) as formats whose values-side functions code them: each side's bits on both sides (the
@@ -510,12 +601,21 @@ def quantize_rotated(
     fmt.check_head_dim(D)
     bits = fmt.bits_of(side)
     centroids, boundaries = codebook(D, bits, x.device)
+    x = scaled_keys(x, fmt, center)
     xf, norm, sign = centered(x, fmt, positions, center)
     unit = (xf if fmt.inputs_rotated else rotated(xf, rotation(D, fmt.seed, x.device))) / norm.clamp_min(1e-30)
     codes = _bucketized(unit, boundaries)
     if RENORMALIZE:
         norm = norm / torch.linalg.vector_norm(centroids[codes], dim=-1, keepdim=True).clamp_min(1e-30)
     return pack_bits(codes, bits), signed_norms(norm.to(torch.float16), sign)
+
+
+def scaled_keys(x: torch.Tensor, fmt: RotatedFormat, center: KeyCenter | None) -> torch.Tensor:
+    """Keys as a rotated format codes them: times the layer's key scale (`KeyCenter.scale`) where it has one and the
+    keys do not come rotated (a ring's rotated keys were scaled as they went in: `RotatedFormat.to_ring`)."""
+    if center is None or center.scale is None or fmt.inputs_rotated:
+        return x
+    return center.scaled(x)
 
 
 def _bucketized(x: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
@@ -726,4 +826,6 @@ def dequantize_rotated(
     if centred:  # one pass: the centre added where the norm is not negative
         mu = (center.rotated if rotated_space else center.mu)[:, None, :] if turning is None else turning
         x = x.addcmul_((norms >= 0).float(), mu)
+    if center is not None and center.scale is not None and not rotated_space:  # (attention reads q / s instead)
+        x = center.unscaled(x)
     return x.to(dtype)

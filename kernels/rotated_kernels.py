@@ -14,7 +14,7 @@ from hf_kvplus.kernels.kv_format import register_kernels
 from hf_kvplus.kernels.quant_attention import _check_inputs, _twin
 from hf_kvplus.kernels.quant_pack import _new_out
 from hf_kvplus.kernels.rotated_attention import rotated_decode_attention_triton
-from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation, turning_key_center
+from hf_kvplus.kernels.rotated_format import RotatedFormat, rotation, scaled_keys, turning_key_center
 from hf_kvplus.kernels.rotated_pack import quantize_rotated_triton
 
 __all__ = ["RotatedKernels"]
@@ -26,11 +26,15 @@ class RotatedKernels(FormatKernels):
     def attend(self, q, packed, fmt, kw, with_mass):
         """q . k and the softmax are unchanged by an orthogonal rotation: q and the residual rotated in (float32; a
         residual of a format with `inputs_rotated` comes rotated), the output (a weighted sum of rotated values)
-        rotated back once."""
+        rotated back once. A layer's key scale (``kw["state"].scale``: the keys coded as ``k * s``) is folded into the
+        rotations of q (``diag(1 / s) R``) and of a residual held as it came (``diag(s) R``); the CPU operator, which
+        rotates inside, takes ``q / s`` and the residual times s."""
         if kw["check"] and (not isinstance(q, torch.Tensor) or q.dim() != 3):
             raise ShapeError(f"q must be a 3-d tensor [B, Hq, D], got {getattr(q, 'shape', type(q).__name__)}")
+        center = kw.get("state")
+        scaled = center is not None and center.scale is not None
         if rotated_cpu.supports(q, kw["block_table"]):  # (first: every eager CPU layer and step takes it)
-            return self._cpu(q, packed, fmt, kw, with_mass)
+            return self._cpu(q, packed, fmt, kw, with_mass, center if scaled else None)
         D, Dv, kw = q.shape[-1], fmt.channels(packed.v.shape[-1], "values"), dict(kw)
         # Compiled off CUDA the twin decodes the codes in plane order (`rotated_format.decoded_planes`), which inductor
         # vectorizes: a permutation of the channels shared by q, the keys, the values and the rotation back leaves the
@@ -43,11 +47,12 @@ class RotatedKernels(FormatKernels):
         ring_in_channels = planes and kw["residual_k"] is not None and fmt.inputs_rotated
         r_k = rotation(D, fmt.seed, q.device, plane_bits=fmt.key_bits if planes else None)
         r_v = rotation(Dv, fmt.seed, q.device, plane_bits=fmt.value_bits if planes and not ring_in_channels else None)
+        r_kk, r_q = center.folded(r_k, fmt.key_bits if planes else None) if scaled else (r_k, r_k)
         if kw["residual_k"] is not None and fmt.inputs_rotated:
             kw["residual_k"], kw["residual_v"] = kw["residual_k"].float(), kw["residual_v"].float()
         elif kw["residual_k"] is not None:
-            kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_k, kw["residual_v"].float() @ r_v
-        q_rot = q.float() @ r_k
+            kw["residual_k"], kw["residual_v"] = kw["residual_k"].float() @ r_kk, kw["residual_v"].float() @ r_v
+        q_rot = q.float() @ r_k if not scaled else _grouped(q, r_q)
         state = kw.pop("state", None)
         if path == "op":
             result = self._op(q_rot, packed, fmt, kw, with_mass, state)
@@ -75,12 +80,17 @@ class RotatedKernels(FormatKernels):
         return result if with_mass else (result, None)
 
     @staticmethod
-    def _cpu(q, packed, fmt, kw: dict, with_mass: bool):
-        """Through the CPU operator (`rotated_cpu`), which rotates q and the output itself."""
+    def _cpu(q, packed, fmt, kw: dict, with_mass: bool, scaled=None):
+        """Through the CPU operator (`rotated_cpu`), which rotates q and the output itself; `scaled`: the layer's key
+        centre where it scales the keys (q taken as ``q / s``, a residual held as it came times s)."""
         if kw["check"]:
             _check_inputs(q, packed, fmt, *(kw[k] for k in TWIN_ARGS[:-1]))
+        q_in, residual_k = q, kw["residual_k"]
+        if scaled is not None:
+            q_in = scaled.query(q)
+            residual_k = residual_k if residual_k is None or fmt.inputs_rotated else scaled.scaled(residual_k)
         out, mass = rotated_cpu.rotated_decode_cpu(
-            q, packed, fmt, kw["start"], kw["length"], kw["scale"], kw["residual_k"], kw["residual_v"], kw["mask"],
+            q_in, packed, fmt, kw["start"], kw["length"], kw["scale"], residual_k, kw["residual_v"], kw["mask"],
             with_mass, kw.get("state"),
         )  # fmt: skip
         out = out if out.dtype == q.dtype else out.to(q.dtype)  # (no call into torch when it is)
@@ -88,7 +98,7 @@ class RotatedKernels(FormatKernels):
 
     def encode(self, x, fmt, side, positions=None, state=None):
         if rotated_cpu.encodes(x):
-            return (*rotated_cpu.rotated_encode_cpu(x, fmt, side, positions, state), None)
+            return (*rotated_cpu.rotated_encode_cpu(scaled_keys(x, fmt, state), fmt, side, positions, state), None)
         return super().encode(x, fmt, side, positions, state)
 
     def codes_into(self, x, state=None) -> bool:
@@ -99,12 +109,14 @@ class RotatedKernels(FormatKernels):
     def encode_into(self, x, fmt, out, start, slots, limit, bad, state=None) -> None:
         """The values side's bits (an evicting cache's slots code keys with a format of the key bits on both sides:
         `side_formats`); `limit` bounds each vector's length (`RotatedFormat.code_limit`)."""
-        rotated_cpu.rotated_encode_into_cpu(x, fmt, "values", out, start, slots, limit, bad, state)
+        rotated_cpu.rotated_encode_into_cpu(scaled_keys(x, fmt, state), fmt, "values", out, start, slots, limit, bad,
+                                            state)  # fmt: skip
 
     def encode_kv_into(self, k, v, fmts, out_k, out_v, start, slots, limit, bad, state=None) -> None:
         """Both sides in one operator call where both are rotated formats (each side its bits, as `encode_into`)."""
         if not isinstance(fmts[1], RotatedFormat):  # (the keys' format chose these kernels)
             return super().encode_kv_into(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
+        k = scaled_keys(k, fmts[0], state)
         rotated_cpu.rotated_encode_kv_into_cpu(k, v, fmts, out_k, out_v, start, slots, limit, bad, state)
 
     def quantize(self, x, fmt, out, side, check, positions=None, state=None):
@@ -124,6 +136,7 @@ class RotatedKernels(FormatKernels):
         """The custom operator while compiling (``check=False``; a turning centre goes to it as the centre of each
         token), else the Triton kernel; `center`: the layer's key centre, given with the keys."""
         if path == "op":
+            x = scaled_keys(x, fmt, center)
             codes, norms, _ = _new_out(side, tuple(x.shape), fmt, x.device) if out is None else out
             if center is not None and not fmt.inputs_rotated:
                 center.observe(x, fmt.seed, positions)  # the layer's first keys set its centre (once)
@@ -134,6 +147,12 @@ class RotatedKernels(FormatKernels):
             )
             return codes, norms, None
         return quantize_rotated_triton(x, fmt, side, out, slots, check=check, positions=positions, center=center)
+
+
+def _grouped(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D] times each KV head's matrix r [H, D, D] (its query heads grouped onto it): float32 [B, Hq, D]."""
+    B, Hq, D = q.shape
+    return (q.float().view(B, r.shape[0], -1, D) @ r).view(B, Hq, -1)
 
 
 register_kernels(RotatedFormat, RotatedKernels())

@@ -27,7 +27,14 @@ import torch
 
 from hf_kvplus.kernels.decode_attention import _is_interpreted
 from hf_kvplus.kernels.errors import ConfigError, DeviceError, DTypeError, KernelUnavailableError, ShapeError
-from hf_kvplus.kernels.rotated_format import PLAIN_NORM, RotatedFormat, centered, codebook, rotation
+from hf_kvplus.kernels.rotated_format import (
+    PLAIN_NORM,
+    RotatedFormat,
+    centered,
+    codebook,
+    rotation,
+    scaled_keys,
+)
 
 try:
     import triton
@@ -63,7 +70,7 @@ def quantize_rotated_triton(
     codes, norms, _ = out
     if B * H * T == 0:
         return out
-    xf, length, sign = centered(x, fmt, positions, center)
+    xf, length, sign = centered(scaled_keys(x, fmt, center), fmt, positions, center)
     x_rot = xf if fmt.inputs_rotated else xf @ rotation(D, fmt.seed, x.device)
     length = length[..., 0]  # [B, H, T]
     if sign is not None:  # plain codes: negative lengths

@@ -142,7 +142,8 @@ GEMMA3 = "gemma3_text-l18-kv1-d256-h640-v262144"
 
 def test_the_package_ships_both_models_artifacts():
     assert fitted.shipped() == [f"{GEMMA3}/calibration/k2v2", f"{GEMMA3}/calibration/k3v2",
-                                f"{GEMMA3}/calibration/k4v2", f"{GEMMA3}/kvzap", f"{SMOLLM2}/calibration/k2v2",
+                                f"{GEMMA3}/calibration/k4v2", f"{GEMMA3}/key_scale", f"{GEMMA3}/kvzap",
+                                f"{SMOLLM2}/calibration/k2v2",
                                 f"{SMOLLM2}/calibration/k3v2", f"{SMOLLM2}/calibration/k4v2", f"{SMOLLM2}/kvzap"]
     assert set(fitted.PACKAGED_MODELS) == {SMOLLM2, GEMMA3}
 

@@ -122,7 +122,8 @@ class StaticQuantizedStorage(KVStorage):
         if past == 0:
             return keys, values
         slots = self._slots(torch.arange(self.end - past, self.end, device=keys.device))
-        k, v = self.fmt.from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+        k, v = self.fmt.from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots),
+                                  **state_kw(self.state))
         return torch.cat([k, keys], dim=2), torch.cat([v, values], dim=2)
 
     def _decode_write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -262,7 +263,8 @@ class StaticQuantizedStorage(KVStorage):
     def _exact(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `lo .. hi - 1` from their exact slots (head or ring), in the model's space."""
         slots = self._slots(torch.arange(lo, hi, device=self.ring_k.device))
-        return self.fmt.from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+        return self.fmt.from_ring(self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots),
+                                  **state_kw(self.state))
 
     def _dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.fmt.group_size
