@@ -152,9 +152,11 @@ def paged_store_token(k_pool, v_pool, keys, values, offset: int, block_table, co
             and k_pool.stride(-1) == v_pool.stride(-1) == keys.stride(-1) == values.stride(-1) == 1):  # fmt: skip
         kivi_cpu.write_token_cpu(k_pool, v_pool, keys, values, offset, block_table, column)
     else:
-        blocks = block_table[:, column]
-        k_pool[blocks, :, offset] = keys[:, :, 0]
-        v_pool[blocks, :, offset] = values[:, :, 0]
+        # The offset through `select`, not an index: traced, an int index beside a tensor one specialized it, and the
+        # step compiled anew at each offset of a block.
+        blocks = (block_table[:, column],)
+        k_pool.select(2, offset).index_put_(blocks, keys[:, :, 0])
+        v_pool.select(2, offset).index_put_(blocks, values[:, :, 0])
 
 
 def paged_store(k_pool, v_pool, keys, values, slot_mapping, *, check: bool = True) -> None:

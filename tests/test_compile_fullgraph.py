@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from conformance.models import get_model
 from conformance.modes import make_prompt
@@ -48,6 +49,10 @@ SPECS = [
     "h2o:8:recent=4:bits=int4:group=8:first=2:boundary=1",
 ]
 PROMPT, STEPS = 13, 8  # 7 compiled steps, within the recompile limit of 8
+#: Graphs a spec may compile over those steps: the first (lengths specialized), the second (lengths dynamic), and a
+#: paged block's start or a quantized group's flush. More means a Python int of the cache specialized and the step
+#: compiles anew as it changes (a sink cache's ring slot once did: a graph per step, 77 s of this test's tracing).
+MAX_GRAPHS = 4
 
 
 def greedy(model, cache, ids, forward) -> list[list[int]]:
@@ -73,5 +78,7 @@ def test_decode_step_compiles_as_one_graph(spec, arch):
         return
     eager = greedy(model, cache_spec.build(model.config), ids, model)
     compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+    counters.clear()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=STEPS):
         assert greedy(model, cache_spec.build(model.config), ids, compiled) == eager
+    assert counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])

@@ -143,15 +143,16 @@ class TokenQuantCodec:
         if guard is not None or self.guards(keys):
             self._both_into_rows(fields, keys, values, span.start, None, guard)
             return
-        self._quantize_into(fields, span, "k", keys)
-        self._quantize_into(fields, span, "v", values)
+        rows = (span.start, span.stop - span.start)
+        self._quantize_into(fields, rows, "k", keys)
+        self._quantize_into(fields, rows, "v", values)
 
     def write_keys(self, fields: dict[str, torch.Tensor], span: slice | None, keys: torch.Tensor) -> None:
         """Keys quantized into slots `span` of `fields` (None: `fields` are cut to those slots already)."""
         if self.guards(keys):
             self._into_rows(fields, "k", keys, 0 if span is None else span.start, None, None)
             return
-        self._quantize_into(fields, span, "k", keys)
+        self._quantize_into(fields, None if span is None else (span.start, span.stop - span.start), "k", keys)
 
     def write_at(self, fields: dict[str, torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  guard=None) -> None:  # fmt: skip
@@ -185,10 +186,13 @@ class TokenQuantCodec:
         codes, scale, zero = self._fields[name]
         return fields[codes], fields[scale], fields.get(zero)
 
-    def _quantize_into(self, fields, span, name, x) -> None:
+    def _quantize_into(self, fields, rows, name, x) -> None:
+        """`x` coded into rows `rows` = (first, count) of side `name`'s fields (None: all of them). A tuple and
+        `narrow`, not a slice: traced, a slice of a symbolic start compared with None specializes the start, and a
+        sink cache's decode step then compiled anew at every slot of its ring."""
         codes, scale, zero = self._out(fields, name)
-        if span is not None:
-            codes, scale, zero = codes[:, :, span], scale[:, :, span], None if zero is None else zero[:, :, span]
+        if rows is not None:
+            codes, scale, zero = (None if t is None else t.narrow(2, *rows) for t in (codes, scale, zero))
         quantize_values(x.contiguous(), self._formats[name], out=(codes, scale, zero), check=False,
                         state=self._states[name])  # fmt: skip
 

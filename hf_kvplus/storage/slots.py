@@ -250,7 +250,7 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
         else:
             self.fields["pos"][:, :, span] = torch.arange(first_pos, first_pos + new, device=self.device)
         if self.keeps_scores:
-            self.fields["score"][:, :, span].zero_()
+            self.fields["score"].narrow(2, lo, new).zero_()
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values of the used slots (views for full precision, dequantized otherwise)."""
