@@ -47,29 +47,9 @@ from transformers import DynamicCache
 
 from hf_kvplus import QuantizedCache
 from hf_kvplus.cli.common import tokenize
+from hf_kvplus.evaluation.key_scale_fit import pair_rms, queries_and_keys
 from hf_kvplus.evaluation.perplexity import cache_free_nll, perplexity
 from hf_kvplus.resolve import load_model, load_text
-
-
-def normed(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (queries [KV heads, N, D], each KV head's query heads pooled over tokens, keys [KV heads, T, D])
-    before RoPE: after QK-norm where the model has it, else the projections' outputs."""
-    held, hooks, d = {}, [], model.config.head_dim
-
-    def keep(index, side):
-        def hook(_module, _inputs, out):
-            out = out if out.ndim == 4 else out.view(*out.shape[:2], -1, d).transpose(1, 2)  # a projection's
-            held.setdefault(index, {})[side] = out[0].float()
-
-        return hook
-
-    for index, layer in enumerate(model.model.layers):
-        attention = layer.self_attn
-        sides = (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else (attention.q_proj,
-                                                                                             attention.k_proj)
-        hooks += [module.register_forward_hook(keep(index, side)) for side, module in zip("qk", sides, strict=True)]
-    forward_with(model, ids, hooks)
-    return {i: (h["q"].reshape(h["k"].shape[0], -1, d), h["k"]) for i, h in held.items()}
 
 
 def forward_with(model, ids: torch.Tensor, hooks: list) -> None:
@@ -80,12 +60,6 @@ def forward_with(model, ids: torch.Tensor, hooks: list) -> None:
     finally:
         for hook in hooks:
             hook.remove()
-
-
-def pair_rms(x: torch.Tensor) -> torch.Tensor:
-    """[H, N, D] -> [H, D/2]: the RMS of each rotate_half pair (coordinates p and p + D/2) over N."""
-    half = x.shape[-1] // 2
-    return ((x[..., :half] ** 2 + x[..., half:] ** 2) / 2).mean(1).sqrt()
 
 
 def gain(rq: torch.Tensor, rk: torch.Tensor) -> float:
@@ -109,7 +83,7 @@ def fit(model, ids) -> dict[int, torch.Tensor]:
     zero side stays exactly zero, so the logits stay the same."""
     types = layer_types(model.config)
     out = {}
-    for index, (q, k) in normed(model, ids).items():
+    for index, (q, k) in queries_and_keys(model, ids).items():
         rq, rk = pair_rms(q), key_rms(k, types[index] == "full_attention")
         rq, rk = rq.clamp_min(1e-6 * float(rq.max())), rk.clamp_min(1e-6 * float(rk.max()))
         s = (rq / rk).sqrt()
@@ -119,7 +93,7 @@ def fit(model, ids) -> dict[int, torch.Tensor]:
 
 def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:
     types, scales = layer_types(model.config), fit(model, fit_ids)
-    for index, (q, k) in sorted(normed(model, eval_ids).items()):
+    for index, (q, k) in sorted(queries_and_keys(model, eval_ids).items()):
         full = types[index] == "full_attention"
         rq, raw, centred = pair_rms(q), key_rms(k, False), key_rms(k, True)
         used = centred if full else raw

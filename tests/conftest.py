@@ -68,6 +68,18 @@ def device(pytestconfig) -> torch.device:
     return pytestconfig.kvplus_device
 
 
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A 2-layer random Llama on the CPU (seed 0, vocabulary 96): the offloaded placement's tests decode with it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    with torch.device("cpu"):
+        return LlamaForCausalLM(config).eval()
+
+
 @pytest.fixture
 def on_cpu():
     """For tests of what happens with CPU tensors (dispatch to the twins, the Triton path refusing them):

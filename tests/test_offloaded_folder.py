@@ -3,7 +3,6 @@ could not be made is still refused at construction."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_kvplus import OffloadedCache
 from hf_kvplus.errors import DiskTierError
@@ -13,12 +12,8 @@ pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
-    with torch.device("cpu"):
-        return LlamaForCausalLM(config).eval()
+def model(tiny_llama):
+    return tiny_llama
 
 
 def fill(model, cache) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_kvplus import H2OCache, SinkCache, cache_kwargs
 from hf_kvplus.kernels import dispatch, rotated_cpu
@@ -25,12 +24,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
-    with torch.device("cpu"):
-        return LlamaForCausalLM(config).eval()
+def model(tiny_llama):
+    return tiny_llama
 
 
 def greedy(model, cache, steps: int = 12) -> list[int]:
