@@ -47,19 +47,9 @@ from transformers import DynamicCache
 
 from hf_kvplus import QuantizedCache
 from hf_kvplus.cli.common import tokenize
-from hf_kvplus.evaluation.key_scale_fit import pair_rms, queries_and_keys
+from hf_kvplus.evaluation.key_scale_fit import fit_key_scale, forward_with, pair_rms, queries_and_keys
 from hf_kvplus.evaluation.perplexity import cache_free_nll, perplexity
 from hf_kvplus.resolve import load_model, load_text
-
-
-def forward_with(model, ids: torch.Tensor, hooks: list) -> None:
-    """One cache-free forward of `ids` [N] with `hooks` registered (removed after it, whatever happens)."""
-    try:
-        with torch.inference_mode():
-            model(input_ids=ids[None], use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def gain(rq: torch.Tensor, rk: torch.Tensor) -> float:
@@ -78,17 +68,9 @@ def key_rms(k: torch.Tensor, centred: bool) -> torch.Tensor:
 
 
 def fit(model, ids) -> dict[int, torch.Tensor]:
-    """Per layer, s [KV heads, D/2] from the pairs' RMS on `ids`, the keys' mean square kept. Some pairs are exactly
-    zero in the queries or keys (their norm's 1 + weight is 0): a floor on the RMS makes s tiny or large there, and the
-    zero side stays exactly zero, so the logits stay the same."""
-    types = layer_types(model.config)
-    out = {}
-    for index, (q, k) in queries_and_keys(model, ids).items():
-        rq, rk = pair_rms(q), key_rms(k, types[index] == "full_attention")
-        rq, rk = rq.clamp_min(1e-6 * float(rq.max())), rk.clamp_min(1e-6 * float(rk.max()))
-        s = (rq / rk).sqrt()
-        out[index] = s / ((rk**2 * s**2).sum(-1, keepdim=True) / (rk**2).sum(-1, keepdim=True)).sqrt()
-    return out
+    """Per layer, s [KV heads, D/2]: the package's fit (`fit_key_scale`, the keys' mean square kept), one per pair."""
+    half = model.config.head_dim // 2
+    return {index: s[..., :half] for index, s in fit_key_scale(model, ids, "probe").scales.items()}
 
 
 def gains(model, fit_ids, eval_ids) -> dict[int, torch.Tensor]:

@@ -43,13 +43,18 @@ def queries_and_keys(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, 
         normed = hasattr(attention, "q_norm") and hasattr(attention, "k_norm")
         sides = (attention.q_norm, attention.k_norm) if normed else (attention.q_proj, attention.k_proj)
         hooks += [module.register_forward_hook(keep(index, side)) for side, module in zip("qk", sides, strict=True)]
+    forward_with(model, ids, hooks)
+    return {i: (h["q"].reshape(h["k"].shape[0], -1, d), h["k"]) for i, h in held.items()}
+
+
+def forward_with(model, ids: torch.Tensor, hooks: list) -> None:
+    """One cache-free forward of `ids` [T] with `hooks` registered (removed after it, whatever happens)."""
     try:
         with torch.inference_mode():
             model(input_ids=ids[None], use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return {i: (h["q"].reshape(h["k"].shape[0], -1, d), h["k"]) for i, h in held.items()}
 
 
 def fit_key_scale(model, ids: torch.Tensor, name: str, measured: dict | None = None) -> KeyScale:
