@@ -34,6 +34,7 @@ class RotaryBasis:
 
     def __init__(self, inv_freq: torch.Tensor, head_dim: int):
         self.inv_freq = inv_freq.detach().double().cpu()
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.head_dim = head_dim
         if self.rotary_dim > head_dim or self.rotary_dim == 0:
@@ -56,17 +57,28 @@ class RotaryBasis:
     def __getstate__(self) -> dict:
         """Without the position tables: they are derived from the basis, so a saved or copied basis makes them again
         (the first call that asks for them, or a layer's `prepare`)."""
-        return {**self.__dict__, "_tables": {}}
+        return {**self.__dict__, "_tables": {}, "_inv_freq_on": {}}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_tables", {})
+        self.__dict__.setdefault("_inv_freq_on", {})
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
         """float32 ``[..., D]``: ``e(p)`` of each position (angles in float64)."""
-        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64)[..., None] * self._frequencies_on(positions.device)
         rest = torch.ones(*positions.shape, self.head_dim - self.rotary_dim, dtype=torch.float64, device=positions.device)
         return torch.cat((angles.cos(), angles.sin(), rest), dim=-1).float()
+
+    def _frequencies_on(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies on `device`, copied there once (eagerly: the first tables are made where a storage
+        prepares): a copy from host memory at every decode step's `rows` is a synchronizing call on CUDA."""
+        inv_freq = self._inv_freq_on.get(device)
+        if inv_freq is None:
+            inv_freq = self.inv_freq.to(device, non_blocking=True)  # queued, not waited on (the source is kept)
+            if not torch.compiler.is_compiling():
+                self._inv_freq_on[device] = inv_freq
+        return inv_freq
 
     def weights(self, mu: torch.Tensor) -> torch.Tensor:
         """float32 [H, D, D]: W of each head's pre-RoPE mean ``mu`` [H, D], ``c(p) = e(p) @ W`` = mu turned to p."""

@@ -143,11 +143,6 @@ class RotaryShift(RotaryBasis):
         rotate, so that a shift's factors are three operations (`_factors`, once per step: every layer asks)."""
         wide = self.__dict__.get("_wide")
         if wide is None or wide.device != device:
-            inv = self._inv_freq(device)
+            inv = self._frequencies_on(device)
             wide = self._wide = torch.cat((inv, inv, inv.new_zeros(self.head_dim - self.rotary_dim)))
         return wide
-
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        if self.inv_freq.device != device:  # once; queued, not waited on
-            self.inv_freq = self.inv_freq.to(device, non_blocking=True)
-        return self.inv_freq
