@@ -104,3 +104,10 @@ def test_cli_reports_with_status_0_and_fails_over_only_when_asked(local_model, t
     assert main([*args, "--tokens", "10000"]) == 2  # a refused input, not a verdict
     assert "ConfigError" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize(("formats", "lossy"), [(["fp16", "k2v2"], True), (["int4"], True), (["fp16"], False)])
+def test_the_planner_points_a_lossy_format_to_the_check(formats, lossy, capsys):
+    assert main(["plan", "smollm2-135m", "--context", "4096", "--format", *formats]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the notes are wrapped)
+    assert ("SmolLM2-135M's unless they name another model" in out) == lossy
+    assert ("kvplus check-formats --model MODEL --text YOUR_TEXT" in out) == lossy
