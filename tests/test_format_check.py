@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from conformance.models import build_model
 from hf_kvplus.cli import main
 from hf_kvplus.errors import ConfigError
-from hf_kvplus.evaluation.format_check import check_formats
+from hf_kvplus.evaluation.format_check import check_format, check_formats
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.specs import parse_cache_spec
 
@@ -78,6 +78,8 @@ def test_refusals_name_the_numbers(gemma):
         check_formats(model, ids, SPECS, tokens=100)
     with pytest.raises(ConfigError, match="unknown cache 'quantised'"):
         check_formats(model, ids, ["quantised:int4"], tokens=TOKENS)
+    with pytest.raises(ConfigError, match=r"k2v2 holds the newest 128 tokens .* on 100 tokens"):
+        check_format(model, ids[:100], "k2v2")  # (`kvplus calibrate --check`)
 
 
 TEXT = " ".join("a check on your own model and text before a preset is trusted with a long context".split() * 30)

@@ -1,10 +1,11 @@
 """What a lossy cache costs the model at hand on the user's own text (`check_formats`, `kvplus check-formats`).
 
-The project's low-bit figures are measured on SmolLM2-135M, and the same preset costs other families far more (k2v2:
-+2.5% on SmolLM2-135M, +12% on Gemma 3 270M at 4K tokens, as it ships). A short chunked pass per spec on the user's
-ids, against DynamicCache on the same ids (calibrate.py's pass: the perplexity change, the KL of the next-token
-distributions, and the per-token NLL for the paired standard error), with the bits per coordinate read off the cache
-(`quantized_report`), says before a preset is trusted whether it is within a threshold there.
+The project's low-bit figures are measured on SmolLM2-135M, and the same preset costs other families, and other texts,
+several times more or less (k2v2 at 4K tokens of a novel: +2.5% on SmolLM2-135M, several times that on Gemma 3 270M).
+A short chunked pass per spec on the user's ids, against DynamicCache on the same ids (calibrate.py's pass: the
+perplexity change, the KL of the next-token distributions, and the per-token NLL for the paired standard error), with
+the bits per coordinate read off the cache (`quantized_report`), says before a preset is trusted whether it is within a
+threshold there.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def check_formats(model: PreTrainedModel, input_ids: torch.Tensor, specs: Sequen
                   threshold_pct: float = 1.0, tokens: int = 1024, chunk_size: int = 32, model_name: str | None = None,
                   progress: bool = True) -> FormatCheck:  # fmt: skip
     """Each lossy cache of `specs` (cache spec strings; default `DEFAULT_SPECS`) on the first `tokens` of `input_ids`
-    (the user's own text: 1,024 tokens take about a minute a spec on one CPU core for a 270M model), fed in chunks of
+    (the user's own text: 1,024 tokens take about 20 s of one CPU core a spec for a 270M model), fed in chunks of
     `chunk_size`, against DynamicCache on the same ids. Refuses a lossless spec, fewer ids than `tokens`, and
     `tokens` a cache's full-precision window would hold whole (nothing coded: nothing measured)."""
     parsed = [s if isinstance(s, CacheSpec) else parse_cache_spec(s) for s in (DEFAULT_SPECS if specs is None else specs)]
@@ -117,10 +118,7 @@ def check_formats(model: PreTrainedModel, input_ids: torch.Tensor, specs: Sequen
     ids = _first_tokens(input_ids, tokens)
     caches = [(s.text, s.build(model.config, max_length=tokens)) for s in parsed]
     for text, cache in caches:
-        window = getattr(cache, "window", 0) or 0
-        if tokens <= window:
-            raise ConfigError(f"{text} holds the newest {window} tokens at full precision: a check on {tokens} "
-                              f"tokens codes none of them; give more than {window} tokens")  # fmt: skip
+        _check_window(text, cache, tokens)
     bar = tqdm(total=len(caches) + 1, desc="check-formats", unit="pass", disable=not progress)
     reference, reference_nll = _reference(model, ids, chunk_size)
     bar.update()
@@ -141,8 +139,9 @@ def check_format(model: PreTrainedModel, input_ids: torch.Tensor, bits: str, *, 
     if window is not None:
         cache_options["window"] = window
     ids = _first_tokens(input_ids, input_ids.numel())
-    reference, reference_nll = _reference(model, ids, chunk_size)
     cache = QuantizedCache(model.config, bits=bits, **cache_options)
+    _check_window(str(bits), cache, ids.numel())
+    reference, reference_nll = _reference(model, ids, chunk_size)
     return _cost(model, ids, str(bits), cache, chunk_size, reference, reference_nll, threshold_pct)
 
 
@@ -152,6 +151,13 @@ def _first_tokens(input_ids: torch.Tensor, tokens: int) -> torch.Tensor:
         raise ConfigError(f"a format check reads the first {tokens} tokens (at least 2) of the text; it holds "
                           f"{ids.numel()}")  # fmt: skip
     return ids[:tokens]
+
+
+def _check_window(spec: str, cache: Cache, tokens: int) -> None:
+    window = getattr(cache, "window", 0) or 0
+    if tokens <= window:
+        raise ConfigError(f"{spec} holds the newest {window} tokens at full precision: a check on {tokens} tokens "
+                          f"codes none of them; give more than {window} tokens")  # fmt: skip
 
 
 def _reference(model, ids, chunk_size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
