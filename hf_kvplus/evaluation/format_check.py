@@ -113,8 +113,8 @@ def check_formats(model: PreTrainedModel, input_ids: torch.Tensor, specs: Sequen
     parsed = [s if isinstance(s, CacheSpec) else parse_cache_spec(s) for s in (DEFAULT_SPECS if specs is None else specs)]
     lossless = [s.text for s in parsed if s.lossless]
     if lossless or not parsed:
-        raise ConfigError(f"check_formats measures lossy caches; {lossless or 'no spec'} given (lossless: they cost "
-                          "nothing to measure)")  # fmt: skip
+        raise ConfigError(f"check_formats measures lossy caches; {lossless} {'are lossless' if lossless else 'given'}"
+                          ": nothing to measure")  # fmt: skip
     ids = _first_tokens(input_ids, tokens)
     caches = [(s.text, s.build(model.config, max_length=tokens)) for s in parsed]
     for text, cache in caches:
