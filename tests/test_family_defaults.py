@@ -129,7 +129,7 @@ def test_calibrate_starts_from_the_family_formats():
 
 
 def test_check_format_measures_the_format_as_it_ships_on_the_model_at_hand():
-    from hf_kvplus.evaluation.perplexity import check_format
+    from hf_kvplus.evaluation.format_check import check_format
 
     model = build_model("gemma3")
     ids = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,5 @@
-"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus calibrate`, `kvplus train-surrogate`,
-`kvplus key-scale`, `kvplus demo`, `kvplus context`."""
+"""The `kvplus` command: `kvplus ppl`, `kvplus needle`, `kvplus bench`, `kvplus plan`, `kvplus calibrate`,
+`kvplus check-formats`, `kvplus train-surrogate`, `kvplus key-scale`, `kvplus demo`, `kvplus context`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import KVPlusError
-from . import bench, calibrate, context, demo, key_scale, needle, plan, ppl, surrogate
+from . import bench, calibrate, check_formats, context, demo, key_scale, needle, plan, ppl, surrogate
 
-COMMANDS = (ppl, needle, bench, plan, calibrate, surrogate, key_scale, demo, context)
+COMMANDS = (ppl, needle, bench, plan, calibrate, check_formats, surrogate, key_scale, demo, context)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 the choice where `QuantizedCache(calibration="auto")` and the `calibration=auto` spec option find it
 (`fitted.user_dir(config, "calibration/<bits>")`, in the user cache folder), or into `--out` (`calibration=PATH`).
 `--check PCT` calibrates nothing: it measures the format as it ships on the model and text given, against
-DynamicCache (`evaluation.perplexity.check_format`), and exits 1 where its perplexity change is over PCT."""
+DynamicCache (`evaluation.format_check.check_format`; `kvplus check-formats` checks several), and exits 1 where its
+perplexity change is over PCT."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from ..calibration import Calibration
 from ..evaluation.calibrate import calibrate
-from ..evaluation.perplexity import check_format
+from ..evaluation.format_check import check_format
 from ..evaluation.report import format_table
 from ..fitted import user_dir
 from ..formats import parse_bits
@@ -49,7 +50,7 @@ def run(args) -> int:
     ids = common.scored_tokens(tokenizer, text, args.tokens)
     if args.check is not None:
         checked = check_format(model, ids, args.bits, threshold_pct=args.check, chunk_size=args.chunk,
-                               window=args.window, first_tokens=args.first, rotation_seed=args.seed[0], progress=True)
+                               window=args.window, first_tokens=args.first, rotation_seed=args.seed[0])
         print(checked.message())
         return 1 if checked.over else 0
     calibration, options = calibrate(

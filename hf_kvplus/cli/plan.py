@@ -279,6 +279,14 @@ def _notes(args, rows, first: Plan, beyond: bool) -> list[str]:
             f"plus one fp16 norm per vector, no groups{ignored}; the last {args.residual} tokens "
             f"{_first_note(rotated)}at full precision, counted as fp16."
         )
+    lossy = [p.kv_format + (" with eviction" if p.budget else "") for p in (r[0] for r in rows)
+             if kv_format(p.kv_format).kind != "float" or p.budget]  # fmt: skip
+    if lossy:
+        notes.append(
+            f"quality: {', '.join(dict.fromkeys(lossy))}: lossy; the perplexity costs the docs quote are "
+            "SmolLM2-135M's unless they name another model, and other families can lose several times more: measure "
+            "yours with `kvplus check-formats --model MODEL --text YOUR_TEXT`."
+        )
     if args.memory is not None:
         notes.append(
             f"memory: {format_bytes(args.memory)} ({args.memory:,} bytes) for weights + KV"

@@ -1,6 +1,8 @@
-"""Evaluation: perplexity on long texts, needle retrieval and benchmarks of caches, with tables, JSON and plots."""
+"""Evaluation: perplexity on long texts, needle retrieval and benchmarks of caches, what a lossy cache costs the
+model at hand (`check_formats`), with tables, JSON and plots."""
 
 from .benchmark import BenchResult, benchmark, plot_bench
+from .format_check import FormatCheck, FormatCost, check_formats
 from .needle import (
     KeptShare,
     NeedleResult,
@@ -18,6 +20,8 @@ __all__ = [
     "MODES",
     "TASKS",
     "BenchResult",
+    "FormatCheck",
+    "FormatCost",
     "KeptShare",
     "NeedleResult",
     "NeedleTrial",
@@ -25,6 +29,7 @@ __all__ = [
     "RetrievalTask",
     "benchmark",
     "cache_free_nll",
+    "check_formats",
     "format_table",
     "needle_grid",
     "passkey_prompt",

@@ -255,10 +255,11 @@ def key_center(cache: QuantizedCache) -> str:
 
 
 @torch.inference_mode()
-def _chunked_pass(model, input_ids, cache, chunk_size: int, reference: list[torch.Tensor]) -> tuple[float, float]:
+def _chunked_pass(model, input_ids, cache, chunk_size: int, reference: list[torch.Tensor],
+                  token_nll: list[torch.Tensor] | None = None) -> tuple[float, float]:
     """Feeds `input_ids` in chunks through `cache`: the mean NLL of tokens 1.. and the mean KL(reference || this) of the
     next-token distributions over positions 0..N-2. With `reference` empty, fills it with this pass's log-probabilities
-    (float16, on the CPU) and returns a KL of 0."""
+    (float16, on the CPU) and returns a KL of 0. `token_nll` collects each chunk's per-token NLL (on the CPU)."""
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     total, filling = ids.shape[1], not reference
     nll = kl = 0.0
@@ -267,7 +268,10 @@ def _chunked_pass(model, input_ids, cache, chunk_size: int, reference: list[torc
         logits = model(input_ids=piece, **cache_kwargs(cache), use_cache=True).logits[0].float()
         scored = min(piece.shape[1], total - 1 - start)  # positions whose next token is in the text
         log_p = F.log_softmax(logits[:scored], dim=-1)
-        nll -= log_p.gather(1, ids[0, start + 1 : start + 1 + scored, None]).sum().item()
+        token = -log_p.gather(1, ids[0, start + 1 : start + 1 + scored, None])[:, 0]
+        nll += token.sum().item()
+        if token_nll is not None:
+            token_nll.append(token.cpu())
         if filling:
             reference.append(log_p.to(torch.float16).cpu())
         else:

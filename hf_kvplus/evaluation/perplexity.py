@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
-from ..quantized_cache import QuantizedCache
 from ..transformers_compat import cache_kwargs
 
 MODES = {"chunked": 256, "streaming": 1, "continuation": 1}  # mode -> default chunk size
@@ -184,53 +183,6 @@ def perplexity(
     )
 
 
-@dataclass
-class FormatCheck:
-    """What a quantized format costs one model on one text (`check_format`): the perplexity change from DynamicCache
-    (%, with its paired standard error in points), the bits per coordinate held, the model family whose defaults gave
-    layer formats (or None), and whether the change is over `threshold_pct`."""
-
-    bits: str
-    tokens: int
-    delta_pct: float
-    se_pct: float
-    bits_per_coordinate: float
-    family_defaults: str | None
-    threshold_pct: float
-
-    @property
-    def over(self) -> bool:
-        return self.delta_pct > self.threshold_pct
-
-    def message(self) -> str:
-        family = f" (with {self.family_defaults}'s layer formats)" if self.family_defaults else ""
-        verdict = (f"over the {self.threshold_pct:g}% threshold: calibrate it for this model (`kvplus calibrate`), or "
-                   "take a format with more bits" if self.over else f"within the {self.threshold_pct:g}% threshold")
-        return (f"{self.bits}{family}: {self.delta_pct:+.2f}% perplexity (+- {self.se_pct:.2f}) at "
-                f"{self.bits_per_coordinate:.2f} bits per coordinate on {self.tokens} tokens of your text; {verdict}")
-
-
-def check_format(model: PreTrainedModel, input_ids: torch.Tensor, bits: str, *, threshold_pct: float = 1.0,
-                 chunk_size: int = 32, window: int | None = None, progress: bool = False, **cache_options) -> FormatCheck:
-    """What `QuantizedCache(model.config, bits=bits, **cache_options)` costs this model on `input_ids` (a short text of
-    the user's own: 1,024 tokens take about a minute on one CPU core for a 270M model), fed in chunks of `chunk_size`,
-    against DynamicCache: a measurement on the model at hand rather than a figure from another one. The rotated
-    presets cost far more on some families than others (k2v2: +2.5% on SmolLM2-135M, +28% on Gemma 3 270M before its
-    family defaults)."""
-    if window is not None:
-        cache_options["window"] = window
-    ids = _as_row(input_ids)
-    base = perplexity(model, ids, DynamicCache(config=model.config), chunk_size=chunk_size, progress=progress)
-    cache = QuantizedCache(model.config, bits=bits, **cache_options)
-    mine = perplexity(model, ids, cache, chunk_size=chunk_size, progress=progress)
-    ratio = mine.perplexity / base.perplexity
-    difference = mine.nll.double() - base.nll.double()
-    report = cache.quantized_report()
-    return FormatCheck(str(bits), ids.shape[1], 100 * (ratio - 1),
-                       100 * ratio * float(difference.std() / difference.numel() ** 0.5),
-                       report["bits_per_coordinate"], report.get("family_defaults"), threshold_pct)  # fmt: skip
-
-
 @torch.inference_mode()
 def cache_free_nll(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-token NLL of tokens 1..N-1 from one forward pass over all tokens, without a cache."""
@@ -247,4 +199,4 @@ def _as_row(input_ids: torch.Tensor) -> torch.Tensor:
     raise ShapeError(f"perplexity scores one sequence: expected [N] or [1, N] token ids, got {tuple(input_ids.shape)}")
 
 
-__all__ = ["MODES", "FormatCheck", "PerplexityResult", "cache_free_nll", "check_format", "perplexity", "plot_perplexity"]
+__all__ = ["MODES", "PerplexityResult", "cache_free_nll", "perplexity", "plot_perplexity"]
