@@ -16,10 +16,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "eval" / "gpu_pass_report.py"
-#: The dry run's steps: the default list, with the compile step's batch-8 share (compile-b8, what a lease's 10-minute
-#: call runs) in place of the whole step: the whole step is the same script over batch sizes 1 and 8 (its options are
-#: checked by parse-args below), and compiling both took the dry run's compile step from about 25 s to 45 s.
-STEPS = ["env", "tests", "aot", "kernels", "e2e-b1", "e2e-b8", "offload", "compile-b8"]
+#: The dry run's steps: the default list, with the batch-8 shares (e2e-b8, compile-b8: what a lease's 10-minute calls
+#: run) in place of the batch-1 share and the whole compile step: each is the same script at another batch size (the
+#: options are checked by parse-args below), and running both sizes cost the dry run about 50 s of CI's time.
+STEPS = ["env", "tests", "aot", "kernels", "e2e-b8", "offload", "compile-b8"]
 #: What the compile step must compare: every cache that declares is_compileable, and StaticCache.
 GPU_PASS_COMPILE_SPECS = {
     "static", "dense:compile=on", "paged:compile=on", "quantized:int4:compile=on", "sink:4:4092:compile=on",
@@ -110,6 +110,10 @@ def test_options_beside_gpu_pass_replace_its_own(monkeypatch):
     share = bench_compile.parse_args(["--out", "x", "--gpu-pass", "--batch=8", "--specs", "static", "h2o:4096:compile=on"])
     assert share.batch == [8] and share.specs == ["static", "h2o:4096:compile=on"]
     assert (share.contexts, share.mode, share.device) == (whole.contexts, whole.mode, whole.device)
+    import bench_e2e_gpu  # e2e-b1 and e2e-b8: one script, the batch size its only difference
+
+    one, eight = (bench_e2e_gpu.parse_args(["--out", "x", "--batch", b]) for b in ("1", "8"))
+    assert (one.batch, eight.batch) == ([1], [8]) and (one.context, one.specs) == (eight.context, eight.specs)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
@@ -132,12 +136,11 @@ def test_dry_run_of_the_whole_pass_on_the_cpu(tmp_path):
     assert kernels == {"sdpa (enable_gqa)", "dense", "dense+mass", "paged", "int8", "int4", "int2", "fp8", "k4v2", "k3v2",
                        "k2v2"}
     assert all(row["ok"] for row in merged["kernels"]["rows"] if "ok" in row)
-    for step in ("e2e_b1", "e2e_b8"):
-        rows = merged[step]["rows"]
-        assert rows[0]["cache"] == "dynamic" and len(rows) == 15
-        assert [r["cache"] for r in rows if "error" in r] == [], rows
-        lossless = [r for r in rows if r["lossless"]]
-        assert lossless and all(r["same_tokens"] for r in lossless), [(r["cache"], r.get("same_tokens")) for r in rows]
+    rows = merged["e2e_b8"]["rows"]
+    assert rows[0]["cache"] == "dynamic" and len(rows) == 15 and {r["batch"] for r in rows} == {8}
+    assert [r["cache"] for r in rows if "error" in r] == [], rows
+    lossless = [r for r in rows if r["lossless"]]
+    assert lossless and all(r["same_tokens"] for r in lossless), [(r["cache"], r.get("same_tokens")) for r in rows]
     assert {row["cache"] for row in merged["offload"]["rows"]} >= {"OffloadedCache dense", "OffloadedCache int4"}
     compiled = merged["compile-b8/compile"]["rows"]
     assert {(r["batch"], r["cache"]) for r in compiled} == {(8, c) for c in GPU_PASS_COMPILE_SPECS}
