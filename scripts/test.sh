@@ -26,7 +26,7 @@ PY
 "$VENV/bin/ruff" check .
 bash scripts/lint_imports.sh
 "$VENV/bin/python" eval/report.py --check
-"$VENV/bin/pytest" -n "${KVPLUS_TEST_WORKERS:-auto}" --durations=50 "$@"
+"$VENV/bin/pytest" -n "${KVPLUS_TEST_WORKERS:-auto}" --dist worksteal --durations=50 "$@"
 [ $# -eq 0 ] || exit 0
 
 # The lowest supported Transformers (pyproject's `transformers>=X.Y`, as X.Y.*), installed apart in $LOWEST and put
