@@ -7,9 +7,13 @@ On a GPU one layer's decode takes ~100-200 us for an 8B model, so the Python and
 the kernels decides speed. This measures that work on a tiny 8-layer Llama whose attention costs almost
 nothing, so a decode step's time is the host's. Per cache spec:
 
-- host time per decode step (eager, greedy, one thread): the fastest of `--repeats` runs (interference
-  on a shared machine only adds time) of the mean step time of `--steps` steps after a `--prompt`-token
-  prefill, caches alternating within each repeat, and its ratio to DynamicCache's;
+- host time per decode step (eager, greedy, one thread) and its ratio to DynamicCache's, measured in pairs:
+  `--repeats` legs per cache, each a fresh `--prompt`-token prefill of DynamicCache and the cache, then rounds
+  of `--round-steps` steps of each (the two blocks swapped every round) until `--steps` steps each; the ratio
+  is the median over rounds of the round's two blocks, with its quartiles. Other jobs on a shared machine
+  slow both blocks of a round alike (they are milliseconds apart), and the median drops the rounds a burst
+  split; `dynamic`'s own row pairs DynamicCache with a second DynamicCache: its quartiles are the method's
+  spread;
 - the same with the time inside kernels (attention, quantize) taken out (`timing_kernels`), and its
   ratio: off CUDA a kernel is its torch twin, which pays on the host the compute a GPU does in one
   launch (dequantizing codes, gathering blocks);
@@ -41,6 +45,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import statistics
 import sys
 import time
 import types
@@ -67,6 +73,7 @@ COLUMNS = [
     ("cache", "cache", ""),
     ("step_ms", "host ms/step", ".3f"),
     ("vs_dynamic", "x Dynamic", ".2f"),
+    ("vs_dynamic_iqr", "quartiles", ">"),
     ("kernel_ms", "in kernels ms", ".3f"),
     ("outside_ms", "outside ms", ".3f"),
     ("outside_vs_dynamic", "outside x Dynamic", ".2f"),
@@ -112,16 +119,40 @@ def cpu_time():
         CLOCK, host_cost.time = time.perf_counter, real
 
 
-def time_steps(model, spec, prompt, steps, stub: bool = False) -> tuple[float, float, float]:
-    """Mean seconds per decode step, the part of it spent in kernels (or their twins; with `stub`, in the stubs
-    that stand for them), and kernel calls per step."""
-    cache, token = prefilled(model, spec, prompt, steps)
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """First quartile, median and third quartile (linear interpolation)."""
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _outside(block: tuple[float, float, float]) -> float:
+    """A block's seconds per step outside kernels."""
+    return block[0] - block[1]
+
+
+def paired_rounds(model, base, spec, prompt, steps, round_steps, stub: bool = False) -> list[dict]:
+    """One leg: `base` (DynamicCache) and `spec` each prefilled with `prompt`, then rounds of `round_steps` decode
+    steps of each, their order swapped every round (ABBA...), until `steps` steps each. Per round: both blocks'
+    seconds per step and the part of it in kernels (with `stub`, in the stubs that stand for them), and kernel calls
+    per step. Pairing the blocks a few milliseconds apart is what lets a busy machine's slow spells cancel in the
+    ratio: they slow both blocks of a round alike, and the median over rounds drops the rounds they split."""
+    caches = [prefilled(model, s, prompt, steps) for s in (base, spec)]
+    tokens = [token for _, token in caches]
+    rounds = []
     with (stubbing_kernels if stub else timing_kernels)() as kernels:
-        start = CLOCK()
-        for _ in range(steps):
-            token = decode(model, cache, token)
-        total = CLOCK() - start
-    return total / steps, kernels.seconds / steps, kernels.calls / steps
+        for r in range(0, steps, round_steps):
+            block = {}
+            for side in ((0, 1) if (r // round_steps) % 2 == 0 else (1, 0)):
+                cache = caches[side][0]
+                n = min(round_steps, steps - r)
+                seconds, calls = kernels.seconds, kernels.calls
+                start = CLOCK()
+                for _ in range(n):
+                    tokens[side] = decode(model, cache, tokens[side])
+                total = CLOCK() - start
+                block[side] = (total / n, (kernels.seconds - seconds) / n, (kernels.calls - calls) / n)
+            rounds.append({"base": block[0], "cache": block[1]})
+    return rounds
 
 
 def graph_breaks(model, spec, prompt, steps) -> tuple[int | str, list[str]]:
@@ -145,15 +176,20 @@ def markdown(result: dict) -> str:
         "## Host cost of a decode step",
         "",
         f"tiny Llama ({TINY['num_hidden_layers']} layers, hidden {TINY['hidden_size']}), float32, {a['threads']} "
-        f"thread(s), prompt {a['prompt']}, {a['steps']} decode steps, the fastest of {a['repeats']} alternating runs "
-        f"(interference only adds time); {'CPU time of the thread' if a.get('cpu_time') else 'wall time'}; "
-        f"{result['machine']}, {result['date']}; \"outside\": the step time less "
+        f"thread(s), prompt {a['prompt']}; {a['repeats']} legs per cache, each a fresh prefill of DynamicCache and the "
+        f"cache then {a['steps']} decode steps of each in rounds of {a.get('round_steps')} steps, the two blocks of a "
+        "round swapped every round; times: medians over rounds of seconds per step; x Dynamic: the median over "
+        "rounds of the ratio of the round's two blocks, with its quartiles (`dynamic`: DynamicCache against a second "
+        f"DynamicCache, the method's own spread); {'CPU time of the thread' if a.get('cpu_time') else 'wall time'}; "
+        f"{result['machine']}, {result['date']}, load {' -> '.join(f'{x:.1f}' for x in result['load_average'])}; "
+        "\"outside\": the step time less "
         "the time inside kernels (attention and quantize: torch twins off CUDA; SDPA for Transformers' caches); "
         "\"stubbed\": the step with every kernel replaced by a stub that returns zeros of its output's shape "
         "(`stubbing_kernels`), its time less the stubs'",
         "",
         "```",
-        format_table(result["rows"], COLUMNS),
+        format_table([{**r, "vs_dynamic_iqr": "{:.2f}-{:.2f}".format(*r["vs_dynamic_quartiles"])}
+                      for r in result["rows"]], COLUMNS),
         "```",
         "",
         "Syncs by op and graph-break reasons:",
@@ -197,8 +233,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for host.json, host.md and host.png")
     parser.add_argument("--specs", nargs="+", default=SPECS, help="cache specs; dynamic must be among them")
     parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=64, help="decode steps of each cache per leg")
+    parser.add_argument("--repeats", type=int, default=3, help="legs per cache, each a fresh prefill of both caches")
+    parser.add_argument("--round-steps", type=int, default=4,
+                        help="decode steps of each cache per round (DynamicCache's block, then the cache's, swapped "
+                        "every round)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-explain", action="store_true", help="skip the graph-break count (the slow part)")
     parser.add_argument("--cpu-time", action="store_true",
@@ -215,16 +254,19 @@ def main(argv=None) -> None:
         parser.error("the specs must include dynamic, the baseline")
     model = build_model()
     prompt = torch.randint(0, TINY["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    base = parse_cache_spec("dynamic")
     for spec in specs:  # warm-up: first-call costs (lazy imports, allocator) out of the timings
-        time_steps(model, spec, prompt[:, :32], 2)
-        time_steps(model, spec, prompt[:, :32], 2, stub=True)
-    times = {spec.text: [] for spec in specs}  # (step, in kernels, kernel calls) per repeat
+        paired_rounds(model, base, spec, prompt[:, :32], 2, 1)
+        paired_rounds(model, base, spec, prompt[:, :32], 2, 1, stub=True)
+    timed = {spec.text: [] for spec in specs}  # rounds, over every leg
     stubbed = {spec.text: [] for spec in specs}
+    load = [os.getloadavg()[0]]
     with cpu_time() if args.cpu_time else contextlib.nullcontext():
         for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
             for spec in specs:
-                times[spec.text].append(time_steps(model, spec, prompt, args.steps))
-                stubbed[spec.text].append(time_steps(model, spec, prompt, args.steps, stub=True))
+                timed[spec.text] += paired_rounds(model, base, spec, prompt, args.steps, args.round_steps)
+                stubbed[spec.text] += paired_rounds(model, base, spec, prompt, args.steps, args.round_steps, stub=True)
+    load.append(os.getloadavg()[0])
     rows = []
     for spec in tqdm(specs, desc="calls, syncs, graph breaks", file=sys.stderr):
         cache, token = prefilled(model, spec, prompt, args.steps)
@@ -232,24 +274,24 @@ def main(argv=None) -> None:
         cache, token = prefilled(model, spec, prompt, args.steps)
         syncs = count_syncs(lambda cache=cache, token=token: decode(model, cache, token))
         breaks, reasons = ("-", []) if args.no_explain else graph_breaks(model, spec, prompt, args.steps)
-        timed = times[spec.text]
+        rounds, stubs = timed[spec.text], stubbed[spec.text]
+        ratio = _quartiles([r["cache"][0] / r["base"][0] for r in rounds])
         rows.append({
-            "cache": spec.text, "step_ms": min(t for t, _, _ in timed) * 1e3,
-            "kernel_ms": min(k for _, k, _ in timed) * 1e3,
-            "outside_ms": min(t - k for t, k, _ in timed) * 1e3,
-            "stubbed_ms": min(t - k for t, k, _ in stubbed[spec.text]) * 1e3,
-            "kernels_per_layer": timed[0][2] / TINY["num_hidden_layers"],
+            "cache": spec.text, "step_ms": statistics.median(r["cache"][0] for r in rounds) * 1e3,
+            "vs_dynamic": ratio[1], "vs_dynamic_quartiles": [ratio[0], ratio[2]],
+            "kernel_ms": statistics.median(r["cache"][1] for r in rounds) * 1e3,
+            "outside_ms": statistics.median(r["cache"][0] - r["cache"][1] for r in rounds) * 1e3,
+            "outside_vs_dynamic": statistics.median(_outside(r["cache"]) / _outside(r["base"]) for r in rounds),
+            "stubbed_ms": statistics.median(_outside(r["cache"]) for r in stubs) * 1e3,
+            "stubbed_vs_dynamic": statistics.median(_outside(r["cache"]) / _outside(r["base"]) for r in stubs),
+            "rounds": len(rounds), "kernels_per_layer": rounds[0]["cache"][2] / TINY["num_hidden_layers"],
             "calls_per_layer": calls / TINY["num_hidden_layers"], "syncs_per_step": sum(syncs.values()),
             "syncs_by_op": dict(syncs), "graph_breaks": breaks, "break_reasons": reasons,
         })  # fmt: skip
-    base = next(r for r in rows if r["cache"] == "dynamic")
-    for row in rows:
-        row["vs_dynamic"] = row["step_ms"] / base["step_ms"]
-        row["outside_vs_dynamic"] = row["outside_ms"] / base["outside_ms"]
-        row["stubbed_vs_dynamic"] = row["stubbed_ms"] / base["stubbed_ms"]
     result = {**stamp(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     result["args"].update(threads=args.threads, prompt=args.prompt, steps=args.steps, repeats=args.repeats,
-                          cpu_time=args.cpu_time)
+                          round_steps=args.round_steps, cpu_time=args.cpu_time)
+    result["load_average"] = load  # the 1-minute load when the timings began and ended
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -1091,9 +1091,14 @@ def host_step_cpu() -> list[str]:
     run = load("host_cpu_step/host.json")
     a = run["args"]
     out = ["## Host cost of an eager decode step", ""]
+    if "round_steps" in a:  # paired rounds (eval/bench_host.py): the median of per-round ratios
+        how = (f"{a['repeats']} legs per cache of {a['steps']} steps each, in rounds of {a['round_steps']} steps of "
+               "DynamicCache and of the cache, alternating; the median over rounds of the round's ratio,")
+    else:
+        how = f"the fastest of {a['repeats']} alternating runs,"
     out += para(
-        f"`{command(run)}` ({where(run, 'host_cpu_step/')}): tiny 8-layer Llama, prompt {a['prompt']}, the fastest of",
-        f"{a['repeats']} alternating runs, CPU time of the thread; target 1.25x; \"outside\": the step less the time",
+        f"`{command(run)}` ({where(run, 'host_cpu_step/')}): tiny 8-layer Llama, prompt {a['prompt']}, {how}",
+        "CPU time of the thread; target 1.25x; \"outside\": the step less the time",
         "inside kernels; \"stubbed\": every kernel a stub returning zeros; calls: the cache code's Python calls per",
         "layer in the first decode step.",
     )

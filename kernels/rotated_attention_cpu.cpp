@@ -305,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
     const std::optional<at::Tensor>& k_turn_weights, const std::optional<at::Tensor>& k_turn_basis,
     const std::optional<at::Tensor>& k_turn_steps,
     const std::optional<at::Tensor>& ring_k, const std::optional<at::Tensor>& ring_v, bool ring_rotated,
-    const std::optional<at::Tensor>& mask, double scale, bool with_mass) {
+    const std::optional<at::Tensor>& mask, double scale, bool with_mass, int64_t start, int64_t length) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "rotated_decode_cpu: q must be contiguous float32 [B, Hq, D]");
   check_codes(k_codes, k_norms, "key");
@@ -313,7 +313,12 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   TORCH_CHECK(k_table.scalar_type() == at::kFloat && k_table.is_contiguous() &&
                   v_table.scalar_type() == at::kFloat && v_table.is_contiguous(),
               "rotated_decode_cpu: the tables must be contiguous float32");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_codes.size(1), N = k_codes.size(2);
+  // Codes start .. start + length - 1 are read (length -1: every code from start), in place: a growing segment's
+  // buffer holds more than its tokens, which four `narrow` calls a step cut before.
+  const int64_t held = k_codes.size(2), N = length < 0 ? held - start : length;
+  TORCH_CHECK(start >= 0 && N >= 0 && start + N <= held, "rotated_decode_cpu: codes ", start, " .. ", start + N,
+              " of ", held);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_codes.size(1);
   const int64_t Pk = k_codes.size(3), Pv = v_codes.size(3);
   const int64_t Dk = channels(Pk, k_table), Dv = channels(Pv, v_table);
   TORCH_CHECK(Dk == D && D % 8 == 0 && Dv % 8 == 0 && (k_table.size(0) != 4096 || Pk % 3 == 0) &&
@@ -321,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
               "rotated_decode_cpu: the keys' codes hold ", Dk, " channels and q ", D, " (values: ", Dv,
               "); each must be a multiple of 8");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "rotated_decode_cpu: ", Hq, " query heads on ", Hkv, " KV heads");
-  TORCH_CHECK(k_codes.size(0) == B && v_codes.size(0) == B && v_codes.size(1) == Hkv && v_codes.size(2) == N,
+  TORCH_CHECK(k_codes.size(0) == B && v_codes.size(0) == B && v_codes.size(1) == Hkv && v_codes.size(2) == held,
               "rotated_decode_cpu: key and value codes must share [B, Hkv, N]");
   const int64_t R = ring_k.has_value() ? ring_k->size(2) : 0;
   if (R) {
@@ -372,8 +377,10 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
   at::Tensor out = at::empty({B, Hq, Dv}, q.options());
   at::Tensor mass = at::empty({with_mass ? B : 0, Hkv, L}, q.options());
   const float* qp = q.data_ptr<float>();
-  const uint8_t *kc = k_codes.data_ptr<uint8_t>(), *vc = v_codes.data_ptr<uint8_t>();
-  const at::Half *kn = k_norms.data_ptr<at::Half>(), *vn = v_norms.data_ptr<at::Half>();
+  const uint8_t* kc = k_codes.data_ptr<uint8_t>() + start * k_codes.stride(2);
+  const uint8_t* vc = v_codes.data_ptr<uint8_t>() + start * v_codes.stride(2);
+  const at::Half* kn = k_norms.data_ptr<at::Half>() + start * k_norms.stride(2);
+  const at::Half* vn = v_norms.data_ptr<at::Half>() + start * v_norms.stride(2);
   const float *kt = k_table.data_ptr<float>(), *vt = v_table.data_ptr<float>();
   const float *rot_k = k_rotation.data_ptr<float>(), *rot_v = v_rotation.data_ptr<float>();
   const float* mu = k_center.has_value() ? k_center->data_ptr<float>() : nullptr;
@@ -509,7 +516,7 @@ TORCH_LIBRARY(hf_kvplus_cpu, m) {
       "rotated_decode(Tensor q, Tensor k_codes, Tensor k_norms, Tensor v_codes, Tensor v_norms, Tensor k_table, "
       "Tensor v_table, Tensor k_rotation, Tensor v_rotation, Tensor? k_center, Tensor? k_turn_weights, Tensor? k_turn_basis, "
       "Tensor? k_turn_steps, Tensor? ring_k, Tensor? ring_v, "
-      "bool ring_rotated, Tensor? mask, float scale, bool with_mass) "
+      "bool ring_rotated, Tensor? mask, float scale, bool with_mass, int start=0, int length=-1) "
       "-> (Tensor, Tensor)");
 }
 

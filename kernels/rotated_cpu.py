@@ -200,17 +200,14 @@ def rotated_decode_cpu(
     tables = _DECODERS.get(key, lambda: _decoder(fmt, D, Dv, device))
     set_center = center is not None and center.mu is not None
     turning = set_center and center.turns is not None
-    if start or length != k_codes.shape[2]:  # (a read of every code, as slots and a growing segment make: no views)
-        k_codes, k_norms = k_codes.narrow(2, start, length), k_norms.narrow(2, start, length)
-        v_codes, v_norms = v_codes.narrow(2, start, length), v_norms.narrow(2, start, length)
     if residual_k is not None:
         residual_k, residual_v = rows(float32(residual_k)), rows(float32(residual_v))
     turn = center.block_basis(start, length, device) if turning else (None, None)
     out, mass = torch.ops.hf_kvplus_cpu.rotated_decode(
         float32(q).contiguous(), k_codes, k_norms, v_codes, v_norms, *tables,
         center.rotated if set_center and not turning else None, center.weights if turning else None, *turn,
-        residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass,
-    )  # fmt: skip
+        residual_k, residual_v, fmt.inputs_rotated, mask, float(scale), with_mass, start, length,
+    )  # fmt: skip  (codes start .. start + length - 1 read in place: no `narrow` of four tensors every step)
     return out, (mass if with_mass else None)
 
 
@@ -268,10 +265,11 @@ def _ninja_on_path() -> None:
 
 def _fake(
     q, k_codes, k_norms, v_codes, v_norms, k_table, v_table, k_rotation, v_rotation, k_center, k_turn_weights,
-    k_turn_basis, k_turn_steps, ring_k, ring_v, ring_rotated, mask, scale, with_mass,
+    k_turn_basis, k_turn_steps, ring_k, ring_v, ring_rotated, mask, scale, with_mass, start=0, length=-1,
 ):  # fmt: skip
     B, Hq, _ = q.shape
-    Hkv, L = k_codes.shape[1], k_codes.shape[2] + (0 if ring_k is None else ring_k.shape[2])
+    N = k_codes.shape[2] - start if length < 0 else length
+    Hkv, L = k_codes.shape[1], N + (0 if ring_k is None else ring_k.shape[2])
     Dv = v_rotation.shape[0]
     return q.new_empty(B, Hq, Dv), q.new_empty(B if with_mass else 0, Hkv, L)
 

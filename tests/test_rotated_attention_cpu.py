@@ -134,6 +134,27 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
 
 
 @needs_operator
+@pytest.mark.parametrize("centred", [True, "turning"])
+def test_the_operator_reads_only_its_range_of_a_buffer_that_holds_more(centred):
+    """A growing segment's buffer holds room past its tokens: the operator reads codes start .. start + length in
+    place, so codes past them (poisoned: 0xFF codes, NaN norms) change nothing."""
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(4, 2, 32, centred=centred, G=2)
+    want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
+    N, extra = packed.k.shape[2], 9
+    packed = poison(packed, mask, start)
+
+    def roomy(t, fill):
+        return torch.cat([t, torch.full((*t.shape[:2], extra, t.shape[3]), fill, dtype=t.dtype)], dim=2)
+
+    held = PackedKV(roomy(packed.k, 0xFF), roomy(packed.k_scale, float("nan")), None, roomy(packed.v, 0xFF),
+                    roomy(packed.v_scale, float("nan")), None)  # fmt: skip
+    out, mass = rotated_cpu.rotated_decode_cpu(q, held, fmt, start, N - start, 0.3, ring_k, ring_v, mask, True, center)
+    assert mass.shape == want_mass.shape
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.double(), want_mass, atol=2e-6, rtol=1e-4)
+
+
+@needs_operator
 @pytest.mark.parametrize(
     "G,N,start,origin",
     [(5, 300, 6, 3), (3, 300, 0, 40_000), (1, 300, 61, 7), (2, 300, 6, 3), (4, 131, 2, 3), (8, 200, 0, 5),

@@ -115,10 +115,13 @@ class RotaryShift(RotaryBasis):
 
     def rotate_prepared(self, prepared: tuple[torch.Tensor, torch.Tensor], shift, dtype: torch.dtype,
                         out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """`rotate` of keys already `prepare`d: x * cos + partner * sin (three ops per call); with `out`, copied into it
-        in its dtype (a view of a buffer: not `out=`, which dynamo refuses for a non-contiguous tensor)."""
+        """`rotate` of keys already `prepare`d: x * cos + partner * sin; with `out`, written into it in its dtype: eagerly
+        by the sum itself (`out=`: two ops, every layer of a sink cache's step), traced by a copy (dynamo refuses `out=`
+        for a non-contiguous tensor, and `out` is a view of a buffer)."""
         x, partner = prepared
         cos, sin = self._factors(shift, x.device)
+        if out is not None and not torch.compiler.is_compiling():
+            return torch.addcmul(x * cos, partner, sin, out=out)
         rotated = torch.addcmul(x * cos, partner, sin)
         return rotated.to(dtype) if out is None else out.copy_(rotated)
 
