@@ -103,6 +103,7 @@ def measure(model, spec, prompt, args) -> dict:
     row = {"cache": spec.text, "batch": prompt.shape[0], "context": prompt.shape[1], "lossless": spec.lossless}
     try:
         run_once(model, spec, prompt[:, : min(prompt.shape[1], args.prefill_chunk)], 2)
+        free_memory(prompt.device)  # the warm-up's cache, collected before the peak's baseline is read
         run = run_once(model, spec, prompt, args.new_tokens, prefill_chunk=args.prefill_chunk)
     except torch.OutOfMemoryError as exc:
         row["error"] = f"out of memory: {str(exc).splitlines()[0]}"

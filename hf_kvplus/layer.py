@@ -180,11 +180,14 @@ class KVLayer(CacheLayerMixin):
         if not self.in_place and torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             read = DenseRead(read.keys.clone(), read.values.clone())  # (what it saves for backward is never written)
         keys = read.keys
-        setattr(keys, KV_SOURCE_ATTR, self)
         if type(read) is not DenseRead or self.retention.scored:
-            # Placeholders or slots: only hf_kvplus's attention reads them, which `attend` confirms.
+            # Placeholders or slots: only hf_kvplus's attention reads them, which `attend` confirms. An alias carries
+            # the read, not `read.keys` itself: a read held by the tensor it holds is a reference cycle, which keeps
+            # what it views (a pool or buffer since regrown, gathered copies) until the garbage collector runs.
+            keys = keys.detach()
             setattr(keys, KV_READ_ATTR, read)
             self._awaiting_attention = True
+        setattr(keys, KV_SOURCE_ATTR, self)
         if not self.retention.scored and not self.record_past and self.storage.static_length is None:
             self.retention.evict(self.storage, new, refill=True)
         return keys, read.values
