@@ -10,6 +10,8 @@ asks for another scale.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_key_scale import pair_scale
@@ -147,3 +149,25 @@ def test_an_evicting_cache_with_a_scale_decodes_with_the_keys_divided_back():
     spread = float((logits["off"] - logits["exact"]).abs().max())
     assert float((logits["scaled"] - logits["exact"]).abs().max()) < 3 * spread + 0.05
     assert not torch.equal(logits["scaled"], logits["off"])
+
+
+def test_calibrate_measures_with_the_models_scale_and_reuses_only_what_was_measured_so(monkeypatch, tmp_path):
+    # A scale found for the model (the user folder, as `kvplus key-scale` writes it) is on in every cache the calibration
+    # measures, which records it; options measured without it are not taken.
+    from hf_kvplus import fitted
+    from hf_kvplus.errors import ConfigError
+    from hf_kvplus.evaluation.calibrate import calibrate
+
+    monkeypatch.setenv("KVPLUS_CACHE", str(tmp_path))
+    model = get_model("gemma3")
+    folder = fitted.user_dir(model.config, "key_scale")
+    folder.mkdir(parents=True)
+    tiny_scale(model).save(folder / "key_scale.safetensors")
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(0))
+    args = dict(model_name="tiny-gemma3", bits="k2v2", candidates=("k3v2",), max_bits=16.0, chunk_size=16, window=16,
+                progress=False)  # fmt: skip
+    scaled, _ = calibrate(model, ids, **args)
+    assert scaled.measured["key_scale"] == "tiny gemma3"
+    unscaled = replace(scaled, measured=scaled.measured | {"key_scale": None})
+    with pytest.raises(ConfigError, match="measured otherwise.*key_scale"):
+        calibrate(model, ids, reuse=[unscaled], **args)

@@ -165,12 +165,15 @@ def calibrate(
         return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens, rotation_seed=seed,
                               layer_bits=family | (layer_bits or {}), family_defaults=False)  # fmt: skip
 
+    built = cache()
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-                "first_tokens": first_tokens, "key_center": key_center(cache())}  # fmt: skip
+                "first_tokens": first_tokens, "key_center": key_center(built),
+                "key_scale": None if built.key_scale is None else built.key_scale.model}  # fmt: skip
     known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
     known_base: dict[int, float] = {}
     for earlier in reuse:
-        theirs = {"key_center": "fixed"} | earlier.measured | {"model": earlier.model, "bits": earlier.bits}
+        theirs = {"key_center": "fixed", "key_scale": None} | earlier.measured | {"model": earlier.model,
+                                                                                  "bits": earlier.bits}  # fmt: skip
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
             raise ConfigError(f"a reused calibration was measured otherwise ({differs}; this one: {protocol})")
@@ -226,7 +229,8 @@ def calibrate(
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-            "first_tokens": first_tokens, "key_center": protocol["key_center"], "family_layer_bits": family,
+            "first_tokens": first_tokens, "key_center": protocol["key_center"], "key_scale": protocol["key_scale"],
+            "family_layer_bits": family,
             "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
             "candidates": list(candidates), "budget_tokens": budget_tokens,
             "allocation": "exact multiple-choice knapsack over the layers",
