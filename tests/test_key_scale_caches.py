@@ -171,3 +171,27 @@ def test_calibrate_measures_with_the_models_scale_and_reuses_only_what_was_measu
     unscaled = replace(scaled, measured=scaled.measured | {"key_scale": None})
     with pytest.raises(ConfigError, match="measured otherwise.*key_scale"):
         calibrate(model, ids, reuse=[unscaled], **args)
+
+
+@pytest.mark.slow  # (as the Gemma 3 cases of tests/test_compile_fullgraph.py: 85 s each)
+@pytest.mark.parametrize("spec", ["paged-quantized:k4v2:window=8:block=8", "h2o:8:bits=k4v2"])
+def test_a_scaled_paged_or_evicting_decode_step_compiles_as_one_graph(spec, tmp_path):
+    # As tests/test_compile_fullgraph.py, on the tiny Gemma 3 with a key scale given by the spec (`key_scale=PATH`).
+    from test_compile_fullgraph import MAX_GRAPHS, PROMPT, STEPS, greedy
+    from torch._dynamo.utils import counters
+
+    from conformance.modes import make_prompt
+
+    torch._dynamo.reset()
+    model = get_model("gemma3")
+    path = tiny_scale(model).save(tmp_path / "key_scale.safetensors")
+    cache_spec = parse_cache_spec(f"{spec}:key_scale={path}")
+    ids = make_prompt(PROMPT, batch=2)
+    built = cache_spec.build(model.config)
+    assert built.quantized_report()["key_scale"] == "tiny gemma3"
+    eager = greedy(model, built, ids, model)
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+    counters.clear()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=STEPS):
+        assert greedy(model, cache_spec.build(model.config), ids, compiled) == eager
+    assert counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])
