@@ -172,7 +172,7 @@ class QuantizedCache(KVCache):
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     `family_defaults` (True): where no layer formats are asked for (`layer_bits`, `boundary_layers`, `calibration`),
     a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
-    full-attention layers at k4v1, measured in docs/benchmarks-lowbit.md); `quantized_report()["family_defaults"]`
+    full-attention layers at k3v2 and its sliding ones at k3v1, measured with the key scale on); `quantized_report()["family_defaults"]`
     names the family; False: the preset's format on every layer.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
