@@ -100,7 +100,8 @@ def layer_bits_table(make_cache, formats: Sequence[str], num_layers: int, tokens
                      dtype: torch.dtype) -> dict[str, list[tuple[int, int]]]:
     """Per format, per layer, the bits held outside the window and their coordinates (`layer_region_bits`) once the
     cache `make_cache(layer_bits)` holds `tokens` tokens, fed in chunks of `chunk_size`: what the cache holds, counted
-    on random keys and values (the bits do not depend on them), every layer at that format."""
+    on random keys and values (the bits do not depend on them), every layer at that format, each keeping what its
+    retention keeps (a sliding layer its window)."""
     table = {}
     generator = torch.Generator().manual_seed(0)
     for fmt in dict.fromkeys(formats):
@@ -114,6 +115,7 @@ def layer_bits_table(make_cache, formats: Sequence[str], num_layers: int, tokens
                 if not layer.is_initialized:
                     layer.lazy_initialization(keys, values)
                 layer.storage.append(keys, values)  # (the storage alone: no attention follows)
+                layer.retention.evict(layer.storage, count, refill=True)  # a sliding layer keeps its window
         counts = [(0, 0)] * num_layers
         for spec in specs:
             counts[spec.index] = layer_region_bits(cache.layers[spec.index], cache.window)
