@@ -29,7 +29,11 @@ is (sum_p rms(q_p) rms(k_p))^2 (Cauchy-Schwarz). The gain, the factor that varia
   run into `--out`.
 - `shipped`: the scale as the rotated format holds it (`QuantizedCache(key_scale=...)`, the model unchanged): each
   cache of `runs` with `key_scale="off"` and then as it ships (`"auto"`: the model's fitted scale, if one ships; the
-  record says which it took), same seeds; `--key-scale PATH` takes a scale file instead of the shipped one.
+  record says which it took), same seeds; `--key-scale PATH` takes a scale file instead of the shipped one;
+  `--configs NAME=JSON` adds caches as `runs` does, `--scaled-only` runs each with the scale alone, e.g.
+
+    python eval/key_scaling.py shipped gemma3-270m --specs --scaled-only --out /tmp/mix.jsonl \
+        --configs 'full k3v3={"bits": "k3v2", "layer_bits": {"5": "k3v3", "11": "k3v3", "17": "k3v3"}}'
 
 1 torch thread; run one at a time on a shared machine.
 """
@@ -173,12 +177,7 @@ def runs(model, tokenizer, scales, values, args) -> None:
                     "max_nll_difference": float((same.nll - base.nll).abs().max()), "seconds": round(same.seconds)})
         cases = [(f"{spec} {'family' if d else 'one format'}", {"bits": spec, "family_defaults": d})
                  for spec in args.specs for d in (True, False)]  # fmt: skip
-        for arg in args.configs:
-            name, _, kwargs = arg.partition("=")
-            kwargs = json.loads(kwargs)
-            if "layer_bits" in kwargs:
-                kwargs["layer_bits"] = {int(k): v for k, v in kwargs["layer_bits"].items()}
-            cases.append((name, kwargs))
+        cases += configs(args.configs)
         for seed in args.seeds:
             for name, kwargs in cases:
                 for fold in (False, True)[1 if args.folded_only else 0 :]:
@@ -193,6 +192,18 @@ def runs(model, tokenizer, scales, values, args) -> None:
                             "se_pct": round(100 * ratio * float(difference.std() / difference.numel() ** 0.5), 3),
                             "bits": round(cache.quantized_report()["bits_per_coordinate"], 3),
                             "seconds": round(result.seconds)})  # fmt: skip
+
+
+def configs(given: list[str]) -> list[tuple[str, dict]]:
+    """`--configs NAME=JSON` as (name, `QuantizedCache` keyword arguments), `layer_bits` keys made ints."""
+    cases = []
+    for arg in given:
+        name, _, kwargs = arg.partition("=")
+        kwargs = json.loads(kwargs)
+        if "layer_bits" in kwargs:
+            kwargs["layer_bits"] = {int(k): v for k, v in kwargs["layer_bits"].items()}
+        cases.append((name, kwargs))
+    return cases
 
 
 def shipped(model, tokenizer, args) -> None:
@@ -213,9 +224,10 @@ def shipped(model, tokenizer, args) -> None:
                  for spec in args.specs for d in (True, False)]  # fmt: skip
         if args.cases:  # these, in this order
             cases = [next(case for case in cases if case[0] == name) for name in args.cases]
+        cases += configs(args.configs)
         for seed in args.seeds:
             for name, kwargs in cases:
-                for key_scale in ("off", scaled):
+                for key_scale in (scaled,) if args.scaled_only else ("off", scaled):
                     cache = QuantizedCache(model.config, window=args.window, rotation_seed=seed, key_scale=key_scale,
                                            **kwargs)  # fmt: skip
                     result = perplexity(model, ids, cache, chunk_size=args.chunk, progress=False)
@@ -265,6 +277,9 @@ def main(argv=None) -> None:
     sh.add_argument("--key-scale", type=Path, help="a key scale file (default: the model's shipped one)")
     sh.add_argument("--cases", nargs="*", default=[], help="only these caches, in this order (e.g. 'k4v2 family' "
                     "'k2v2 one format')")  # fmt: skip
+    sh.add_argument("--configs", nargs="*", default=[], help="NAME=JSON: more caches after --specs/--cases, "
+                    "QuantizedCache keyword arguments (layer_bits keys as strings)")  # fmt: skip
+    sh.add_argument("--scaled-only", action="store_true", help="each cache with the scale only (not also off)")
     sh.add_argument("--out", type=Path, required=True)
     for p in (g, r, sh):
         p.add_argument("--threads", type=int, default=1)

@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import ClassVar
 
 from transformers import PreTrainedConfig
@@ -28,7 +29,10 @@ from .eviction.peak import PeakAttentionPolicy
 from .eviction.policy import EvictionPolicy
 from .eviction.sinks import SinkPolicy
 from .eviction.snapkv import SnapKVPolicy
-from .formats import is_rotated, resolve_format
+from .fitted import key_scale_for
+from .formats import is_rotated, layer_state, resolve_format
+from .kernels.rotated_format import RotatedFormat
+from .key_scale import KeyScale
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
 from .precision import PrecisionRegions, precision_report
@@ -69,6 +73,9 @@ class EvictingCache(KVCache):
     the budget: each cache checks they fit); `boundary_layers` holds the first and last that many layers' slots at full
     precision, or at `boundary_bits`; `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a
     format of its own (what `kvplus calibrate` chose; spec `calibration=PATH`). `quantized_report()` counts them.
+    `key_scale` ("auto"): a rotated format's keys coded times the model's fitted per-pair scale, as `QuantizedCache`'s
+    ("auto": the model's own where one ships, "off" or None: none, or a `KeyScale` or its path; spec
+    `key_scale=auto|off|PATH`); `quantized_report()["key_scale"]` names its model.
 
     `compileable=True` (a policy that declares `compileable`, with compress='always': sinks, H2O; its budget holds
     every decode step's shape once full)
@@ -107,6 +114,7 @@ class EvictingCache(KVCache):
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
+        key_scale: KeyScale | str | Path | None = "auto",
         **settings,
     ):
         implementation = getattr(config, "_attn_implementation", None)
@@ -137,13 +145,16 @@ class EvictingCache(KVCache):
             grouped = own is not None and not is_rotated(own)
             formats[own] = resolve_format(model, own, group_size if grouped else None)
         self.format = fmt
+        #: The keys' scale (`KeyScale`) where a rotated format codes them, or None.
+        self.key_scale = key_scale_for(config, key_scale) if any(
+            isinstance(f, RotatedFormat) for f in formats.values()) else None  # fmt: skip
 
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
             if spec.kind != "full":
                 return DenseStorage()
             layer_fmt = formats[regions.bits_of(spec.index, model.num_layers, bits)]
-            codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(layer_fmt.for_layer(spec.index),
-                                                                           layer_fmt.make_state())  # fmt: skip
+            codec = DenseCodec() if layer_fmt is None else TokenQuantCodec(
+                layer_fmt.for_layer(spec.index), layer_state(layer_fmt, spec.index, self.key_scale))  # fmt: skip
             return SlotStore(codec, scores=keeps_scores is not False, device_count=compileable, first=first_tokens,
                              count_hidden=bool(counts_hidden))  # fmt: skip
 
@@ -214,7 +225,8 @@ class EvictingCache(KVCache):
         `memory_report` counts them, these figures do not.)"""
         if self.format is None:
             raise UnsupportedOperationError(f"quantized_report needs a quantized {type(self).__name__} (built with bits=...)")
-        return precision_report(self, str(self.format), 0)
+        scale = None if self.key_scale is None else self.key_scale.model
+        return precision_report(self, str(self.format), 0) | {"key_scale": scale}
 
     @contextmanager
     def appending(self):

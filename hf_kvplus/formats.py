@@ -90,3 +90,10 @@ def resolve_format(
     for head_dim in head_dims:
         fmt.check_head_dim(head_dim)
     return fmt
+
+
+def layer_state(fmt: KVFormat, index: int, key_scale=None, **centre):
+    """Layer `index`'s state of `fmt` (`KVFormat.make_state`), with its key scale where `fmt` is rotated and
+    `key_scale` (a `key_scale.KeyScale`, or None) names the layer; `centre`: a turning centre's `turns` and `origin`."""
+    scale = None if key_scale is None or not isinstance(fmt, RotatedFormat) else key_scale.of(index)
+    return fmt.make_state(**centre, **({} if scale is None else {"key_scale": scale}))

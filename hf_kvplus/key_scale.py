@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedConfig
+from xxhash import xxh3_64_hexdigest
 
 from .errors import CacheMismatchError, ConfigError, ShapeError
 from .kernels.rotated_format import checked_key_scale
@@ -62,6 +63,11 @@ class KeyScale:
                 raise CacheMismatchError(f"the key scale of layer {index} is {tuple(scale.shape)}; {name}'s layer {index} "
                                          f"has {layer.num_kv_heads} KV heads of {layer.head_dim}")  # fmt: skip
 
+    def digest(self) -> str:
+        """16 hex digits naming the scales (what a paged pool's persistent prefix blocks were coded with)."""
+        tensors = [(index, scale.float().contiguous()) for index, scale in sorted(self.scales.items())]
+        return xxh3_64_hexdigest(b"".join(str(index).encode() + t.numpy().tobytes() for index, t in tensors))
+
     def of(self, index: int) -> torch.Tensor | None:
         """Layer `index`'s scale, or None (a layer without one codes its keys as they come)."""
         return self.scales.get(index)
@@ -90,3 +96,11 @@ class KeyScale:
         if version != FORMAT_VERSION:
             raise ConfigError(f"{path}: key scale layout version {version!r}, this hf_kvplus reads {FORMAT_VERSION}")
         return cls(scales=scales, **meta)
+
+
+def same_key_scale(a: KeyScale | None, b: KeyScale | None) -> bool:
+    """Whether two key scales code keys alike: both None, or the same scales of every layer."""
+    if a is None or b is None:
+        return a is b
+    return a.scales.keys() == b.scales.keys() and all(torch.equal(a.scales[i], b.scales[i]) for i in a.scales)
+

@@ -5,13 +5,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedConfig
 
 from .cache import KVCache
 from .errors import CacheMismatchError, ConfigError, UnsupportedOperationError
-from .formats import resolve_format
+from .fitted import key_scale_for
+from .formats import is_rotated, resolve_format
+from .key_scale import KeyScale, same_key_scale
 from .layer import KVLayer
 from .memory import MemoryReport
 from .model_spec import LayerSpec, ModelSpec
@@ -80,6 +83,10 @@ class PagedCache(KVCache):
     each layer's format (`PagedPool(layer_bits=...)`), and a pool passed in must hold the same. Prefix reuse refuses
     these regions.
 
+    `key_scale` ("auto"): a rotated format's keys coded times the model's fitted per-pair scale, as `QuantizedCache`'s
+    (the pool holds it: `PagedPool(key_scale=...)`; spec `key_scale=auto|off|PATH`); with `pool=`, "auto" takes the
+    pool's and another must be the pool's (`CacheMismatchError`). `quantized_report()["key_scale"]` names its model.
+
     `max_tokens` (full precision) reserves each row's blocks for that many tokens at the first fill, so the
     tables never grow and a decode step allocates nothing; more raises `CapacityError`. Beams and samples still
     share the prompt's full blocks; a batch-row operation gives each row its own copy of the blocks it writes
@@ -111,6 +118,7 @@ class PagedCache(KVCache):
         boundary_layers: int = 0,
         boundary_bits: int | str | None = None,
         layer_bits: Mapping[int, int | str | None] | None = None,
+        key_scale: KeyScale | str | Path | None = "auto",
     ):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ConfigError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -133,9 +141,11 @@ class PagedCache(KVCache):
         holding = {i.index for i in spec.layers if i.holds_kv}
         own = {i: b for i, b in self.regions.own_bits(spec.num_layers).items() if i in holding}
         if pool is None:
+            rotated = any(b is not None and is_rotated(b) for b in (bits, *own.values()))
             pool = PagedPool(
                 config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes, bits=bits,
                 group_size=group_size, layer_bits=own or None,
+                key_scale=key_scale_for(config, key_scale) if rotated else None,
             )
         else:
             if placement is not None and placement.moves:
@@ -148,6 +158,7 @@ class PagedCache(KVCache):
                 blocks.guard_writes = not blocks.is_fixed
             if bits is not None or group_size is not None:
                 pool.check_format(resolve_format(spec, bits, group_size))
+            _check_key_scale(config, pool, key_scale)
             if pool.format is not None:
                 pool.check_layer_formats(
                     {i: resolve_format(spec, own[i], group_size) if i in own else pool.format for i in pool.layer_formats}
@@ -369,11 +380,26 @@ class PagedCache(KVCache):
             raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
         for group in self.groups.values():
             group.trim()
-        return precision_report(self, str(self.format), self.window)
+        scale = None if self.pool.key_scale is None else self.pool.key_scale.model
+        return precision_report(self, str(self.format), self.window) | {"key_scale": scale}
 
     def block_pools(self) -> dict[str, BlockPool]:
         """The block pool of each layer group ("full", "sliding:512", ...)."""
         return {key: group.pool for key, group in self.groups.items()}
+
+
+def _check_key_scale(config: PreTrainedConfig, pool: PagedPool, key_scale) -> None:
+    """A cache on a shared pool reads the keys as the pool coded them: a `key_scale` other than "auto" (the pool's,
+    whatever it holds) must be the pool's, where the pool holds a rotated format."""
+    if not pool.rotated or isinstance(key_scale, str) and key_scale == "auto":
+        return
+    asked = key_scale_for(config, key_scale)
+    if not same_key_scale(asked, pool.key_scale):
+        have = "none" if pool.key_scale is None else f"{pool.key_scale.model}'s"
+        want = "none" if asked is None else f"{asked.model}'s"
+        raise CacheMismatchError(f"this PagedPool codes its keys with key scale {have}; the cache asks for {want} "
+                                 "(other scales): build the pool with the same key_scale, or leave it out of the "
+                                 "cache to use the pool's")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -97,22 +97,20 @@ class FamilyDefaults:
                 if layer.holds_kv and kinds.get(layer.kind, bits) != bits}  # fmt: skip
 
 
-#: Per-family defaults of the rotated presets. Gemma 3 (1 KV head of 256, QK-norm, 5 sliding-window layers of 512
-#: per full-attention layer): its full-attention layers' keys are long (mean norm 105-132 in layers 5 and 11 of the
-#: 270M model, against 23-64 in its sliding layers, queries about 20) and those layers attend far, so 2-bit keys there
-#: move the attention logits by about 2.0 (standard deviation, after the 1/16 scaling) and their attention output by
-#: 19-31% (each sliding layer: under 3.3%); and at 4K tokens they hold two thirds of the coded tokens (a sliding layer
-#: holds at most its window). k2v2 on Gemma 3 270M, 1,024 tokens of Pride and Prejudice: +32.5% as the preset, +6.2%
-#: with the full layers at k4v1, +1.6% with the sliding layers' keys at 3 bits and values at 1 too (the same bits per
-#: coordinate as k2v2 there); k3v2 +5.4% -> +1.3% (full layers at k4v2); k4v2 +0.65% -> +0.42% (full layers at
-#: k4v3). The loss grows with the length: at 4,096 tokens k2v2 +12.2%, k3v2 +6.9%, k4v2 +2.7% with these formats,
-#: and even 4-bit keys with 8-bit values on the full layers alone (the sliding layers exact) cost +2.2% there
-#: (eval/lowbit_families.py, eval/lowbit_probes.py; docs/benchmarks-lowbit.md, "Two model families").
+#: Per-family defaults of the rotated presets, chosen with the model's key scale on (`key_scale.KeyScale`, shipped for
+#: Gemma 3 270M and on by default). Gemma 3 (1 KV head of 256, QK-norm, 5 sliding-window layers of 512 per
+#: full-attention layer): its full-attention layers' keys are long and attend far (at 4K tokens those 3 layers hold two
+#: thirds of the coded tokens); the key scale takes most of their key error away (k2v2 on every layer +57% -> +10%), and
+#: what is left is best spent as 3-bit keys with more value bits there (4-bit keys alone cost +0.7% there, 2-bit values
+#: +1.5%): Gemma 3 270M, 4,096 tokens of Pride and Prejudice in chunks of 32, window 128, seed 0, with the scale: k2v2
+#: +9.23% -> +4.38% (full k4v1 and sliding k3v1 before), k3v2 +3.27% -> +1.94% (full k4v2 before) at the same bits
+#: (eval/key_scaling.py `shipped`; docs/artifacts.md, "A key scale per model"). Without the scale (`key_scale="off"`)
+#: these formats were not what measured best.
 FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
     FamilyDefaults(
         "Gemma 3", ("gemma3_text", "gemma3"),
-        {"k2v2": {"full": "k4v1", "sliding": "k3v1"}, "k3v2": {"full": "k4v2"}, "k4v2": {"full": "k4v3"}},
-        "full-attention layers' keys long and attended far: 2-bit keys there cost 19-23% of their attention output",
+        {"k2v2": {"full": "k3v2", "sliding": "k3v1"}, "k3v2": {"full": "k3v3"}, "k4v2": {"full": "k4v3"}},
+        "full-attention layers' keys long and attended far: with the key scale, 3-bit keys and more value bits there",
     ),
 )  # fmt: skip
 

@@ -12,9 +12,8 @@ from .calibration import Calibration
 from .errors import ConfigError, UnsupportedModelError
 from .eviction.rope import RotaryShift
 from .fitted import calibrated_layer_bits, key_scale_for
-from .formats import is_rotated, parse_bits, resolve_format, rotated_bits
+from .formats import is_rotated, layer_state, parse_bits, resolve_format, rotated_bits
 from .kernels.quant_format import QuantFormat
-from .kernels.rotated_format import RotatedFormat
 from .kernels.turning_center import RotaryBasis
 from .key_scale import KeyScale
 from .model_spec import LayerSpec, ModelSpec
@@ -105,14 +104,12 @@ def quantized_storage(
         if layer_fmt is None:  # a layer at full precision
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
-        scaled = {} if key_scale is None or not isinstance(layer_fmt, RotatedFormat) else {
-            "key_scale": key_scale.of(spec.index)}  # fmt: skip
         if turns is not None and layer_fmt.turns_keys and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
-            state = layer_fmt.make_state(turns=turns, origin=0 if static else first, **scaled)
+            state = layer_state(layer_fmt, spec.index, key_scale, turns=turns, origin=0 if static else first)
         else:
-            state = layer_fmt.make_state(**scaled)
+            state = layer_state(layer_fmt, spec.index, key_scale)
         layer_fmt = layer_fmt.for_layer(spec.index)
         if static:
             return StaticQuantizedStorage(layer_fmt, window, max_tokens, first, state)
@@ -175,7 +172,7 @@ class QuantizedCache(KVCache):
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     `family_defaults` (True): where no layer formats are asked for (`layer_bits`, `boundary_layers`, `calibration`),
     a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
-    full-attention layers at k4v1, measured in docs/benchmarks-lowbit.md); `quantized_report()["family_defaults"]`
+    full-attention layers at k3v2 and its sliding ones at k3v1, measured with the key scale on); `quantized_report()["family_defaults"]`
     names the family; False: the preset's format on every layer.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the

@@ -30,7 +30,8 @@
                             rotated format's keys scaled per RoPE pair as fitted for the model (`auto`, the
                             default: the model's own where one ships, Gemma 3 270M's; `off`: none)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
-                            `group=N`, `window=N`, `block=N`, `blocks=N` and the precision regions of `quantized`
+                            `group=N`, `window=N`, `block=N`, `blocks=N`, `key_scale=auto|off|PATH` and the
+                            precision regions of `quantized`
                             (`first=N`, `boundary=N`: full-precision blocks, `boundary_bits=...`) may follow
 - `sink:4:1020`             hf_kvplus SinkCache: 4 attention sinks + a window of 1020 (`positions=original`);
                             `sink:4:20%` (or `sink:4:0.2`): the sinks and the window together a fifth of the prompt;
@@ -38,7 +39,8 @@
                             with it the precision regions of `quantized`: `first=N` (positions 0..N-1 exact and
                             never evicted: N <= the sinks, budget - recent, budget - observation; a sink cache's
                             sinks are exact by default with bits, `first=0` codes them), `boundary=N`,
-                            `boundary_bits=...`, `calibration=PATH` (e.g. `sink:4:1020:bits=k4v2:boundary=1`)
+                            `boundary_bits=...`, `calibration=PATH`, `key_scale=auto|off|PATH` (e.g.
+                            `sink:4:1020:bits=k4v2:boundary=1`)
 - `h2o:1024`                hf_kvplus H2OCache: a budget of 1024 (`recent=N`, default half the budget); every
                             evicting cache's budget may be a share of the prompt instead, `h2o:20%` or `h2o:0.2`
                             (a fifth kept: kvpress's compression_ratio 0.8; sized at the prompt, `EvictingCache`);
@@ -353,7 +355,7 @@ def _validate(spec: CacheSpec) -> None:
         if spec.kwargs.get("compile", "off") not in ("on", "off"):
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "paged-quantized":
-        _check_arity(spec, 1, {"group", "window", "block", "blocks"} | REGION_OPTIONS | CALIBRATION_OPTION)
+        _check_arity(spec, 1, {"group", "window", "block", "blocks", "key_scale"} | REGION_OPTIONS | CALIBRATION_OPTION)
         if len(spec.args) != 1:
             raise ConfigError(
                 f"cache spec {spec.text!r}: expected paged-quantized:<int8|int4|int2|fp8>, e.g. paged-quantized:int4"
@@ -403,7 +405,7 @@ def _validate(spec: CacheSpec) -> None:
 NAMED_EVICTING = {cache.policy.name: cache for cache in (SinkCache, H2OCache, SnapKVCache, PeakCache, KVzipCache,
                                                          KVzapCache)}  # fmt: skip
 #: Every evicting spec's options besides its policy's settings: storage, precision regions, calibration.
-STORAGE_OPTIONS = {"bits", "group"} | REGION_OPTIONS | CALIBRATION_OPTION
+STORAGE_OPTIONS = {"bits", "group", "key_scale"} | REGION_OPTIONS | CALIBRATION_OPTION
 #: What a positional argument's example is in an error message, by name (a setting's own default otherwise).
 EXAMPLES = {"budget": "1024", "window": "1020"}
 
@@ -513,7 +515,7 @@ def _storage(config, kwargs) -> dict:
     if "first" not in kwargs:
         del regions["first_tokens"]
     return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-            **regions, **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
+            "key_scale": kwargs.get("key_scale", "auto"), **regions, **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:
@@ -573,6 +575,7 @@ def _paged_quantized(config, args, kwargs, max_length):
         window=int(kwargs.get("window", DEFAULT_WINDOW)),
         block_size=int(kwargs["block"]) if "block" in kwargs else None,
         num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
+        key_scale=kwargs.get("key_scale", "auto"),
         **_regions(kwargs, preset=False),  # paged blocks have no preset first tokens yet
         **_calibrated(config, args[0], kwargs),
     )

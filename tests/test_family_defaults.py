@@ -87,8 +87,8 @@ def test_storage_factories_take_them_too():
 
 
 def test_gemma3_cache_runs_and_counts_the_family_bits():
-    """A forward through the tiny Gemma 3 with k2v2: its full layers are coded at 4-bit keys and 1-bit values, and
-    the bits per coordinate count them."""
+    """A forward through the tiny Gemma 3 with k2v2: its layers are coded in the family's formats, and the bits per
+    coordinate count them."""
     model = build_model("gemma3")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     caches = {on: QuantizedCache(model.config, bits="k2v2", window=8, family_defaults=on) for on in (True, False)}
@@ -96,7 +96,7 @@ def test_gemma3_cache_runs_and_counts_the_family_bits():
         with torch.inference_mode():
             model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
     bits = {on: cache.quantized_report()["bits_per_coordinate"] for on, cache in caches.items()}
-    assert bits[True] > bits[False]  # k4v1 on full layers: 2.5 bits of codes a coordinate against 2
+    assert bits[True] > bits[False]  # k3v2 on full layers, k3v1 on sliding ones: 2.5 and 2 bits against 2
 
 
 def test_gemma3_config_without_sliding_layers_is_still_gemma3():
@@ -104,7 +104,8 @@ def test_gemma3_config_without_sliding_layers_is_still_gemma3():
                               hidden_size=64, intermediate_size=64, vocab_size=64,
                               layer_types=["full_attention", "full_attention"])  # fmt: skip
     cache = QuantizedCache(config, bits="k2v2")
-    assert dict(cache.regions.layer_bits) == {0: "k4v1", 1: "k4v1"}
+    full = GEMMA.kind_bits["k2v2"]["full"]
+    assert full != "k2v2" and dict(cache.regions.layer_bits) == {0: full, 1: full}
 
 
 def test_calibrate_starts_from_the_family_formats():
@@ -118,13 +119,14 @@ def test_calibrate_starts_from_the_family_formats():
     family = dict(QuantizedCache(model.config, bits="k2v2").regions.layer_bits)
     args = {"model_name": "tiny-gemma3", "bits": "k2v2", "max_bits": 16.0, "chunk_size": 16, "window": 16,
             "progress": False}  # fmt: skip
-    calibration, options = calibrate(model, ids, candidates=("k4v1",), **args)
+    candidate = GEMMA.kind_bits["k2v2"]["full"]
+    calibration, options = calibrate(model, ids, candidates=(candidate,), **args)
     full = full_layers(model.config)
-    assert {o.layer for o in options}.isdisjoint(full)  # k4v1 is already their format: nothing to measure
+    assert {o.layer for o in options}.isdisjoint(full)  # the candidate is already their format: nothing to measure
     assert all(calibration.layer_bits[index] == family[index] for index in family if index not in
                {o.layer for o in options})  # fmt: skip
     assert calibration.measured["family_layer_bits"] == family
-    plain, options = calibrate(model, ids, candidates=("k4v1",), family_defaults=False, **args)
+    plain, options = calibrate(model, ids, candidates=(candidate,), family_defaults=False, **args)
     assert set(full) <= {o.layer for o in options} and plain.measured["family_layer_bits"] == {}
 
 

@@ -254,3 +254,18 @@ def test_calibrate_counts_the_budget_at_budget_tokens_and_reuses_measured_option
         assert record["kl_by_seed"]["0"] == reused[option.layer, "int8"]
         assert option.kl == pytest.approx((record["kl_by_seed"]["0"] + record["kl_by_seed"]["1"]) / 2)
     assert both.measured["rotation_seed"] == [0, 1] and set(both.measured["base_kl_by_seed"]) == {"0", "1"}
+
+
+def test_calibrate_counts_a_sliding_layers_bits_at_its_window():
+    # The tiny Gemma 3's sliding layers keep 8 tokens: at 96 tokens the budget's bits are those the cache holds then
+    # (its family's formats: the full layer's k3v2 alone past the window), not those of every layer holding all 96.
+    model = get_model("gemma3")
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(0))
+    longer = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    args = dict(model_name="tiny-gemma3", bits="k2v2", max_bits=16.0, chunk_size=16, window=16, first_tokens=0,
+                progress=False)  # fmt: skip
+    calibration, _ = calibrate(model, ids, candidates=("k4v2",), budget_tokens=96, **args)
+    cache = QuantizedCache(model.config, bits="k2v2", window=16, first_tokens=0)
+    assert cache.family is not None  # (formats differing by layer kind: what a wrong count shows)
+    perplexity(model, longer, cache, chunk_size=16, progress=False)
+    assert calibration.measured["base_bits"] == pytest.approx(cache.quantized_report()["bits_per_coordinate"], rel=1e-9)

@@ -100,7 +100,8 @@ def layer_bits_table(make_cache, formats: Sequence[str], num_layers: int, tokens
                      dtype: torch.dtype) -> dict[str, list[tuple[int, int]]]:
     """Per format, per layer, the bits held outside the window and their coordinates (`layer_region_bits`) once the
     cache `make_cache(layer_bits)` holds `tokens` tokens, fed in chunks of `chunk_size`: what the cache holds, counted
-    on random keys and values (the bits do not depend on them), every layer at that format."""
+    on random keys and values (the bits do not depend on them), every layer at that format, each keeping what its
+    retention keeps (a sliding layer its window)."""
     table = {}
     generator = torch.Generator().manual_seed(0)
     for fmt in dict.fromkeys(formats):
@@ -114,6 +115,7 @@ def layer_bits_table(make_cache, formats: Sequence[str], num_layers: int, tokens
                 if not layer.is_initialized:
                     layer.lazy_initialization(keys, values)
                 layer.storage.append(keys, values)  # (the storage alone: no attention follows)
+                layer.retention.evict(layer.storage, count, refill=True)  # a sliding layer keeps its window
         counts = [(0, 0)] * num_layers
         for spec in specs:
             counts[spec.index] = layer_region_bits(cache.layers[spec.index], cache.window)
@@ -165,12 +167,15 @@ def calibrate(
         return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens, rotation_seed=seed,
                               layer_bits=family | (layer_bits or {}), family_defaults=False)  # fmt: skip
 
+    built = cache()
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-                "first_tokens": first_tokens, "key_center": key_center(cache())}  # fmt: skip
+                "first_tokens": first_tokens, "key_center": key_center(built),
+                "key_scale": None if built.key_scale is None else built.key_scale.model}  # fmt: skip
     known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
     known_base: dict[int, float] = {}
     for earlier in reuse:
-        theirs = {"key_center": "fixed"} | earlier.measured | {"model": earlier.model, "bits": earlier.bits}
+        theirs = {"key_center": "fixed", "key_scale": None} | earlier.measured | {"model": earlier.model,
+                                                                                  "bits": earlier.bits}  # fmt: skip
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
             raise ConfigError(f"a reused calibration was measured otherwise ({differs}; this one: {protocol})")
@@ -226,7 +231,8 @@ def calibrate(
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-            "first_tokens": first_tokens, "key_center": protocol["key_center"], "family_layer_bits": family,
+            "first_tokens": first_tokens, "key_center": protocol["key_center"], "key_scale": protocol["key_scale"],
+            "family_layer_bits": family,
             "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
             "candidates": list(candidates), "budget_tokens": budget_tokens,
             "allocation": "exact multiple-choice knapsack over the layers",

@@ -9,9 +9,10 @@ from transformers import PreTrainedConfig
 
 from ..errors import CacheMismatchError, ConfigError
 from ..fingerprint import digest, fingerprint
-from ..formats import resolve_format
+from ..formats import layer_state, resolve_format
 from ..kernels.paged_attention import DEFAULT_BLOCK_SIZE
 from ..kernels.quant_format import QuantFormat
+from ..kernels.rotated_format import RotatedFormat
 from ..model_spec import LayerSpec, ModelSpec
 from .block_pool import BlockPool
 from .folder_blocks import FolderBlocks
@@ -49,6 +50,11 @@ class PagedPool:
     the same block groups), in groups of `group_size` too (a block holds whole groups): a quantized cache's boundary
     layers (`PrecisionRegions`). `layer_formats` gives each layer's format.
 
+    `key_scale` (a `key_scale.KeyScale`, checked against the config; None: none): a rotated format's keys coded
+    times a per-pair scale, as `QuantizedCache`'s, held in each layer's state, so every cache on the pool and its
+    prefix store code and read with it. A `PagedCache` building its own pool gives it the model's
+    (`fitted.key_scale_for`); a pool built to share takes `key_scale=fitted.key_scale_for(config)` for the same.
+
     `prefix_backend` keeps the prefix store's blocks beyond the process (`persistent_tier`): a folder (a path, or
     `FolderBlocks(path, max_bytes=...)` to bound it) or `RedisBlocks(url)`. Every pool opened on it with the same
     model, block size, formats and `dtype` (default the config's, else float32) reads the blocks the others stored.
@@ -66,6 +72,7 @@ class PagedPool:
         group_size: int | None = None,
         layer_bits: dict[int, int | str | None] | None = None,
         prefix_backend=None,
+        key_scale=None,
     ):
         self.model_spec = ModelSpec.from_config(config)
         self.format = resolve_format(self.model_spec, bits, group_size)
@@ -78,6 +85,13 @@ class PagedPool:
             else self.format
             for spec in self.model_spec.layers if spec.holds_kv
         }  # fmt: skip
+        #: The keys' scale (`KeyScale`) where a layer's blocks are in a rotated format, or None.
+        #: Whether some layer's blocks are in a rotated format (whose keys a scale codes).
+        self.rotated = any(isinstance(fmt, RotatedFormat) for fmt in self.layer_formats.values())
+        if key_scale is not None:
+            key_scale.check(config)
+        #: The keys' scale (`key_scale.KeyScale`) of the rotated layers, or None.
+        self.key_scale = key_scale if self.rotated else None
         if block_size is None:
             block_size = DEFAULT_BLOCK_SIZE if self.format is None else max(DEFAULT_BLOCK_SIZE, self.format.group_size)
         if (
@@ -109,7 +123,7 @@ class PagedPool:
             else:
                 self.layers[spec.index] = QuantLayerPool(
                     self.blocks[key], block_size, spec.num_kv_heads, spec.head_dim, fmt.for_layer(spec.index),
-                    fmt.make_state(),
+                    layer_state(fmt, spec.index, self.key_scale),
                 )
         only_full = set(self.blocks) == {"full"}
         if prefix_backend is not None and not only_full:
@@ -125,10 +139,13 @@ class PagedPool:
         if isinstance(backend, (str, os.PathLike)):
             backend = FolderBlocks(backend)
         dtype = _dtype(dtype or getattr(config, "dtype", None) or torch.float32)
-        scope = digest({
+        held = {
             "model": fingerprint(config), "block_size": self.block_size, "dtype": str(dtype),
             "formats": {str(i): None if fmt is None else str(fmt) for i, fmt in self.layer_formats.items()},
-        })  # fmt: skip
+        }  # fmt: skip
+        if self.key_scale is not None:  # (scaled keys' codes are other codes; unscaled pools keep their scope)
+            held["key_scale"] = self.key_scale.digest()
+        scope = digest(held)
         layers = {i: self.layers[i] for i in sorted(self.layers)}
         return PersistentTier(backend, scope, self.blocks["full"], layers, dtype)
 
