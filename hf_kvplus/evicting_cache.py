@@ -225,8 +225,7 @@ class EvictingCache(KVCache):
         `memory_report` counts them, these figures do not.)"""
         if self.format is None:
             raise UnsupportedOperationError(f"quantized_report needs a quantized {type(self).__name__} (built with bits=...)")
-        scale = None if self.key_scale is None else self.key_scale.model
-        return precision_report(self, str(self.format), 0) | {"key_scale": scale}
+        return precision_report(self, str(self.format), 0, self.key_scale)
 
     @contextmanager
     def appending(self):

@@ -380,8 +380,7 @@ class PagedCache(KVCache):
             raise UnsupportedOperationError("quantized_report needs a quantized PagedCache (built with bits=...)")
         for group in self.groups.values():
             group.trim()
-        scale = None if self.pool.key_scale is None else self.pool.key_scale.model
-        return precision_report(self, str(self.format), self.window) | {"key_scale": scale}
+        return precision_report(self, str(self.format), self.window, self.pool.key_scale)
 
     def block_pools(self) -> dict[str, BlockPool]:
         """The block pool of each layer group ("full", "sliding:512", ...)."""

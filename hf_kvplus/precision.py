@@ -133,13 +133,13 @@ def family_regions(config: PreTrainedConfig, bits: int | str | None, regions: Pr
     return replace(regions, layer_bits=family.layer_bits(ModelSpec.from_config(config), bits))
 
 
-def precision_report(cache, format_name: str, window: int) -> dict:
+def precision_report(cache, format_name: str, window: int, key_scale=None) -> dict:
     """`quantized_report` of a cache (a `KVCache`) whose layers hold a `QuantizedStorage` (contiguous or paged),
     `StaticQuantizedStorage`, `SlotStore` (through their `quantized_part` and `exact_part`) or, at full precision, a
     `DenseStorage` or `PagedStorage` (a boundary or sliding layer: every token past the `window` counts at its dtype's
     bits). `derived_bytes`: the tables its formats' decode reads that are derived from the model alone (a turning key
     centre's position tables), counted once per cache and not in bytes at rest (made again after a load, not saved).
-    First raises what a decode step gave that the codes cannot hold (`storage.value_range`)."""
+    `key_scale`: the model the cache's key scale (a `KeyScale`, or None) was fitted on. First raises what a decode step gave that the codes cannot hold (`storage.value_range`)."""
     raise_pending(cache.layers)
     quantized_bytes = tokens = fp16_bytes = 0
     region_bits = region_coordinates = 0
@@ -169,6 +169,7 @@ def precision_report(cache, format_name: str, window: int) -> dict:
         "ratio_to_fp16": quantized_bytes / fp16_bytes if fp16_bytes else 0.0,
         "bits_per_coordinate": region_bits / region_coordinates if region_coordinates else 0.0,
         "derived_bytes": derived,
+        "key_scale": None if key_scale is None else key_scale.model,
     }
 
 

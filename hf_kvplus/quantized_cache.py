@@ -256,6 +256,5 @@ class QuantizedCache(KVCache):
         over every token outside the window, the full-precision regions (first tokens, boundary layers) included at
         their dtype's bits."""
         family = None if self.family is None else self.family.family
-        scale = None if self.key_scale is None else self.key_scale.model
-        return precision_report(self, str(self.format), self.window) | {
-            "backend": self.backend, "family_defaults": family, "key_scale": scale}
+        return precision_report(self, str(self.format), self.window, self.key_scale) | {
+            "backend": self.backend, "family_defaults": family}
