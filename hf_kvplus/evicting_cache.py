@@ -30,8 +30,7 @@ from .eviction.policy import EvictionPolicy
 from .eviction.sinks import SinkPolicy
 from .eviction.snapkv import SnapKVPolicy
 from .fitted import key_scale_for
-from .formats import is_rotated, layer_state, resolve_format
-from .kernels.rotated_format import RotatedFormat
+from .formats import any_rotated, is_rotated, layer_state, resolve_format
 from .key_scale import KeyScale
 from .model_spec import LayerSpec, ModelSpec
 from .placement.base import Placement
@@ -146,8 +145,7 @@ class EvictingCache(KVCache):
             formats[own] = resolve_format(model, own, group_size if grouped else None)
         self.format = fmt
         #: The keys' scale (`KeyScale`) where a rotated format codes them, or None.
-        self.key_scale = key_scale_for(config, key_scale) if any(
-            isinstance(f, RotatedFormat) for f in formats.values()) else None  # fmt: skip
+        self.key_scale = key_scale_for(config, key_scale) if any_rotated(*formats) else None
 
         def storage(spec: LayerSpec) -> SlotStore | DenseStorage:
             if spec.kind != "full":

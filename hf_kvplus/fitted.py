@@ -26,7 +26,7 @@ from transformers import PreTrainedConfig
 
 from .calibration import Calibration
 from .errors import ArtifactNotFoundError, ConfigError
-from .formats import parse_bits
+from .formats import any_rotated, parse_bits
 from .key_scale import KeyScale
 from .model_spec import ModelSpec
 from .surrogate import Surrogate
@@ -143,17 +143,21 @@ def _missing(config, what: str, kind: str, command: str, note: str = "") -> str:
     )
 
 
-def calibrated_layer_bits(config: PreTrainedConfig, bits: int | str, calibration, layer_bits=None):
+def calibrated_layer_bits(config: PreTrainedConfig, bits: int | str, calibration, layer_bits=None, key_scale="auto"):
     """`layer_bits` for a quantized cache of format `bits`: from `calibration` ("auto": this model's, `calibration_for`;
-    a `Calibration`; or the path of its file), checked against the config and the format, or `layer_bits` as given
-    when `calibration` is None."""
+    a `Calibration`; or the path of its file), checked against the config, the format and the key scale the cache
+    takes (`key_scale`, as `key_scale_for` reads it, where its formats are rotated), or `layer_bits` as given when
+    `calibration` is None."""
     if calibration is None:
         return layer_bits
     if layer_bits:
         raise ConfigError(f"give layer_bits ({dict(layer_bits)}) or calibration ({calibration!r}), not both")
     if isinstance(calibration, str) and calibration == "auto":
-        return calibration_for(config, bits).layer_bits
-    if not isinstance(calibration, Calibration):
-        calibration = Calibration.load(calibration)
-    calibration.check(config, bits)
+        calibration = calibration_for(config, bits)
+    else:
+        if not isinstance(calibration, Calibration):
+            calibration = Calibration.load(calibration)
+        calibration.check(config, bits)
+    rotated = any_rotated(calibration.bits, *calibration.layer_bits.values())
+    calibration.check_key_scale(key_scale_for(config, key_scale) if rotated else None)
     return calibration.layer_bits

@@ -61,6 +61,12 @@ def is_rotated(bits: int | str) -> bool:
     return isinstance(bits, str) and _ROTATED.fullmatch(bits) is not None
 
 
+def any_rotated(*bits: int | str | None) -> bool:
+    """Whether any of a cache's formats (None: full precision) is rotated: such a cache codes keys at the model's key
+    scale, where it has one (`fitted.key_scale_for`)."""
+    return any(b is not None and is_rotated(b) for b in bits)
+
+
 def resolve_format(
     spec: ModelSpec, bits: int | str | None, group_size: int | None, seed: int = 0
 ) -> KVFormat | None:

@@ -13,7 +13,7 @@ from transformers import PreTrainedConfig
 from .cache import KVCache
 from .errors import CacheMismatchError, ConfigError, UnsupportedOperationError
 from .fitted import key_scale_for
-from .formats import is_rotated, resolve_format
+from .formats import any_rotated, resolve_format
 from .key_scale import KeyScale, same_key_scale
 from .layer import KVLayer
 from .memory import MemoryReport
@@ -141,11 +141,10 @@ class PagedCache(KVCache):
         holding = {i.index for i in spec.layers if i.holds_kv}
         own = {i: b for i, b in self.regions.own_bits(spec.num_layers).items() if i in holding}
         if pool is None:
-            rotated = any(b is not None and is_rotated(b) for b in (bits, *own.values()))
             pool = PagedPool(
                 config, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes, bits=bits,
                 group_size=group_size, layer_bits=own or None,
-                key_scale=key_scale_for(config, key_scale) if rotated else None,
+                key_scale=key_scale_for(config, key_scale) if any_rotated(bits, *own.values()) else None,
             )
         else:
             if placement is not None and placement.moves:

@@ -12,7 +12,7 @@ from .calibration import Calibration
 from .errors import ConfigError, UnsupportedModelError
 from .eviction.rope import RotaryShift
 from .fitted import calibrated_layer_bits, key_scale_for
-from .formats import is_rotated, layer_state, parse_bits, resolve_format, rotated_bits
+from .formats import any_rotated, is_rotated, layer_state, parse_bits, resolve_format, rotated_bits
 from .kernels.quant_format import QuantFormat
 from .kernels.turning_center import RotaryBasis
 from .key_scale import KeyScale
@@ -116,12 +116,6 @@ def quantized_storage(
         return QuantizedStorage(segment(layer_fmt, state), window=window, first=first)
 
     return storage
-
-
-def _rotated_anywhere(bits, regions: PrecisionRegions) -> bool:
-    """Whether a cache of preset `bits` (None: int4) and these regions holds any layer in a rotated format."""
-    own = [b for b in (bits, regions.boundary_bits, *(b for _, b in regions.layer_bits)) if b is not None]
-    return any(is_rotated(b) for b in own)
 
 
 def turning_basis(config: PreTrainedConfig, turning_keys: bool | None, rotated: bool) -> RotaryBasis | None:
@@ -234,13 +228,14 @@ class QuantizedCache(KVCache):
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
         bits = rotated_bits(bits, key_bits, value_bits)
         first_tokens = preset_first_tokens(bits, first_tokens)
-        layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits)
+        layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits, key_scale)
         asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
         self.regions = family_regions(config, bits, asked) if family_defaults else asked
         #: The model family whose defaults gave the layer formats (`precision.FAMILY_DEFAULTS`), or None.
         self.family = family_of(config) if self.regions != asked else None
         #: The keys' scale (`KeyScale`) where a rotated format codes them, or None.
-        self.key_scale = key_scale_for(config, key_scale) if _rotated_anywhere(bits, self.regions) else None
+        self.key_scale = key_scale_for(config, key_scale) if any_rotated(
+            bits, self.regions.boundary_bits, *(b for _, b in self.regions.layer_bits)) else None  # fmt: skip
         storage = quantized_storage(
             config, bits=4 if bits is None else bits, group_size=group_size, backend=backend,
             max_tokens=max_tokens, rotation_seed=rotation_seed, regions=self.regions, turning_keys=turning_keys,

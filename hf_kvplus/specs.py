@@ -283,7 +283,8 @@ def _calibrated(config, bits, kwargs) -> dict:
     """`layer_bits` from a spec's `calibration=PATH|auto`, checked against the model and the bits."""
     if "calibration" not in kwargs:
         return {}
-    return {"layer_bits": calibrated_layer_bits(config, bits, kwargs["calibration"])}
+    return {"layer_bits": calibrated_layer_bits(config, bits, kwargs["calibration"],
+                                                key_scale=kwargs.get("key_scale", "auto"))}
 
 
 def _budget(spec_text: str, what: str, value: str) -> int | float:

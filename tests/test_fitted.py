@@ -141,17 +141,18 @@ GEMMA3 = "gemma3_text-l18-kv1-d256-h640-v262144"
 
 
 def test_the_package_ships_both_models_artifacts():
-    assert fitted.shipped() == [f"{GEMMA3}/calibration/k2v2", f"{GEMMA3}/calibration/k3v2",
-                                f"{GEMMA3}/calibration/k4v2", f"{GEMMA3}/key_scale", f"{GEMMA3}/kvzap",
+    assert fitted.shipped() == [f"{GEMMA3}/calibration/k3v2", f"{GEMMA3}/calibration/k4v2", f"{GEMMA3}/key_scale", f"{GEMMA3}/kvzap",
                                 f"{SMOLLM2}/calibration/k2v2",
                                 f"{SMOLLM2}/calibration/k3v2", f"{SMOLLM2}/calibration/k4v2", f"{SMOLLM2}/kvzap"]
     assert set(fitted.PACKAGED_MODELS) == {SMOLLM2, GEMMA3}
 
 
-@pytest.mark.parametrize("bits", ["k2v2", "k3v2", "k4v2"])
+@pytest.mark.parametrize("bits", ["k3v2", "k4v2"])
 def test_gemma3s_calibrations_are_found_for_it_and_for_no_other_model(bits, monkeypatch, tmp_path):
-    """`calibration="auto"` on Gemma 3 270M's config (an empty user folder) finds the package's k2v2, k3v2 and k4v2
-    calibrations and takes their layer formats; Gemma 3 4B, the same family with another model key, finds none."""
+    """`calibration="auto"` on Gemma 3 270M's config (an empty user folder) finds the package's k3v2 and k4v2
+    calibrations, measured with its key scale, and takes their layer formats; Gemma 3 4B, the same family with another
+    model key, finds none. (No k2v2 calibration ships for it: measured with the scale, it did worse than the family's
+    formats.)"""
     from hf_kvplus.planning.configs import load_config
 
     monkeypatch.setenv("KVPLUS_CACHE", str(tmp_path))
@@ -160,6 +161,7 @@ def test_gemma3s_calibrations_are_found_for_it_and_for_no_other_model(bits, monk
     assert path == fitted.PACKAGED / GEMMA3 / "calibration" / bits / "calibration.json"
     shipped = json.loads(path.read_text())
     assert (shipped["model"], shipped["model_type"], shipped["bits"]) == ("gemma3-270m", "gemma3_text", bits)
+    assert shipped["measured"]["key_scale_digest"] == fitted.key_scale_for(gemma).digest()
     cache = QuantizedCache(gemma, bits=bits, calibration="auto")
     assert dict(cache.regions.layer_bits) == {int(k): v for k, v in shipped["layer_bits"].items()}
     assert dict(parse_cache_spec(f"quantized:{bits}:calibration=auto").build(gemma).regions.layer_bits) == dict(
@@ -194,3 +196,27 @@ def test_the_shipped_artifacts_load_and_run_on_the_embedded_models(name, key, mo
     with torch.no_grad():
         out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
     assert out.shape[1] == 304 and cache.quantized_report()["bits_per_coordinate"] > 3.0
+
+
+def test_a_calibration_is_refused_by_a_cache_whose_keys_are_scaled_otherwise(tmp_path):
+    """Which layers pay for more bits depends on the key scale the layers were measured with: Gemma 3 270M's caches
+    take its shipped scale, so a calibration measured without one (or with another) is refused, naming both, and one
+    measured with it loads; `key_scale="off"` takes the one measured without."""
+    from hf_kvplus.planning.configs import load_config
+
+    gemma = load_config("gemma3-270m")
+    scale = fitted.key_scale_for(gemma)
+    assert scale is not None
+    layers = {index: "k4v3" for index in (1, 3)}
+    without = Calibration("gemma3-270m", "gemma3_text", 18, "k4v2", layers, 3.5, 3.45, {"key_scale": None})
+    with pytest.raises(ConfigError, match=r"measured with no key scale; this cache codes keys with key scale "
+                                          r"gemma3-270m \(" + scale.digest()):
+        QuantizedCache(gemma, bits="k4v2", calibration=without)
+    with pytest.raises(ConfigError, match="measured with no key scale"):
+        parse_cache_spec(f"quantized:k4v2:calibration={without.save(tmp_path / 'without.json')}").build(gemma)
+    assert dict(QuantizedCache(gemma, bits="k4v2", calibration=without, key_scale="off").regions.layer_bits) == layers
+    measured = {"key_scale": "gemma3-270m", "key_scale_digest": scale.digest()}
+    scaled = Calibration("gemma3-270m", "gemma3_text", 18, "k4v2", layers, 3.5, 3.45, measured)
+    assert dict(QuantizedCache(gemma, bits="k4v2", calibration=scaled).regions.layer_bits) == layers
+    with pytest.raises(ConfigError, match=r"measured with key scale gemma3-270m .*; this cache codes keys with no key"):
+        QuantizedCache(gemma, bits="k4v2", calibration=scaled, key_scale="off")

@@ -170,11 +170,12 @@ def calibrate(
     built = cache()
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
                 "first_tokens": first_tokens, "key_center": key_center(built),
-                "key_scale": None if built.key_scale is None else built.key_scale.model}  # fmt: skip
+                "key_scale": None if built.key_scale is None else built.key_scale.model,
+                "key_scale_digest": None if built.key_scale is None else built.key_scale.digest()}  # fmt: skip
     known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
     known_base: dict[int, float] = {}
     for earlier in reuse:
-        theirs = {"key_center": "fixed", "key_scale": None} | earlier.measured | {"model": earlier.model,
+        theirs = {"key_center": "fixed", "key_scale": None, "key_scale_digest": None} | earlier.measured | {"model": earlier.model,
                                                                                   "bits": earlier.bits}  # fmt: skip
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
@@ -232,7 +233,7 @@ def calibrate(
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
             "first_tokens": first_tokens, "key_center": protocol["key_center"], "key_scale": protocol["key_scale"],
-            "family_layer_bits": family,
+            "key_scale_digest": protocol["key_scale_digest"], "family_layer_bits": family,
             "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),
             "candidates": list(candidates), "budget_tokens": budget_tokens,
             "allocation": "exact multiple-choice knapsack over the layers",
