@@ -56,8 +56,11 @@ EXPECTED = {
     "int2": ("1185caf09335f061", "1185caf09335f061", "9dda7171e5bf07dc", "e124191b93579f1e"),
     "fp8": ("6917867a1f2d198d", "6917867a1f2d198d", "37ce65c685de4a02", "37ce65c685de4a02"),
     "k4v2-centred": ("567ec5ffb7a29c94", "567ec5ffb7a29c94", "8d34693b623a578e", "f7c64c17f7697595"),
-    "k3v2": ("fb338c2493dbf651", "fb338c2493dbf651", "4a782503d29dd9a0", "4e2e4ab782902215"),
+    "k3v2": ("fb338c2493dbf651", "fb338c2493dbf651", "4a782503d29dd9a0", {"4e2e4ab782902215", "02a352cddb81f815"}),
 }
+#: A set of digests: the C++ operator's output as recorded on each CPU it was built on (it is built with -march=native,
+#: and the vector width sets the order of its sums: k3v2's decode output moves in its last bits between the CPU it was
+#: first recorded on and an AMD EPYC with AVX2 and FMA, no AVX-512).
 
 
 def codes_and_outputs(name):
@@ -77,7 +80,9 @@ def codes_and_outputs(name):
 @pytest.mark.skipif(not rotated_cpu.available(), reason="the digests were recorded with the C++ operators built")
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_codes_and_decode_outputs_are_the_recorded_ones(name):
-    assert codes_and_outputs(name) == EXPECTED[name]
+    got = codes_and_outputs(name)
+    assert [d if isinstance(e, str) or d not in e else e for d, e in zip(got, EXPECTED[name], strict=True)] == list(
+        EXPECTED[name])
 
 
 GREEDY = {
