@@ -24,7 +24,7 @@ def _run(pytester, *env):
     pytester.makepyfile(test_seeded=SEEDED)
     for name, value in env:
         pytester._monkeypatch.setenv(name, value)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--device", "cpu")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--device", "cpu")
     text = result.stdout.str()
     drawn = re.findall(r"drew (\S+) with (\d+)", text)
     named = re.findall(r"this test drew seed (\d+): rerun it with KVPLUS_TEST_SEED=(\d+)", text)
