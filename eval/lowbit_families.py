@@ -7,8 +7,9 @@
 Protocol: each `--models` on the first `--tokens` tokens of each `--texts`, fed in chunks of `--chunk`, a
 `--window`-token full-precision window; perplexity change against DynamicCache on the same ids and chunks (measured
 once per model and text). Each row is `QuantizedCache(bits=<spec>, window, rotation_seed=<seed>)` as it ships
-("after": with its model family's layer formats, `precision.FAMILY_DEFAULTS`) and with `family_defaults=False`
-("before": the preset's format on every layer, what the presets were before the family defaults). Where a model has
+("after": with its model family's key scale and layer formats, `precision.FAMILY_DEFAULTS`) and with
+`family_defaults=False, key_scale="off"` ("before": the preset's format on every layer and no key scale, what the
+presets were before the work on a second family). Where a model has
 no family defaults for a spec, both are the same cache: it runs once, as "same". `--calibration auto` runs instead
 each spec with the calibration shipped for the model ("calibrated": `QuantizedCache(..., calibration="auto")`, found
 from the config, `fitted.find`), into the same log, e.g.
@@ -67,6 +68,7 @@ def plan(args, model_name: str, config) -> list[dict]:
             kinds = ["before", "after"] if has_defaults(config, spec) else ["same"]
             if args.calibration:
                 kinds = ["calibrated"]
+            kinds = [kind for kind in kinds if not args.kinds or kind in args.kinds]
             for seed in args.seeds:
                 rows += [{"model": model_name, "text": text, "spec": spec, "defaults": kind, "seed": seed,
                           "tokens": args.tokens, "chunk": args.chunk, "window": args.window} for kind in kinds]  # fmt: skip
@@ -133,8 +135,9 @@ def table(runs: list[dict]) -> str:
 def report(runs: list[dict], meta: dict, out: Path) -> str:
     md = (f"Rotated presets before and after the per-family defaults; {meta['machine']}, {meta['date']}.\n\n"
           + "".join(f"`{c}`\n\n" for c in [meta["command"], *meta["added_commands"]]) + f"{table(runs)}\n"
-          "before: the preset's format on every layer (`family_defaults=False`); after: as it ships (Gemma 3: "
-          "the family's layer formats, `precision.FAMILY_DEFAULTS`); (same): no family defaults for that model and "
+          "before: the preset as it was before the work on the second family, its format on every layer and no key "
+          "scale (`family_defaults=False, key_scale=\"off\"`); after: as it ships (Gemma 3: its key scale and the "
+          "family's layer formats, `precision.FAMILY_DEFAULTS`); (same): no family defaults for that model and "
           "spec, one run; calibrated: `calibration=\"auto\"`, the calibration shipped for the model. Bits: "
           "`quantized_report()['bits_per_coordinate']`.\n")  # fmt: skip
     (out / "table.md").write_text(md)
@@ -155,6 +158,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
     parser.add_argument("--calibration", choices=["auto"], help="run each spec with the model's shipped calibration "
                                                                 "instead (rows 'calibrated')")  # fmt: skip
+    parser.add_argument("--kinds", nargs="+", choices=["before", "after", "same"],
+                        help="run only these rows (e.g. more seeds of what ships: --kinds after --seeds 1 2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/lowbit_families"),
                         help="where DynamicCache's per-token log-likelihoods are kept between runs")
@@ -214,8 +219,9 @@ def main(argv=None) -> None:
                     row["calibration"] = str(found.relative_to(Path(__file__).resolve().parent.parent)
                                              if found and found.is_relative_to(Path(__file__).resolve().parent.parent)
                                              else found)  # fmt: skip
+                before = {"family_defaults": False, "key_scale": "off"} if row["defaults"] == "before" else {}
                 cache = QuantizedCache(model.config, bits=row["spec"], window=args.window, rotation_seed=row["seed"],
-                                       family_defaults=row["defaults"] != "before", **calibrated)  # fmt: skip
+                                       **before, **calibrated)  # fmt: skip
                 result = perplexity(model, ids, cache, chunk_size=args.chunk, label=f"{row['spec']} {row['defaults']}")
                 ratio = result.perplexity / base[where]["perplexity"]
                 difference = result.nll.double() - base_nll
@@ -223,6 +229,7 @@ def main(argv=None) -> None:
                 row |= {"perplexity": result.perplexity, "delta_pct": 100 * (ratio - 1),
                         "se_pct": 100 * ratio * float(difference.std() / difference.numel() ** 0.5),
                         "bits": report_["bits_per_coordinate"], "family_defaults": report_.get("family_defaults"),
+                        "key_scale": report_.get("key_scale"),
                         "seconds": result.seconds}  # fmt: skip
                 if not calibrated:  # (a calibrated row's are in its calibration file)
                     row["layer_bits"] = {str(i): b for i, b in cache.regions.layer_bits}

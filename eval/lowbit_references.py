@@ -10,7 +10,12 @@ with hf_kvplus's rows taken from eval/lowbit_families.py's results where the pro
     python eval/lowbit_references.py --runs /tmp/refs [/tmp/refs_text2 ...] \
         --families eval/results/lowbit_families_4k/results.json --out eval/results/lowbit_references_gemma3
 
-One folder per text (`--text`); the same model, tokens, chunk size and window in each.
+One folder per text (`--text`); the same model, tokens, chunk size and window in each. Where eval/lowbit_families.py
+has run again (new presets, calibrations) and the reference runs are not at hand, `--refresh` takes an earlier merged
+`results.json` and replaces only hf_kvplus's rows from `--families`, keeping every reference row:
+
+    python eval/lowbit_references.py --refresh eval/results/lowbit_references_gemma3/results.json \
+        --families eval/results/lowbit_families_4k/results.json --out eval/results/lowbit_references_gemma3
 
 `results.json`: the settings, the commands, DynamicCache's perplexity per text, and per text one row per run as a list
 (`columns`: series (short names in `series`), config, hf_kvplus's `defaults` or null, bits per coordinate, perplexity
@@ -86,15 +91,42 @@ def merge(folder: Path, families: Path | None) -> tuple[dict, dict, list[dict]]:
     return meta | {k: where[k] for k in ("tokens", "chunk", "window")}, base, rows
 
 
+def refresh(path: Path, families: Path) -> dict:
+    """An earlier merged `results.json` with hf_kvplus's rows from eval/lowbit_families.py (those with a `defaults`)
+    taken again from `families`; the references' rows and hf_kvplus's own compare runs (no `defaults`) kept."""
+    result = json.loads(path.read_text())
+    short = {name: key for key, name in result["series"].items()}
+    for text, rows in result["rows"].items():
+        where = {"text": text, "tokens": result["tokens"], "chunk": result["chunk"], "window": result["window"]}
+        ours = family_rows(families, result["model"], where, result["dynamic"][text]["perplexity"])
+        kept = [row for row in rows if not (result["series"][row[0]] == OURS and row[2] is not None)]
+        kept += [[short[OURS], r["config"], r["defaults"], round(r["bits"], 3), round(r["delta_pct"], 2)]
+                 + ([round(r["se_pct"], 2)] if r.get("se_pct") is not None else []) for r in ours]  # fmt: skip
+        result["rows"][text] = sorted(kept, key=lambda row: (-row[3], row[0]))
+    return result | {"hf_kvplus_from": str(families)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=Path, nargs="+", required=True,
+    parser.add_argument("--runs", type=Path, nargs="+",
                         help="the compare scripts' --out folders, one per text")  # fmt: skip
+    parser.add_argument("--refresh", type=Path, help="an earlier merged results.json: only hf_kvplus's rows are "
+                                                     "taken again, from --families")  # fmt: skip
     parser.add_argument("--families", type=Path, help="eval/lowbit_families.py's results.json: hf_kvplus's rows")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--command", action="append", default=[],
                         help="a command that ran into the folders, in order (default: the last of each script)")
     args = parser.parse_args(argv)
+    if args.refresh:
+        if not args.families:
+            parser.error("--refresh needs --families")
+        result = refresh(args.refresh, args.families)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
+        print(f"wrote {args.out / 'results.json'}")
+        return
+    if not args.runs:
+        parser.error("give --runs (or --refresh)")
     merged = [merge(folder, args.families) for folder in args.runs]
     meta = merged[0][0]
     for other, _, _ in merged[1:]:
