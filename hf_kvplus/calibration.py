@@ -62,9 +62,9 @@ class Calibration:
             self.check_bits(bits)
 
     def check_key_scale(self, key_scale) -> None:
-        """Refuses a cache whose keys are scaled (`key_scale`: a `KeyScale` or None) otherwise than when its layers were measured: which layers pay for
-        more bits depends on the error each layer's keys carry, which the scale changes (on Gemma 3 270M the full
-        layers' logit error falls 6-26 times with it)."""
+        """Refuses a cache whose keys are scaled (`key_scale`: a `KeyScale` or None) otherwise than when its layers were
+        measured: which layers pay for more bits depends on the error each layer's keys carry, which the scale changes
+        (on Gemma 3 270M the full layers' logit error falls 6-26 times with it)."""
         theirs = self.measured.get("key_scale_digest")
         ours = None if key_scale is None else key_scale.digest()
         if theirs != ours:

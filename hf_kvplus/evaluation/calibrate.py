@@ -175,8 +175,8 @@ def calibrate(
     known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
     known_base: dict[int, float] = {}
     for earlier in reuse:
-        theirs = {"key_center": "fixed", "key_scale": None, "key_scale_digest": None} | earlier.measured | {"model": earlier.model,
-                                                                                  "bits": earlier.bits}  # fmt: skip
+        older = {"key_center": "fixed", "key_scale": None, "key_scale_digest": None}  # what earlier ones did not record
+        theirs = older | earlier.measured | {"model": earlier.model, "bits": earlier.bits}
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
             raise ConfigError(f"a reused calibration was measured otherwise ({differs}; this one: {protocol})")
