@@ -91,6 +91,12 @@ def merge(folder: Path, families: Path | None) -> tuple[dict, dict, list[dict]]:
     return meta | {k: where[k] for k in ("tokens", "chunk", "window")}, base, rows
 
 
+def packed(series: str, r: dict) -> list:
+    """A row of `results.json` (`columns`): the series' short name, config, defaults, bits, change, standard error."""
+    return ([series, r["config"], r.get("defaults"), round(r["bits"], 3), round(r["delta_pct"], 2)]
+            + ([round(r["se_pct"], 2)] if r.get("se_pct") is not None else []))  # fmt: skip
+
+
 def refresh(path: Path, families: Path) -> dict:
     """An earlier merged `results.json` with hf_kvplus's rows from eval/lowbit_families.py (those with a `defaults`)
     taken again from `families`; the references' rows and hf_kvplus's own compare runs (no `defaults`) kept."""
@@ -100,8 +106,7 @@ def refresh(path: Path, families: Path) -> dict:
         where = {"text": text, "tokens": result["tokens"], "chunk": result["chunk"], "window": result["window"]}
         ours = family_rows(families, result["model"], where, result["dynamic"][text]["perplexity"])
         kept = [row for row in rows if not (result["series"][row[0]] == OURS and row[2] is not None)]
-        kept += [[short[OURS], r["config"], r["defaults"], round(r["bits"], 3), round(r["delta_pct"], 2)]
-                 + ([round(r["se_pct"], 2)] if r.get("se_pct") is not None else []) for r in ours]  # fmt: skip
+        kept += [packed(short[OURS], r) for r in ours]
         result["rows"][text] = sorted(kept, key=lambda row: (-row[3], row[0]))
     return result | {"hf_kvplus_from": str(families)}
 
@@ -140,8 +145,7 @@ def main(argv=None) -> None:
     series = {OURS: "ours", "turboquant-torch MSE keys, coded once": "tq_mse", "turboquant-torch QJL keys, coded once":
               "tq_qjl", "tiny-turboquant": "tiny", **{r["series"]: r["series"] for r in rows}}  # fmt: skip
     series = {name: series[name] for name in dict.fromkeys(r["series"] for r in rows)}
-    small = {text: [[series[r["series"]], r["config"], r.get("defaults"), round(r["bits"], 3), round(r["delta_pct"], 2)]
-                    + ([round(r["se_pct"], 2)] if r.get("se_pct") is not None else []) for r in rows if r["text"] == text]
+    small = {text: [packed(series[r["series"]], r) for r in rows if r["text"] == text]
              for text in dict.fromkeys(r["text"] for r in rows)}  # fmt: skip
     dynamic = {base["text"]: {"perplexity": round(base["perplexity"], 5), "seconds": round(base["seconds"])}
                for _, base, _ in merged}  # fmt: skip

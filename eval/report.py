@@ -210,6 +210,13 @@ def first_four(
             (config, 4, boundary, chunk, text)]  # fmt: skip
 
 
+def seed_zero_and_mean(runs: list[dict]) -> tuple[dict, float | None]:
+    """Of one cache's runs at several rotation seeds: seed 0's (else the first), and the mean change where there are
+    more than one."""
+    zero = next((r for r in runs if r["seed"] == 0), runs[0])
+    return zero, statistics.fmean(r["delta_pct"] for r in runs) if len(runs) > 1 else None
+
+
 def second_family() -> list[str]:
     """One sentence for BENCHMARKS.md: Gemma 3's rotated presets before and after its key scale and layer formats,
     and calibrated, on both texts (seed 0, and the mean over the seeds run)."""
@@ -220,9 +227,8 @@ def second_family() -> list[str]:
         mine = [r for r in runs if (r["spec"], r["defaults"], r["text"]) == (spec, kind, text)]
         if not mine:
             return "-"
-        zero = next((r for r in mine if r["seed"] == 0), mine[0])
-        mean = f" ({pct(statistics.fmean(r['delta_pct'] for r in mine))})" if len(mine) > 1 else ""
-        return pct(zero["delta_pct"]) + mean
+        zero, mean = seed_zero_and_mean(mine)
+        return pct(zero["delta_pct"]) + (f" ({pct(mean)})" if mean is not None else "")
 
     texts = list(dict.fromkeys(r["text"] for r in runs))
     parts = []
@@ -256,9 +262,9 @@ def two_families() -> list[str]:
         mine = by.get(key)
         if not mine:
             return None
-        zero = next((r for r in mine if r["seed"] == 0), mine[0])
-        mean = f", mean {pct(statistics.fmean(r['delta_pct'] for r in mine))} ({len(mine)} seeds)" if len(mine) > 1 else ""
-        return f"{pct(zero['delta_pct'])} ({zero['bits']:.2f}){mean}"
+        zero, mean = seed_zero_and_mean(mine)
+        seeds = f", mean {pct(mean)} ({len(mine)} seeds)" if mean is not None else ""
+        return f"{pct(zero['delta_pct'])} ({zero['bits']:.2f}){seeds}"
 
     def pair(model: str, text: str, spec: str) -> str:
         same, before, after, cal = (cell((model, text, spec, kind)) for kind in ("same", "before", "after",
