@@ -9,9 +9,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 # uv where it can be had, else pip (scripts/install_packages.sh). Neither byte-compiles what it installs (pip's
-# --no-compile: torch alone took about 30 s); Python compiles the modules imported, on first import.
+# --no-compile: torch alone took about 30 s, one file at a time); `compile_bytecode` compiles in parallel below.
 source scripts/install_packages.sh
-pip_install() { install_packages "$PY" "$PY" "$@"; }
+BYTECODE="$VENV/.kvplus-bytecode"  # the venv's packages are byte-compiled (below); an install undoes it
+pip_install() { rm -f "$BYTECODE"; install_packages "$PY" "$PY" "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install torch==2.13.0
 fi
@@ -35,5 +36,10 @@ if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null
         { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; } \
             || echo "setup: redis-server could not be installed; the Redis back end's tests will skip"
     fi
+fi
+# Byte code for the venv's packages (scripts/install_packages.sh says why), again only after an install.
+if [ ! -f "$BYTECODE" ]; then
+    compile_bytecode "$PY"
+    touch "$BYTECODE"
 fi
 "$PY" -c "import torch, transformers, hf_kvplus; print(f'torch {torch.__version__}, transformers {transformers.__version__}, hf_kvplus {hf_kvplus.__version__}')"

@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+source scripts/install_packages.sh  # compile_bytecode
 VENV="${KVPLUS_VENV:-.venv}"
 # The C++ code the suite builds on a fresh venv (hf_kvplus's CPU operators, about 80 s; optimum-quanto's CPU unpack,
 # about 60 s; nothing once built), one compiler at a time, beside the linters and the suite's collection, which leave
@@ -41,6 +42,7 @@ if ! compgen -G "$LOWEST/transformers-$LOWEST_VERSION.*.dist-info" >/dev/null; t
     rm -rf "$LOWEST"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps --target "$LOWEST" \
         "transformers==$LOWEST_VERSION.*" "huggingface-hub>=1.5,<2" "httpx<1" httpcore
+    compile_bytecode "$VENV/bin/python" "$LOWEST"
 fi
 # The wheel check runs beside them: it is mostly one process at a time (pip, one compiler, the demo, the snippets),
 # and the conformance run leaves a core idle while it starts its workers and collects, so each fills the other's

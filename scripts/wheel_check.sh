@@ -37,6 +37,7 @@ PY="$WORK/venv/bin/python"
 source "$HERE/scripts/install_packages.sh"
 install_packages "$BUILD_PY" "$PY" torch==2.13.0
 install_packages "$BUILD_PY" "$PY" "$WHEEL"
+compile_bytecode "$PY"  # as pip would have (uv installs without): each command below imports torch and Transformers
 
 # Outside the clone, with nothing of it on the path: what runs is the installed wheel. Every check runs; the step
 # fails at the end if any did, naming them.
