@@ -63,7 +63,7 @@ from transformers.cache_utils import DynamicLayer
 from hf_kvplus import QuantizedCache
 from hf_kvplus.calibration import Calibration
 from hf_kvplus.cli.common import tokenize
-from hf_kvplus.evaluation.calibrate import _chunked_pass
+from hf_kvplus.evaluation.calibrate import chunked_pass
 from hf_kvplus.evaluation.perplexity import perplexity
 from hf_kvplus.evaluation.report import format_table, stamp
 from hf_kvplus.eviction.rope import RotaryShift
@@ -256,13 +256,13 @@ def centering(args, model, ids, base) -> tuple[list[dict], str]:
     plan = [(name, v, s) for name in args.configs for v in args.variants for s in args.seeds]
     rope = RotaryShift.from_config(model.config)
     reference: list[torch.Tensor] = []  # DynamicCache's log-probabilities, for each run's KL from them
-    _chunked_pass(model, ids, DynamicCache(config=model.config), args.chunk, reference)
+    chunked_pass(model, ids, DynamicCache(config=model.config), args.chunk, reference)
     layer_bits = Calibration.load(args.calibration).layer_bits if args.calibration else {}
     for name, variant, seed in tqdm(plan, desc="runs"):
         bits = [re.fullmatch(r"k(\d+)v(\d+)", str(layer_bits.get(i, name))).groups()
                 for i in range(model.config.num_hidden_layers)]  # fmt: skip
         layers = [CenteringLayer(i, int(kb), int(vb), seed, args.window, variant, rope) for i, (kb, vb) in enumerate(bits)]
-        nll, kl = _chunked_pass(model, ids, Cache(layers=layers), args.chunk, reference)
+        nll, kl = chunked_pass(model, ids, Cache(layers=layers), args.chunk, reference)
         ppl = math.exp(nll)
         rows.append({"config": name, "variant": variant, "seed": seed, "perplexity": ppl,
                      "delta_pct": 100 * (ppl / base - 1), "kl_mnat": 1000 * kl})  # fmt: skip

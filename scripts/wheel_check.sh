@@ -37,7 +37,10 @@ PY="$WORK/venv/bin/python"
 source "$HERE/scripts/install_packages.sh"
 install_packages "$BUILD_PY" "$PY" torch==2.13.0
 install_packages "$BUILD_PY" "$PY" "$WHEEL"
-compile_bytecode "$PY"  # as pip would have (uv installs without): each command below imports torch and Transformers
+# Byte code as the commands below import (pip would have compiled the install; uv does not), where
+# PYTHONDONTWRITEBYTECODE would have every one of them compile torch and Transformers again (scripts/install_packages.sh):
+# this venv is thrown away, and only what they import gets compiled (compiling all of it took 76 s in CI).
+unset PYTHONDONTWRITEBYTECODE
 
 # Outside the clone, with nothing of it on the path: what runs is the installed wheel. Every check runs; the step
 # fails at the end if any did, naming them.

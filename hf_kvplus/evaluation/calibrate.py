@@ -200,11 +200,11 @@ def calibrate(
 
     def measure(built) -> tuple[float, float, float]:
         """Perplexity change (%), mean KL from the reference (nats per token), bits per coordinate as measured."""
-        nll, kl = _chunked_pass(model, input_ids, built, chunk_size, reference)
+        nll, kl = chunked_pass(model, input_ids, built, chunk_size, reference)
         report = getattr(built, "quantized_report", None)  # (none for the reference's DynamicCache)
         return 100 * (math.exp(nll) / reference_ppl - 1), kl, report()["bits_per_coordinate"] if report else 16.0
 
-    reference_ppl = math.exp(_chunked_pass(model, input_ids, DynamicCache(config=model.config), chunk_size, reference)[0])
+    reference_ppl = math.exp(chunked_pass(model, input_ids, DynamicCache(config=model.config), chunk_size, reference)[0])
     base = {seed: measure(cache(seed=seed)) for seed in seeds}
     for seed in seeds:
         if seed in known_base and not math.isclose(known_base[seed], base[seed][1], rel_tol=1e-6):
@@ -262,7 +262,7 @@ def key_center(cache: QuantizedCache) -> str:
 
 
 @torch.inference_mode()
-def _chunked_pass(model, input_ids, cache, chunk_size: int, reference: list[torch.Tensor],
+def chunked_pass(model, input_ids, cache, chunk_size: int, reference: list[torch.Tensor],
                   token_nll: list[torch.Tensor] | None = None) -> tuple[float, float]:
     """Feeds `input_ids` in chunks through `cache`: the mean NLL of tokens 1.. and the mean KL(reference || this) of the
     next-token distributions over positions 0..N-2. With `reference` empty, fills it with this pass's log-probabilities

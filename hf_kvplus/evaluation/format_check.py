@@ -22,7 +22,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from ..errors import ConfigError, UnsupportedOperationError
 from ..quantized_cache import QuantizedCache
 from ..specs import CacheSpec, parse_cache_spec
-from .calibrate import _chunked_pass
+from .calibrate import chunked_pass
 
 #: The presets a user picks, as they ship for the model (its family's layer formats and key scale included).
 DEFAULT_SPECS = ("quantized:int4", "quantized:int2", "quantized:k4v2", "quantized:k3v2", "quantized:k2v2")
@@ -165,14 +165,14 @@ def _reference(model, ids, chunk_size: int) -> tuple[list[torch.Tensor], torch.T
     if chunk_size < 1:
         raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
     reference, nll = [], []
-    _chunked_pass(model, ids, DynamicCache(config=model.config), chunk_size, reference, nll)
+    chunked_pass(model, ids, DynamicCache(config=model.config), chunk_size, reference, nll)
     return reference, torch.cat(nll).double()
 
 
 def _cost(model, ids, spec: str, cache: Cache, chunk_size: int, reference, reference_nll: torch.Tensor,
           threshold_pct: float) -> FormatCost:
     nll = []
-    _, kl = _chunked_pass(model, ids, cache, chunk_size, reference, nll)
+    _, kl = chunked_pass(model, ids, cache, chunk_size, reference, nll)
     difference = torch.cat(nll).double() - reference_nll
     ratio = math.exp(difference.mean().item())
     se = 100 * ratio * difference.std().item() / difference.numel() ** 0.5
