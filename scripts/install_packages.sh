@@ -35,7 +35,7 @@ install_packages() {  # HOME TARGET ARGS...: pip install ARGS into TARGET's envi
 }
 
 compile_bytecode() {  # PYTHON [DIR...]: byte-compile DIRs (default: PYTHON's site-packages) where Python will not
-    # Where PYTHONDONTWRITEBYTECODE is set (it is on this project's machines and CI), Python writes no .pyc files, and
+    # Where PYTHONDONTWRITEBYTECODE is set (it is where this project's tests run), Python writes no .pyc files, and
     # each process compiled torch and Transformers from source again: 19 s to import hf_kvplus against 9 s from byte
     # code, in every process a test run starts (its workers, the notebooks' kernels, the scripts it runs). In
     # parallel, about 50 s on two cores for the project venv; a file that does not compile (one of torch's tests in

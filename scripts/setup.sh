@@ -38,7 +38,7 @@ if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null
     fi
 fi
 # Byte code for the venv's packages (scripts/install_packages.sh says why), again only after an install.
-if [ ! -f "$BYTECODE" ]; then
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && [ ! -f "$BYTECODE" ]; then
     compile_bytecode "$PY"
     touch "$BYTECODE"
 fi
