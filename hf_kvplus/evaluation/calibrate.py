@@ -263,7 +263,7 @@ def key_center(cache: QuantizedCache) -> str:
 
 @torch.inference_mode()
 def chunked_pass(model, input_ids, cache, chunk_size: int, reference: list[torch.Tensor],
-                  token_nll: list[torch.Tensor] | None = None) -> tuple[float, float]:
+                 token_nll: list[torch.Tensor] | None = None) -> tuple[float, float]:
     """Feeds `input_ids` in chunks through `cache`: the mean NLL of tokens 1.. and the mean KL(reference || this) of the
     next-token distributions over positions 0..N-2. With `reference` empty, fills it with this pass's log-probabilities
     (float16, on the CPU) and returns a KL of 0. `token_nll` collects each chunk's per-token NLL (on the CPU)."""
