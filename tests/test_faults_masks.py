@@ -333,3 +333,52 @@ def test_every_other_cache_family_follows_a_mask_over_held_tokens(name, mode):
     want = feed(model, DynamicCache(config=model.config), mode, zeros)
     got = feed(model, NON_EVICTING[name](model.config), mode, zeros)
     assert max_diff(got, want) < 1e-4
+
+
+#: Evicting caches that a 30-token prompt and what follows take past their budget, not compileable (a compileable
+#: store follows its device-side rules from the prompt on), with exact sinks in coded slots among them.
+UNPADDED = {
+    **{name: EVICTING[name] for name in ("sink", "h2o", "snapkv", "peak", "h2o-int4", "h2o-k4v2")},
+    "sink-int4": lambda c: SinkCache(c, num_sinks=2, window=14, bits=4, group_size=16),
+    "sink-k4v2": lambda c: SinkCache(c, num_sinks=2, window=14, bits="k4v2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNPADDED))
+def test_a_mask_that_hides_nothing_keeps_every_row_real_and_the_same_logits(name):
+    """A prompt's later chunks and a later turn's prompt come with a mask that hides nothing (causality alone): the
+    stores stay unpadded (every row real from position 0: the policies' Python-int rules), and give the logits of the
+    device-side rules a padded store follows (forced here after the first chunk), past the budget, through the chunks
+    and six decode steps. A mask that hides a held token still switches a store to those rules."""
+    model = get_model("llama")
+    prompt = make_prompt(PROMPT_LEN)
+
+    def run(padded: bool):
+        cache = UNPADDED[name](model.config)
+        stores = [layer.storage for layer in cache.layers if isinstance(layer.storage, SlotStore)]
+        out = []
+        with torch.no_grad():
+            out.append(model(prompt[:, :12], **cache_kwargs(cache)).logits)
+            if padded:
+                for store in stores:
+                    store.note_no_mask()
+            out.append(model(prompt[:, 12:], **cache_kwargs(cache)).logits)  # (the model builds a causal mask)
+            turn = make_prompt(6, seed=5)
+            out.append(model(turn, attention_mask=masked(cache.get_seq_length() + 6), **cache_kwargs(cache)).logits)
+            for seed in range(6, 12):
+                out.append(model(make_prompt(1, seed=seed), **cache_kwargs(cache)).logits)
+        assert stores and all((store.first_real is not None) == padded for store in stores)
+        return out, cache
+
+    fast, cache = run(padded=False)
+    slow, _ = run(padded=True)
+    assert max(s.held for s in _slot_stores(cache)) < cache.get_seq_length() == PROMPT_LEN + 12  # tokens evicted
+    assert max_diff(fast, slow) < 1e-5
+    with torch.no_grad():  # the newest position, which every store holds, hidden by the next step's mask
+        seen = cache.get_seq_length()
+        model(make_prompt(1, seed=20), attention_mask=masked(seen + 1, seen - 1), **cache_kwargs(cache))
+    assert all(store.first_real is not None for store in _slot_stores(cache))
+
+
+def _slot_stores(cache) -> list[SlotStore]:
+    return [layer.storage for layer in cache.layers if isinstance(layer.storage, SlotStore)]

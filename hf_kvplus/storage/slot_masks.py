@@ -54,7 +54,14 @@ class SlotMasks:
         A compileable store's compiled one-token steps mark their fresh slot only (a graph that rewrote every slot's
         position would copy the field each step): a 0 that such a step adds over an older held token is not seen, as
         its fixed-width mask may not reach it either. Generate's decode steps add none (the zeros of a later turn come
-        with its prompt, which marks every slot)."""
+        with its prompt, which marks every slot).
+
+        A mask that hides nothing (a prompt's later chunk, a later turn's prompt: causality alone) leaves the store as
+        it was, every row real from position 0, so that its policies keep their Python-int paths (StreamingLLM's
+        known victim and sink shift: a decode step at 4K on two cores took 1.3x as long through the padded rules).
+        Knowing that costs one device-to-host sync per layer, in such forwards only, until a mask first hides a token:
+        where no row is padded, Transformers passes decode steps no mask. Not for a compileable store, whose steps
+        must not sync, and which keeps its device-side rules throughout."""
         seen = self.seen_now()
         fresh_only = self.device_count and new == 1 and torch.compiler.is_compiling()
         if fresh_only:
@@ -63,6 +70,8 @@ class SlotMasks:
         else:
             pos = self.used()["pos"]
         hidden = hidden_slots(attention_mask, pos, seen)
+        if self.first_real is None and not self.device_count and not torch.compiler.is_compiling() and not hidden.any():
+            return  # (one sync per layer, see above) nothing hidden: every row is still real from position 0
         if self.count_hidden:  # the positions of the real tokens hidden now (-1 elsewhere), before they are marked
             lost = pos[:, 0].masked_fill(~hidden[:, 0], PAD)
         if fresh_only:

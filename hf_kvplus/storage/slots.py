@@ -61,8 +61,8 @@ class SlotStore(SlotAccess, SlotHoles, SlotMasks, SlotExact, SlotReports, SlotBu
     lowest score) that the append scatters into. Any other operation first `settle`s the hole (the
     last slot moves into it).
 
-    Until the model passes a mask, every slot holds a real token and each row's first real position
-    is 0 (`first_real` is None, policies work in Python ints). Once a mask came (left padding, maybe),
+    Until a mask from the model hides a token, every slot holds a real token and each row's first real position
+    is 0 (`first_real` is None, policies work in Python ints). Once one did (left padding, maybe),
     slots whose token it hides get `pos` PAD (padding, or held tokens a later mask hides: `note_mask`) and
     `first_real` [batch] is kept on the device, updated with each forward's tokens, never read back.
 
