@@ -184,6 +184,29 @@ def test_demo_marks_its_speed_column_unreliable_past_the_baselines_spread(local_
     assert f"model {folder}: loaded by transformers' from_pretrained" in out
 
 
+def test_demo_judges_the_baselines_spread_within_each_caches_rounds(local_model, tmp_path, monkeypatch, capsys):
+    """The baseline's blocks steady within each cache's rounds (1.0 s against dynamic, 2.0 s against dense: the
+    machine slowed between them), every ratio 1: the drift cancels in the pairing, the column is kept, and the drift
+    is recorded."""
+    import hf_kvplus.cli.demo as demo
+
+    real = demo._timed_rounds
+
+    def timed(*args, timed_self, **kwargs):
+        own, theirs = real(*args, timed_self=timed_self, **kwargs)
+        slow = 1.0 if timed_self else 2.0
+        return [slow] * len(own), [slow] * len(theirs)
+
+    monkeypatch.setattr(demo, "_timed_rounds", timed)
+    folder, text = local_model
+    assert main(["demo", "--model", folder, "--text", text, "--chunk", "32", "--context", "80", "--rounds", "2",
+                 "--new-tokens", "2", "--cache", "dynamic", "--cache", "dense", "--out", str(tmp_path)]) == 0
+    timing = json.loads((tmp_path / "demo.json").read_text())["timing"]
+    assert timing["baseline_spread"] == 1.0 and timing["reliable"]
+    assert timing["baseline_drift"] == pytest.approx(2.0)
+    assert "UNRELIABLE" not in capsys.readouterr().out
+
+
 def test_demo_skips_a_cache_whose_extra_is_missing_naming_the_extra(local_model, tmp_path, monkeypatch, capsys):
     import hf_kvplus.specs as specs
 
