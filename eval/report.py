@@ -908,39 +908,26 @@ def compiled_cpu() -> list[str]:
 
 
 def eager_decode() -> list[str]:
-    out = []
-    parts = []
-    for f in ("bench_sink_cpu_1k", "bench_sink_cpu_4k", "bench_sink_cpu_8k", "bench_quant_cpu_1k", "bench_quant_cpu_4k"):
-        b = load(f"{f}/bench.json")
-        tokens = re.search(r"--prompt-tokens (\d+)", b["command"]).group(1)
-        ratios = ", ".join(f"`{r['cache']}` {r['decode_vs_baseline']:.2f}" for r in b["results"][1:])
-        parts.append(f"{int(tokens) // 1024}K: {ratios}")
-    first = load("bench_sink_cpu_1k/bench.json")
-    out += para(
-        "**Eager decode, SmolLM2-135M, x DynamicCache's tokens/s** (`kvplus bench --cache dynamic --cache ...",
-        f"--prompt-tokens N --new-tokens 64 --repeats 3`; {machine(first)}, {day(first)}; `bench_sink_cpu_*`,",
-        "`bench_quant_cpu_*`):",
-        "; ".join(parts) + ".",
-    )
-    return out + cpu_operators()
+    """The eager decode runs in a paragraph: the lowest lossy cache at 4K, int4 against Transformers' quanto cache and
+    the paged cache at each length, the low-bit caches at 16K (every row: docs/benchmarks-cpu.md)."""
+    runs = eager_decode_runs()
+    cell = {(r["cache"], label): r["decode_vs_baseline"] for d, label in runs for r in d["rows"]}
+    four = next(d for d, label in runs if label == "4K")
+    lossy = sorted((r["decode_vs_baseline"], r["cache"]) for r in four["rows"]
+                   if r["kind"] == "lossy" and not r["cache"].startswith("hf-"))  # (ours: not Transformers' caches)
 
+    def at(cache: str) -> str:
+        return ", ".join(f"{label} {cell[(cache, label)]:.2f}" for _, label in runs if (cache, label) in cell)
 
-def cpu_operators() -> list[str]:
-    """Eager decode once the KIVI codes and paged blocks are read by the C++ CPU operators (the runs above read them
-    through the plain-torch twins, which dequantize or gather the whole cache every step)."""
-    runs = [(load(f"cpu_decode_kivi_{k}/bench.json"), k.upper()) for k in ("1k", "4k")]
-    caches = list(dict.fromkeys(r["cache"] for b, _ in runs for r in b["results"] if r["cache"] != "dynamic"))
-    cell = {(r["cache"], label): r for b, label in runs for r in b["results"]}
-    body = [["DynamicCache, tokens/s"] + [f"{cell[('dynamic', label)]['decode_tok_s']:.1f}" for _, label in runs]]
-    body += [[f"`{c}`"] + [x2(cell[(c, label)]["decode_vs_baseline"]) if (c, label) in cell else "not measured"
-                           for _, label in runs] for c in caches]  # fmt: skip
-    first = runs[0][0]
-    out = para(
-        "**Eager decode with the C++ CPU operators for KIVI codes and paged blocks**, x DynamicCache's tokens/s, higher",
-        "is faster (`kvplus bench --cache dynamic --cache ... --prompt-tokens N --new-tokens 32 --repeats 2`; SmolLM2-135M,",
-        f"{machine(first)}, {day(first)}; `cpu_decode_kivi_*`; the machine near idle, load average under 3):",
+    long = ", ".join(f"`{c}` {cell[(c, '16K')]:.2f}" for c in dict.fromkeys(r["cache"] for r in runs[-1][0]["rows"])
+                     if c not in ("dynamic", "quantized:int4", "hf-quantized:quanto:4"))  # fmt: skip
+    return para(
+        "**Eager decode, SmolLM2-135M, x DynamicCache's tokens/s**, higher is faster (`kvplus demo --threads 2",
+        f"--context N --cache ...`, the demo's alternating rounds; {machine(four)}, {day(four)}; every cache with its",
+        f"spread: [docs/benchmarks-cpu.md](docs/benchmarks-cpu.md)): at 4K every lossy hf_kvplus cache {lossy[0][0]:.2f}",
+        f"(`{lossy[0][1]}`) to {lossy[-1][0]:.2f} (`{lossy[-1][1]}`); `quantized:int4` {at('quantized:int4')} against Transformers'",
+        f"`hf-quantized:quanto:4` {at('hf-quantized:quanto:4')}; `paged` {at('paged')}; at 16K {long}.",
     )
-    return out + table(["cache"] + [label for _, label in runs], body, "l" + "r" * len(runs))
 
 
 def persistence() -> list[str]:
@@ -1137,7 +1124,7 @@ def cpu_header() -> list[str]:
         "compiled decode and long contexts on the CPU",
         "The detail behind [BENCHMARKS.md](../BENCHMARKS.md)'s CPU speed section: `generate()` compiling the decode",
         "step ([docs/compile.md](compile.md)), each cache against StaticCache compiled the same way, lower is faster;",
-        "then the eager host step and eager decode at 16K tokens against DynamicCache.",
+        "then the eager host step, and eager decode at 1K, 4K and 16K tokens, against DynamicCache.",
     )
 
 
@@ -1164,25 +1151,51 @@ def host_step_cpu() -> list[str]:
                         "syncs per step"], body, "lrrrrr")
 
 
-def long_context_cpu() -> list[str]:
-    """Eager decode at 16K tokens, where the KV read outweighs the weights' (SmolLM2-135M: 755 MB of float32 KV
-    against 540 MB of weights), by the demo's protocol: blocks of each cache's steps alternating with DynamicCache's."""
-    d = load("cpu_decode_16k/demo.json")
-    t, s = d["timing"], d["settings"]
-    base = next(r for r in d["rows"] if r["cache"] == "dynamic")
-    body = [[f"`{r['cache']}`", f"{r['decode_vs_baseline']:.2f} ({r['decode_vs_baseline_min']:.2f}..{r['decode_vs_baseline_max']:.2f})",
-             f"{r['bytes_vs_baseline']:.2f}"] for r in d["rows"] if r["cache"] != "dynamic"]  # fmt: skip
-    out = ["## Eager decode at 16K tokens", ""]
-    out += para(
-        f"SmolLM2-135M in float32 (`{command(d)}`; {machine(d)}, {day(d)}): one {s['context']:,}-token prompt fed in",
-        f"chunks of {s['chunk']}, {s['new_tokens']} timed steps in {s['rounds']} rounds, each a block of the cache's",
-        "steps and one of DynamicCache's, alternating; median (min..max) of the rounds, x DynamicCache's tokens/s",
-        f"({base['decode_tok_s']:.2f} tokens/s), higher is faster. DynamicCache's own blocks spread",
-        f"{base['decode_vs_baseline_min']:.2f}..{base['decode_vs_baseline_max']:.2f}x"
-        + (f", over the demo's {t['threshold']}x (the demo marks such figures unreliable)"
-           if not t["reliable"] else "") + ".",
+#: The eager decode runs by the demo's protocol, by context: (folder, label).
+EAGER_CPU_RUNS = (("cpu_decode_1k", "1K"), ("cpu_decode_4k", "4K"), ("cpu_decode_16k", "16K"))
+
+
+def eager_decode_runs() -> list[tuple[dict, str]]:
+    return [(load(f"{folder}/demo.json"), label) for folder, label in EAGER_CPU_RUNS]
+
+
+def eager_decode_cpu() -> list[str]:
+    """Eager decode of every cache against DynamicCache at 1K, 4K and 16K tokens, by the demo's protocol: blocks of each
+    cache's steps alternating with DynamicCache's (at 16K the KV read outweighs the weights': SmolLM2-135M holds 755 MB
+    of float32 KV against 540 MB of weights)."""
+    runs = eager_decode_runs()
+    cell = {(r["cache"], label): r for d, label in runs for r in d["rows"]}
+    ordered = sorted(runs, key=lambda run: -len(run[0]["rows"]))  # the rows of the run with the most caches first
+    caches = [c for c in dict.fromkeys(r["cache"] for d, _ in ordered for r in d["rows"]) if c != "dynamic"]
+
+    def ratio(c: str, label: str) -> str:
+        r = cell.get((c, label))
+        if r is None:
+            return "not measured"
+        return f"{r['decode_vs_baseline']:.2f} ({r['decode_vs_baseline_min']:.2f}..{r['decode_vs_baseline_max']:.2f})"
+
+    def spread(d: dict) -> str:
+        base = next(r for r in d["rows"] if r["cache"] == "dynamic")
+        return (f"{base['decode_vs_baseline_min']:.2f}..{base['decode_vs_baseline_max']:.2f} over the run, within one "
+                f"cache's rounds {d['timing']['baseline_spread']:.2f}x at most")
+
+    out = ["## Eager decode by context length", ""]
+    settings = "; ".join(
+        f"{label}: `{command(d)}`, {day(d)}, {d['settings']['new_tokens']} steps in {d['settings']['rounds']} rounds, "
+        f"DynamicCache {next(r for r in d['rows'] if r['cache'] == 'dynamic')['decode_tok_s']:.1f} tokens/s, its own "
+        f"blocks {spread(d)}" + ("" if d["timing"]["reliable"] else " (over the demo's threshold: noisy)")
+        for d, label in runs
     )
-    return out + table(["cache", "decode x DynamicCache", "KV bytes x DynamicCache"], body, "lrr")
+    out += para(
+        f"SmolLM2-135M in float32, {machine(runs[0][0])}, eager greedy decode after one prompt fed in chunks of 512 (the",
+        "demo's protocol: blocks of each cache's steps alternating with DynamicCache's, the order flipped every round);",
+        "median (min..max) of the rounds, x DynamicCache's tokens/s, higher is faster; evicting caches at an eighth of",
+        f"4K; KV bytes at rest x DynamicCache's at 4K. {settings}.",
+    )
+    body = [[f"`{c}`"] + [ratio(c, label) for _, label in runs]
+            + [x2(cell[(c, "4K")]["bytes_vs_baseline"]) if (c, "4K") in cell else "not measured"] for c in caches]  # fmt: skip
+    return out + table(["cache"] + [f"decode x DynamicCache, {label}" for _, label in runs] + ["KV bytes, 4K"], body,
+                       "l" + "r" * (len(runs) + 1))
 
 
 #: Every page this writes (path under the repository) and its sections.
@@ -1190,7 +1203,7 @@ PAGES = {
     "BENCHMARKS.md": lambda: header() + demo() + quality() + retrieval() + memory() + persistence() + cpu_speed()
     + gpu_speed(),
     "docs/benchmarks-lowbit.md": lambda: lowbit_header() + two_families() + references_gemma3() + exact_regions(),
-    "docs/benchmarks-cpu.md": lambda: cpu_header() + compiled_cpu() + host_step_cpu() + long_context_cpu(),
+    "docs/benchmarks-cpu.md": lambda: cpu_header() + compiled_cpu() + host_step_cpu() + eager_decode_cpu(),
     "docs/benchmarks-retrieval.md": lambda: retrieval_header() + needle_bytes(),
 }
 
