@@ -63,14 +63,15 @@ class SlotMasks:
         where no row is padded, Transformers passes decode steps no mask. Not for a compileable store, whose steps
         must not sync, and which keeps its device-side rules throughout."""
         seen = self.seen_now()
-        fresh_only = self.device_count and new == 1 and torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        fresh_only = self.device_count and new == 1 and compiling
         if fresh_only:
             slots = self.fresh if isinstance(self.fresh, torch.Tensor) else self._span_slots(*self.fresh)
             pos = self.pos.gather(2, slots)
         else:
             pos = self.used()["pos"]
         hidden = hidden_slots(attention_mask, pos, seen)
-        if self.first_real is None and not self.device_count and not torch.compiler.is_compiling() and not hidden.any():
+        if self.first_real is None and not self.device_count and not compiling and not hidden.any():
             return  # (one sync per layer, see above) nothing hidden: every row is still real from position 0
         if self.count_hidden:  # the positions of the real tokens hidden now (-1 elsewhere), before they are marked
             lost = pos[:, 0].masked_fill(~hidden[:, 0], PAD)
