@@ -1175,16 +1175,16 @@ def eager_decode_cpu() -> list[str]:
             return "not measured"
         return f"{r['decode_vs_baseline']:.2f} ({r['decode_vs_baseline_min']:.2f}..{r['decode_vs_baseline_max']:.2f})"
 
-    def spread(d: dict) -> str:
-        base = next(r for r in d["rows"] if r["cache"] == "dynamic")
-        return (f"{base['decode_vs_baseline_min']:.2f}..{base['decode_vs_baseline_max']:.2f} over the run, within one "
-                f"cache's rounds {d['timing']['baseline_spread']:.2f}x at most")
+    def baseline(d: dict, label: str) -> str:
+        base = cell[("dynamic", label)]
+        return (f"DynamicCache {base['decode_tok_s']:.1f} tokens/s, its own blocks {base['decode_vs_baseline_min']:.2f}.."
+                f"{base['decode_vs_baseline_max']:.2f} over the run, within one cache's rounds "
+                f"{d['timing']['baseline_spread']:.2f}x at most")
 
     out = ["## Eager decode by context length", ""]
     settings = "; ".join(
         f"{label}: `{command(d)}`, {day(d)}, {d['settings']['new_tokens']} steps in {d['settings']['rounds']} rounds, "
-        f"DynamicCache {next(r for r in d['rows'] if r['cache'] == 'dynamic')['decode_tok_s']:.1f} tokens/s, its own "
-        f"blocks {spread(d)}" + ("" if d["timing"]["reliable"] else " (over the demo's threshold: noisy)")
+        f"{baseline(d, label)}" + ("" if d["timing"]["reliable"] else " (over the demo's threshold: noisy)")
         for d, label in runs
     )
     out += para(

@@ -127,7 +127,7 @@ def run(args) -> int:
         book[at : at + len(needle)] = False
         prompts.append((prompt, book, key))
     steps = -(-args.new_tokens // args.rounds)  # decode steps per timed block
-    rows, baselines, base_blocks, windows = [], None, [], []
+    rows, baselines, windows = [], None, []
     for spec in tqdm(specs, desc="demo", unit="cache"):
         runs = [_prompt_run(model, spec, prompt, book, args.chunk, 1 + steps * args.rounds) for prompt, book, _ in prompts]
         if baselines is None:  # the baseline: reference tokens, then its state at the timed blocks' start
@@ -137,8 +137,7 @@ def run(args) -> int:
             own, theirs = _timed_rounds(model, run, base, steps, args.rounds, timed_self=spec is specs[0])
             ratios += [b / c for c, b in zip(own, theirs, strict=True)]
             speeds += [steps / c for c in own]
-            base_blocks += theirs
-            windows.append(theirs)  # the blocks this cache's ratios pair with
+            windows.append(theirs)  # the baseline's blocks this cache's ratios pair with
         tokens = [r["tokens"] for r in runs]
         right = [is_correct(tokenizer.decode(t[0]), key) for t, (*_, key) in zip(tokens, prompts, strict=True)]
         nll = torch.cat([r["nll"] for r in runs])
@@ -151,7 +150,7 @@ def run(args) -> int:
             "decode_vs_baseline_max": max(ratios),
             "same_tokens_as_baseline": all(torch.equal(a, b["tokens"]) for a, b in zip(tokens, baselines, strict=True)),
         })  # fmt: skip
-    base = rows[0]
+    base, base_blocks = rows[0], [block for window in windows for block in window]
     # The baseline's row: 1 by definition, and the spread of all its timed blocks around their median (the noise).
     median_block = statistics.median(base_blocks)
     base.update(decode_tok_s=steps / median_block, decode_vs_baseline=1.0,
