@@ -175,8 +175,14 @@ int64_t channels(int64_t P, const at::Tensor& table) {
   return table.size(0) == 4096 ? P / 3 * 2 * table.size(1) : P * table.size(1);
 }
 
-// Fewest code positions whose key scores go through per-query tables (`scores_by_table`: its build amortized).
-constexpr int64_t kTableMin = 64;
+// Key scores go through per-query tables (`scores_by_table`) where a call holds the work to pay for building them:
+// code positions times (the group's queries + 1) at least kTableWork for tables of byte pieces (1-, 2- and 4-bit keys),
+// kWideTableWork for 3-bit keys' 64-entry ones; below, each key is decoded and dotted with the queries. Measured one
+// call against the other (AMD EPYC, AVX2 and FMA, warm; head dims 32-256, 1-8 queries, 64-2,048 positions): byte
+// tables break even at about 1,024 positions for one query, 512 for two to four and 256 for eight, 3-bit ones at
+// about half those; the fixed 64 positions before made a 256-slot sink cache's call (2 queries, 32 channels) 17%
+// slower than decoding, 13% in a model's decode step, where the 64 KB of tables a call writes also evicts more.
+constexpr int64_t kTableWork = 2048, kWideTableWork = 1024;
 
 // Queries of a group as the lanes of one vector in `scores_by_table`'s tables (more than 8: 8 at a time).
 typedef float Group4 __attribute__((vector_size(4 * sizeof(float))));
@@ -372,7 +378,8 @@ std::tuple<at::Tensor, at::Tensor> rotated_decode_cpu(
               "rotated_decode_cpu: the rotations must be contiguous float32 [", D, ", ", D, "] and [", Dv, ", ", Dv,
               "]");
   const DecodeFn decode_k = decoder(k_table, "key"), decode_v = decoder(v_table, "value");
-  const bool by_table = N >= kTableMin && !(k_table.size(0) == 256 && k_table.size(1) == 1);  // not 8-bit keys
+  const bool by_table = N * (G + 1) >= (k_table.size(0) == 4096 ? kWideTableWork : kTableWork) &&
+                        !(k_table.size(0) == 256 && k_table.size(1) == 1);  // not 8-bit keys
 
   at::Tensor out = at::empty({B, Hq, Dv}, q.options());
   at::Tensor mass = at::empty({with_mass ? B : 0, Hkv, L}, q.options());

@@ -113,9 +113,10 @@ def test_the_operator_builds_where_there_is_a_toolchain():
      (3, 3, 48, False), (4, 2, 64, "turning"), (3, 2, 32, "turning"), (8, 4, 48, "turning")],
 )  # fmt: skip
 @pytest.mark.parametrize("G,ring_rotated", [(1, False), (3, True), (6, False)])
+@pytest.mark.parametrize("N", [70, 1100])  # keys decoded; keys through per-query tables (`kTableWork`)
 def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits, value_bits, D, centred, G,
-                                                                        ring_rotated):  # fmt: skip
-    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G)
+                                                                        ring_rotated, N):  # fmt: skip
+    fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G, N=N)
     want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
     N = packed.k.shape[2]
     if ring_rotated:  # as a static storage holds it
@@ -178,7 +179,8 @@ def test_a_turning_centre_over_many_blocks_of_positions(G, N, start, origin):
 @needs_operator
 @pytest.mark.parametrize("key_bits,value_bits,centred", [(4, 2, True), (3, 4, True), (1, 2, True), (2, 2, "turning")])
 def test_a_short_window_decodes_its_keys_in_place(key_bits, value_bits, centred):
-    """Under `kTableMin` code positions the keys' scores come from decoded codes, not from per-query tables."""
+    """Under the tables' work (`kTableWork`: positions times queries + 1) the keys' scores come from decoded codes, not
+    from per-query tables."""
     fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, 32, centred=centred, N=40, G=2)
     want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
     out, mass = rotated_cpu.rotated_decode_cpu(q, poison(packed, mask, start), fmt, start, 40 - start, 0.3,
