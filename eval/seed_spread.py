@@ -53,7 +53,7 @@ FULL_FROM = 512
 
 def queries_and_exact(model, ids: torch.Tensor) -> tuple[dict, dict, dict]:
     """One DynamicCache forward of `ids`: each layer's queries [Hq, T, D] (after norms and RoPE, as attention gets
-    them), its scaling, and its held keys and values [T_held, D] (one KV head; float32)."""
+    them), its scaling, and its held keys and values [Hkv, T_held, D] (float32)."""
     queries, scales = {}, {}
     name = model.config._attn_implementation
     attention = ALL_ATTENTION_FUNCTIONS[name]
