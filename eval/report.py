@@ -317,7 +317,7 @@ def seed_spread() -> list[str]:
     carries (`eval/seed_spread.py`): whether the seeds' spread is in the coding or in the metric, and where the error
     sits."""
     d = load("seed_spread_gemma3_k4v2/results.json")
-    kinds = ("full", "sliding")
+    runs, kinds = d["seeds"], ("full", "sliding")
     names = ("keys_only", "values_only", "both", "value_error_top2pct_share", "value_error_shortest4_share")
 
     def mean(run: dict, kind: str, name: str) -> float:
@@ -326,17 +326,15 @@ def seed_spread() -> list[str]:
     body = [[run["seed"], f"{pct(run['delta_pct'])} ± {run['se_pct']:.2f}"]
             + [f"{mean(run, kind, n):.4f}" if n in names[:3] else f"{mean(run, kind, n):.2f}" for kind in kinds
                for n in names]
-            for run in d["seeds"]]  # fmt: skip
-    deltas = [run["delta_pct"] for run in d["seeds"]]
-    both = {kind: [mean(run, kind, "both") for run in d["seeds"]] for kind in kinds}
-    spread = max(max(v) / min(v) for v in both.values())
-    runs = d["seeds"]
-    full_top, slide_top = (statistics.fmean(mean(r, k, names[3]) for r in runs) for k in kinds)
-    slide_short = statistics.fmean(mean(r, "sliding", names[4]) for r in runs)
-    sliding = [x for x in runs[0]["layers"] if x["kind"] == "sliding"]
-    late = [x["value_error_shortest4_share"] for x in sliding if x["layer"] >= 6]
-    sink_share = [x["worst_token_attention_share"] for x in sliding if x["layer"] >= 6]
-    sink_length = [x["worst_token_value_length_ratio"] for x in sliding if x["layer"] >= 6]
+            for run in runs]  # fmt: skip
+    deltas = [run["delta_pct"] for run in runs]
+    spread = max(max(both) / min(both) for both in ([mean(run, kind, "both") for run in runs] for kind in kinds))
+    full_top, slide_top = (statistics.fmean(mean(r, k, "value_error_top2pct_share") for r in runs) for k in kinds)
+    slide_short = statistics.fmean(mean(r, "sliding", "value_error_shortest4_share") for r in runs)
+    sinks = [x for x in runs[0]["layers"] if x["kind"] == "sliding" and x["layer"] >= 6]  # seed 0's layers 6-16
+    late = [x["value_error_shortest4_share"] for x in sinks]
+    sink_share = [x["worst_token_attention_share"] for x in sinks]
+    sink_length = [x["worst_token_value_length_ratio"] for x in sinks]
     calibrated = ", its shipped calibration" if d.get("calibration") else ""
     out = ["## The rotation seed's spread", ""]
     out += para(

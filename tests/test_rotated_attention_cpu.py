@@ -118,7 +118,6 @@ def test_the_operator_matches_float64_attention_over_the_decoded_codes(key_bits,
                                                                         ring_rotated, N):  # fmt: skip
     fmt, center, packed, q, ring_k, ring_v, mask, start = make_case(key_bits, value_bits, D, centred=centred, G=G, N=N)
     want_out, want_mass = reference(fmt, center, packed, q, ring_k, ring_v, mask, start, 0.3)
-    N = packed.k.shape[2]
     if ring_rotated:  # as a static storage holds it
         fmt, r = fmt.with_rotated_inputs(), rotation(D, fmt.seed)
         ring_k, ring_v = ring_k @ r, ring_v @ r
