@@ -80,11 +80,13 @@ def key(row: dict) -> tuple:
 
 
 def read_runs(path: Path) -> list[dict]:
-    """The runs logged in `path` as they finished; where only the published results.json is kept, its runs."""
-    if not path.exists():
-        published = path.with_name("results.json")
-        return json.loads(published.read_text())["runs"] if published.exists() else []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The published results.json's runs, then those logged in `path` as they finished that it does not hold (a
+    log started beside a published file holds only the runs since)."""
+    published = path.with_name("results.json")
+    runs = json.loads(published.read_text())["runs"] if published.exists() else []
+    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    known = {key(r) for r in runs}
+    return runs + [r for r in logged if key(r) not in known]
 
 
 def cell(runs: list[dict]) -> str:
