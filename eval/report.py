@@ -335,7 +335,7 @@ def more_bits(by: dict, texts: list[str], name: dict) -> list[str]:
         f"**Gemma 3 270M at more bits**, the same protocol ({where}): KIVI int8 ({int8[0][0]['bits']:.2f} bits)",
         " / ".join(changes(r) for r in int8) + ", within a few hundredths of a point of DynamicCache (paired standard",
         f"error {int8[0][0]['se_pct']:.3f}): the chunked protocol itself adds nothing. k4v4 on every layer",
-        f"({k4v4[0][0]['bits']:.2f} bits): " + " / ".join(changes(r) for r in k4v4) + ";",
+        f"({k4v4[0][0]['bits']:.2f} bits): " + " / ".join(changes(r) for r in k4v4) + (";" if all(calibrated) else "."),
         *([f"the k4v2 preset calibrated ({calibrated[0][0]['bits']:.2f} bits): " + " / ".join(changes(r) for r in
            calibrated) + "."] if all(calibrated) else []),
         f"The rotation's seed alone moves k4v4's change over {spread(k4v4[0])} on {name[texts[0]]}: on this model and",
