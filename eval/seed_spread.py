@@ -98,15 +98,15 @@ def attention_errors(q, scale, exact, coded, window: int | None, rows: slice) ->
 
     by_token = weights.pow(2).sum((0, 1)) * (vq - v).pow(2).sum(-1).sum(0)
     total = by_token.sum().clamp(min=1e-30)
-    coded = (vq - v).abs().amax((0, -1)) > 0
-    shortest = v.norm(dim=-1).amax(0).masked_fill(~coded, float("inf")).sort().indices[:4]
-    worst = int(by_token.argmax())
+    changed = (vq - v).abs().amax((0, -1)) > 0
     lengths = v.norm(dim=-1).amax(0)
+    shortest = lengths.masked_fill(~changed, float("inf")).sort().indices[:4]
+    worst = int(by_token.argmax())
     return {"keys_only": err(kq, v), "values_only": err(k, vq), "both": err(kq, vq),
             "value_error_top2pct_share": float(by_token.sort(descending=True).values[: max(1, held // 50)].sum() / total),
             "value_error_shortest4_share": float(by_token[shortest].sum() / total),
             "worst_token_attention_share": float(weights[..., worst].sum() / weights.sum()),
-            "worst_token_value_length_ratio": float(lengths[worst] / lengths[coded].median())}  # fmt: skip
+            "worst_token_value_length_ratio": float(lengths[worst] / lengths[changed].median())}  # fmt: skip
 
 
 def layer_errors(model, ids, seed_kwargs, queries, scales, held, window: int) -> list[dict]:
