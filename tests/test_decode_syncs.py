@@ -153,6 +153,15 @@ def test_the_count_sees_host_reads(default_device, request):
     assert counts["_local_scalar_dense"] == 2 and counts["tolist"] == 1 and counts["nonzero"] == 1
 
 
+def test_the_count_sees_tensors_made_from_host_data_but_not_queued_index_tensors():
+    """`torch.tensor(x, device=...)` copies from pageable host memory on a GPU, which waits: counted on any device,
+    once a call; `index_tensor`, which queues its copy without a wait, is not."""
+    from hf_kvplus.host_index import index_tensor
+
+    counts = count_syncs(lambda: (torch.tensor(3, device="cpu"), torch.tensor([1.0, 2.0]), index_tensor([1, 2], "cpu")))
+    assert counts == {"tensor from host data": 2}, counts
+
+
 @pytest.mark.parametrize(
     ("spec", "kernels_per_layer_step"),
     [("dynamic", 1), ("quantized:int4:group=8:window=8", 1), ("sink:2:6:bits=int4:group=8:first=0", 3),

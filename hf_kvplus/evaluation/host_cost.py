@@ -32,6 +32,9 @@ SYNC_OPS = {
     aten.unique_consecutive.default, aten.unique_dim.default, aten.unique_dim_consecutive.default,
     aten.repeat_interleave.Tensor,
 }  # fmt: skip
+#: A tensor made from Python data (`torch.tensor(x, device=...)`): on a GPU, a copy from pageable host memory, which
+#: waits; on a CPU the same op, so a CPU test sees it. `host_index.index_tensor`'s, queued without a wait, are not.
+HOST_DATA_OPS = {aten.lift_fresh.default}
 #: Ops that sync when indexed with a bool mask (its count of True decides the shape).
 BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
@@ -51,12 +54,25 @@ class SyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SYNC_OPS:
             self.counts[func.overloadpacket.__name__] += 1
+        elif func in HOST_DATA_OPS and not _queued(sys._getframe(1)):
+            self.counts["tensor from host data"] += 1
         elif func in BOOL_INDEX_OPS and any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
             for i in (args[1] if len(args) > 1 else [])
         ):
             self.counts["index with a bool mask"] += 1
         return func(*args, **kwargs)
+
+
+def _queued(frame) -> bool:
+    """Whether `frame` is inside `index_tensor`, which sends host data without a wait."""
+    from ..host_index import index_tensor
+
+    while frame is not None:
+        if frame.f_code is index_tensor.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def count_syncs(step: Callable[[], object]) -> Counter:

@@ -40,7 +40,7 @@ class SlotBuffers:
         assignment, a `scatter_` or an `index_copy_` into a flat view made it copy whole buffers every step, so a
         compileable store (`device_count`) writes every span through here too, its eager steps as its compiled ones.
         Otherwise a scalar (a position, a zeroed score, PAD) goes into a per-slot field by `scatter_` with the value:
-        a third of a `torch.tensor` plus `index_put_`.
+        a third of a `new_full` plus `index_put_`.
         """
         index = None
         for name, part in parts.items():
@@ -49,7 +49,7 @@ class SlotBuffers:
                 if not self.device_count and field.ndim == slots.ndim:  # a scalar: one op and no tensor to make
                     field.scatter_(2, slots, part)
                     continue
-                part = torch.tensor(part, dtype=field.dtype, device=field.device)
+                part = field.new_full((), part)  # a fill on the device: `torch.tensor` would copy from the host, waiting
             index = index or self._index(slots)
             field.index_put_(index, part)
 
