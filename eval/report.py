@@ -1046,18 +1046,24 @@ def persistence() -> list[str]:
 
 def gpu_speed() -> list[str]:
     out = ["## GPU speed", ""]
-    env = load("gpu_h100/call1/env.json")
-    gpu, bw = env["gpu"], env["bandwidth"]
+    env, h200 = load("gpu_h100/call1/env.json"), load("gpu_h200_pass/env.json.gz")
+
+    def ceilings(e: dict) -> str:
+        bw = e["bandwidth"]
+        return f"copy {bw['copy_gb_per_s']:.0f} GB/s, pinned host-to-device {bw['pinned']['gb_per_s']:.1f} GB/s"
+
     out += para(
-        f"Llama-3.1-8B shapes, random bf16, on an {gpu['name']} ({day(env)}; {versions(env)}, CUDA {gpu['cuda']}; copy",
-        f"{bw['copy_gb_per_s']:.0f} GB/s, pinned host-to-device {bw['pinned']['gb_per_s']:.1f} GB/s): `bash scripts/gpu_pass.sh env:30",
-        "kernels:130 e2e-b1:110 e2e-b8:150 offload:110`, then `compile-b8:255`, into `eval/results/gpu_h100/call1`, `call2`;",
-        "and on an NVIDIA H200 (2026-11-30, the same versions): `bash scripts/gpu_pass.sh env:20 kernels:120 e2e-b8:190",
-        "offload:110 tests-syncs:60`, into `eval/results/gpu_h200_eager` (the kernels and offload tables below).",
+        f"Llama-3.1-8B shapes, random bf16, on an {env['gpu']['name']} ({day(env)}; {versions(env)}, CUDA",
+        f"{env['gpu']['cuda']}; {ceilings(env)}): `bash scripts/gpu_pass.sh env:30 kernels:130 e2e-b1:110 e2e-b8:150",
+        "offload:110`, then `compile-b8:255`, into `eval/results/gpu_h100/call1`, `call2`; and on an",
+        f"{h200['gpu']['name']} ({day(h200)}, the same versions; {ceilings(h200)}): `bash scripts/gpu_pass.sh env:20",
+        "e2e-b1:130 offload:140 tests-syncs:75`, then `e2e-b8:235 compile-b8:235`, and `python eval/peak_phases_gpu.py",
+        "--out gpu-pass`, into `eval/results/gpu_h200_pass` (the code of commit 2cdb6ab); the kernels' table from an",
+        "earlier H200 pass the same day, `eval/results/gpu_h200_eager`.",
     )
     # Compiled decode under CUDA graphs
     runs = [("H200", load("gpu_h200_compile/compile-b1/compile.json")),
-            ("H200", load("gpu_h200_compile/compile-b8/compile.json")),
+            ("H200", load("gpu_h200_pass/compile-b8/compile.json.gz")),
             ("H100", load("gpu_h100/call2/compile.json"))]  # fmt: skip
     cols = [(dev, r["context"], r["batch"]) for dev, d in runs for r in d["rows"] if r["cache"] == "static"]
     cell = {(dev, r["context"], r["batch"], r["cache"]): r for dev, d in runs for r in d["rows"]}
@@ -1070,36 +1076,59 @@ def gpu_speed() -> list[str]:
     graphs = {r["graphs"] for _, d in runs for r in d["rows"]}
     out += para(
         "**Compiled decode under CUDA graphs, x StaticCache** (`python eval/bench_compile.py --gpu-pass --batch B`, 4",
-        "layers, `mode=\"reduce-overhead\"`; H200: `eval/results/gpu_h200_compile/`, H100: `call2`;",
-        f"{', '.join(sorted({day(d) for _, d in runs}))}; below 1 is faster). CUDA graphs per cache:",
-        f"{', '.join(map(str, sorted(graphs)))}; skips: {skips}. Not measured: cut at the step's time limit.",
+        "layers, `mode=\"reduce-overhead\"`, one run each; H200 batch 1: `eval/results/gpu_h200_compile/`, batch 8:",
+        f"`gpu_h200_pass/compile-b8/`, H100: `call2`; {', '.join(sorted({day(d) for _, d in runs}))}; below 1 is",
+        f"faster). CUDA graphs per cache: {', '.join(map(str, sorted(graphs)))}; skips: {skips}. Not measured: cut at",
+        "the step's time limit.",
     )
     out += table(["cache"] + [f"{dev}, {ctx // 1024}K, B={b}" for dev, ctx, b in cols], body, "l" + "r" * len(cols))
 
     e1, e8 = load("gpu_h100/call1/e2e_b1.json"), load("gpu_h100/call1/e2e_b8.json")
-    h8 = load("gpu_h200_eager/e2e_b8.json.gz")
-    runs = [{r["cache"]: r for r in e["rows"]} for e in (e1, e8, h8)]
+    h1, h8 = load("gpu_h200_pass/e2e_b1.json.gz"), load("gpu_h200_pass/e2e_b8.json.gz")
+    runs = [{r["cache"]: r for r in e["rows"]} for e in (e1, e8, h1, h8)]
+    gain = {c: runs[3][c]["tok_per_s"] / runs[1][c]["tok_per_s"] for c in runs[1]
+            if c in runs[3] and runs[1][c].get("tok_per_s") and runs[3][c].get("tok_per_s")}  # fmt: skip
+    peaks = {c: runs[3][c]["peak_mib"] / runs[1][c]["peak_mib"] for c in e1["args"]["specs"]
+             if runs[1].get(c, {}).get("peak_mib") and runs[3].get(c, {}).get("peak_mib")}  # fmt: skip
+    low_bit = [c for c in ("quantized:int4", "quantized:int2", "quantized:fp8", "paged-quantized:int4") if c in gain]
     out += para(
         f"**Eager decode** (`{command(e1)}` and `--batch 8`; {e1['args']['context'] // 1024}K context,",
         f"{e1['args']['new_tokens']} steps, {e1['args']['layers']} layers; x DynamicCache's tokens/s in the same run;",
-        "\"KV\": bytes at rest over DynamicCache's; peak: over weights). H100: the code of",
-        f"{day(e1)}; H200: the code of {day(h8)} (`eval/results/gpu_h200_eager/`; its step stopped at its limit before the",
-        "offloaded caches). Between them most caches lost speed at batch 8 and the paged and KIVI caches' peak memory",
-        "grew. The memory (bisected on the CPU): from 2026-11-27 a prefill chunk's reads were left in a reference cycle,",
-        "alive with the buffers they viewed until Python's cycle collector ran; freed with each layer since 2026-11-30",
-        "(`tests/test_peak_memory.py`). The speed is not explained: `python eval/peak_phases_gpu.py` is owed a GPU.",
+        f"\"KV\": bytes at rest over DynamicCache's; peak: over weights). H100: the code of {day(e1)}; H200: of",
+        f"{day(h8)}. From the H100 to the H200 at batch 8 DynamicCache's tokens/s grew {gain['dynamic']:.2f}x",
+        f"(the H200's memory is faster), the KIVI caches' {min(gain[c] for c in low_bit):.2f}-"
+        f"{max(gain[c] for c in low_bit):.2f}x ({', '.join(low_bit)}): their decode kernels reach a few percent of copy",
+        "bandwidth (the kernels' table below), so a faster memory does little for them, and their ratio over",
+        "DynamicCache falls. Peak memory over the H100's: "
+        + ", ".join(f"{c} {peaks[c]:.2f}x" for c in peaks) + ".",
     )
     body = [["DynamicCache, tok/s"] + [f"{r['dynamic']['tok_per_s']:.1f}" for r in runs] + ["1.00"]
-            + [f"{r['dynamic']['peak_mib']:,.0f}" for r in runs[1:]]]  # fmt: skip
+            + [f"{runs[i]['dynamic']['peak_mib']:,.0f}" for i in (1, 3)]]  # fmt: skip
     for cache in e1["args"]["specs"][1:]:
         got = [r.get(cache) for r in runs]
-        if not any(got):
+        if not any(x and x.get("tok_per_s") for x in got):
             continue
-        kv = next(x for x in got if x)["kv_vs_dynamic"]
-        body.append([cache] + [x2(x["vs_dynamic"]) if x else "not measured" for x in got] + [f"{kv:.2f}"]
-                    + [f"{x['peak_mib']:,.0f}" if x else "not measured" for x in got[1:]])  # fmt: skip
-    out += table(["cache", "H100, B=1", "H100, B=8", "H200, B=8", "KV x bf16", "peak, H100, B=8 (MiB)",
-                  "peak, H200, B=8 (MiB)"], body, "lrrrrrr")  # fmt: skip
+        kv = next(x for x in got if x and x.get("kv_vs_dynamic"))["kv_vs_dynamic"]
+        body.append([cache] + [x2(x["vs_dynamic"]) if x and x.get("vs_dynamic") else "not measured" for x in got]
+                    + [f"{kv:.2f}"] + [f"{got[i]['peak_mib']:,.0f}" if got[i] and got[i].get("peak_mib")
+                                       else "not measured" for i in (1, 3)])  # fmt: skip
+    out += table(["cache", "H100, B=1", "H100, B=8", "H200, B=1", "H200, B=8", "KV x bf16", "peak, H100, B=8 (MiB)",
+                  "peak, H200, B=8 (MiB)"], body, "lrrrrrrr")  # fmt: skip
+
+    p = load("gpu_h200_pass/peak_phases.json.gz")
+    ph = {r["cache"]: r["phases"] for r in p["rows"]}
+    pa = p["args"]
+    out += para(
+        f"**Where the peak comes from** (`{command(p)}`; {machine(p)}, {day(p)}; {pa['layers']} layers,",
+        f"{pa['context'] // 1024}K context, batch {pa['batch']}, prefill chunks of {pa['prefill_chunk']}; MiB above each",
+        f"phase's start; one layer's dense K/V {p['layer_kv_mib']:,.0f} MiB): the prefill peaks at",
+        ", ".join(f"{ph[c]['prefill']['peak_mib']:,.0f} ({c})" for c in ph) + ": the model's forward of a chunk,",
+        "DynamicCache's as much as the others'; in decode, the paged cache's first step",
+        f"{ph['paged']['first decode step']['peak_mib']:,.0f} (one layer's K/V), its later steps",
+        f"{ph['paged']['later decode steps']['peak_mib']:,.0f}, `quantized:int4`'s",
+        f"{ph['quantized:int4']['later decode steps']['peak_mib']:,.0f}, DynamicCache's",
+        f"{ph['dynamic']['later decode steps']['peak_mib']:,.0f} (its concatenation); both caches decode in their kernels.",
+    )
 
     k = load("gpu_h200_eager/kernels.json.gz")
     ka = k["args"]
@@ -1121,7 +1150,7 @@ def gpu_speed() -> list[str]:
     out += table(["kernel"] + [f"{n // 1024}K, B={b}" for n, b in cols] + [f"of copy BW at {last[0] // 1024}K, B={last[1]}"],
                  body, "l" + "r" * (len(cols) + 1))  # fmt: skip
 
-    o = load("gpu_h200_eager/offload.json.gz")
+    o = load("gpu_h200_pass/offload.json.gz")
     by = {(r["cache"], r["batch"]): r for r in o["rows"]}
     big = max(r["batch"] for r in o["rows"])
     small = [r["vs_on_device"] for r in o["rows"] if r["batch"] == 1 and r["vs_on_device"] != 1.0]
@@ -1131,8 +1160,9 @@ def gpu_speed() -> list[str]:
         ", ".join(f"{c} {by[(c, big)]['tok_per_s']:.2f} tok/s ({by[(c, big)]['vs_on_device']:.2f}x)" if (c, big) in by
                   else f"{c} not measured (cut at the step's limit)"
                   for c in ("OffloadedCache dense", "OffloadedCache int4", "DynamicCache(offloading=True)")) + ";",
-        f"at batch 1 all {min(small):.2f}-{max(small):.2f}x, OffloadedCache keeping",
-        f"{dense1['device_kv_bytes'] / 2**20:,.0f} MiB of KV on the device ({dense1['host_kv_bytes'] / 2**20:,.0f} MiB on the host).",
+        f"at batch 1 {min(small):.2f}-{max(small):.2f}x, OffloadedCache keeping",
+        f"{dense1['device_kv_bytes'] / 2**20:,.0f} MiB of KV on the device ({dense1['host_kv_bytes'] / 2**20:,.0f} MiB on the host)",
+        f"and moving {dense1['achieved_gb_per_s']:.1f} GB/s, {dense1['fraction_of_pinned']:.0%} of the pinned copy bandwidth.",
     )
 
     t = load("gpu_h200_tests/tests.json")
@@ -1142,14 +1172,19 @@ def gpu_speed() -> list[str]:
         f"{syncs['passed']} of {syncs['tests']} sync tests (no decode step syncs beyond DynamicCache's one) and",
         f"{kern['passed']} of {kern['tests']} kernel tests passed.",
     )
-    with gzip.open(RESULTS / "gpu_h200_eager/tests-syncs.log.gz", "rt") as f:
+    with gzip.open(RESULTS / "gpu_h200_pass/tests-syncs.log.gz", "rt") as f:
         log = f.read()
+    with gzip.open(RESULTS / "gpu_h200_pass/tests-key-scale-rotated.log.gz", "rt") as f:
+        rotated = f.read()
     failed = sorted(set(re.findall(r"FAILED \S+no_synchronizing_cuda_call\[(.+?)-(?:unpadded|left-padded)\]", log)))
+    summary = re.findall(r"(\d+) failed, (\d+) passed", rotated)[-1]
     out += para(
-        f"On 2026-11-30 (`gpu_h200_eager/tests-syncs.log.gz`, cut at 60 s) {log.count(' PASSED ')} passed and",
-        f"{log.count(' FAILED ')} failed: {len(failed)} caches coding keys around a turning centre synchronized (the",
-        "rotary frequencies copied from the host per token coded; kept on the device since), and the host benchmark's",
-        "kernel-call counts are the CPU path's (checked on the CPU only since). A rerun on a GPU is owed.",
+        f"On {day(h200)} (`gpu_h200_pass/`) {log.count(' PASSED ')} passed and {log.count(' FAILED ')} failed:",
+        f"{', '.join(f'`{c}`' for c in failed)} synchronized 9 times a step against DynamicCache's 1 (scalars written",
+        "through `torch.tensor`; a fill on the device since, and the CPU suite's count sees such copies now).",
+        f"`tests/test_key_scale.py` and `test_rotated_kernels.py`: {summary[1]} passed, {summary[0]} failed, all key-scale",
+        f"tests: {rotated.count('for generator but found')} drew from CPU generators under the CUDA default device (kept on",
+        "the CPU since), 1 needs Gemma 3, which the GPU image cannot fetch.",
     )
 
     out += ["### Kernels compiled ahead of time", ""]
