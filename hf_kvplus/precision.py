@@ -5,6 +5,8 @@ description for every quantized storage.
 - `first`: the first tokens of each row (attention sinks: most attention mass falls there), in full-attention layers;
 - `boundary`: the first and last `boundary` layers at full precision, or at `boundary_bits`;
 - `layer_bits`: any layer's own format (`{index: bits}`, None: full precision), e.g. what `kvplus calibrate` chose;
+- `sliding_sinks`: exact copies of each sliding-window layer's coded tokens with the shortest values (the sinks
+  inside its window, which its first tokens cannot be: they leave it; `QuantizedStorage(sinks=)`);
 - family defaults (`FAMILY_DEFAULTS`, `family_regions`): the `layer_bits` a rotated preset takes on a model family
   where measurements showed the preset's one format for every layer costs far more than elsewhere (Gemma 3).
 
@@ -37,10 +39,15 @@ class PrecisionRegions:
     #: Layers with a format of their own, as sorted `(index, bits)` pairs (given as a mapping; bits None: full
     #: precision); an entry wins over `boundary`.
     layer_bits: tuple[tuple[int, int | str | None], ...] = ()
+    #: Exact copies per row of each sliding-window layer's coded tokens with the shortest values; None: the model
+    #: family's default for the preset (`FamilyDefaults.sliding_sinks`), else none.
+    sliding_sinks: int | None = None
 
     def __post_init__(self):
-        for name in ("first", "boundary"):
+        for name in ("first", "boundary", "sliding_sinks"):
             value = getattr(self, name)
+            if value is None and name == "sliding_sinks":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if self.boundary_bits is not None and not self.boundary:
@@ -88,6 +95,8 @@ class FamilyDefaults:
     kind_bits: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     #: Why, in one line: what was measured (docs/benchmarks-lowbit.md has the tables).
     why: str = ""
+    #: `sliding_sinks[preset]`: the exact sinks each sliding-window layer keeps with that preset (`PrecisionRegions`).
+    sliding_sinks: Mapping[str, int] = field(default_factory=dict)
 
     def layer_bits(self, spec: ModelSpec, bits: int | str) -> dict[int, str]:
         """`layer_bits` of preset `bits` on a model of this family: the layers whose kind has a format of its own."""
@@ -106,11 +115,17 @@ class FamilyDefaults:
 #: +9.23% -> +4.38% (full k4v1 and sliding k3v1 before), k3v2 +3.27% -> +1.94% (full k4v2 before) at the same bits
 #: (eval/key_scaling.py `shipped`; docs/artifacts.md, "A key scale per model"). Without the scale (`key_scale="off"`)
 #: these formats were not what measured best.
+#: Sliding layers' sinks (4 a row, 16-bit copies beside the codes): a token inside each 512-token window takes up to
+#: half of its last queries' attention and has a short value, so its coding error goes whole into the output; kept,
+#: k2v2 on P&P went +4.39% -> +1.40%, k3v2 +1.94% -> -0.23%, k4v2 +1.48% -> +0.53% (seed 0; docs/benchmarks-lowbit.md,
+#: "Two model families": seeds 0-2 and both texts) for about 0.05 bits a coordinate at 4K tokens.
 FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
     FamilyDefaults(
         "Gemma 3", ("gemma3_text", "gemma3"),
         {"k2v2": {"full": "k3v2", "sliding": "k3v1"}, "k3v2": {"full": "k3v3"}, "k4v2": {"full": "k4v3"}},
-        "full-attention layers' keys long and attended far: with the key scale, 3-bit keys and more value bits there",
+        "full-attention layers' keys long and attended far: with the key scale, 3-bit keys and more value bits there; "
+        "each sliding window's sinks (short values, up to half its attention) kept exact",
+        {"k2v2": 4, "k3v2": 4, "k4v2": 4},
     ),
 )  # fmt: skip
 
@@ -126,9 +141,15 @@ def family_of(config: PreTrainedConfig) -> FamilyDefaults | None:
 
 def family_regions(config: PreTrainedConfig, bits: int | str | None, regions: PrecisionRegions) -> PrecisionRegions:
     """`regions` with its model family's layer formats for preset `bits` (`FAMILY_DEFAULTS`), where the regions ask
-    for no layer formats of their own (no `layer_bits`, boundary layers or calibration); else `regions` as given."""
+    for no layer formats of their own (no `layer_bits`, boundary layers or calibration), and its sliding layers'
+    sinks where the regions leave them to the family (`sliding_sinks` None); else `regions` as given."""
     family = family_of(config)
-    if family is None or bits is None or regions.overrides() or parse_bits(bits) not in family.kind_bits:
+    if family is None or bits is None:
+        return regions
+    preset = parse_bits(bits)
+    if regions.sliding_sinks is None and preset in family.sliding_sinks:
+        regions = replace(regions, sliding_sinks=family.sliding_sinks[preset])
+    if regions.overrides() or preset not in family.kind_bits:
         return regions
     return replace(regions, layer_bits=family.layer_bits(ModelSpec.from_config(config), bits))
 
@@ -191,4 +212,6 @@ def layer_region_bits(layer, window: int) -> tuple[int, int]:
     exact *= storage.batch_size
     held = length * report.batch_size
     coded = report.payload_bytes + report.metadata_bytes
-    return coded * 8 + exact * coordinates * element_size * 8, (held + exact) * coordinates
+    copies, copy_size = storage.sinks_part() if hasattr(storage, "sinks_part") else (0, 0)
+    copies = copies * storage.batch_size * coordinates * copy_size * 8  # (bits of tokens already counted as coded)
+    return coded * 8 + exact * coordinates * element_size * 8 + copies, (held + exact) * coordinates

@@ -58,9 +58,9 @@ def quantized_storage(
     Checks everything at construction: the bit width, the backend, that the group size divides every
     layer's head_dim, and that the full-precision window holds at least one group. With `max_tokens`, full
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
-    `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
-    boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives `layer_bits`'s layers
-    their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`. `key_scale` (checked against the
+    `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers, the sinks of
+    sliding ones and the boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives
+    `layer_bits`'s layers their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`. `key_scale` (checked against the
     config): the key scale of each layer held in a rotated format (`KeyCenter.scale`).
     """
     regions = regions or PrecisionRegions(window=window)
@@ -104,6 +104,7 @@ def quantized_storage(
         if layer_fmt is None:  # a layer at full precision
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
+        sinks = (regions.sliding_sinks or 0) if spec.kind == "sliding" else 0
         if turns is not None and layer_fmt.turns_keys and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
@@ -113,7 +114,7 @@ def quantized_storage(
         layer_fmt = layer_fmt.for_layer(spec.index)
         if static:
             return StaticQuantizedStorage(layer_fmt, window, max_tokens, first, state)
-        return QuantizedStorage(segment(layer_fmt, state), window=window, first=first)
+        return QuantizedStorage(segment(layer_fmt, state), window=window, first=first, sinks=sinks)
 
     return storage
 
@@ -168,6 +169,9 @@ class QuantizedCache(KVCache):
     a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
     full-attention layers at k3v2 and its sliding ones at k3v1, measured with the key scale on); `quantized_report()["family_defaults"]`
     names the family; False: the preset's format on every layer.
+    `sliding_sinks`: each sliding-window layer keeps exact copies of that many coded tokens of each row with the
+    shortest values (the sinks inside its window, where its attention piles up: `QuantizedStorage(sinks=)`; spec
+    `sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4), else 0.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
     queries read): "auto" takes this model's, found from the config as calibrations are (the package data holds
@@ -221,6 +225,7 @@ class QuantizedCache(KVCache):
         calibration: Calibration | str | Path | None = None,
         family_defaults: bool = True,
         key_scale: KeyScale | str | Path | None = "auto",
+        sliding_sinks: int | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -229,7 +234,7 @@ class QuantizedCache(KVCache):
         bits = rotated_bits(bits, key_bits, value_bits)
         first_tokens = preset_first_tokens(bits, first_tokens)
         layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits, key_scale)
-        asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
+        asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {}, sliding_sinks)
         self.regions = family_regions(config, bits, asked) if family_defaults else asked
         #: The model family whose defaults gave the layer formats (`precision.FAMILY_DEFAULTS`), or None.
         self.family = family_of(config) if self.regions != asked else None

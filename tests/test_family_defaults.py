@@ -69,10 +69,15 @@ def test_gemma3_defaults_give_way_to_what_is_asked(tmp_path):
     config = make_config("gemma3")
     assert dict(QuantizedCache(config, bits="k2v2", layer_bits={0: "k4v2"}).regions.layer_bits) == {0: "k4v2"}
     bounded = QuantizedCache(config, bits="k2v2", boundary_layers=1)
-    assert bounded.regions.layer_bits == () and bounded.family is None
+    assert bounded.regions.layer_bits == ()
     calibration = Calibration("tiny", "gemma3_text", 4, "k2v2", {1: "k3v2"}, 2.5, 2.4)
     calibrated = QuantizedCache(config, bits="k2v2", calibration=calibration)
-    assert dict(calibrated.regions.layer_bits) == {1: "k3v2"} and calibrated.family is None
+    assert dict(calibrated.regions.layer_bits) == {1: "k3v2"}
+    # the sliding layers' sinks are not layer formats: they stay, unless asked otherwise
+    assert bounded.regions.sliding_sinks == calibrated.regions.sliding_sinks == GEMMA.sliding_sinks["k2v2"]
+    assert bounded.family is calibrated.family is GEMMA
+    asked = QuantizedCache(config, bits="k2v2", boundary_layers=1, sliding_sinks=0)
+    assert asked.regions.sliding_sinks == 0 and asked.family is None
 
 
 def test_storage_factories_take_them_too():
@@ -83,7 +88,7 @@ def test_storage_factories_take_them_too():
     assert str(quantized_storage(config, bits="k2v2")(spec).segment.fmt) == GEMMA.kind_bits["k2v2"]["full"]
     assert str(quantized_storage(config, bits="k2v2", family_defaults=False)(spec).segment.fmt) == "k2v2"
     regions = PrecisionRegions(layer_bits={full: None})
-    assert family_regions(config, "k2v2", regions) is regions
+    assert family_regions(config, "k2v2", regions).layer_bits == regions.layer_bits  # (the sinks are not formats)
 
 
 def test_gemma3_cache_runs_and_counts_the_family_bits():

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from functools import partial
 
 import torch
 
 from ..errors import CapacityError, ConfigError, UnsupportedOperationError
 from ..kernels.quant_format import QuantFormat
-from ..memory import MemoryReport
+from ..memory import MemoryReport, tensor_bytes
 from ..paging.group import identical_rows
 from .base import KVStorage, Region, part_of, prefixed
 from .dense import DenseStorage
-from .reads import DenseRead, Gather, Read
+from .reads import DenseRead, Gather, Read, placeholders
 from .value_range import RangeGuard, code_limit
 
 #: Full-precision recent tokens kept by default (KIVI's residual length).
@@ -134,11 +135,19 @@ class QuantizedStorage(KVStorage):
 
     Rolling back into the quantized tokens (`drop_back`, assisted decoding with a small window) moves the
     kept part of the cut group back into the window dequantized; it is quantized again later.
+
+    With `sinks` (a sliding-window layer's, which holds no head), copies of the `sinks` coded tokens of each row with
+    the shortest values (the longest over heads) are kept beside the codes at 16 bits (the model's dtype where it has
+    16 bits, else float16): the tokens a sliding window's attention piles onto, whose coding error its output takes
+    whole. They are chosen as tokens leave the window and replaced as shorter ones leave it after them; their codes
+    stay in the segment (in token order, for dropping from the front), masked in a decode kernel's read, where the
+    copies come first in the residual, and overwritten by the copies in a dense one. A copy whose token the segment
+    dropped or rolled back is masked until a leaving token takes its place.
     """
 
     reads_in_place = True
 
-    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW, first: int = 0):
+    def __init__(self, segment: QuantizedSegment, window: int = DEFAULT_WINDOW, first: int = 0, sinks: int = 0):
         group = segment.fmt.group_size
         if isinstance(window, bool) or not isinstance(window, int) or window < group:
             raise ConfigError(
@@ -147,7 +156,18 @@ class QuantizedStorage(KVStorage):
             )
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ConfigError(f"the full-precision first tokens must be an int >= 0, got {first!r}")
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ConfigError(f"the sinks kept beside the codes must be an int >= 0, got {sinks!r}")
+        if sinks and first:
+            raise ConfigError(f"sinks kept beside the codes ({sinks}) are a sliding-window layer's, which keeps no first "
+                              f"tokens (first={first}): a full-attention layer keeps its sinks as its first tokens")  # fmt: skip
         self.segment = segment
+        self.sinks = sinks
+        #: The sinks' copies, `[batch, kv_heads, held, dim]` keys and values (held <= `sinks`), and each one's token:
+        #: `[batch, held]` segment index (token 0: the oldest held), `_GONE` once its token was dropped or rolled back.
+        self.sink_k: torch.Tensor | None = None
+        self.sink_v: torch.Tensor | None = None
+        self.sink_index: torch.Tensor | None = None
         self.window = window
         self.first = first
         self.head = 0  # first tokens held at full precision, in front of `recent`'s window
@@ -228,6 +248,8 @@ class QuantizedStorage(KVStorage):
                 self.recent.drop_back(new)
                 self.head, self._left = head, None
                 raise
+            if self.sinks:
+                self._take_sinks(old_k, old_v)
             self._flushed += flush
             self.recent.drop_after(h, flush)
             if self._prompt is not None and h + self._flushed >= self._prompt[1]:
@@ -248,6 +270,8 @@ class QuantizedStorage(KVStorage):
         k, v = self.recent.view(window)
         hk, hv = self._head_view(head)
         old_k, old_v = self.segment.dequantized(n - coded, n, k.dtype)
+        if self.sink_index is not None:
+            old_k, old_v = _with_sinks(old_k, old_v, self.sink_index - (n - coded), self.sink_k, self.sink_v)
         return torch.cat([hk, old_k, k], dim=2), torch.cat([hv, old_v, v], dim=2)
 
     def _head_view(self, head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,12 +288,26 @@ class QuantizedStorage(KVStorage):
         if coded == 0:  # only full-precision tokens in view, in token order in the buffer
             return DenseRead(*self.recent.view(head + window))
         rk, rv = self.recent.view(head + window)
+        if self.sink_index is not None:
+            return self._read_with_sinks(coded, window, n, rk, rv, left)
         read = self.segment.read(n - coded, coded, rk, rv, partial(self._gather, coded, rk, rv, head, left))
         if head == 0 or type(read) is DenseRead:  # (a segment without a kernel gathers in token order)
             return read
         return read._replace(mask=partial(_head_after_codes, head, coded))
 
-    def _gather(self, coded: int, rk, rv, head: int, left) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_with_sinks(self, coded: int, window: int, n: int, rk, rv, left) -> Read:
+        """`read` with the sinks' copies: in the residual before the window (a decode kernel's read, the copies' codes
+        masked), over their codes (`dense()`); where they stand taken now, as drops the read outlives move them."""
+        at, sk, sv = self.sink_index - (n - coded), self.sink_k, self.sink_v
+        gather = partial(self._gather, coded, rk, rv, 0, left, (at, sk, sv))
+        residual_k, residual_v = torch.cat([sk.to(rk.dtype), rk], dim=2), torch.cat([sv.to(rv.dtype), rv], dim=2)
+        read = self.segment.read(n - coded, coded, residual_k, residual_v, gather)
+        if type(read) is DenseRead:
+            return read
+        keys, values = placeholders(rk, rk.shape[0], rk.shape[1], coded + window, rk.shape[3], rv.shape[3])
+        return read._replace(keys=keys, values=values, mask=partial(_sinks_after_codes, at, coded, window))
+
+    def _gather(self, coded: int, rk, rv, head: int, left, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The read's tokens densely, in token order: `head` tokens of the residual `rk`/`rv`, the newest `coded`
         coded tokens dequantized (the last ones that this forward pushed out of the window, `left`, as they were),
         the rest of the residual."""
@@ -279,10 +317,30 @@ class QuantizedStorage(KVStorage):
             m = min(left[0].shape[2], coded)
             k[:, :, coded - m :] = left[0][:, :, -m:]
             v[:, :, coded - m :] = left[1][:, :, -m:]
+        if sinks is not None:
+            k, v = _with_sinks(k, v, *sinks)
         return (
             torch.cat([rk[:, :, :head], k, rk[:, :, head:]], dim=2),
             torch.cat([rv[:, :, :head], v, rv[:, :, head:]], dim=2),
         )
+
+    def _take_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """After `keys`/`values` left the window for the segment: copies of the `sinks` shortest values among those
+        held and these."""
+        flush, n = keys.shape[2], self.segment.length
+        fresh = torch.arange(n - flush, n, device=keys.device).expand(keys.shape[0], flush)
+        dtype = keys.dtype if keys.element_size() == 2 else torch.float16
+        if self.sink_index is None:
+            index, k, v = fresh, keys, values
+        else:
+            index = torch.cat([self.sink_index, fresh], dim=1)
+            k, v = torch.cat([self.sink_k.to(keys.dtype), keys], dim=2), torch.cat([self.sink_v.to(values.dtype), values], dim=2)
+        lengths = v.float().norm(dim=-1).amax(dim=1).masked_fill(index < 0, float("inf"))  # [batch, held + flush]
+        chosen = lengths.topk(min(self.sinks, index.shape[1]), dim=1, largest=False).indices
+        pick = chosen[:, None, :, None]
+        self.sink_k = k.gather(2, pick.expand(-1, k.shape[1], -1, k.shape[3])).to(dtype)
+        self.sink_v = v.gather(2, pick.expand(-1, v.shape[1], -1, v.shape[3])).to(dtype)
+        self.sink_index = index.gather(1, chosen)
 
     def drop_front(self, count: int) -> None:
         from_head = min(count, self.head)
@@ -293,7 +351,10 @@ class QuantizedStorage(KVStorage):
         from_segment = min(count, self.segment.length)
         if from_segment:
             self.segment.drop_front(from_segment)
+            if self.sink_index is not None:  # (a new tensor: a read taken before keeps the indices it was taken with)
+                self.sink_index = self.sink_index - from_segment
         if count > from_segment:
+            self.sink_k = self.sink_v = self.sink_index = None  # every coded token is gone: their copies go too
             self.recent.drop_front(count - from_segment)
 
     def drop_back(self, count: int) -> None:
@@ -313,6 +374,8 @@ class QuantizedStorage(KVStorage):
             self.recent.append(k.contiguous(), v.contiguous())
         else:
             self.segment.truncate(keep)
+        if self.sink_index is not None:  # copies of rolled-back tokens: gone (their indices come back for other tokens)
+            self.sink_index = self.sink_index.masked_fill(self.sink_index >= self.segment.length, _GONE)
         if from_head:
             self.recent.drop_back(from_head)
             self.head -= from_head
@@ -320,6 +383,9 @@ class QuantizedStorage(KVStorage):
     def index_batch(self, indices: torch.Tensor) -> None:
         self.segment.index_batch(indices)
         self.recent.index_batch(indices)
+        if self.sink_index is not None:
+            rows = indices.to(self.sink_index.device)
+            self.sink_k, self.sink_v, self.sink_index = self.sink_k[rows], self.sink_v[rows], self.sink_index[rows]
         if self._prompt is not None:
             prompt_of = [self._prompt[0][i] for i in indices.tolist()]  # rows of one prompt share its first row
             self._prompt = ([prompt_of.index(p) for p in prompt_of], self._prompt[1])
@@ -329,16 +395,31 @@ class QuantizedStorage(KVStorage):
         self.recent.reset()
         self.range_guard.take()  # (what it counted goes with the tokens)
         self.head = 0
+        self.sink_k = self.sink_v = self.sink_index = None
         self._left = None
         self._flushed, self._prompt = 0, None
 
     def memory(self) -> MemoryReport:
-        return self.segment.memory() + self.recent.memory()
+        report = self.segment.memory() + self.recent.memory()
+        if self.sink_index is None:
+            return report
+        return replace(report, payload_bytes=report.payload_bytes + tensor_bytes([self.sink_k, self.sink_v]),
+                       metadata_bytes=report.metadata_bytes + tensor_bytes([self.sink_index]))  # (bytes, no tokens)
 
     def quantized_part(self) -> tuple[MemoryReport, int]:
         """Bytes of the quantized tokens (codes as payload, scales and zeros as metadata) and their count per row
         (`QuantizedSegment.quantized_part`)."""
         return self.segment.quantized_part()
+
+    def sinks_part(self) -> tuple[int, int]:
+        """Copies per row of coded tokens kept beside their codes (the sinks: bits of tokens already counted), and
+        bytes per element there."""
+        return self.held_sinks, 0 if self.sink_k is None else self.sink_k.element_size()
+
+    @property
+    def held_sinks(self) -> int:
+        """Sinks' copies per row held now."""
+        return 0 if self.sink_index is None else self.sink_index.shape[1]
 
     def exact_part(self) -> tuple[int, int]:
         """Tokens per row held at full precision outside the window (the head), and bytes per element there."""
@@ -356,6 +437,38 @@ class QuantizedStorage(KVStorage):
 
     def _dtype(self) -> torch.dtype:
         return self.recent.keys.dtype if self.recent.keys is not None else self.segment.dtype
+
+
+#: A sink copy's index once its token is gone (dropped from the front, or rolled back): below any index held.
+_GONE = -(1 << 40)
+
+
+def _with_sinks(k, v, at: torch.Tensor, sink_k, sink_v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized coded tokens `k`/`v` with the sinks' copies over their codes; `at`: `[batch, sinks]` index of each
+    among them (out of view: left out)."""
+    count = k.shape[2]
+    if count == 0:
+        return k, v
+    at = at.masked_fill((at < 0) | (at >= count), count)  # (out of view: into a spare token, cut off)
+    pick = at[:, None, :, None]
+    k = torch.cat([k, k[:, :, :1]], dim=2).scatter_(2, pick.expand(-1, k.shape[1], -1, k.shape[3]), sink_k.to(k.dtype))
+    v = torch.cat([v, v[:, :, :1]], dim=2).scatter_(2, pick.expand(-1, v.shape[1], -1, v.shape[3]), sink_v.to(v.dtype))
+    return k[:, :, :count], v[:, :, :count]
+
+
+def _sinks_after_codes(at: torch.Tensor, coded: int, window: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """The model's `[batch, coded + window]` decode mask (token order; None: every token) in a read's layout: codes
+    (each sink's masked), the sinks' copies (`at`: `[batch, sinks]` index of each among the codes; out of view,
+    masked), the window."""
+    batch = at.shape[0]
+    if mask is None:
+        mask = torch.ones(batch, coded + window, dtype=torch.bool, device=at.device)
+    seen = (at >= 0) & (at < coded)
+    at = at.masked_fill(~seen, coded)  # (out of view: a spare column, cut off)
+    codes = torch.cat([mask[:, :coded], mask.new_zeros(batch, 1)], dim=1)
+    copies = codes.gather(1, at)
+    codes = codes.scatter(1, at, False)
+    return torch.cat([codes[:, :coded], copies, mask[:, coded:]], dim=1)
 
 
 def _head_after_codes(head: int, coded: int, mask: torch.Tensor | None) -> torch.Tensor | None:
