@@ -242,8 +242,8 @@ def second_family() -> list[str]:
             text += f", calibrated {' / '.join(change(spec, 'calibrated', t) for t in texts)} ({cal['bits']:.2f})"
         parts.append(text)
     return [f"Gemma 3 270M (`{command(d)}`; {day(d)}; 4,096 tokens of P&P / pattern.txt, chunks of 32, seed 0,",
-            "in brackets the mean of seeds 0-2), one format and no key scale → as it ships, with the key scale and",
-            "family formats: " + "; ".join(parts) + "."]
+            "in brackets the mean of seeds 0-2), one format and no key scale → as it ships (key scale, family formats,",
+            "sliding layers' sinks): " + "; ".join(parts) + "."]
 
 
 def two_families() -> list[str]:
@@ -268,10 +268,12 @@ def two_families() -> list[str]:
         return f"{pct(zero['delta_pct'])} ({zero['bits']:.2f}){seeds}"
 
     def pair(model: str, text: str, spec: str) -> str:
-        same, before, after, cal = (cell((model, text, spec, kind)) for kind in ("same", "before", "after",
-                                                                                "calibrated"))
-        shown = same or (f"{before or '-'} → {after or '-'}" if before or after else "not run")
-        return shown + (f"; calibrated {cal}" if cal else "")
+        same, before, nosinks, after, cal_nosinks, cal = (cell((model, text, spec, kind)) for kind in (
+            "same", "before", "nosinks", "after", "calibrated-nosinks", "calibrated"))  # fmt: skip
+        steps = [x for x in (before, nosinks, after) if x]
+        shown = same or (" → ".join(steps) if steps else "not run")
+        calibrated = " → ".join(x for x in (cal_nosinks, cal) if x)
+        return shown + (f"; calibrated {calibrated}" if calibrated else "")
 
     specs = list(dict.fromkeys(r["spec"] for r in runs))
     body = [[f"`quantized:{spec}`"] + [pair(m, t, spec) for m in ("gemma3-270m", "smollm2-135m") for t in texts]
@@ -281,15 +283,18 @@ def two_families() -> list[str]:
     formats = "; ".join(f"{preset}: " + ", ".join(f"{kind} layers at {fmt}" for kind, fmt in kinds.items())
                         for preset, kinds in gemma.kind_bits.items())  # fmt: skip
     seeds = sorted({r["seed"] for r in runs})
+    sinks = " / ".join(sorted({str(n) for n in gemma.sliding_sinks.values()}))
     out = ["## Two model families", ""]
     out += para(
         f"**Gemma 3 270M against SmolLM2-135M** (`{command(d)}`; {machine(d)}, {day(d)}; {d['args']['tokens']} tokens in",
         f"chunks of {d['args']['chunk']}, a {d['args']['window']}-token window, seed 0 and where run the mean over",
-        f"seeds {', '.join(map(str, seeds))}), perplexity change over DynamicCache (bits per coordinate), before → after:",
-        "before, each preset's format on every layer and no key scale (what the presets were before the work on a",
-        "second family); after, as it ships: Gemma 3's key scale ([docs/artifacts.md](artifacts.md)) and its family's",
-        f"layer formats (`precision.FAMILY_DEFAULTS`: {formats}); SmolLM2 takes neither. The second text is Vim's",
-        "pattern manual (Debian's vim-runtime), which neither model's artifacts were fitted on.",
+        f"seeds {', '.join(map(str, seeds))}), perplexity change over DynamicCache (bits per coordinate), before → no",
+        "sinks → after: before, each preset's format on every layer and no key scale (what the presets were before the",
+        "work on a second family); no sinks, Gemma 3's key scale ([docs/artifacts.md](artifacts.md)) and its family's",
+        f"layer formats (`precision.FAMILY_DEFAULTS`: {formats}); after, as it ships: those and each sliding layer's",
+        f"{sinks} sinks kept beside the codes (16-bit copies of the coded tokens with the shortest values,",
+        "`sliding_sinks`). SmolLM2 takes none of them. The second text is Vim's pattern manual (Debian's vim-runtime),",
+        "which neither model's artifacts were fitted on.",
         *(["Calibrated: `calibration=\"auto\"`, the calibration shipped for the model (`kvplus calibrate` with the key",
            "scale on 1,024 tokens of Persuasion, three rotation seeds, the budget counted at 4,096 tokens;",
            "[docs/artifacts.md](artifacts.md)). Further rows:",
@@ -413,9 +418,11 @@ def references_gemma3() -> list[str]:
     def name(r: dict) -> str:
         config = r["config"] if r["series"] != "tiny-turboquant" else (
             f"`{r['config']}` ({TINY_PRESETS[r['config']]})" if r["config"] in TINY_PRESETS else r["config"].upper())
-        how = {"after": " as it ships (Gemma 3's key scale and layer formats)",
+        how = {"after": " as it ships (Gemma 3's key scale, layer formats and sliding layers' sinks)",
+               "nosinks": " with Gemma 3's key scale and layer formats, no sinks",
                "before": ", one format on every layer, no key scale",
-               "calibrated": ", `calibration=\"auto\"`"}.get(r.get("defaults"), "")  # fmt: skip
+               "calibrated": ", `calibration=\"auto\"`",
+               "calibrated-nosinks": ", `calibration=\"auto\"`, no sinks"}.get(r.get("defaults"), "")  # fmt: skip
         library, ran = REFERENCE_NAMES.get(r["series"], (r["series"], ""))
         return f"{library} {config}{how or ran}"
 
@@ -1090,6 +1097,7 @@ def gpu_speed() -> list[str]:
             if c in runs[3] and runs[1][c].get("tok_per_s") and runs[3][c].get("tok_per_s")}  # fmt: skip
     peaks = {c: runs[3][c]["peak_mib"] / runs[1][c]["peak_mib"] for c in e1["args"]["specs"]
              if runs[1].get(c, {}).get("peak_mib") and runs[3].get(c, {}).get("peak_mib")}  # fmt: skip
+    evicting = [c for c in peaks if c.startswith(("sink:", "h2o:", "snapkv:"))]
     low_bit = [c for c in ("quantized:int4", "quantized:int2", "quantized:fp8", "paged-quantized:int4") if c in gain]
     out += para(
         f"**Eager decode** (`{command(e1)}` and `--batch 8`; {e1['args']['context'] // 1024}K context,",
@@ -1100,7 +1108,8 @@ def gpu_speed() -> list[str]:
         f"{max(gain[c] for c in low_bit):.2f}x ({', '.join(low_bit)}): their decode kernels reach a few percent of copy",
         "bandwidth (the kernels' table below), so a faster memory does little for them, and their ratio over",
         "DynamicCache falls. Peak memory over the H100's: "
-        + ", ".join(f"{c} {peaks[c]:.2f}x" for c in peaks) + ".",
+        f"{min(v for c, v in peaks.items() if c not in evicting):.2f}-{max(v for c, v in peaks.items() if c not in evicting):.2f}x,"
+        f" the evicting caches' {min(peaks[c] for c in evicting):.2f}-{max(peaks[c] for c in evicting):.2f}x.",
     )
     body = [["DynamicCache, tok/s"] + [f"{r['dynamic']['tok_per_s']:.1f}" for r in runs] + ["1.00"]
             + [f"{runs[i]['dynamic']['peak_mib']:,.0f}" for i in (1, 3)]]  # fmt: skip
