@@ -313,12 +313,12 @@ class QuantizedStorage(KVStorage):
         the rest of the residual."""
         n = self.segment.length
         k, v = self.segment.dequantized(n - coded, n, rk.dtype)
+        if sinks is not None:  # (before `left`: a copy of a token this forward pushed out gives way to the token)
+            k, v = _with_sinks(k, v, *sinks)
         if left is not None:
             m = min(left[0].shape[2], coded)
             k[:, :, coded - m :] = left[0][:, :, -m:]
             v[:, :, coded - m :] = left[1][:, :, -m:]
-        if sinks is not None:
-            k, v = _with_sinks(k, v, *sinks)
         return (
             torch.cat([rk[:, :, :head], k, rk[:, :, head:]], dim=2),
             torch.cat([rv[:, :, :head], v, rv[:, :, head:]], dim=2),
