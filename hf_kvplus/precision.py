@@ -5,7 +5,7 @@ description for every quantized storage.
 - `first`: the first tokens of each row (attention sinks: most attention mass falls there), in full-attention layers;
 - `boundary`: the first and last `boundary` layers at full precision, or at `boundary_bits`;
 - `layer_bits`: any layer's own format (`{index: bits}`, None: full precision), e.g. what `kvplus calibrate` chose;
-- `sliding_sinks`: exact copies of each sliding-window layer's coded tokens with the shortest values (the sinks
+- `sliding_sinks`: 16-bit copies of each sliding-window layer's coded tokens with the shortest values (the sinks
   inside its window, which its first tokens cannot be: they leave it; `QuantizedStorage(sinks=)`);
 - family defaults (`FAMILY_DEFAULTS`, `family_regions`): the `layer_bits` a rotated preset takes on a model family
   where measurements showed the preset's one format for every layer costs far more than elsewhere (Gemma 3).
@@ -39,7 +39,7 @@ class PrecisionRegions:
     #: Layers with a format of their own, as sorted `(index, bits)` pairs (given as a mapping; bits None: full
     #: precision); an entry wins over `boundary`.
     layer_bits: tuple[tuple[int, int | str | None], ...] = ()
-    #: Exact copies per row of each sliding-window layer's coded tokens with the shortest values; None: the model
+    #: 16-bit copies per row of each sliding-window layer's coded tokens with the shortest values; None: the model
     #: family's default for the preset (`FamilyDefaults.sliding_sinks`), else none.
     sliding_sinks: int | None = None
 
@@ -95,7 +95,7 @@ class FamilyDefaults:
     kind_bits: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     #: Why, in one line: what was measured (docs/benchmarks-lowbit.md has the tables).
     why: str = ""
-    #: `sliding_sinks[preset]`: the exact sinks each sliding-window layer keeps with that preset (`PrecisionRegions`).
+    #: `sliding_sinks[preset]`: the sinks' copies each sliding-window layer keeps with that preset (`PrecisionRegions`).
     sliding_sinks: Mapping[str, int] = field(default_factory=dict)
 
     def layer_bits(self, spec: ModelSpec, bits: int | str) -> dict[int, str]:
@@ -124,7 +124,7 @@ FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
         "Gemma 3", ("gemma3_text", "gemma3"),
         {"k2v2": {"full": "k3v2", "sliding": "k3v1"}, "k3v2": {"full": "k3v3"}, "k4v2": {"full": "k4v3"}},
         "full-attention layers' keys long and attended far: with the key scale, 3-bit keys and more value bits there; "
-        "each sliding window's sinks (short values, up to half its attention) kept exact",
+        "each sliding window's sinks (short values, up to half its attention) kept beside the codes at 16 bits",
         {"k2v2": 4, "k3v2": 4, "k4v2": 4},
     ),
 )  # fmt: skip

@@ -58,9 +58,9 @@ def quantized_storage(
     Checks everything at construction: the bit width, the backend, that the group size divides every
     layer's head_dim, and that the full-precision window holds at least one group. With `max_tokens`, full
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
-    `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers, the sinks of
-    sliding ones and the boundary layers at full precision (or the boundary layers at `boundary_bits`), and gives
-    `layer_bits`'s layers their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`. `key_scale` (checked against the
+    `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
+    boundary layers at full precision (or the boundary layers at `boundary_bits`), 16-bit copies of sliding layers'
+    sinks, and gives `layer_bits`'s layers their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`. `key_scale` (checked against the
     config): the key scale of each layer held in a rotated format (`KeyCenter.scale`).
     """
     regions = regions or PrecisionRegions(window=window)
@@ -169,7 +169,7 @@ class QuantizedCache(KVCache):
     a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
     full-attention layers at k3v2 and its sliding ones at k3v1, measured with the key scale on); `quantized_report()["family_defaults"]`
     names the family; False: the preset's format on every layer.
-    `sliding_sinks`: each sliding-window layer keeps exact copies of that many coded tokens of each row with the
+    `sliding_sinks`: each sliding-window layer keeps 16-bit copies of that many coded tokens of each row with the
     shortest values (the sinks inside its window, where its attention piles up: `QuantizedStorage(sinks=)`; spec
     `sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4), else 0.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query

@@ -29,7 +29,7 @@
                             k4v2, k3v2, k2v2 and Gemma 3 270M's k4v2 ship); `key_scale=auto|off|PATH`: a
                             rotated format's keys scaled per RoPE pair as fitted for the model (`auto`, the
                             default: the model's own where one ships, Gemma 3 270M's; `off`: none);
-                            `sinks=N`: each sliding-window layer keeps exact copies of its N coded tokens
+                            `sinks=N`: each sliding-window layer keeps 16-bit copies of its N coded tokens
                             with the shortest values (Gemma 3's rotated presets: 4; `sinks=0` turns it off)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N`, `key_scale=auto|off|PATH` and the
