@@ -171,7 +171,7 @@ class QuantizedCache(KVCache):
     names the family; False: the preset's format on every layer.
     `sliding_sinks`: each sliding-window layer keeps 16-bit copies of that many coded tokens of each row with the
     shortest values (the sinks inside its window, where its attention piles up: `QuantizedStorage(sinks=)`; spec
-    `sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4), else 0.
+    `sliding_sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4), else 0.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
     queries read): "auto" takes this model's, found from the config as calibrations are (the package data holds

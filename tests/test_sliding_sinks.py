@@ -199,10 +199,10 @@ def test_gemma3_rotated_presets_keep_sinks_on_sliding_layers_only():
     assert all(layer.storage.sinks == 0 for layer in QuantizedCache(gemma, bits="k2v2", sliding_sinks=0).layers)
     assert all(layer.storage.sinks == 0 for layer in QuantizedCache(gemma, bits="int4").layers)
     assert all(layer.storage.sinks == 0 for layer in QuantizedCache(gemma, bits="k2v2", family_defaults=False).layers)
-    spec = parse_cache_spec("quantized:k3v2:sinks=2").build(gemma)
+    spec = parse_cache_spec("quantized:k3v2:sliding_sinks=2").build(gemma)
     assert {layer.storage.sinks for layer in spec.layers} == {0, 2}
     with pytest.raises(ConfigError, match="sinks"):
-        parse_cache_spec("quantized:k3v2:sinks=-1")
+        parse_cache_spec("quantized:k3v2:sliding_sinks=-1")
 
 
 def test_no_family_default_elsewhere():
