@@ -212,6 +212,6 @@ def layer_region_bits(layer, window: int) -> tuple[int, int]:
     exact *= storage.batch_size
     held = length * report.batch_size
     coded = report.payload_bytes + report.metadata_bytes
-    copies, copy_size = storage.sinks_part() if hasattr(storage, "sinks_part") else (0, 0)
+    copies, copy_size = storage.sinks_part()
     copies = copies * storage.batch_size * coordinates * copy_size * 8  # (bits of tokens already counted as coded)
     return coded * 8 + exact * coordinates * element_size * 8 + copies, (held + exact) * coordinates

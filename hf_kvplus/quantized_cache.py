@@ -60,8 +60,8 @@ def quantized_storage(
     layers get a `StaticQuantizedStorage` of that capacity (sliding layers keep their growing window).
     `regions` (`PrecisionRegions`; its window replaces `window`) keeps the first tokens of full layers and the
     boundary layers at full precision (or the boundary layers at `boundary_bits`), 16-bit copies of sliding layers'
-    sinks, and gives `layer_bits`'s layers their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`. `key_scale` (checked against the
-    config): the key scale of each layer held in a rotated format (`KeyCenter.scale`).
+    sinks, and gives `layer_bits`'s layers their own format. `turning_keys`, `family_defaults`: see `QuantizedCache`.
+    `key_scale` (checked against the config): the key scale of each layer held in a rotated format (`KeyCenter.scale`).
     """
     regions = regions or PrecisionRegions(window=window)
     if family_defaults:
@@ -171,7 +171,8 @@ class QuantizedCache(KVCache):
     names the family; False: the preset's format on every layer.
     `sliding_sinks`: each sliding-window layer keeps 16-bit copies of that many coded tokens of each row with the
     shortest values (the sinks inside its window, where its attention piles up: `QuantizedStorage(sinks=)`; spec
-    `sliding_sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4), else 0.
+    `sliding_sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4),
+    else 0.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
     queries read): "auto" takes this model's, found from the config as calibrations are (the package data holds

@@ -88,6 +88,11 @@ class KVStorage(ABC):
         (the exact first tokens), and bytes per element there; (0, 0) by default."""
         return 0, 0
 
+    def sinks_part(self) -> tuple[int, int]:
+        """Of a storage that codes: copies per row of coded tokens it keeps beside their codes (a sliding layer's
+        sinks: bits of tokens already counted as coded), and bytes per element there; (0, 0) by default."""
+        return 0, 0
+
     def shard_heads(self, local: int) -> None:  # noqa: B027 - an optional hook
         """Learns, before the first append, that this rank holds `local` KV heads of the layer (tensor parallel):
         only storages sized ahead of their first append (a block pool's layer) need to hear it."""

@@ -159,8 +159,9 @@ class QuantizedStorage(KVStorage):
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise ConfigError(f"the sinks kept beside the codes must be an int >= 0, got {sinks!r}")
         if sinks and first:
-            raise ConfigError(f"sinks kept beside the codes ({sinks}) are a sliding-window layer's, which keeps no first "
-                              f"tokens (first={first}): a full-attention layer keeps its sinks as its first tokens")  # fmt: skip
+            raise ConfigError(f"sinks kept beside the codes ({sinks}) are a sliding-window layer's, which keeps no "
+                              f"first tokens (first={first}): a full-attention layer keeps its sinks as its first "
+                              "tokens")  # fmt: skip
         self.segment = segment
         self.sinks = sinks
         #: The sinks' copies, `[batch, kv_heads, held, dim]` keys and values (held <= `sinks`), and each one's token:
@@ -334,7 +335,8 @@ class QuantizedStorage(KVStorage):
             index, k, v = fresh, keys, values
         else:
             index = torch.cat([self.sink_index, fresh], dim=1)
-            k, v = torch.cat([self.sink_k.to(keys.dtype), keys], dim=2), torch.cat([self.sink_v.to(values.dtype), values], dim=2)
+            k = torch.cat([self.sink_k.to(keys.dtype), keys], dim=2)
+            v = torch.cat([self.sink_v.to(values.dtype), values], dim=2)
         lengths = v.float().norm(dim=-1).amax(dim=1).masked_fill(index < 0, float("inf"))  # [batch, held + flush]
         chosen = lengths.topk(min(self.sinks, index.shape[1]), dim=1, largest=False).indices
         pick = chosen[:, None, :, None]
@@ -412,8 +414,6 @@ class QuantizedStorage(KVStorage):
         return self.segment.quantized_part()
 
     def sinks_part(self) -> tuple[int, int]:
-        """Copies per row of coded tokens kept beside their codes (the sinks: bits of tokens already counted), and
-        bytes per element there."""
         return self.held_sinks, 0 if self.sink_k is None else self.sink_k.element_size()
 
     @property
@@ -451,8 +451,10 @@ def _with_sinks(k, v, at: torch.Tensor, sink_k, sink_v) -> tuple[torch.Tensor, t
         return k, v
     at = at.masked_fill((at < 0) | (at >= count), count)  # (out of view: into a spare token, cut off)
     pick = at[:, None, :, None]
-    k = torch.cat([k, k[:, :, :1]], dim=2).scatter_(2, pick.expand(-1, k.shape[1], -1, k.shape[3]), sink_k.to(k.dtype))
-    v = torch.cat([v, v[:, :, :1]], dim=2).scatter_(2, pick.expand(-1, v.shape[1], -1, v.shape[3]), sink_v.to(v.dtype))
+    k = torch.cat([k, k[:, :, :1]], dim=2).scatter_(2, pick.expand(-1, k.shape[1], -1, k.shape[3]),
+                                                     sink_k.to(k.dtype))  # fmt: skip
+    v = torch.cat([v, v[:, :, :1]], dim=2).scatter_(2, pick.expand(-1, v.shape[1], -1, v.shape[3]),
+                                                     sink_v.to(v.dtype))  # fmt: skip
     return k[:, :, :count], v[:, :, :count]
 
 
