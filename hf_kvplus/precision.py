@@ -118,11 +118,14 @@ class FamilyDefaults:
 #: Sliding layers' sinks (4 a row, 16-bit copies beside the codes): a token inside each 512-token window takes up to
 #: half of its last queries' attention and has a short value, so its coding error goes whole into the output; kept,
 #: k2v2 on P&P went +4.39% -> +1.40%, k3v2 +1.94% -> -0.23%, k4v2 +1.48% -> +0.53% (seed 0; docs/benchmarks-lowbit.md,
-#: "Two model families": seeds 0-2 and both texts) for about 0.05 bits a coordinate at 4K tokens.
+#: "Two model families": seeds 0-2 and both texts) for about 0.05 bits a coordinate at 4K tokens. With them, k2v2's
+#: sliding layers hold k2v2 rather than k3v1 (the sinks took the tokens whose 1-bit values cost most): pattern.txt
+#: seeds 0 / 1 / 2 +2.88 / +3.31 / +3.77% -> +2.53 / +2.87 / +3.13%, P&P +1.40 / +3.65 / +1.11% -> +1.89 / +3.35 /
+#: +1.09%, at the same bits (`eval/lowbit_probes.py runs`; docs/artifacts.md, "Each sliding window's sinks").
 FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
     FamilyDefaults(
         "Gemma 3", ("gemma3_text", "gemma3"),
-        {"k2v2": {"full": "k3v2", "sliding": "k3v1"}, "k3v2": {"full": "k3v3"}, "k4v2": {"full": "k4v3"}},
+        {"k2v2": {"full": "k3v2"}, "k3v2": {"full": "k3v3"}, "k4v2": {"full": "k4v3"}},
         "full-attention layers' keys long and attended far: with the key scale, 3-bit keys and more value bits there; "
         "each sliding window's sinks (short values, up to half its attention) kept beside the codes at 16 bits",
         {"k2v2": 4, "k3v2": 4, "k4v2": 4},

@@ -167,7 +167,7 @@ class QuantizedCache(KVCache):
     `quantized_report()["bits_per_coordinate"]` counts them with the codes.
     `family_defaults` (True): where no layer formats are asked for (`layer_bits`, `boundary_layers`, `calibration`),
     a rotated preset takes its model family's layer formats (`precision.FAMILY_DEFAULTS`: on Gemma 3, k2v2 holds its
-    full-attention layers at k3v2 and its sliding ones at k3v1, measured with the key scale on); `quantized_report()["family_defaults"]`
+    full-attention layers at k3v2, measured with the key scale and sliding sinks on); `quantized_report()["family_defaults"]`
     names the family; False: the preset's format on every layer.
     `sliding_sinks`: each sliding-window layer keeps 16-bit copies of that many coded tokens of each row with the
     shortest values (the sinks inside its window, where its attention piles up: `QuantizedStorage(sinks=)`; spec
