@@ -298,7 +298,7 @@ def two_families() -> list[str]:
         *(["Calibrated: `calibration=\"auto\"`, the calibration shipped for the model (`kvplus calibrate` with the key",
            "scale on 1,024 tokens of Persuasion, three rotation seeds, the budget counted at 4,096 tokens;",
            "[docs/artifacts.md](artifacts.md)). Further rows:",
-           ", ".join(f"`{command({'command': c})}`" for c in d.get("added_commands", [])) + "."]
+           ", ".join(dict.fromkeys(f"`{command({'command': c})}`" for c in d.get("added_commands", []))) + "."]
           if d.get("added_commands") else []),
     )
     out += table(["spec"] + head, body, "l" + "r" * len(head))
@@ -314,6 +314,16 @@ def two_families() -> list[str]:
         "(`eval/key_scaling.py`). Folded into the model's QK-norm, it takes k2v2 on every layer from +57.3% to",
         "+10.4% on P&P (pattern.txt +68.5% to +8.4%) and k4v2 as it ships from +2.68% to +1.37%; what it leaves is",
         "the full layers' 2-bit values (+1.5% at 4K) and the sliding layers (k4v2 there: +0.7%).",
+    ) + para(
+        "What is left on pattern.txt as it ships (`eval/lowbit_probes.py runs`, seed 0; the runs in",
+        "`eval/results/lowbit_families_4k/key_scaling/sinks_formats_gemma3.jsonl`): k4v2 +0.79%, with its full",
+        "layers exact +0.36%, its sliding layers exact +0.39%; the sliding layers with 8-bit values +0.41%, with 8-bit",
+        "keys +0.94%: about half the loss is the full layers' codes and the other half the sliding layers' 2-bit",
+        "values. The same bits spent otherwise did no better (full layers at k3v4 +1.54%, sliding layers at k3v3",
+        "+0.82%; k3v2 with full layers at k4v2 +2.13%), nor do 8 sinks (+0.68% at 3.53 bits, over the budget). With",
+        "the sinks, k2v2's sliding layers at k2v2 beat k3v1 on pattern.txt (seeds 0-2 +2.88 / +3.31 / +3.77% ->",
+        "+2.53 / +2.87 / +3.13%) and about equal on P&P (+1.40 / +3.65 / +1.11% -> +1.89 / +3.35 / +1.09%): what",
+        "k2v2 ships now.",
     ) + more_bits(by, texts, name)
 
 
@@ -390,8 +400,8 @@ def seed_spread() -> list[str]:
         f"{slide_short:.2f} on average ({min(late):.2f}-{max(late):.2f} on layers 6-16, seed 0): an attention sink inside",
         f"each sliding window, a token that takes up to {max(sink_share):.0%} of the last queries' attention with a",
         f"value {min(sink_length):.2f}-{max(sink_length):.2f} times as long as the median coded one (layers 6-16, seed 0),",
-        "whose coded value's error weighs in squared. Keeping the 4 shortest exact in each sliding layer would add about",
-        "0.04 bits per coordinate at 4K (16-bit copies); not built yet.",
+        "whose coded value's error weighs in squared. The sliding layers' sinks (\"Two model families\") keep such",
+        "tokens as 16-bit copies beside their codes, about 0.05 bits per coordinate at 4K.",
     )
     head = ["seed", "perplexity change"] + [f"{kind}: {what}" for kind in kinds
                                             for what in ("keys", "values", "both", "top 2%", "4 shortest")]  # fmt: skip
