@@ -89,13 +89,13 @@ def _address(x) -> int | None:
     return x.untyped_storage().data_ptr() if isinstance(x, torch.Tensor) else None
 
 
-def decode(model, cache, ids, mask, backend=None) -> list[list[int]]:
+def decode(model, cache, ids, mask, backend=None, new: int = NEW) -> list[list[int]]:
     config = None
     if backend is not None:
         config = CompileConfig(backend=backend, fullgraph=True)
         config._compile_all_devices = True  # generate() compiles on CUDA only, unless told
     out = model.generate(
-        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new, min_new_tokens=new, do_sample=False,
         compile_config=config, disable_compile=backend is None, pad_token_id=0,
     )  # fmt: skip
     return out[:, ids.shape[1] :].tolist()
@@ -109,14 +109,14 @@ def left_padded(batch: int = 2, padded: bool = True) -> tuple[torch.Tensor, torc
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def capture(model, make_cache, padded: bool = True) -> tuple[list[dict], list, list]:
+def capture(model, make_cache, padded: bool = True, new: int = NEW) -> tuple[list[dict], list, list]:
     """The eager decode's tokens, the compiled decode's and the graphs it compiled. (Without padding, the prompt's
     forward gets no mask from Transformers: SDPA's causal path.)"""
     torch._dynamo.reset()
     ids, mask = left_padded(padded=padded)
-    eager = decode(model, make_cache(), ids, mask)
+    eager = decode(model, make_cache(), ids, mask, new=new)
     graphs, backend = graph_recorder()
-    compiled = decode(model, make_cache(), ids, mask, backend=backend)
+    compiled = decode(model, make_cache(), ids, mask, backend=backend, new=new)
     return graphs, eager, compiled
 
 
@@ -196,8 +196,9 @@ def test_the_checks_catch_a_cache_that_grows(model):
             layer.is_compileable = True  # what generate() asks before it compiles
         return cache
 
-    with torch._dynamo.config.patch(recompile_limit=2 * NEW):  # (it compiles again at every step)
-        graphs, eager, compiled = capture(model, growing)
+    new = 4  # (it compiles again at every step: three steps show it)
+    with torch._dynamo.config.patch(recompile_limit=2 * new):
+        graphs, eager, compiled = capture(model, growing, new=new)
     assert compiled == eager
     assert len(graphs) > 1
     assert any(graph["int_inputs"] for graph in graphs)

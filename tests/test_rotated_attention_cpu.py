@@ -267,6 +267,9 @@ def test_a_failed_build_warns_once_and_leaves_the_twin(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(rotated_cpu, "_SOURCES", [broken])
+    # A flag the compiler refuses fails the build at once (the source alone fails only after the ~30 s of
+    # torch/extension.h that load_inline puts before it)
+    monkeypatch.setattr(rotated_cpu, "_FLAGS", [*rotated_cpu._FLAGS, "-fkvplus-no-such-option"])
     monkeypatch.setattr(rotated_cpu, "_LOADED", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with pytest.warns(RuntimeWarning, match="could not be built"):
