@@ -58,18 +58,17 @@ def _share_cores_between_workers() -> None:
 #: waits. A test missing here only runs in its usual place.
 LONGEST_FIRST = (
     "test_gpu_pass.py::test_dry_run_of_the_whole_pass_on_the_cpu",
+    "test_snippets.py::test_every_readme_and_docs_snippet_runs",
     "test_kernels_aot.py::test_covering_subset_compiles_for_sm90",
     "test_notebooks.py::test_notebook_runs",
-    "test_snippets.py::test_every_readme_and_docs_snippet_runs",
-    "test_prefix_tiers.py::test_processes_",
-    "test_resolve_models.py::test_real_smollm2_from_pypi",
     "test_compile_fullgraph.py::test_decode_step_compiles_as_one_graph[paged-quantized",
-    "test_kernels_aot.py::test_fp8_attention_needs_sm89",
+    "test_needle.py::test_smollm2_finds_the_needle",
+    "test_resolve_models.py::test_real_smollm2_from_pypi",
     "test_compare_scripts.py::",
     "test_tensor_parallel.py::",
+    "test_kernels_aot.py::test_fp8_attention_needs_sm89",
+    "test_prefix_tiers.py::test_processes_",
     "test_plugin_isolation.py::test_dynamic_static_and_no_cache_are_bit_identical",
-    "test_rotated_attention_cpu.py::test_a_failed_build_warns_once",
-    "test_compile_static_graph.py::test_the_checks_catch_a_cache_that_grows",
 )
 
 
