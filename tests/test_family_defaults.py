@@ -146,3 +146,26 @@ def test_check_format_measures_the_format_as_it_ships_on_the_model_at_hand():
     lenient = check_format(model, ids, "k2v2", threshold_pct=1e9, window=8)
     assert not lenient.over and lenient.delta_pct == strict.delta_pct
     assert check_format(model, ids, "k2v2", window=8, family_defaults=False).family_defaults is None
+
+
+def test_calibrate_counts_the_family_sinks_in_its_budget():
+    """The calibration measures and counts the bits of the cache that takes it: on Gemma 3 with its sliding layers'
+    sinks (the family's, recorded), so the bits it reports are what `QuantizedCache(calibration=...)` holds after the
+    same chunks, not the bits without the sinks' copies."""
+    from hf_kvplus.evaluation.calibrate import calibrate
+
+    model = build_model("gemma3")
+    ids = torch.randint(3, 128, (48,), generator=torch.Generator().manual_seed(0))
+    calibration, _ = calibrate(model, ids, model_name="tiny-gemma3", bits="k2v2", candidates=("k2v3",),
+                               max_bits=16.0, chunk_size=8, window=4, progress=False)  # fmt: skip
+    assert calibration.measured["sliding_sinks"] == GEMMA.sliding_sinks["k2v2"] > 0
+
+    def held(**options) -> float:
+        cache = QuantizedCache(model.config, bits="k2v2", window=4, calibration=calibration, **options)
+        with torch.inference_mode():
+            for start in range(0, ids.numel(), 8):
+                model(input_ids=ids[None, start:start + 8], **cache_kwargs(cache), use_cache=True)
+        return cache.quantized_report()["bits_per_coordinate"]
+
+    assert calibration.bits_per_coordinate == pytest.approx(held(), rel=1e-6)
+    assert held(sliding_sinks=0) < calibration.bits_per_coordinate  # (the sinks' copies are in what it counted)
