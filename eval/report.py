@@ -296,7 +296,8 @@ def two_families() -> list[str]:
         "`sliding_sinks`). SmolLM2 takes none of them. The second text is Vim's pattern manual (Debian's vim-runtime),",
         "which neither model's artifacts were fitted on.",
         *(["Calibrated: `calibration=\"auto\"`, the calibration shipped for the model (`kvplus calibrate` with the key",
-           "scale on 1,024 tokens of Persuasion, three rotation seeds, the budget counted at 4,096 tokens;",
+           "scale and the sliding layers' sinks on 1,024 tokens of Persuasion, three rotation seeds, the budget counted at",
+           "4,096 tokens with the sinks;",
            "[docs/artifacts.md](artifacts.md)). Further rows:",
            ", ".join(dict.fromkeys(f"`{command({'command': c})}`" for c in d.get("added_commands", []))) + "."]
           if d.get("added_commands") else []),
@@ -477,14 +478,24 @@ def references_gemma3() -> list[str]:
                 "error over the tokens, not recorded for the references):")
     out += table(["text", "hf_kvplus", "bits", "change", "best reference at its bits or fewer", "", "cheapest reference "
                   "as good"], verdicts, "llrrlll")  # fmt: skip
+    def row(text: str, series: str, config: str, defaults: str | None) -> dict:
+        return next(r for r in d["rows"] if (r["text"], r["series"], r["config"], r.get("defaults")) ==
+                    (text, series, config, defaults))  # fmt: skip
+
+    first, second = texts
+    tiny, ships, cal = ({t: row(t, *key) for t in texts} for key in (
+        ("tiny-turboquant", "k4v3", None), ("hf_kvplus", "k4v2", "after"), ("hf_kvplus", "k4v2", "calibrated")))
     return out + para(
         "Against turboquant-torch hf_kvplus is ahead at every bits measured, also with one format on every layer at",
         "the reference's bits; the reference's loss is in the keys (on P&P its k4v3 is about its k4v2 and its k3v3 far",
         "behind). Against tiny-turboquant each preset is ahead of every row at the preset's bits or fewer (its 2-bit",
-        "per-token values lose most); at 3.5-3.7 bits its K4V3 (per-channel 4-bit keys, 3-bit values, 3.69 bits) is",
-        "ahead of our k4v2 on P&P (+0.28% against +1.48% as it ships and +0.67% calibrated, at 3.42 and 3.50 bits) and",
-        "behind it on pattern.txt (+1.06% against +0.80% and +0.74%), and ahead of our k4v3 without the key scale (3.56",
-        "bits, P&P).",
+        "per-token values lose most); at 3.5-3.7 bits its K4V3 (per-channel 4-bit keys, 3-bit values,",
+        f"{tiny[first]['bits']:.2f} bits) is {'ahead of' if tiny[first]['delta_pct'] < ships[first]['delta_pct'] else 'behind'}",
+        f"our k4v2 on {label[first]} ({pct(tiny[first]['delta_pct'])} against {pct(ships[first]['delta_pct'])} as it",
+        f"ships and {pct(cal[first]['delta_pct'])} calibrated, at {ships[first]['bits']:.2f} and {cal[first]['bits']:.2f}",
+        f"bits) and {'ahead of' if tiny[second]['delta_pct'] < ships[second]['delta_pct'] else 'behind'} it on",
+        f"{label[second]} ({pct(tiny[second]['delta_pct'])} against {pct(ships[second]['delta_pct'])} and",
+        f"{pct(cal[second]['delta_pct'])}), and ahead of our k4v3 without the key scale (3.56 bits, P&P).",
     )
 
 
