@@ -6,7 +6,8 @@ in step. A decoded object may only be of a class defined in hf_kvplus (or one of
 with `__new__` and given its state; a function or method is looked up by name on such a class or module. Nothing
 named by the file is called except those classes' own `__setstate__` and the constructors `__reduce__` names.
 
-Tensors are saved by storage: two views of one buffer (a storage's memoized windows) stay views of one buffer. An
+Tensors are saved by storage: two views of one buffer (a storage's memoized windows) stay views of one buffer, and one
+tensor held twice stays one tensor. An
 object whose class defines `__persist_state__` is saved from what that gives instead of `__getstate__`: its state, and
 (tensor, bytes) pairs whose bytes the file holds for the tensor's storage (a disk tier's files, read back checked,
 instead of what their memory mapping shows).
@@ -105,6 +106,7 @@ class _Encoder:
         self.memo: dict[int, int] = {}  # id(obj) -> object number
         self.keep: list = []  # the objects numbered, alive until the end (ids stay unique)
         self.storage_index: dict[tuple, int] = {}
+        self.tensor_index: dict[int, int] = {}  # id(tensor) -> its record
         self.replacements: dict[tuple, torch.Tensor] = {}  # storage key -> the bytes to write for it
 
     def value(self, obj, path: str):
@@ -199,6 +201,11 @@ class _Encoder:
     def _tensor(self, t: torch.Tensor, path: str) -> int:
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             raise UnsupportedOperationError(f"{path} is a {type(t).__name__}, a tensor subclass a saved cache cannot hold")
+        known = self.tensor_index.get(id(t))
+        if known is not None:  # one tensor named twice loads as one object (dynamo guards on `a is b`), not two views
+            return known
+        self.tensor_index[id(t)] = len(self.out.tensors)
+        self.keep.append(t)
         storage = t.untyped_storage()
         key = _storage_key(storage)
         if storage.nbytes() == 0 or key not in self.storage_index:

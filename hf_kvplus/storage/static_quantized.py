@@ -343,6 +343,17 @@ class StaticQuantizedStorage(KVStorage):
             return {}
         return {**self.buffers.tensors(), "ring_k": self.ring_k, "ring_v": self.ring_v}
 
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)  # (a saved cache then restores it through `__setstate__`, as a copy does)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy or a loaded cache: what `_allocate` made eagerly beside the buffers and does not travel (a turning
+        centre's position tables) is made again here, or the first compiled step would make it in its graph, at every
+        step, and compile again once it had."""
+        self.__dict__.update(state)
+        if self.ring_k is not None:
+            self.fmt.prepare_indices(self.positions, self.ring_k.device, **state_kw(self.state))
+
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         n = self.positions
         batch, heads, _, dim = keys.shape
