@@ -7,6 +7,8 @@ description for every quantized storage.
 - `layer_bits`: any layer's own format (`{index: bits}`, None: full precision), e.g. what `kvplus calibrate` chose;
 - `sliding_sinks`: 16-bit copies of each sliding-window layer's coded tokens with the shortest values (the sinks
   inside its window, which its first tokens cannot be: they leave it; `QuantizedStorage(sinks=)`);
+- `full_sinks`: the same copies in each full-attention layer, in place of its exact first tokens (which they take
+  where those are the sinks) in the growing storage; a static one (`max_tokens`) keeps its first tokens;
 - family defaults (`FAMILY_DEFAULTS`, `family_regions`): the `layer_bits` a rotated preset takes on a model family
   where measurements showed the preset's one format for every layer costs far more than elsewhere (Gemma 3).
 
@@ -42,11 +44,14 @@ class PrecisionRegions:
     #: 16-bit copies per row of each sliding-window layer's coded tokens with the shortest values; None: the model
     #: family's default for the preset (`FamilyDefaults.sliding_sinks`), else none.
     sliding_sinks: int | None = None
+    #: The same copies in each full-attention layer, in place of its `first` tokens (growing storages; a static one
+    #: keeps `first`); None: the family's default for the preset (`FamilyDefaults.full_sinks`), else none.
+    full_sinks: int | None = None
 
     def __post_init__(self):
-        for name in ("first", "boundary", "sliding_sinks"):
+        for name in ("first", "boundary", "sliding_sinks", "full_sinks"):
             value = getattr(self, name)
-            if value is None and name == "sliding_sinks":
+            if value is None and name.endswith("_sinks"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
@@ -97,6 +102,9 @@ class FamilyDefaults:
     why: str = ""
     #: `sliding_sinks[preset]`: the sinks' copies each sliding-window layer keeps with that preset (`PrecisionRegions`).
     sliding_sinks: Mapping[str, int] = field(default_factory=dict)
+    #: `full_sinks[preset]`: the sinks' copies each full-attention layer keeps with that preset, in place of its first
+    #: tokens (`PrecisionRegions`).
+    full_sinks: Mapping[str, int] = field(default_factory=dict)
 
     def layer_bits(self, spec: ModelSpec, bits: int | str) -> dict[int, str]:
         """`layer_bits` of preset `bits` on a model of this family: the layers whose kind has a format of its own."""
@@ -122,13 +130,20 @@ class FamilyDefaults:
 #: sliding layers hold k2v2 rather than k3v1 (the sinks took the tokens whose 1-bit values cost most): pattern.txt
 #: seeds 0 / 1 / 2 +2.88 / +3.31 / +3.77% -> +2.53 / +2.87 / +3.13%, P&P +1.40 / +3.65 / +1.11% -> +1.89 / +3.35 /
 #: +1.09%, at the same bits (`eval/lowbit_probes.py runs`; docs/artifacts.md, "Each sliding window's sinks").
+#: Full layers' sinks (16 a row, in place of the 4 exact first tokens): the full layers' attention piles onto recurring
+#: tokens (full stops, quotes, newlines) whose errors one rotation makes alike, so they add up; the seeds' spread was
+#: the full layers' rotations (docs/benchmarks-lowbit.md, "Which rotations"). Kept, 3-seed means P&P / pattern.txt,
+#: k2v2 +2.11 / +2.84% -> +1.48 / +2.30%, k3v2 +0.32 / +1.32% -> +0.28 / +0.96%, k4v2 +0.44 / +0.80% -> +0.00 / +0.50%,
+#: for 0.025 bits a coordinate at 4K tokens (eval/results/lowbit_families_4k/diagnosis.md).
 FAMILY_DEFAULTS: tuple[FamilyDefaults, ...] = (
     FamilyDefaults(
         "Gemma 3", ("gemma3_text", "gemma3"),
         {"k2v2": {"full": "k3v2"}, "k3v2": {"full": "k3v3"}, "k4v2": {"full": "k4v3"}},
         "full-attention layers' keys long and attended far: with the key scale, 3-bit keys and more value bits there; "
-        "each sliding window's sinks (short values, up to half its attention) kept beside the codes at 16 bits",
+        "each sliding window's sinks (short values, up to half its attention) kept beside the codes at 16 bits, and "
+        "each full layer's 16 in place of its first tokens",
         {"k2v2": 4, "k3v2": 4, "k4v2": 4},
+        {"k2v2": 16, "k3v2": 16, "k4v2": 16},
     ),
 )  # fmt: skip
 
@@ -145,13 +160,16 @@ def family_of(config: PreTrainedConfig) -> FamilyDefaults | None:
 def family_regions(config: PreTrainedConfig, bits: int | str | None, regions: PrecisionRegions) -> PrecisionRegions:
     """`regions` with its model family's layer formats for preset `bits` (`FAMILY_DEFAULTS`), where the regions ask
     for no layer formats of their own (no `layer_bits`, boundary layers or calibration), and its sliding layers'
-    sinks where the regions leave them to the family (`sliding_sinks` None); else `regions` as given."""
+    sinks where the regions leave them to the family (`sliding_sinks` None), and its full layers' (`full_sinks` None);
+    else `regions` as given."""
     family = family_of(config)
     if family is None or bits is None:
         return regions
     preset = parse_bits(bits)
     if regions.sliding_sinks is None and preset in family.sliding_sinks:
         regions = replace(regions, sliding_sinks=family.sliding_sinks[preset])
+    if regions.full_sinks is None and preset in family.full_sinks:
+        regions = replace(regions, full_sinks=family.full_sinks[preset])
     if regions.overrides() or preset not in family.kind_bits:
         return regions
     return replace(regions, layer_bits=family.layer_bits(ModelSpec.from_config(config), bits))

@@ -105,6 +105,8 @@ def quantized_storage(
             return DenseStorage(max_tokens=max_tokens if static else None, static=static)
         first = regions.first if spec.kind == "full" else 0
         sinks = (regions.sliding_sinks or 0) if spec.kind == "sliding" else 0
+        if spec.kind == "full" and regions.full_sinks and not static:  # (in place of the first tokens)
+            first, sinks = 0, regions.full_sinks
         if turns is not None and layer_fmt.turns_keys and spec.kind == "full":  # the keys' centre turns with RoPE
             # index 0 at the position of the storage's first code: token p at code p in the static storage, after
             # the exact first tokens in the growing one
@@ -173,6 +175,10 @@ class QuantizedCache(KVCache):
     shortest values (the sinks inside its window, where its attention piles up: `QuantizedStorage(sinks=)`; spec
     `sliding_sinks=N`), counted in `bits_per_coordinate`; None: the family's default (Gemma 3's rotated presets: 4),
     else 0.
+    `full_sinks`: each full-attention layer keeps such copies of that many coded tokens of each row, in place of its
+    exact first tokens (the tokens its attention piles onto are not all first: a full stop, a newline; the first
+    tokens are among the shortest values where they are sinks); spec `full_sinks=N`; None: the family's default
+    (Gemma 3's rotated presets: 16), else 0. A static storage (`max_tokens`) keeps its first tokens instead.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
     queries read): "auto" takes this model's, found from the config as calibrations are (the package data holds
@@ -227,6 +233,7 @@ class QuantizedCache(KVCache):
         family_defaults: bool = True,
         key_scale: KeyScale | str | Path | None = "auto",
         sliding_sinks: int | None = None,
+        full_sinks: int | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -235,7 +242,8 @@ class QuantizedCache(KVCache):
         bits = rotated_bits(bits, key_bits, value_bits)
         first_tokens = preset_first_tokens(bits, first_tokens)
         layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits, key_scale)
-        asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {}, sliding_sinks)
+        asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {}, sliding_sinks,
+                                 full_sinks)
         self.regions = family_regions(config, bits, asked) if family_defaults else asked
         #: The model family whose defaults gave the layer formats (`precision.FAMILY_DEFAULTS`), or None.
         self.family = family_of(config) if self.regions != asked else None

@@ -30,7 +30,8 @@
                             rotated format's keys scaled per RoPE pair as fitted for the model (`auto`, the
                             default: the model's own where one ships, Gemma 3 270M's; `off`: none);
                             `sliding_sinks=N`: each sliding-window layer keeps 16-bit copies of its N coded
-                            tokens with the shortest values (Gemma 3's rotated presets: 4; 0 turns it off)
+                            tokens with the shortest values (Gemma 3's rotated presets: 4; 0 turns it off); `full_sinks=N`: each full-attention layer keeps such copies of N, in
+                            place of its exact first tokens (Gemma 3's rotated presets: 16; 0: its first tokens)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N`, `key_scale=auto|off|PATH` and the
                             precision regions of `quantized`
@@ -341,7 +342,7 @@ def _validate(spec: CacheSpec) -> None:
             raise ConfigError(f"cache spec {spec.text!r}: compile must be one of ('on', 'off'), got {spec.kwargs['compile']!r}")
     elif name == "quantized":
         _check_arity(spec, 1, {"group", "window", "backend", "max_tokens", "compile", "seed", "center", "key_scale",
-                               "sliding_sinks"} | REGION_OPTIONS | CALIBRATION_OPTION)
+                               "sliding_sinks", "full_sinks"} | REGION_OPTIONS | CALIBRATION_OPTION)
         if len(spec.args) != 1:
             raise ConfigError(f"cache spec {spec.text!r}: expected quantized:<int8|int4|int2|fp8>, e.g. quantized:int4")
         _check_bits(spec, spec.args[0])
@@ -351,8 +352,9 @@ def _validate(spec: CacheSpec) -> None:
         for key in ("group", "window", "max_tokens"):
             if key in spec.kwargs:
                 _int(spec.text, key, spec.kwargs[key])
-        if "sliding_sinks" in spec.kwargs:
-            _int(spec.text, "sliding_sinks", spec.kwargs["sliding_sinks"], minimum=0)
+        for key in ("sliding_sinks", "full_sinks"):
+            if key in spec.kwargs:
+                _int(spec.text, key, spec.kwargs[key], minimum=0)
         _check_regions(spec)
         _check_calibration(spec)
         if spec.kwargs.get("backend", "kvplus") not in BACKENDS:
@@ -567,6 +569,7 @@ def _quantized(config, args, kwargs, max_length):
         turning_keys={"turning": True, "fixed": False}.get(kwargs.get("center")),
         key_scale=kwargs.get("key_scale", "auto"),
         sliding_sinks=int(kwargs["sliding_sinks"]) if "sliding_sinks" in kwargs else None,
+        full_sinks=int(kwargs["full_sinks"]) if "full_sinks" in kwargs else None,
         **_static_options(kwargs, max_length),
         **_regions(kwargs),
         **_calibrated(config, args[0], kwargs),

@@ -73,11 +73,15 @@ def test_gemma3_defaults_give_way_to_what_is_asked(tmp_path):
     calibration = Calibration("tiny", "gemma3_text", 4, "k2v2", {1: "k3v2"}, 2.5, 2.4)
     calibrated = QuantizedCache(config, bits="k2v2", calibration=calibration)
     assert dict(calibrated.regions.layer_bits) == {1: "k3v2"}
-    # the sliding layers' sinks are not layer formats: they stay, unless asked otherwise
+    # the sinks are not layer formats: they stay, unless asked otherwise
     assert bounded.regions.sliding_sinks == calibrated.regions.sliding_sinks == GEMMA.sliding_sinks["k2v2"]
+    assert bounded.regions.full_sinks == calibrated.regions.full_sinks == GEMMA.full_sinks["k2v2"]
     assert bounded.family is calibrated.family is GEMMA
-    asked = QuantizedCache(config, bits="k2v2", boundary_layers=1, sliding_sinks=0)
-    assert asked.regions.sliding_sinks == 0 and asked.family is None
+    some = QuantizedCache(config, bits="k2v2", boundary_layers=1, sliding_sinks=0)
+    assert some.regions.sliding_sinks == 0 and some.regions.full_sinks == GEMMA.full_sinks["k2v2"]
+    assert some.family is GEMMA
+    asked = QuantizedCache(config, bits="k2v2", boundary_layers=1, sliding_sinks=0, full_sinks=0)
+    assert asked.regions.sliding_sinks == asked.regions.full_sinks == 0 and asked.family is None
 
 
 def test_storage_factories_take_them_too():
@@ -159,6 +163,7 @@ def test_calibrate_counts_the_family_sinks_in_its_budget():
     calibration, _ = calibrate(model, ids, model_name="tiny-gemma3", bits="k2v2", candidates=("k2v3",),
                                max_bits=16.0, chunk_size=8, window=4, progress=False)  # fmt: skip
     assert calibration.measured["sliding_sinks"] == GEMMA.sliding_sinks["k2v2"] > 0
+    assert calibration.measured["full_sinks"] == GEMMA.full_sinks["k2v2"] > 0
 
     def held(**options) -> float:
         cache = QuantizedCache(model.config, bits="k2v2", window=4, calibration=calibration, **options)
@@ -169,3 +174,4 @@ def test_calibrate_counts_the_family_sinks_in_its_budget():
 
     assert calibration.bits_per_coordinate == pytest.approx(held(), rel=1e-6)
     assert held(sliding_sinks=0) < calibration.bits_per_coordinate  # (the sinks' copies are in what it counted)
+    assert held(full_sinks=0) != calibration.bits_per_coordinate  # (the full layers' copies, not their first tokens)

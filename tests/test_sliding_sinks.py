@@ -1,5 +1,5 @@
-"""A sliding-window layer's sinks kept beside the codes (`QuantizedStorage(sinks=)`): 16-bit copies of the coded
-tokens with the shortest values.
+"""A layer's sinks kept beside the codes (`QuantizedStorage(sinks=)`): 16-bit copies of the coded tokens with the
+shortest values (a sliding-window layer's, a full-attention layer's in place of its exact first tokens).
 
 Each storage with sinks is checked against a twin without them fed the same tokens (the same codes): everything it
 reads is the twin's, but the tokens its copies hold, which read as the copies (the tokens in float16: these tests'
@@ -185,24 +185,39 @@ def test_bits_count_the_copies_as_bits_of_tokens_already_counted(seed):
     assert s.memory().payload_bytes - twin.memory().payload_bytes == 4 * 2 * (2 * 2 * 16) * 2
 
 
-def test_gemma3_rotated_presets_keep_sinks_on_sliding_layers_only():
+def test_gemma3_rotated_presets_keep_sinks_on_both_kinds_of_layer():
+    """Sliding layers 4 copies beside the codes; full layers 16 in place of their first tokens, which a static storage
+    (`max_tokens`) keeps; each count as asked, 0 turning it off."""
     from hf_kvplus.planning.configs import load_config
+    from hf_kvplus.storage.static_quantized import StaticQuantizedStorage
 
     gemma = load_config("gemma-3-270m")
+    kinds = gemma.layer_types
+
+    def by_kind(cache) -> dict[str, set[tuple[int, int]]]:
+        held = {}
+        for layer, kind in zip(cache.layers, kinds, strict=True):
+            held.setdefault(kind, set()).add((layer.storage.sinks, layer.storage.first))
+        return held
+
     for bits in ("k2v2", "k3v2", "k4v2"):
         cache = QuantizedCache(gemma, bits=bits)
-        sinks = {layer.storage.sinks for layer, kind in zip(cache.layers, gemma.layer_types, strict=True)
-                 if kind == "sliding_attention"}  # fmt: skip
-        full = {layer.storage.sinks for layer, kind in zip(cache.layers, gemma.layer_types, strict=True)
-                if kind == "full_attention"}  # fmt: skip
-        assert sinks == {4} and full == {0} and cache.quantized_report()["family_defaults"] == "Gemma 3"
-    assert all(layer.storage.sinks == 0 for layer in QuantizedCache(gemma, bits="k2v2", sliding_sinks=0).layers)
+        assert by_kind(cache) == {"sliding_attention": {(4, 0)}, "full_attention": {(16, 0)}}
+        assert cache.quantized_report()["family_defaults"] == "Gemma 3"
+    assert by_kind(QuantizedCache(gemma, bits="k2v2", full_sinks=0)) == {"sliding_attention": {(4, 0)},
+                                                                         "full_attention": {(0, 4)}}  # fmt: skip
+    assert by_kind(QuantizedCache(gemma, bits="k2v2", full_sinks=8, sliding_sinks=0)) == {
+        "sliding_attention": {(0, 0)}, "full_attention": {(8, 0)}}  # fmt: skip
     assert all(layer.storage.sinks == 0 for layer in QuantizedCache(gemma, bits="int4").layers)
     assert all(layer.storage.sinks == 0 for layer in QuantizedCache(gemma, bits="k2v2", family_defaults=False).layers)
-    spec = parse_cache_spec("quantized:k3v2:sliding_sinks=2").build(gemma)
-    assert {layer.storage.sinks for layer in spec.layers} == {0, 2}
-    with pytest.raises(ConfigError, match="sinks"):
-        parse_cache_spec("quantized:k3v2:sliding_sinks=-1")
+    static = QuantizedCache(gemma, bits="k3v2", max_tokens=1024)
+    full = [layer.storage for layer, kind in zip(static.layers, kinds, strict=True) if kind == "full_attention"]
+    assert all(isinstance(s, StaticQuantizedStorage) and s.first == 4 for s in full)
+    spec = parse_cache_spec("quantized:k3v2:sliding_sinks=2:full_sinks=6").build(gemma)
+    assert by_kind(spec) == {"sliding_attention": {(2, 0)}, "full_attention": {(6, 0)}}
+    for bad in ("sliding_sinks=-1", "full_sinks=-1"):
+        with pytest.raises(ConfigError, match="sinks"):
+            parse_cache_spec(f"quantized:k3v2:{bad}")
 
 
 def test_no_family_default_elsewhere():
@@ -212,25 +227,29 @@ def test_no_family_default_elsewhere():
     assert all(layer.storage.sinks == 0 for layer in QuantizedCache(smol, bits="k2v2").layers)
 
 
-def test_a_gemma3_cache_with_sinks_decodes_saves_and_loads(tmp_path):
+@pytest.mark.parametrize(("sliding", "full"), [(2, 0), (0, 3)], ids=["sliding-sinks", "full-sinks"])
+def test_a_gemma3_cache_with_sinks_decodes_saves_and_loads(tmp_path, sliding, full):
     """Through the tiny Gemma 3 (sliding windows of 8, an exact window of 4: its sliding layers code 4 tokens and drop
-    them as the window moves on): prefill in chunks, decode steps through the kernels, and a saved copy continuing
-    with the same logits."""
+    them as the window moves on; its full layers code every token but the window): prefill in chunks, decode steps
+    through the kernels, and a saved copy continuing with the same logits."""
     from conformance.models import build_model
     from hf_kvplus import load_cache
     from hf_kvplus.transformers_compat import cache_kwargs
 
     model = build_model("gemma3")
     ids = torch.randint(3, 128, (2, 48), generator=torch.Generator().manual_seed(0))
-    cache = QuantizedCache(model.config, bits="k3v2", window=4, sliding_sinks=2)
-    sliding = [layer.storage for layer in cache.layers if layer.storage.sinks]
+    cache = QuantizedCache(model.config, bits="k3v2", window=4, sliding_sinks=sliding, full_sinks=full)
+    kind = "sliding_attention" if sliding else "full_attention"
+    held = [layer.storage for layer, t in zip(cache.layers, model.config.layer_types, strict=True)
+            if t == kind and layer.storage.sinks]  # fmt: skip
+    assert held and all(s.first == 0 for s in held)
     with torch.inference_mode():
         for start in range(0, 48, 16):
             model(input_ids=ids[:, start : start + 16], **cache_kwargs(cache), use_cache=True)
-        assert any(s.held_sinks for s in sliding), "no sink held: the test does not test them"
+        assert any(s.held_sinks for s in held), "no sink held: the test does not test them"
         cache.save(tmp_path / "cache.safetensors")
         loaded = load_cache(tmp_path / "cache.safetensors", model.config)
-        assert [s.held_sinks for s in sliding] == [layer.storage.held_sinks for layer in loaded.layers
+        assert [s.held_sinks for s in held] == [layer.storage.held_sinks for layer in loaded.layers
                                                    if layer.storage.sinks]  # fmt: skip
         for token in torch.randint(3, 128, (6, 2, 1), generator=torch.Generator().manual_seed(1)):
             want = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits

@@ -147,7 +147,7 @@ def calibrate(
     format's). `reuse`: earlier calibrations measured the same way (model, text length, chunk, window, first tokens,
     bits), whose options at these candidates and seeds are taken rather than measured again. Runs
     `seeds x (1 + layers x candidates + 1) + 1` perplexity passes, fewer the reused ones. The base is the cache as
-    `QuantizedCache(bits=bits)` builds it, its model family's layer formats and sliding layers' sinks included
+    `QuantizedCache(bits=bits)` builds it, its model family's layer formats and sinks (sliding and full layers') included
     (`precision.FAMILY_DEFAULTS`, counted in the budget as the caches that take the calibration hold them;
     `family_defaults=False`: every layer at `bits`, no sinks): each option changes one layer from there, and the
     calibration's `layer_bits` hold the family's formats with the chosen ones."""
@@ -163,22 +163,25 @@ def calibrate(
         raise ConfigError(f"budget_tokens must be >= 1, got {budget_tokens}")
 
     regions = family_regions(model.config, bits, PrecisionRegions(window)) if family_defaults else PrecisionRegions(window)
-    family, sinks = dict(regions.layer_bits), regions.sliding_sinks or 0
+    family, sinks, full_sinks = dict(regions.layer_bits), regions.sliding_sinks or 0, regions.full_sinks or 0
 
     def cache(layer_bits=None, seed: int = seeds[0]) -> QuantizedCache:
         return QuantizedCache(model.config, bits=bits, window=window, first_tokens=first_tokens, rotation_seed=seed,
-                              layer_bits=family | (layer_bits or {}), sliding_sinks=sinks, family_defaults=False)  # fmt: skip
+                              layer_bits=family | (layer_bits or {}), sliding_sinks=sinks, full_sinks=full_sinks,
+                              family_defaults=False)  # fmt: skip
 
     built = cache()
     protocol = {"model": model_name, "bits": bits, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-                "first_tokens": first_tokens, "sliding_sinks": sinks, "key_center": key_center(built),
+                "first_tokens": first_tokens, "sliding_sinks": sinks, "full_sinks": full_sinks,
+                "key_center": key_center(built),
                 "key_scale": None if built.key_scale is None else built.key_scale.model,
                 "key_scale_digest": None if built.key_scale is None else built.key_scale.digest()}  # fmt: skip
     known: dict[tuple[int, int, str], tuple[float, float]] = {}  # (seed, layer, bits) -> (KL, perplexity change)
     known_base: dict[int, float] = {}
     for earlier in reuse:
         # what earlier ones did not record
-        older = {"key_center": "fixed", "key_scale": None, "key_scale_digest": None, "sliding_sinks": 0}
+        older = {"key_center": "fixed", "key_scale": None, "key_scale_digest": None, "sliding_sinks": 0,
+                 "full_sinks": 0}
         theirs = older | earlier.measured | {"model": earlier.model, "bits": earlier.bits}
         differs = {key: theirs.get(key) for key, value in protocol.items() if theirs.get(key) != value}
         if differs:
@@ -235,7 +238,8 @@ def calibrate(
         layer_bits=chosen, max_bits=max_bits, bits_per_coordinate=final_bits,
         measured={
             "text": text, "tokens": tokens, "chunk_size": chunk_size, "window": window,
-            "first_tokens": first_tokens, "sliding_sinks": sinks, "key_center": protocol["key_center"],
+            "first_tokens": first_tokens, "sliding_sinks": sinks, "full_sinks": full_sinks,
+            "key_center": protocol["key_center"],
             "key_scale": protocol["key_scale"],
             "key_scale_digest": protocol["key_scale_digest"], "family_layer_bits": family,
             "rotation_seed": seeds[0] if len(seeds) == 1 else list(seeds),

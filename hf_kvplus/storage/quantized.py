@@ -136,10 +136,10 @@ class QuantizedStorage(KVStorage):
     Rolling back into the quantized tokens (`drop_back`, assisted decoding with a small window) moves the
     kept part of the cut group back into the window dequantized; it is quantized again later.
 
-    With `sinks` (a sliding-window layer's, which holds no head), copies of the `sinks` coded tokens of each row with
-    the shortest values (the longest over heads) are kept beside the codes at 16 bits (the model's dtype where it has
-    16 bits, else float16): the tokens a sliding window's attention piles onto, whose coding error its output takes
-    whole. They are chosen as tokens leave the window and replaced as shorter ones leave it after them; their codes
+    With `sinks` (in place of a head), copies of the `sinks` coded tokens of each row with the shortest values (the
+    longest over heads) are kept beside the codes at 16 bits (the model's dtype where it has 16 bits, else float16):
+    the tokens attention piles onto (inside a sliding window; in a full-attention layer, the first tokens and the
+    full stops and newlines after them), whose coding error its output takes whole. They are chosen as tokens leave the window and replaced as shorter ones leave it after them; their codes
     stay in the segment (in token order, for dropping from the front), masked in a decode kernel's read, where the
     copies come first in the residual, and overwritten by the copies in a dense one. A copy whose token the segment
     dropped or rolled back is masked until a leaving token takes its place.
@@ -159,9 +159,8 @@ class QuantizedStorage(KVStorage):
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise ConfigError(f"the sinks kept beside the codes must be an int >= 0, got {sinks!r}")
         if sinks and first:
-            raise ConfigError(f"sinks kept beside the codes ({sinks}) are a sliding-window layer's, which keeps no "
-                              f"first tokens (first={first}): a full-attention layer keeps its sinks as its first "
-                              "tokens")  # fmt: skip
+            raise ConfigError(f"sinks kept beside the codes ({sinks}) take the place of the exact first tokens "
+                              f"(first={first}): give one or the other")  # fmt: skip
         self.segment = segment
         self.sinks = sinks
         #: The sinks' copies, `[batch, kv_heads, held, dim]` keys and values (held <= `sinks`), and each one's token:
