@@ -20,7 +20,7 @@ counted at their dtype (float32 here, as the model runs on the CPU).
 
 Each run also records `se_pct`, the standard error of its change in points: the spread of its per-token log-likelihood
 differences from DynamicCache's over the square root of their count (paired, on the same tokens). DynamicCache's
-per-token values are kept in `dynamic_nll.json` in `--out` (measured again where missing).
+per-token values are kept in `dynamic_nll.json.gz` in `--out` (measured again where missing).
 
 Runs are appended to `runs.jsonl` in `--out` as they finish, and a rerun skips the rows already there (so a long
 grid can be stopped, and extended with other options into the same folder). Writes `lowbit_regions.json` (every
@@ -34,6 +34,7 @@ Publishing a run: its folder goes in eval/results/<experiment>/ (the latest run 
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import statistics
@@ -239,8 +240,8 @@ def main(argv=None) -> None:
                                                                    args.centers)]  # fmt: skip
     todo = [row for row in plan if key(row) not in done]
     ids, bases = {}, {(r["text"], r["chunk"], r["tokens"], r["window"]): r for r in runs if r["config"] == "dynamic"}
-    nll_file = args.out / "dynamic_nll.json"
-    base_nll = json.loads(nll_file.read_text()) if nll_file.exists() else {}
+    nll_file = args.out / "dynamic_nll.json.gz"
+    base_nll = json.loads(gzip.decompress(nll_file.read_bytes())) if nll_file.exists() else {}
 
     def record(row: dict) -> None:
         runs.append(row)
@@ -257,7 +258,7 @@ def main(argv=None) -> None:
             result = perplexity(model, ids[text], DynamicCache(config=model.config), mode="chunked", chunk_size=chunk,
                                 label=f"dynamic {text} {chunk}")  # fmt: skip
             base_nll[name] = result.nll.tolist()
-            nll_file.write_text(json.dumps(base_nll))
+            nll_file.write_bytes(gzip.compress(json.dumps(base_nll).encode(), mtime=0))
             if where not in bases:
                 bases[where] = {"text": text, "chunk": chunk, "tokens": args.tokens, "window": args.window,
                                 "config": "dynamic", "first": 0, "boundary": "0", "seed": None,

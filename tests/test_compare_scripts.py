@@ -5,6 +5,7 @@ own venv (`bash scripts/reference_venv.sh turboquant|tiny-turboquant`) where it 
 default folders). A few seconds each.
 """
 
+import gzip
 import json
 import os
 import subprocess
@@ -134,7 +135,7 @@ def test_lowbit_regions_dry_run_records_each_runs_standard_error(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     (row,) = [r for r in runs if r["config"] == "k4v2"]
-    base = json.loads((tmp_path / "dynamic_nll.json").read_text())
+    base = json.loads(gzip.decompress((tmp_path / "dynamic_nll.json.gz").read_bytes()))
     assert list(base) == ["austen:prideprejudice c32 t300"] and len(base["austen:prideprejudice c32 t300"]) == 299
     assert 0 < row["se_pct"] < 1  # k4v2 moves each token's log-likelihood by a few hundredths
 
