@@ -7,13 +7,14 @@
 Protocol: each `--models` on the first `--tokens` tokens of each `--texts`, fed in chunks of `--chunk`, a
 `--window`-token full-precision window; perplexity change against DynamicCache on the same ids and chunks (measured
 once per model and text). Each row is `QuantizedCache(bits=<spec>, window, rotation_seed=<seed>)` as it ships
-("after": with its model family's key scale, layer formats and sliding layers' sinks, `precision.FAMILY_DEFAULTS`),
-as it ships but without the sinks ("nosinks": `sliding_sinks=0`, where the family keeps them), and with
+("after": with its model family's key scale, layer formats and sinks, `precision.FAMILY_DEFAULTS`), as it ships but
+with the full layers' first tokens in place of their sinks ("firsttokens": `full_sinks=0`, what shipped before them,
+where the family keeps them), without any sinks ("nosinks": `sliding_sinks=0, full_sinks=0`), and with
 `family_defaults=False, key_scale="off"` ("before": the preset's format on every layer and no key scale, what the
 presets were before the work on a second family). Where a model has
 no family defaults for a spec, these are the same cache: it runs once, as "same". `--calibration auto` runs instead
 each spec with the calibration shipped for the model ("calibrated": `QuantizedCache(..., calibration="auto")`, found
-from the config, `fitted.find`; and "calibrated-nosinks" without the sliding layers' sinks), into the same log, e.g.
+from the config, `fitted.find`; and "calibrated-nosinks" without the sinks), into the same log, e.g.
 
     python eval/lowbit_families.py --out eval/results/lowbit_families_4k --models gemma3-270m --specs k2v2 k3v2 k4v2 \
         --calibration auto Bits per coordinate:
@@ -54,20 +55,26 @@ from hf_kvplus.resolve import load_model, load_text
 VIM_PATTERNS = "/usr/share/vim/vim90/doc/pattern.txt"
 TEXT_NAMES = {"austen:prideprejudice": "P&P", VIM_PATTERNS: "Vim patterns"}
 MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
-KIND_NAMES = {"before": "before", "nosinks": "after, no sinks", "after": "after", "calibrated-nosinks":
-              "calibrated, no sinks", "calibrated": "calibrated"}  # fmt: skip
+KIND_NAMES = {"before": "before", "nosinks": "after, no sinks", "firsttokens": "after, full layers' first tokens",
+              "after": "after", "calibrated-nosinks": "calibrated, no sinks", "calibrated": "calibrated"}  # fmt: skip
+#: The kinds in the order a table shows them.
+KINDS = ("before", "nosinks", "firsttokens", "after", "calibrated-nosinks", "calibrated")
+#: What each kind asks of `QuantizedCache` beyond the spec, the window and the seed.
+KIND_OPTIONS = {"before": {"family_defaults": False, "key_scale": "off"}, "nosinks": {"sliding_sinks": 0, "full_sinks": 0},
+                "firsttokens": {"full_sinks": 0}, "calibrated-nosinks": {"sliding_sinks": 0, "full_sinks": 0}}
 
 
 def has_defaults(config, spec: str) -> bool:
-    """Whether `spec` takes layer formats or sliding layers' sinks of its own on this model (`FAMILY_DEFAULTS`)."""
+    """Whether `spec` takes layer formats or sinks of its own on this model (`FAMILY_DEFAULTS`)."""
     family = family_of(config)
-    return family is not None and (spec in family.kind_bits or spec in family.sliding_sinks)
+    return family is not None and (spec in family.kind_bits or spec in family.sliding_sinks or spec in family.full_sinks)
 
 
-def keeps_sinks(config, spec: str) -> bool:
-    """Whether `spec`'s sliding layers keep sinks beside their codes on this model (`FamilyDefaults.sliding_sinks`)."""
+def keeps_sinks(config, spec: str, kind: str = "sliding") -> bool:
+    """Whether `spec`'s layers of `kind` keep sinks beside their codes on this model (`FamilyDefaults.sliding_sinks`,
+    `full_sinks`)."""
     family = family_of(config)
-    return family is not None and spec in family.sliding_sinks
+    return family is not None and spec in getattr(family, f"{kind}_sinks")
 
 
 def plan(args, model_name: str, config) -> list[dict]:
@@ -75,7 +82,9 @@ def plan(args, model_name: str, config) -> list[dict]:
     for text in args.texts:
         for spec in args.specs:
             sinks = keeps_sinks(config, spec)
-            kinds = (["before"] + ["nosinks"] * sinks + ["after"]) if has_defaults(config, spec) else ["same"]
+            full = keeps_sinks(config, spec, "full")
+            kinds = (["before"] + ["nosinks"] * sinks + ["firsttokens"] * full + ["after"]) if has_defaults(
+                config, spec) else ["same"]  # fmt: skip
             if args.calibration:
                 kinds = ["calibrated-nosinks"] * sinks + ["calibrated"]
             kinds = [kind for kind in kinds if not args.kinds or kind in args.kinds]
@@ -124,7 +133,7 @@ def table(runs: list[dict]) -> str:
         out.append(f"**{TEXT_NAMES.get(text, text)}** ({some['tokens']} tokens, chunks of {some['chunk']}, window "
                    f"{some['window']}; DynamicCache perplexity {base}). Cells: perplexity change (bits per coordinate)."
                    "\n")  # fmt: skip
-        kinds = {m: [k for k in ("before", "nosinks", "after", "calibrated-nosinks", "calibrated")
+        kinds = {m: [k for k in KINDS
                      if k in ("before", "after") or any(r["model"] == m and r["defaults"] == k for r in quantized)]
                  for m in models}  # fmt: skip
         header = ["spec"] + [f"{MODEL_NAMES.get(m, m)} {KIND_NAMES[k]}" for m in models for k in kinds[m]]
@@ -148,8 +157,9 @@ def report(runs: list[dict], meta: dict, out: Path) -> str:
           + "".join(f"`{c}`\n\n" for c in [meta["command"], *meta["added_commands"]]) + f"{table(runs)}\n"
           "before: the preset as it was before the work on the second family, its format on every layer and no key "
           "scale (`family_defaults=False, key_scale=\"off\"`); after: as it ships (Gemma 3: its key scale, the "
-          "family's layer formats and its sliding layers' sinks, `precision.FAMILY_DEFAULTS`); no sinks: the same "
-          "with `sliding_sinks=0`; (same): no family defaults for that model and spec, one run; calibrated: "
+          "family's layer formats and sinks, `precision.FAMILY_DEFAULTS`); full layers' first tokens: the same with "
+          "`full_sinks=0` (what shipped before the full layers' sinks); no sinks: with `sliding_sinks=0, full_sinks=0`; "
+          "(same): no family defaults for that model and spec, one run; calibrated: "
           "`calibration=\"auto\"`, the calibration shipped for the model. Bits: "
           "`quantized_report()['bits_per_coordinate']`.\n")  # fmt: skip
     (out / "table.md").write_text(md)
@@ -170,8 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="rotation seeds")
     parser.add_argument("--calibration", choices=["auto"], help="run each spec with the model's shipped calibration "
                                                                 "instead (rows 'calibrated')")  # fmt: skip
-    parser.add_argument("--kinds", nargs="+", choices=["before", "nosinks", "after", "same", "calibrated",
-                                                       "calibrated-nosinks"],
+    parser.add_argument("--kinds", nargs="+", choices=[*KINDS, "same"],
                         help="run only these rows (e.g. more seeds of what ships: --kinds after --seeds 1 2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/lowbit_families"),
@@ -232,10 +241,8 @@ def main(argv=None) -> None:
                     row["calibration"] = str(found.relative_to(Path(__file__).resolve().parent.parent)
                                              if found and found.is_relative_to(Path(__file__).resolve().parent.parent)
                                              else found)  # fmt: skip
-                before = {"family_defaults": False, "key_scale": "off"} if row["defaults"] == "before" else {}
-                nosinks = {"sliding_sinks": 0} if row["defaults"].endswith("nosinks") else {}
                 cache = QuantizedCache(model.config, bits=row["spec"], window=args.window, rotation_seed=row["seed"],
-                                       **before, **nosinks, **calibrated)  # fmt: skip
+                                       **KIND_OPTIONS.get(row["defaults"], {}), **calibrated)  # fmt: skip
                 result = perplexity(model, ids, cache, chunk_size=args.chunk, label=f"{row['spec']} {row['defaults']}")
                 ratio = result.perplexity / base[where]["perplexity"]
                 difference = result.nll.double() - base_nll

@@ -5,15 +5,24 @@ preset's loss is, by layer kind, keys or values, position and length.
     python eval/lowbit_probes.py layers gemma3-270m austen:prideprejudice 1024
     python eval/lowbit_probes.py bias gemma3-270m austen:prideprejudice 4096
     python eval/lowbit_probes.py drift gemma3-270m austen:prideprejudice 4096
+    python eval/lowbit_probes.py heavy gemma3-270m austen:prideprejudice 2048
 
 - `runs`: perplexity change against DynamicCache (chunks of CHUNK) of `QuantizedCache(**kwargs)` for each NAME=JSON
-  (`layer_bits` keys as strings, null: full precision), with the paired standard error; one JSON line each.
+  (`layer_bits` keys as strings, null: full precision), with the paired standard error; one JSON line each. A probe's
+  own key, `rotation_seeds` ({"5": 6}: layer 5 rotated with seed 6), gives layers a rotation other than their seed's
+  (`rotation_seed + layer`), to see which layers' rotations a preset's spread over seeds comes from.
 - `layers`: one cache-free forward on eager attention, queries, keys and values captured; per layer: mean norms, the
   logits' spread, and with 2, 3 or 4-bit rotated keys (or values) outside a 128-token window (and the first 4 tokens of
   full layers) the keys' relative squared error, the logits' error and the attention output's relative squared error.
 - `bias`: full-attention layers only: the attention mass on the exact tokens (window, first 4), and the output error
   with 2 and 4-bit keys, plain and with each coded logit lowered by half its expected error variance (a noisy logit's
   softmax weight is inflated by exp(variance / 2) on average).
+- `heavy`: full-attention layers only, 2-bit values coded alone outside the window and the first 4 tokens: the 32
+  coded tokens that take the most attention (summed over queries), their share of it and of the attention output's
+  value error, their text and their values' length against the median; and over the 40 most frequent tokens (each
+  occurring 5 times or more), the share of their coding error that is common to every occurrence of a token
+  (``|mean error|^2 / mean |error|^2`` per token, weighted by count; independent errors give about 1/count:
+  `independent_share`) and the same share of the values themselves.
 - `drift`: sliding layers only: the relative error of 2 and 4-bit keys by position, with the fixed centre the cache
   sets from the first keys it codes (positions 4..36) and with a centre of each stretch's own mean, and the share of
   keys coded plain (the fixed centre no nearer than zero).
@@ -21,6 +30,7 @@ preset's loss is, by layer kind, keys or values, position and length.
 1 torch thread; run one at a time on a shared machine (`nice -n 10`).
 """
 
+import contextlib
 import importlib
 import json
 import sys
@@ -46,13 +56,31 @@ def runs(model, ids, chunk: int, configs: list[str]) -> None:
         kwargs = json.loads(text)
         if "layer_bits" in kwargs:
             kwargs["layer_bits"] = {int(k): v for k, v in kwargs["layer_bits"].items()}
-        cache = QuantizedCache(model.config, **kwargs)
+        with rotated_with({int(k): v for k, v in kwargs.pop("rotation_seeds", {}).items()}):
+            cache = QuantizedCache(model.config, **kwargs)
         result = perplexity(model, ids, cache, chunk_size=chunk, progress=False)
         difference = result.nll.double() - base.nll.double()
         print(json.dumps({"name": name, "delta_pct": 100 * (result.perplexity / base.perplexity - 1),
                           "se_pct": 100 * float(difference.std() / difference.numel() ** 0.5),
                           "bits": cache.quantized_report()["bits_per_coordinate"], "seconds": result.seconds}),
               flush=True)  # fmt: skip
+
+
+@contextlib.contextmanager
+def rotated_with(seeds: dict[int, int]):
+    """While a cache is built: layer i's rotated format takes seed `seeds[i]` where given (a cache fixes each layer's
+    format as it builds it: `RotatedFormat.for_layer`)."""
+    original = RotatedFormat.for_layer
+
+    def for_layer(fmt: RotatedFormat, index: int) -> RotatedFormat:
+        made = original(fmt, index)
+        return RotatedFormat(made.key_bits, made.value_bits, seeds[index]) if index in seeds else made
+
+    RotatedFormat.for_layer = for_layer
+    try:
+        yield
+    finally:
+        RotatedFormat.for_layer = original
 
 
 def capture(model, ids, layers=None) -> dict:
@@ -147,6 +175,45 @@ def bias(model, ids) -> None:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
+def heavy(model, ids, tokenizer) -> None:
+    types, positions = layer_types(model.config), torch.arange(ids.numel())
+    held = capture(model, ids, [i for i, t in enumerate(types) if t == "full_attention"])
+    distance = positions[:, None] - positions[None, :]
+    allowed = distance >= 0
+    outside = allowed & ~((distance < WINDOW) | (positions[None, :] < FIRST))
+    counts = torch.bincount(ids[FIRST:])
+    frequent = [t for t in counts.argsort(descending=True)[:40].tolist() if counts[t] >= 5]
+    for index, (q, k, v, scaling) in sorted(held.items()):
+        group = q.shape[1] // k.shape[1]
+        query, keys = q[0], k[0].repeat_interleave(group, 0)
+        weights = torch.softmax((torch.einsum("htd,hsd->hts", query, keys) * scaling).masked_fill(~allowed, -1e30), -1)
+        error = coded(v, 2, "values", index, None, positions) - v  # [1, H, T, D]
+        spread = (weights * outside) @ error[0].repeat_interleave(group, 0)  # each query's output error
+        mass = (weights * outside).sum((0, 1))
+        top = mass.argsort(descending=True)[:32]
+        keep = torch.ones(ids.numel(), dtype=torch.bool)
+        keep[top] = False
+        rest = (weights * outside * keep) @ error[0].repeat_interleave(group, 0)
+        lengths = v[0].norm(dim=-1).mean(0)
+
+        def common(x: torch.Tensor) -> float:
+            shared = total = 0.0
+            for token in frequent:
+                at = (ids == token).nonzero()[:, 0]
+                at = at[at >= FIRST]
+                shared += float((x[:, at].mean(1) ** 2).sum()) * at.numel()
+                total += float((x[:, at] ** 2).sum(-1).mean(-1).sum()) * at.numel()
+            return shared / total
+
+        row = {"layer": index, "top32_attention_share": float(mass[top].sum() / mass.sum()),
+               "top32_value_error_share": float(1 - (rest**2).sum() / (spread**2).sum()),
+               "top32_value_length_vs_median": float(lengths[top].median() / lengths.median()),
+               "top32_tokens": [tokenizer.decode([t]) for t in ids[top[:12]].tolist()],
+               "common_error_share": common(error[0]), "common_value_share": common(v[0]),
+               "independent_share": len(frequent) / sum(int((ids[FIRST:] == t).sum()) for t in frequent)}  # fmt: skip
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
 def drift(model, ids) -> None:
     types, tokens = layer_types(model.config), ids.numel()
     held = capture(model, ids, [i for i, t in enumerate(types) if t != "full_attention"])
@@ -178,6 +245,8 @@ def main(argv=None) -> None:
     ids = tokenize(tokenizer, load_text(text), tokens)
     if probe == "runs":
         runs(model, ids, int(argv[4]), argv[5:])
+    elif probe == "heavy":
+        heavy(model, ids, tokenizer)
     else:
         {"layers": layers, "bias": bias, "drift": drift}[probe](model, ids)
 

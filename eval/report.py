@@ -243,7 +243,29 @@ def second_family() -> list[str]:
         parts.append(text)
     return [f"Gemma 3 270M (`{command(d)}`; {day(d)}; 4,096 tokens of P&P / pattern.txt, chunks of 32, seed 0,",
             "in brackets the mean of seeds 0-2), one format and no key scale → as it ships (key scale, family formats,",
-            "sliding layers' sinks): " + "; ".join(parts) + "."]
+            "sinks on both kinds of layer): " + "; ".join(parts) + "."]
+
+
+def gemma_calibrations() -> list[dict]:
+    """Gemma 3's shipped k4v2 and k3v2 calibrations, as their files hold them."""
+    from hf_kvplus.fitted import find
+    from hf_kvplus.planning.configs import load_config
+
+    config = load_config("gemma-3-270m")
+    return [json.loads(find(config, f"calibration/{bits}", "calibration.json").read_text()) for bits in ("k4v2", "k3v2")]
+
+
+def how_calibrated() -> str:
+    """How Gemma 3's shipped k4v2 and k3v2 calibrations were measured, and their bits, from their files."""
+    names = []
+    for c in gemma_calibrations():
+        bits, m = c["bits"], c["measured"]
+        seeds = m["rotation_seed"] if isinstance(m["rotation_seed"], list) else [m["rotation_seed"]]
+        names.append(f"{bits} at {c['bits_per_coordinate']:.3f} bits within {c['max_bits']}")
+    return (f"`kvplus calibrate` with the key scale and both kinds of sinks on {m['tokens']:,} tokens of"
+            f" {m['text'].removeprefix('austen:').capitalize()}, rotation seed{'s' * (len(seeds) > 1)}"
+            f" {', '.join(map(str, seeds))}, the budget counted at {m['budget_tokens']:,} tokens with the sinks: "
+            + ", ".join(names) + "; [docs/artifacts.md](artifacts.md)")
 
 
 def two_families() -> list[str]:
@@ -268,9 +290,9 @@ def two_families() -> list[str]:
         return f"{pct(zero['delta_pct'])} ({zero['bits']:.2f}){seeds}"
 
     def pair(model: str, text: str, spec: str) -> str:
-        same, before, nosinks, after, cal_nosinks, cal = (cell((model, text, spec, kind)) for kind in (
-            "same", "before", "nosinks", "after", "calibrated-nosinks", "calibrated"))  # fmt: skip
-        steps = [x for x in (before, nosinks, after) if x]
+        same, before, nosinks, first, after, cal_nosinks, cal = (cell((model, text, spec, kind)) for kind in (
+            "same", "before", "nosinks", "firsttokens", "after", "calibrated-nosinks", "calibrated"))  # fmt: skip
+        steps = [x for x in (before, nosinks, first, after) if x]
         shown = same or (" → ".join(steps) if steps else "not run")
         calibrated = " → ".join(x for x in (cal_nosinks, cal) if x)
         return shown + (f"; calibrated {calibrated}" if calibrated else "")
@@ -284,23 +306,27 @@ def two_families() -> list[str]:
                         for preset, kinds in gemma.kind_bits.items())  # fmt: skip
     seeds = sorted({r["seed"] for r in runs})
     sinks = " / ".join(sorted({str(n) for n in gemma.sliding_sinks.values()}))
+    full_sinks = " / ".join(sorted({str(n) for n in gemma.full_sinks.values()}))
+    family_only = all(c["layer_bits"] == c["measured"]["family_layer_bits"] for c in gemma_calibrations())
     out = ["## Two model families", ""]
     out += para(
         f"**Gemma 3 270M against SmolLM2-135M** (`{command(d)}`; {machine(d)}, {day(d)}; {d['args']['tokens']} tokens in",
         f"chunks of {d['args']['chunk']}, a {d['args']['window']}-token window, seed 0 and where run the mean over",
         f"seeds {', '.join(map(str, seeds))}), perplexity change over DynamicCache (bits per coordinate), before → no",
-        "sinks → after: before, each preset's format on every layer and no key scale (what the presets were before the",
-        "work on a second family); no sinks, Gemma 3's key scale ([docs/artifacts.md](artifacts.md)) and its family's",
-        f"layer formats (`precision.FAMILY_DEFAULTS`: {formats}); after, as it ships: those and each sliding layer's",
-        f"{sinks} sinks kept beside the codes (16-bit copies of the coded tokens with the shortest values,",
-        "`sliding_sinks`). SmolLM2 takes none of them. The second text is Vim's pattern manual (Debian's vim-runtime),",
-        "which neither model's artifacts were fitted on.",
-        *(["Calibrated: `calibration=\"auto\"`, the calibration shipped for the model (`kvplus calibrate` with the key",
-           "scale and the sliding layers' sinks on 1,024 tokens of Persuasion, three rotation seeds, the budget counted at",
-           "4,096 tokens with the sinks;",
-           "[docs/artifacts.md](artifacts.md)). Further rows:",
-           ", ".join(dict.fromkeys(f"`{command({'command': c})}`" for c in d.get("added_commands", []))) + "."]
-          if d.get("added_commands") else []),
+        "sinks → first tokens → after: before, each preset's format on every layer and no key scale (what the presets",
+        "were before the work on a second family); no sinks, Gemma 3's key scale ([docs/artifacts.md](artifacts.md))",
+        f"and its family's layer formats (`precision.FAMILY_DEFAULTS`: {formats}), the full layers' first 4 tokens",
+        f"exact; first tokens, those and each sliding layer's {sinks} sinks kept beside the codes (16-bit copies of the",
+        "coded tokens with the shortest values, `sliding_sinks`); after, as it ships: each full layer keeps",
+        f"{full_sinks} such copies in place of its first tokens (`full_sinks`). SmolLM2 takes none of them. The second",
+        "text is Vim's pattern manual (Debian's vim-runtime), which neither model's artifacts were fitted on.",
+        *([f"Calibrated: `calibration=\"auto\"`, the calibration shipped for the model ({how_calibrated()})."]
+          if any(r["defaults"] == "calibrated" for r in runs) or not family_only else [
+          f"Gemma 3's shipped calibrations ({how_calibrated()})",
+          "hold the family's formats: with the sinks counted no layer's next format fits the budget, so",
+          "`calibration=\"auto\"` builds these caches as they ship."]),
+        *(["Further rows:", ", ".join(dict.fromkeys(f"`{command({'command': c})}`" for c in d.get("added_commands", [])))
+           + "."] if d.get("added_commands") else []),
     )
     out += table(["spec"] + head, body, "l" + "r" * len(head))
     return out + para(
@@ -316,7 +342,7 @@ def two_families() -> list[str]:
         "+10.4% on P&P (pattern.txt +68.5% to +8.4%) and k4v2 as it ships from +2.68% to +1.37%; what it leaves is",
         "the full layers' 2-bit values (+1.5% at 4K) and the sliding layers (k4v2 there: +0.7%).",
     ) + para(
-        "What is left on pattern.txt as it ships (`eval/lowbit_probes.py runs`, seed 0; the runs in",
+        "What was left on pattern.txt with the full layers' first tokens exact, before their sinks (`eval/lowbit_probes.py runs`, seed 0; the runs in",
         "`eval/results/lowbit_families_4k/key_scaling/sinks_formats_gemma3.jsonl`): k4v2 +0.79%, with its full",
         "layers exact +0.36%, its sliding layers exact +0.39%; the sliding layers with 8-bit values +0.41%, with 8-bit",
         "keys +0.94%: about half the loss is the full layers' codes and the other half the sliding layers' 2-bit",
@@ -355,8 +381,9 @@ def more_bits(by: dict, texts: list[str], name: dict) -> list[str]:
         *([f"the k4v2 preset calibrated ({calibrated[0][0]['bits']:.2f} bits): " + " / ".join(changes(r) for r in
            calibrated) + "."] if all(calibrated) else []),
         f"The rotation's seed alone moves k4v4's change over {spread(k4v4[0])} on {name[texts[0]]}: on this model and",
-        "4,096 tokens one seed's change is not a format's cost, and the coding error left at 4 bits a coordinate",
-        "(more than the k4v2 presets hold) still costs about as much as the presets' seed-0 rows.",
+        "4,096 tokens one seed's change is not a format's cost. k4v4 with neither the key scale nor the sinks costs",
+        "more than the k4v2 preset as it ships at half a bit less: what costs most is the error of the tokens",
+        "attention piles onto, not the bits of the rest (\"The rotation seed's spread\").",
     )
 
 
@@ -393,10 +420,10 @@ def seed_spread() -> list[str]:
         "over the layers of a kind), and the share of the value error held by the 2% of tokens carrying most of it and",
         f"by the 4 coded tokens with the shortest values. The perplexity change moves from {pct(min(deltas))} to",
         f"{pct(max(deltas))} with the seed while each kind of layer's output error stays within {spread:.2f}x across",
-        "seeds: no rotation codes better than another; one realization of the same error moves a few thousand tokens'",
-        "log-likelihoods differently, far beyond the per-token standard error (the errors of one coded token reach",
-        "every later query), so a preset's expected cost is its mean over seeds, and lowering it takes smaller errors,",
-        f"not a chosen seed. On the full layers the value error is spread out (the top 2% hold {full_top:.2f} of it);",
+        "seeds: no rotation codes with less error than another on average; one realization of the same error moves a few",
+        "thousand tokens' log-likelihoods differently, far beyond the per-token standard error (the errors of one coded",
+        "token reach every later query), so a preset's expected cost is its mean over seeds, and lowering it takes",
+        f"smaller errors where they weigh (below: which rotations), not a chosen seed. On the full layers the value error is spread out (the top 2% hold {full_top:.2f} of it);",
         f"on the sliding layers the top 2% hold {slide_top:.2f}, and the 4 coded tokens with the shortest values",
         f"{slide_short:.2f} on average ({min(late):.2f}-{max(late):.2f} on layers 6-16, seed 0): an attention sink inside",
         f"each sliding window, a token that takes up to {max(sink_share):.0%} of the last queries' attention with a",
@@ -406,7 +433,54 @@ def seed_spread() -> list[str]:
     )
     head = ["seed", "perplexity change"] + [f"{kind}: {what}" for kind in kinds
                                             for what in ("keys", "values", "both", "top 2%", "4 shortest")]  # fmt: skip
-    return out + table(head, body, "rr" + "r" * 10)
+    return out + table(head, body, "rr" + "r" * 10) + rotations_by_layer()
+
+
+def rotations_by_layer() -> list[str]:
+    """Which layers' rotations the seeds' spread comes from (k4v2, some layers rotated as another seed rotates them),
+    and how much of it the full layers' sinks take away."""
+    rel = "lowbit_families_4k/key_scaling/rotation_by_layer_gemma3.jsonl"
+    rows = [json.loads(line) for line in (RESULTS / rel).read_text().splitlines() if line.strip()]
+    got = {(r["text"], r["name"]): r["delta_pct"] for r in rows}
+    texts = ("austen:prideprejudice", "pattern.txt")
+
+    def both(name: str) -> str:
+        return " / ".join(pct(got[t, name]) for t in texts)
+
+    heavy_rel = "lowbit_families_4k/key_scaling/heavy_tokens_gemma3.jsonl"
+    heavy = [json.loads(line) for line in (RESULTS / heavy_rel).read_text().splitlines() if line.strip()]
+    share = [r["top32_attention_share"] for r in heavy]
+    common = [r["common_error_share"] for r in heavy]
+
+    def low(x: list[float]) -> str:
+        return f"{min(x):.0%}"
+
+    def high(x: list[float]) -> str:
+        return f"{max(x):.0%}"
+
+    persuasion = "austen:persuasion"
+    others = [got[persuasion, f"l5_seed{s}"] for s in range(6, 11)]
+    swing = max(others) - got[persuasion, "seed0"]
+    kept = got[persuasion, "full_sinks_l5_seed6"] - got[persuasion, "full_sinks_seed0"]
+    return para(
+        "**Which rotations** (`eval/lowbit_probes.py runs` with its `rotation_seeds`, some layers rotated as another",
+        f"seed rotates them; the runs in `eval/results/{rel}`): k4v2 with the full layers' first tokens exact",
+        "(`full_sinks=0`, as it shipped before their sinks), P&P / pattern.txt: seed 0",
+        f"{both('seed0')}, seed 1 {both('seed1')}; seed 0 with the full layers (5, 11, 17) rotated as seed 1",
+        f"{both('full_at_seed1')}, with layer 5 alone {both('l5_at_seed1')}, with the sliding layers",
+        f"{both('sliding_at_seed1')}. On Persuasion, layer 5 at rotation seeds 6-10 in place of seed 0's:",
+        ", ".join(pct(x) for x in others) + f" against {pct(got[persuasion, 'seed0'])}. One full layer's rotation moves",
+        f"the change the same way on three texts, by up to {swing:.1f} points, while its average error does not",
+        "change: it codes the few tokens the full layers' attention piles onto with an error that does not average out",
+        f"(`eval/lowbit_probes.py heavy gemma3-270m austen:prideprejudice 2048`, `eval/results/{heavy_rel}`: in each",
+        f"full layer the 32 coded tokens taking the most attention take {low(share)}-{high(share)} of it and are full",
+        f"stops, quotes, newlines and names, and {low(common)}-{high(common)} of a frequent token's 2-bit value error is",
+        f"common to all its occurrences, where independent errors would share {heavy[0]['independent_share']:.0%}).",
+        "With 16 of them kept as copies (`full_sinks`, as it ships",
+        f"now), layer 5's rotation seed 6 moves Persuasion by {kept:.2f} points ({pct(got[persuasion, 'full_sinks_seed0'])}",
+        f"→ {pct(got[persuasion, 'full_sinks_l5_seed6'])}), against {got[persuasion, 'l5_seed6'] - got[persuasion, 'seed0']:.1f}",
+        "before, and the 3-seed spread of k4v2 as it ships narrows (\"Two model families\").",
+    )
 
 
 #: tiny-turboquant's presets (`TinyKVCache(compression=...)`)
@@ -429,7 +503,8 @@ def references_gemma3() -> list[str]:
     def name(r: dict) -> str:
         config = r["config"] if r["series"] != "tiny-turboquant" else (
             f"`{r['config']}` ({TINY_PRESETS[r['config']]})" if r["config"] in TINY_PRESETS else r["config"].upper())
-        how = {"after": " as it ships (Gemma 3's key scale, layer formats and sliding layers' sinks)",
+        how = {"after": " as it ships (Gemma 3's key scale, layer formats and sinks)",
+               "firsttokens": " with Gemma 3's key scale, layer formats and sliding layers' sinks, full layers' first tokens",
                "nosinks": " with Gemma 3's key scale and layer formats, no sinks",
                "before": ", one format on every layer, no key scale",
                "calibrated": ", `calibration=\"auto\"`",
@@ -473,23 +548,25 @@ def references_gemma3() -> list[str]:
                              "-" if best is None else f"{name(best)}: {best['bits']:.2f}, {pct(best['delta_pct'])}",
                              "ahead" if best is None or best["delta_pct"] > r["delta_pct"] else "behind",
                              "none" if good is None else f"{name(good)}: {good['bits']:.2f}, {pct(good['delta_pct'])}"])
-    out += para("Ahead or behind, per preset as it ships and calibrated: the best reference row at its bits or fewer,",
+    out += para("Ahead or behind, per preset as it ships (and calibrated, where run): the best reference row at its bits or fewer,",
                 "and the cheapest reference row that does as well (one seed: ± above is hf_kvplus's paired standard",
                 "error over the tokens, not recorded for the references):")
     out += table(["text", "hf_kvplus", "bits", "change", "best reference at its bits or fewer", "", "cheapest reference "
                   "as good"], verdicts, "llrrlll")  # fmt: skip
 
-    def row(text: str, series: str, config: str, defaults: str | None) -> dict:
-        return next(r for r in d["rows"] if (r["text"], r["series"], r["config"], r.get("defaults")) ==
-                    (text, series, config, defaults))  # fmt: skip
+    def row(text: str, series: str, config: str, defaults: str | None) -> dict | None:
+        return next((r for r in d["rows"] if (r["text"], r["series"], r["config"], r.get("defaults")) ==
+                     (text, series, config, defaults)), None)  # fmt: skip
 
     def against(text: str) -> str:
-        """tiny-turboquant's K4V3 against our k4v2 as it ships and calibrated, on one text."""
+        """tiny-turboquant's K4V3 against our k4v2 as it ships (and calibrated, where run), on one text."""
         tiny, ships, cal = (row(text, *key) for key in (("tiny-turboquant", "k4v3", None),
                             ("hf_kvplus", "k4v2", "after"), ("hf_kvplus", "k4v2", "calibrated")))  # fmt: skip
         side = "ahead of" if tiny["delta_pct"] < ships["delta_pct"] else "behind"
-        return (f"{side} it on {label[text]} ({pct(tiny['delta_pct'])} against {pct(ships['delta_pct'])} as it ships "
-                f"and {pct(cal['delta_pct'])} calibrated, at {ships['bits']:.2f} and {cal['bits']:.2f} bits)")
+        calibrated = "" if cal is None else f" and {pct(cal['delta_pct'])} calibrated"
+        bits = f"{ships['bits']:.2f}" + ("" if cal is None else f" and {cal['bits']:.2f}")
+        return (f"{side} it on {label[text]} ({pct(tiny['delta_pct'])} against {pct(ships['delta_pct'])} as it ships"
+                f"{calibrated}, at {bits} bits)")
 
     return out + para(
         "Against turboquant-torch hf_kvplus is ahead at every bits measured, also with one format on every layer at",
