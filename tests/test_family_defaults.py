@@ -38,6 +38,8 @@ def test_no_other_family_of_the_sweep_takes_them(arch):
         assert cache.regions.layer_bits == ()
         assert cache.family is None
         assert cache.quantized_report()["family_defaults"] is None
+        assert cache.regions.sliding_sinks is None and cache.regions.full_sinks is None
+        assert all(getattr(getattr(layer, "storage", None), "sinks", 0) == 0 for layer in cache.layers)
 
 
 def test_the_multimodal_gemma3_config_is_gemma3_too():
