@@ -13,7 +13,7 @@ from .fitted import key_scale_for
 from .formats import is_rotated
 from .placement.offloaded import Offloaded
 from .precision import PrecisionRegions
-from .quantized_cache import preset_first_tokens, quantized_storage
+from .quantized_cache import asked_full_sinks, preset_first_tokens, quantized_storage
 from .storage.dense import DenseStorage
 from .storage.quantized import DEFAULT_WINDOW
 
@@ -55,8 +55,10 @@ class OffloadedCache(KVCache):
         key_scale="auto",
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
+        full_sinks = asked_full_sinks(first_tokens, None)  # first tokens asked for: not the family's sinks
         first_tokens = preset_first_tokens(bits, first_tokens)  # a rotated preset's exact first tokens, as QuantizedCache
-        regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {})
+        regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {},
+                                   full_sinks=full_sinks)
         if bits is None:
             if regions != PrecisionRegions(window):
                 raise ConfigError(f"precision regions ({regions}) need bits: a full-precision cache is exact everywhere")

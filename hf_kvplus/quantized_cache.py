@@ -39,6 +39,20 @@ def preset_first_tokens(bits, first_tokens: int | None) -> int:
     return 0 if bits is None else PRESET_FIRST_TOKENS.get(parse_bits(bits), 0)
 
 
+def asked_full_sinks(first_tokens: int | None, full_sinks: int | None) -> int | None:
+    """`full_sinks` as a cache asks them of `PrecisionRegions`: as given, but 0 where `first_tokens` was given and
+    `full_sinks` not (the full layers' exact tokens were asked for: the family's sinks, which take their place, do not
+    apply); both given above 0 is a `ConfigError`."""
+    if first_tokens is None or full_sinks == 0:
+        return full_sinks
+    if full_sinks is None:
+        return 0
+    if first_tokens:
+        raise ConfigError(f"full_sinks={full_sinks} take the place of the full layers' exact first tokens "
+                          f"(first_tokens={first_tokens}): give one or the other")
+    return full_sinks
+
+
 def quantized_storage(
     config: PreTrainedConfig,
     *,
@@ -178,7 +192,8 @@ class QuantizedCache(KVCache):
     `full_sinks`: each full-attention layer keeps such copies of that many coded tokens of each row, in place of its
     exact first tokens (the tokens its attention piles onto are not all first: a full stop, a newline; the first
     tokens are among the shortest values where they are sinks); spec `full_sinks=N`; None: the family's default
-    (Gemma 3's rotated presets: 16), else 0. A static storage (`max_tokens`) keeps its first tokens instead.
+    (Gemma 3's rotated presets: 16), else 0; `first_tokens` given without it: 0 (the full layers' first tokens as
+    asked), both above 0: a `ConfigError`. A static storage (`max_tokens`) keeps its first tokens instead.
     `key_scale` ("auto"): a rotated format's keys coded times a per-layer, per-RoPE-pair scale and read with the query
     divided by it (`key_scale.KeyScale`, `KeyCenter.scale`: the logits the same, the coding error spent where the
     queries read): "auto" takes this model's, found from the config as calibrations are (the package data holds
@@ -240,6 +255,7 @@ class QuantizedCache(KVCache):
         if max_tokens is not None and placement is not None and placement.moves:
             raise ConfigError(f"max_tokens keeps the codes where attention reads them; placement {placement!r} moves them")
         bits = rotated_bits(bits, key_bits, value_bits)
+        full_sinks = asked_full_sinks(first_tokens, full_sinks)
         first_tokens = preset_first_tokens(bits, first_tokens)
         layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits, key_scale)
         asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {}, sliding_sinks,

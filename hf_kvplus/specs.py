@@ -30,8 +30,10 @@
                             rotated format's keys scaled per RoPE pair as fitted for the model (`auto`, the
                             default: the model's own where one ships, Gemma 3 270M's; `off`: none);
                             `sliding_sinks=N`: each sliding-window layer keeps 16-bit copies of its N coded
-                            tokens with the shortest values (Gemma 3's rotated presets: 4; 0 turns it off); `full_sinks=N`: each full-attention layer keeps such copies of N, in
-                            place of its exact first tokens (Gemma 3's rotated presets: 16; 0: its first tokens)
+                            tokens with the shortest values (Gemma 3's rotated presets: 4; 0 turns it off);
+                            `full_sinks=N`: each full-attention layer keeps such copies of N, in place of its
+                            exact first tokens (Gemma 3's rotated presets: 16; 0, or `first=N`: its first
+                            tokens)
 - `paged-quantized:int4`    hf_kvplus PagedCache with quantized blocks (a block that fills is quantized);
                             `group=N`, `window=N`, `block=N`, `blocks=N`, `key_scale=auto|off|PATH` and the
                             precision regions of `quantized`

@@ -177,3 +177,16 @@ def test_calibrate_counts_the_family_sinks_in_its_budget():
     assert calibration.bits_per_coordinate == pytest.approx(held(), rel=1e-6)
     assert held(sliding_sinks=0) < calibration.bits_per_coordinate  # (the sinks' copies are in what it counted)
     assert held(full_sinks=0) != calibration.bits_per_coordinate  # (the full layers' copies, not their first tokens)
+
+
+def test_calibrate_with_first_tokens_asked_keeps_them_not_the_family_sinks():
+    """`--first N` on Gemma 3: the full layers keep their first tokens, as `QuantizedCache(first_tokens=N)` then holds
+    them (the family's full-layer sinks would take their place); recorded as no full-layer sinks."""
+    from hf_kvplus.evaluation.calibrate import calibrate
+
+    model = build_model("gemma3")
+    ids = torch.randint(3, 128, (32,), generator=torch.Generator().manual_seed(1))
+    calibration, _ = calibrate(model, ids, model_name="tiny-gemma3", bits="k2v2", candidates=("k2v3",), max_bits=16.0,
+                               chunk_size=8, window=4, first_tokens=2, progress=False)  # fmt: skip
+    assert calibration.measured["full_sinks"] == 0 and calibration.measured["first_tokens"] == 2
+    assert calibration.measured["sliding_sinks"] == GEMMA.sliding_sinks["k2v2"]

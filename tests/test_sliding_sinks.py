@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_checks import reference
 
-from hf_kvplus import ConfigError, QuantizedCache
+from hf_kvplus import ConfigError, OffloadedCache, QuantizedCache
 from hf_kvplus.attention.route import attend
 from hf_kvplus.kernels.quant_format import QuantFormat
 from hf_kvplus.kernels.rotated_format import RotatedFormat
@@ -215,6 +215,15 @@ def test_gemma3_rotated_presets_keep_sinks_on_both_kinds_of_layer():
     assert all(isinstance(s, StaticQuantizedStorage) and s.first == 4 for s in full)
     spec = parse_cache_spec("quantized:k3v2:sliding_sinks=2:full_sinks=6").build(gemma)
     assert by_kind(spec) == {"sliding_attention": {(2, 0)}, "full_attention": {(6, 0)}}
+    # first tokens asked for are what the full layers keep, not the family's sinks in their place; both: refused
+    asked = {"sliding_attention": {(4, 0)}, "full_attention": {(0, 8)}}
+    assert by_kind(QuantizedCache(gemma, bits="k4v2", first_tokens=8)) == asked
+    assert by_kind(parse_cache_spec("quantized:k4v2:first=8").build(gemma)) == asked
+    assert by_kind(OffloadedCache(gemma, bits="k4v2", first_tokens=8)) == asked
+    assert by_kind(OffloadedCache(gemma, bits="k4v2"))["full_attention"] == {(16, 0)}
+    assert by_kind(QuantizedCache(gemma, bits="k4v2", first_tokens=0, full_sinks=12))["full_attention"] == {(12, 0)}
+    with pytest.raises(ConfigError, match="full_sinks=16 .*first_tokens=4"):
+        QuantizedCache(gemma, bits="k4v2", first_tokens=4, full_sinks=16)
     for bad in ("sliding_sinks=-1", "full_sinks=-1"):
         with pytest.raises(ConfigError, match="sinks"):
             parse_cache_spec(f"quantized:k3v2:{bad}")

@@ -31,7 +31,7 @@ from ..formats import parse_bits
 from ..kernels.rotated_format import turning_key_center
 from ..model_spec import ModelSpec
 from ..precision import PrecisionRegions, family_regions, layer_region_bits
-from ..quantized_cache import QuantizedCache
+from ..quantized_cache import QuantizedCache, asked_full_sinks
 from ..storage.quantized import DEFAULT_WINDOW
 from ..transformers_compat import cache_kwargs
 
@@ -162,7 +162,8 @@ def calibrate(
     if budget_tokens < 1:
         raise ConfigError(f"budget_tokens must be >= 1, got {budget_tokens}")
 
-    regions = family_regions(model.config, bits, PrecisionRegions(window)) if family_defaults else PrecisionRegions(window)
+    asked = PrecisionRegions(window, full_sinks=asked_full_sinks(first_tokens, None))
+    regions = family_regions(model.config, bits, asked) if family_defaults else PrecisionRegions(window)
     family, sinks, full_sinks = dict(regions.layer_bits), regions.sliding_sinks or 0, regions.full_sinks or 0
 
     def cache(layer_bits=None, seed: int = seeds[0]) -> QuantizedCache:
