@@ -139,9 +139,10 @@ class QuantizedStorage(KVStorage):
     With `sinks` (in place of a head), copies of the `sinks` coded tokens of each row with the shortest values (the
     longest over heads) are kept beside the codes at 16 bits (the model's dtype where it has 16 bits, else float16):
     the tokens attention piles onto (inside a sliding window; in a full-attention layer, the first tokens and the
-    full stops and newlines after them), whose coding error its output takes whole. They are chosen as tokens leave the window and replaced as shorter ones leave it after them; their codes
-    stay in the segment (in token order, for dropping from the front), masked in a decode kernel's read, where the
-    copies come first in the residual, and overwritten by the copies in a dense one. A copy whose token the segment
+    full stops and newlines after them), whose coding error its output takes whole. They are chosen as tokens leave
+    the window and replaced as shorter ones leave it after them; their codes stay in the segment (in token order, for
+    dropping from the front), masked in a decode kernel's read, where the copies come first in the residual, and
+    overwritten by the copies in a dense one. A copy whose token the segment
     dropped or rolled back is masked until a leaving token takes its place.
     """
 
