@@ -47,6 +47,11 @@ def load(rel: str) -> dict:
         return json.load(f)
 
 
+def jsonl(rel: str) -> list[dict]:
+    """The records of a JSON-lines file in eval/results."""
+    return [json.loads(line) for line in (RESULTS / rel).read_text().splitlines() if line.strip()]
+
+
 def day(meta: dict) -> str:
     return meta["date"][:10]
 
@@ -255,10 +260,10 @@ def gemma_calibrations() -> list[dict]:
     return [json.loads(find(config, f"calibration/{bits}", "calibration.json").read_text()) for bits in ("k4v2", "k3v2")]
 
 
-def how_calibrated() -> str:
-    """How Gemma 3's shipped k4v2 and k3v2 calibrations were measured, and their bits, from their files."""
+def how_calibrated(calibrations: list[dict]) -> str:
+    """How Gemma 3's shipped k4v2 and k3v2 calibrations (`gemma_calibrations`) were measured, and their bits."""
     names = []
-    for c in gemma_calibrations():
+    for c in calibrations:
         bits, m = c["bits"], c["measured"]
         seeds = m["rotation_seed"] if isinstance(m["rotation_seed"], list) else [m["rotation_seed"]]
         names.append(f"{bits} at {c['bits_per_coordinate']:.3f} bits within {c['max_bits']}")
@@ -307,7 +312,8 @@ def two_families() -> list[str]:
     seeds = sorted({r["seed"] for r in runs})
     sinks = " / ".join(sorted({str(n) for n in gemma.sliding_sinks.values()}))
     full_sinks = " / ".join(sorted({str(n) for n in gemma.full_sinks.values()}))
-    family_only = all(c["layer_bits"] == c["measured"]["family_layer_bits"] for c in gemma_calibrations())
+    calibrations = gemma_calibrations()
+    family_only = all(c["layer_bits"] == c["measured"]["family_layer_bits"] for c in calibrations)
     out = ["## Two model families", ""]
     out += para(
         f"**Gemma 3 270M against SmolLM2-135M** (`{command(d)}`; {machine(d)}, {day(d)}; {d['args']['tokens']} tokens in",
@@ -320,9 +326,9 @@ def two_families() -> list[str]:
         "coded tokens with the shortest values, `sliding_sinks`); after, as it ships: each full layer keeps",
         f"{full_sinks} such copies in place of its first tokens (`full_sinks`). SmolLM2 takes none of them. The second",
         "text is Vim's pattern manual (Debian's vim-runtime), which neither model's artifacts were fitted on.",
-        *([f"Calibrated: `calibration=\"auto\"`, the calibration shipped for the model ({how_calibrated()})."]
+        *([f"Calibrated: `calibration=\"auto\"`, the calibration shipped for the model ({how_calibrated(calibrations)})."]
           if any(r["defaults"] == "calibrated" for r in runs) or not family_only else [
-          f"Gemma 3's shipped calibrations ({how_calibrated()})",
+          f"Gemma 3's shipped calibrations ({how_calibrated(calibrations)})",
           "hold the family's formats: with the sinks counted no layer's next format fits the budget, so",
           "`calibration=\"auto\"` builds these caches as they ship."]),
         *(["Further rows:", ", ".join(dict.fromkeys(f"`{command({'command': c})}`" for c in d.get("added_commands", [])))
@@ -440,15 +446,14 @@ def rotations_by_layer() -> list[str]:
     """Which layers' rotations the seeds' spread comes from (k4v2, some layers rotated as another seed rotates them),
     and how much of it the full layers' sinks take away."""
     rel = "lowbit_families_4k/key_scaling/rotation_by_layer_gemma3.jsonl"
-    rows = [json.loads(line) for line in (RESULTS / rel).read_text().splitlines() if line.strip()]
-    got = {(r["text"], r["name"]): r["delta_pct"] for r in rows}
+    got = {(r["text"], r["name"]): r["delta_pct"] for r in jsonl(rel)}
     texts = ("austen:prideprejudice", "pattern.txt")
 
     def both(name: str) -> str:
         return " / ".join(pct(got[t, name]) for t in texts)
 
     heavy_rel = "lowbit_families_4k/key_scaling/heavy_tokens_gemma3.jsonl"
-    heavy = [json.loads(line) for line in (RESULTS / heavy_rel).read_text().splitlines() if line.strip()]
+    heavy = jsonl(heavy_rel)
     share = [r["top32_attention_share"] for r in heavy]
     common = [r["common_error_share"] for r in heavy]
 
