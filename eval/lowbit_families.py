@@ -254,6 +254,8 @@ def main(argv=None) -> None:
                         "seconds": result.seconds}  # fmt: skip
                 if not calibrated:  # (a calibrated row's are in its calibration file)
                     row["layer_bits"] = {str(i): b for i, b in cache.regions.layer_bits}
+                elif cache.regions.layer_rotations:  # (said here too: they are why the row differs from "after")
+                    row["layer_rotations"] = {str(i): seed for i, seed in cache.regions.layer_rotations}
                 record(row)
                 tqdm.write(f"{model_name} {Path(text).name} {row['spec']} {row['defaults']} seed {row['seed']}: "
                            f"{row['delta_pct']:+.3f}% +- {row['se_pct']:.3f} at {row['bits']:.3f} bits, "

@@ -143,15 +143,17 @@ def _missing(config, what: str, kind: str, command: str, note: str = "") -> str:
     )
 
 
-def calibrated_layer_bits(config: PreTrainedConfig, bits: int | str, calibration, layer_bits=None, key_scale="auto"):
-    """`layer_bits` for a quantized cache of format `bits`: from `calibration` ("auto": this model's, `calibration_for`;
-    a `Calibration`; or the path of its file), checked against the config, the format and the key scale the cache
-    takes (`key_scale`, as `key_scale_for` reads it, where its formats are rotated), or `layer_bits` as given when
+def calibrated_layers(config: PreTrainedConfig, bits: int | str, calibration, layer_bits=None, key_scale="auto",
+                      layer_rotations=None):
+    """`(layer_bits, layer_rotations)` for a quantized cache of format `bits`: from `calibration` ("auto": this model's,
+    `calibration_for`; a `Calibration`; or the path of its file), checked against the config, the format and the key
+    scale the cache takes (`key_scale`, as `key_scale_for` reads it, where its formats are rotated), or as given when
     `calibration` is None."""
     if calibration is None:
-        return layer_bits
-    if layer_bits:
-        raise ConfigError(f"give layer_bits ({dict(layer_bits)}) or calibration ({calibration!r}), not both")
+        return layer_bits, layer_rotations
+    for name, given in (("layer_bits", layer_bits), ("layer_rotations", layer_rotations)):
+        if given:
+            raise ConfigError(f"give {name} ({dict(given)}) or calibration ({calibration!r}), not both")
     if isinstance(calibration, str) and calibration == "auto":
         calibration = calibration_for(config, bits)
     else:
@@ -160,4 +162,4 @@ def calibrated_layer_bits(config: PreTrainedConfig, bits: int | str, calibration
         calibration.check(config, bits)
     rotated = any_rotated(calibration.bits, *calibration.layer_bits.values())
     calibration.check_key_scale(key_scale_for(config, key_scale) if rotated else None)
-    return calibration.layer_bits
+    return calibration.layer_bits, calibration.layer_rotations

@@ -26,7 +26,8 @@ class OffloadedCache(KVCache):
     quarter of the bytes at int4. `host_budget` (bytes) and `folder` add a disk tier: layers beyond the
     budget go to memory-mapped files in `folder`, read back ahead of use and removed with the cache.
     `key_scale` ("auto"): a rotated format's keys scaled as `QuantizedCache`'s are (the model's fitted scale, where
-    one ships; "off" or None: none).
+    one ships; "off" or None: none). `layer_bits` and `layer_rotations`: layers with a format or a rotation seed of their
+    own, as `QuantizedCache`'s.
     Works without CUDA (the host is then the compute device: only the disk tier moves bytes).
     `tier_bytes()` tells where the bytes are. Other caches take the same placement:
     `QuantizedCache(config, placement=Offloaded())`, `PagedCache(config, placement=Offloaded())`,
@@ -53,12 +54,13 @@ class OffloadedCache(KVCache):
         layer_bits: Mapping[int, int | str | None] | None = None,
         rotation_seed: int = 0,
         key_scale="auto",
+        layer_rotations: Mapping[int, int] | None = None,
     ):
         placement = Offloaded(lookahead=lookahead, host_budget=host_budget, folder=folder)
         full_sinks = asked_full_sinks(first_tokens, None)  # first tokens asked for: not the family's sinks
         first_tokens = preset_first_tokens(bits, first_tokens)  # a rotated preset's exact first tokens, as QuantizedCache
         regions = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {},
-                                   full_sinks=full_sinks)
+                                   full_sinks=full_sinks, layer_rotations=layer_rotations or {})
         if bits is None:
             if regions != PrecisionRegions(window):
                 raise ConfigError(f"precision regions ({regions}) need bits: a full-precision cache is exact everywhere")

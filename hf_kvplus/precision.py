@@ -9,6 +9,8 @@ description for every quantized storage.
   inside its window, which its first tokens cannot be: they leave it; `QuantizedStorage(sinks=)`);
 - `full_sinks`: the same copies in each full-attention layer, in place of its exact first tokens (which they take
   where those are the sinks) in the growing storage; a static one (`max_tokens`) keeps its first tokens;
+- `layer_rotations`: layers rotated with a seed of their own (`{index: seed}`, a rotated format's), e.g. what
+  `kvplus calibrate --rotations` chose, in place of the cache's `rotation_seed + index`;
 - family defaults (`FAMILY_DEFAULTS`, `family_regions`): the `layer_bits` a rotated preset takes on a model family
   where measurements showed the preset's one format for every layer costs far more than elsewhere (Gemma 3).
 
@@ -23,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from transformers import PreTrainedConfig
 
 from .errors import ConfigError
-from .formats import parse_bits
-from .kernels.kv_format import state_kw
+from .formats import is_rotated, parse_bits
+from .kernels.kv_format import KVFormat, state_kw
 from .memory import tensor_bytes
 from .model_spec import ModelSpec
 from .storage.quantized import DEFAULT_WINDOW
@@ -47,6 +49,9 @@ class PrecisionRegions:
     #: The same copies in each full-attention layer, in place of its `first` tokens (growing storages; a static one
     #: keeps `first`); None: the family's default for the preset (`FamilyDefaults.full_sinks`), else none.
     full_sinks: int | None = None
+    #: Layers rotated with a seed of their own, as sorted `(index, seed)` pairs (given as a mapping), in place of the
+    #: cache's `rotation_seed + index`; each must hold a rotated format (`check_rotations`).
+    layer_rotations: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         for name in ("first", "boundary", "sliding_sinks", "full_sinks"):
@@ -63,16 +68,41 @@ class PrecisionRegions:
             if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                 raise ConfigError(f"layer_bits keys must be layer indices (ints >= 0), got {index!r}")
         object.__setattr__(self, "layer_bits", pairs)
+        given = self.layer_rotations
+        rotations = tuple(sorted(given.items() if isinstance(given, Mapping) else given))
+        for index, seed in rotations:
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ConfigError(f"layer_rotations keys must be layer indices (ints >= 0), got {index!r}")
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise ConfigError(f"layer_rotations gives layer {index} seed {seed!r}: a rotation seed is an int")
+        object.__setattr__(self, "layer_rotations", rotations)
 
     def is_boundary(self, index: int, num_layers: int) -> bool:
         """Whether layer `index` of `num_layers` is one of the first or last `boundary`."""
         return index < self.boundary or index >= num_layers - self.boundary
 
     def check_layers(self, num_layers: int) -> None:
-        """Refuses `layer_bits` entries past the model's layers."""
-        beyond = [index for index, _ in self.layer_bits if index >= num_layers]
-        if beyond:
-            raise ConfigError(f"layer_bits names layers {beyond}, but the model has {num_layers} (0..{num_layers - 1})")
+        """Refuses `layer_bits` and `layer_rotations` entries past the model's layers."""
+        for name, pairs in (("layer_bits", self.layer_bits), ("layer_rotations", self.layer_rotations)):
+            beyond = [index for index, _ in pairs if index >= num_layers]
+            if beyond:
+                raise ConfigError(f"{name} names layers {beyond}, but the model has {num_layers} (0..{num_layers - 1})")
+
+    def check_rotations(self, num_layers: int, bits: int | str | None) -> None:
+        """Refuses a rotation seed for a layer whose format (`bits_of`) has no rotation."""
+        for index, seed in self.layer_rotations:
+            held = self.bits_of(index, num_layers, bits)
+            if held is None or not is_rotated(held):
+                raise ConfigError(f"layer_rotations gives layer {index} rotation seed {seed}, but it holds "
+                                  f"{held if held is not None else 'full precision'}: only a rotated format "
+                                  "(k<key bits>v<value bits>) rotates")  # fmt: skip
+
+    def layer_format(self, fmt: KVFormat, index: int) -> KVFormat:
+        """Layer `index`'s format: `fmt.for_layer(index)`, with the seed `layer_rotations` gives it (checked rotated:
+        `check_rotations`)."""
+        made = fmt.for_layer(index)
+        seed = dict(self.layer_rotations).get(index)
+        return made if seed is None else replace(made, seed=seed)
 
     def own_bits(self, num_layers: int) -> dict[int, int | str | None]:
         """The layers whose format is not the cache's, with their bits (None: full precision): the boundary layers at

@@ -11,7 +11,7 @@ from .cache import KVCache
 from .calibration import Calibration
 from .errors import ConfigError, UnsupportedModelError
 from .eviction.rope import RotaryShift
-from .fitted import calibrated_layer_bits, key_scale_for
+from .fitted import calibrated_layers, key_scale_for
 from .formats import any_rotated, is_rotated, layer_state, parse_bits, resolve_format, rotated_bits
 from .kernels.quant_format import QuantFormat
 from .kernels.turning_center import RotaryBasis
@@ -87,6 +87,7 @@ def quantized_storage(
         raise ConfigError(f"max_tokens needs backend='kvplus' (its static storage packs codes itself), got {backend!r}")
     model = ModelSpec.from_config(config)
     regions.check_layers(model.num_layers)
+    regions.check_rotations(model.num_layers, bits)
     fmt = resolve_format(model, bits, group_size, rotation_seed)
     formats = {bits: fmt}  # by bits, every layer's (a layer's own grouped format takes the cache's `group_size`)
     for own in set(regions.own_bits(model.num_layers).values()) - {bits}:
@@ -127,7 +128,7 @@ def quantized_storage(
             state = layer_state(layer_fmt, spec.index, key_scale, turns=turns, origin=0 if static else first)
         else:
             state = layer_state(layer_fmt, spec.index, key_scale)
-        layer_fmt = layer_fmt.for_layer(spec.index)
+        layer_fmt = regions.layer_format(layer_fmt, spec.index)
         if static:
             return StaticQuantizedStorage(layer_fmt, window, max_tokens, first, state)
         return QuantizedStorage(segment(layer_fmt, state), window=window, first=first, sinks=sinks)
@@ -176,7 +177,9 @@ class QuantizedCache(KVCache):
     it off;
     `boundary_layers` keeps the first and last that many layers at full precision, or at `boundary_bits`;
     `layer_bits` (`{layer index: bits}`, None: full precision) gives any layer a format of its own: what `kvplus
-    calibrate` chooses; `calibration` gives them from a calibration instead: "auto" (this model's, found from the config
+    calibrate` chooses; `layer_rotations` (`{layer index: seed}`) rotates those layers (each holding a rotated format)
+    with a seed of their own in place of `rotation_seed + index` (what `kvplus calibrate --rotations` chooses: the one
+    of several rotations that measured least divergence); `calibration` gives both from a calibration instead: "auto" (this model's, found from the config
     in the user cache folder or the package data, which holds SmolLM2-135M's k4v2, k3v2 and k2v2 and Gemma 3 270M's
     k4v2: `fitted.calibration_for`; spec `calibration=auto`), a `Calibration` or the path of its file (spec
     `calibration=PATH`), checked against the model and the format (`CacheMismatchError`, `ConfigError`).
@@ -249,6 +252,7 @@ class QuantizedCache(KVCache):
         key_scale: KeyScale | str | Path | None = "auto",
         sliding_sinks: int | None = None,
         full_sinks: int | None = None,
+        layer_rotations: Mapping[int, int] | None = None,
     ):
         if compileable and max_tokens is None:
             raise ConfigError("QuantizedCache(compileable=True) needs max_tokens: every decode step reads that many positions")
@@ -257,9 +261,10 @@ class QuantizedCache(KVCache):
         bits = rotated_bits(bits, key_bits, value_bits)
         full_sinks = asked_full_sinks(first_tokens, full_sinks)
         first_tokens = preset_first_tokens(bits, first_tokens)
-        layer_bits = calibrated_layer_bits(config, 4 if bits is None else bits, calibration, layer_bits, key_scale)
+        layer_bits, layer_rotations = calibrated_layers(config, 4 if bits is None else bits, calibration, layer_bits,
+                                                        key_scale, layer_rotations)  # fmt: skip
         asked = PrecisionRegions(window, first_tokens, boundary_layers, boundary_bits, layer_bits or {}, sliding_sinks,
-                                 full_sinks)
+                                 full_sinks, layer_rotations or {})
         self.regions = family_regions(config, bits, asked) if family_defaults else asked
         #: The model family whose defaults gave the layer formats (`precision.FAMILY_DEFAULTS`), or None.
         self.family = family_of(config) if self.regions != asked else None

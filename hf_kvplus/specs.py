@@ -96,7 +96,7 @@ from .errors import ConfigError
 from .evicting_cache import EvictingCache, H2OCache, PeakCache, SinkCache, SnapKVCache
 from .eviction.budget import check_budget
 from .eviction.declare import POLICIES, Setting
-from .fitted import calibrated_layer_bits
+from .fitted import calibrated_layers
 from .formats import is_rotated, parse_bits
 from .kvzap_cache import KVzapCache
 from .kvzip_cache import KVzipCache
@@ -284,12 +284,21 @@ def _check_calibration(spec: CacheSpec, bits: str | None = None) -> None:
         Calibration.load(spec.kwargs["calibration"]).check_bits(spec.args[0] if bits is None else bits)
 
 
-def _calibrated(config, bits, kwargs) -> dict:
-    """`layer_bits` from a spec's `calibration=PATH|auto`, checked against the model and the bits."""
+def _calibrated(config, bits, kwargs, cache: str | None = None) -> dict:
+    """`layer_bits` and `layer_rotations` from a spec's `calibration=PATH|auto`, checked against the model and the
+    bits; `cache` names a cache that rotates every layer with its own seed (no `layer_rotations`): a calibration that
+    chose rotations is refused there rather than taken in part."""
     if "calibration" not in kwargs:
         return {}
-    return {"layer_bits": calibrated_layer_bits(config, bits, kwargs["calibration"],
-                                                key_scale=kwargs.get("key_scale", "auto"))}
+    layer_bits, rotations = calibrated_layers(config, bits, kwargs["calibration"],
+                                              key_scale=kwargs.get("key_scale", "auto"))  # fmt: skip
+    if not rotations:
+        return {"layer_bits": layer_bits}
+    if cache is not None:
+        raise ConfigError(f"calibration={kwargs['calibration']} rotates layers {sorted(rotations)} with seeds of their "
+                          f"own, which {cache} does not take: use it with a quantized or offloaded cache, or a "
+                          "calibration made without --rotations")  # fmt: skip
+    return {"layer_bits": layer_bits, "layer_rotations": rotations}
 
 
 def _budget(spec_text: str, what: str, value: str) -> int | float:
@@ -524,7 +533,8 @@ def _storage(config, kwargs) -> dict:
     if "first" not in kwargs:
         del regions["first_tokens"]
     return {"bits": kwargs.get("bits"), "group_size": int(kwargs["group"]) if "group" in kwargs else None,
-            "key_scale": kwargs.get("key_scale", "auto"), **regions, **_calibrated(config, kwargs.get("bits"), kwargs)}  # fmt: skip
+            "key_scale": kwargs.get("key_scale", "auto"), **regions,
+            **_calibrated(config, kwargs.get("bits"), kwargs, cache="an evicting cache")}  # fmt: skip
 
 
 def _static_options(kwargs, max_length) -> dict:
@@ -588,7 +598,7 @@ def _paged_quantized(config, args, kwargs, max_length):
         num_blocks=int(kwargs["blocks"]) if "blocks" in kwargs else None,
         key_scale=kwargs.get("key_scale", "auto"),
         **_regions(kwargs, preset=False),  # paged blocks have no preset first tokens yet
-        **_calibrated(config, args[0], kwargs),
+        **_calibrated(config, args[0], kwargs, cache="a paged cache"),
     )
 
 

@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--first", type=int, default=None, help="exact first tokens (default: the format's preset)")
     parser.add_argument("--seed", type=int, nargs="+", default=[0],
                         help="rotation seeds: each option measured at each, divergences averaged (default 0)")
+    parser.add_argument("--rotations", type=int, default=1, metavar="N",
+                        help="then try N rotation seeds (its own included) on each full-attention layer in a rotated "
+                             "format and keep the one of least divergence (default 1: each layer's own)")
     parser.add_argument("--check", type=float, default=None, metavar="PCT",
                         help="calibrate nothing: measure --bits as it ships (seed --seed's first, chunks of --chunk) "
                              "against DynamicCache on --tokens of --text; exit 1 if its perplexity change is over PCT")
@@ -57,7 +60,7 @@ def run(args) -> int:
         model, ids, model_name=args.model, bits=args.bits, candidates=[*args.up, *args.down],
         max_bits=args.max_bits, chunk_size=args.chunk, window=args.window, first_tokens=args.first,
         rotation_seed=args.seed, budget_tokens=args.budget_tokens, reuse=[Calibration.load(p) for p in args.reuse],
-        text=args.text,
+        text=args.text, rotations=args.rotations,
     )  # fmt: skip
     rows = [{"layer": o.layer, "bits": o.bits, "delta_pct": o.delta_pct, "kl": 1e3 * o.kl, "gain": 1e3 * o.gain,
              "added": o.added_bits, "per_bit": 1e3 * o.gain_per_bit,
@@ -68,6 +71,13 @@ def run(args) -> int:
                               ("added", "added bits", ".3f"), ("per_bit", "removed per bit", "+.2f"),
                               ("chosen", "chosen", "")]))  # fmt: skip
     measured = calibration.measured
+    if measured.get("rotation_kl"):
+        rows = [{"layer": int(index), "seed": seed, "kl": 1e3 * kl,
+                 "chosen": "yes" if calibration.layer_rotations.get(int(index), "own") == (
+                     seed if seed == "own" else int(seed)) else ""}
+                for index, kls in measured["rotation_kl"].items() for seed, kl in kls.items()]  # fmt: skip
+        print("\n" + format_table(rows, [("layer", "layer", "d"), ("seed", "rotation seed", ""),
+                                         ("kl", "KL, mnat/token", ".3f"), ("chosen", "chosen", "")]))  # fmt: skip
     print(f"\n{args.bits}: {measured['base_delta_pct']:+.3f}% perplexity, KL {1e3 * measured['base_kl']:.3f} mnat/token "
           f"at {measured['base_bits']:.3f} bits; calibrated ({len(calibration.layer_bits)} layers changed): "
           f"{measured['calibrated_delta_pct']:+.3f}%, KL {1e3 * measured['calibrated_kl']:.3f} at "
