@@ -261,16 +261,22 @@ def gemma_calibrations() -> list[dict]:
 
 
 def how_calibrated(calibrations: list[dict]) -> str:
-    """How Gemma 3's shipped k4v2 and k3v2 calibrations (`gemma_calibrations`) were measured, and their bits."""
+    """How Gemma 3's shipped k4v2 and k3v2 calibrations (`gemma_calibrations`) were measured, their bits, and the full
+    layers' rotations they chose."""
     names = []
     for c in calibrations:
-        bits, m = c["bits"], c["measured"]
+        m, turned = c["measured"], c.get("layer_rotations") or {}
         seeds = m["rotation_seed"] if isinstance(m["rotation_seed"], list) else [m["rotation_seed"]]
-        names.append(f"{bits} at {c['bits_per_coordinate']:.3f} bits within {c['max_bits']}")
-    return (f"`kvplus calibrate` with the key scale and both kinds of sinks on {m['tokens']:,} tokens of"
-            f" {m['text'].removeprefix('austen:').capitalize()}, rotation seed{'s' * (len(seeds) > 1)}"
-            f" {', '.join(map(str, seeds))}, the budget counted at {m['budget_tokens']:,} tokens with the sinks: "
-            + ", ".join(names) + "; [docs/artifacts.md](artifacts.md)")
+        text = (f"{c['bits']} on {m['tokens']:,} tokens, rotation seed{'s' * (len(seeds) > 1)} "
+                f"{', '.join(map(str, seeds))}: {c['bits_per_coordinate']:.3f} bits within {c['max_bits']}")
+        if m.get("rotations", 1) > 1:
+            chosen = ", ".join(f"layer {i} seed {turned[i]}" for i in sorted(turned, key=int)) or "each its own"
+            text += f", each full layer's rotation the best of {m['rotations']} ({chosen})"
+        names.append(text)
+    text = calibrations[0]["measured"]["text"].removeprefix("austen:").capitalize()
+    return (f"`kvplus calibrate` with the key scale and both kinds of sinks on {text}, the budget counted at "
+            f"{calibrations[0]['measured']['budget_tokens']:,} tokens with the sinks: " + "; ".join(names)
+            + "; [docs/artifacts.md](artifacts.md)")
 
 
 def two_families() -> list[str]:
@@ -313,7 +319,8 @@ def two_families() -> list[str]:
     sinks = " / ".join(sorted({str(n) for n in gemma.sliding_sinks.values()}))
     full_sinks = " / ".join(sorted({str(n) for n in gemma.full_sinks.values()}))
     calibrations = gemma_calibrations()
-    family_only = all(c["layer_bits"] == c["measured"]["family_layer_bits"] for c in calibrations)
+    family_only = all(c["layer_bits"] == c["measured"]["family_layer_bits"] and not c.get("layer_rotations")
+                      for c in calibrations)  # fmt: skip
     out = ["## Two model families", ""]
     out += para(
         f"**Gemma 3 270M against SmolLM2-135M** (`{command(d)}`; {machine(d)}, {day(d)}; {d['args']['tokens']} tokens in",
@@ -485,6 +492,13 @@ def rotations_by_layer() -> list[str]:
         f"now), layer 5's rotation seed 6 moves Persuasion by {kept:.2f} points ({pct(got[persuasion, 'full_sinks_seed0'])}",
         f"→ {pct(got[persuasion, 'full_sinks_l5_seed6'])}), against {got[persuasion, 'l5_seed6'] - got[persuasion, 'seed0']:.1f}",
         "before, and the 3-seed spread of k4v2 as it ships narrows (\"Two model families\").",
+        "With them, seed 1 on Persuasion / pattern.txt:",
+        f"{pct(got[persuasion, 'full_sinks_seed1'])} / {pct(got['pattern.txt', 'full_sinks_seed1'])}; with layer 5, 11 or",
+        "17 rotated as seed 0 rotates it: "
+        + ", ".join(" / ".join(pct(got[t, f"full_sinks_seed1_l{i}_as_seed0"]) for t in (persuasion, "pattern.txt"))
+                    for i in (5, 11, 17))
+        + ": each full layer's rotation moves both texts the same way, which a calibration on one text can choose",
+        "(`kvplus calibrate --rotations`).",
     )
 
 
@@ -567,11 +581,14 @@ def references_gemma3() -> list[str]:
         """tiny-turboquant's K4V3 against our k4v2 as it ships (and calibrated, where run), on one text."""
         tiny, ships, cal = (row(text, *key) for key in (("tiny-turboquant", "k4v3", None),
                             ("hf_kvplus", "k4v2", "after"), ("hf_kvplus", "k4v2", "calibrated")))  # fmt: skip
-        side = "ahead of" if tiny["delta_pct"] < ships["delta_pct"] else "behind"
-        calibrated = "" if cal is None else f" and {pct(cal['delta_pct'])} calibrated"
-        bits = f"{ships['bits']:.2f}" + ("" if cal is None else f" and {cal['bits']:.2f}")
-        return (f"{side} it on {label[text]} ({pct(tiny['delta_pct'])} against {pct(ships['delta_pct'])} as it ships"
-                f"{calibrated}, at {bits} bits)")
+        def side(ours: dict) -> str:
+            return "ahead of" if tiny["delta_pct"] < ours["delta_pct"] else "behind"
+
+        text_ = (f"on {label[text]} {side(ships)} it as it ships ({pct(tiny['delta_pct'])} against "
+                 f"{pct(ships['delta_pct'])}, {ships['bits']:.2f} bits)")
+        if cal is not None:
+            text_ += f" and {side(cal)} it calibrated ({pct(cal['delta_pct'])}, {cal['bits']:.2f} bits)"
+        return text_
 
     return out + para(
         "Against turboquant-torch hf_kvplus is ahead at every bits measured, also with one format on every layer at",
